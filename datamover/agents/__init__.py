@@ -1,0 +1,19 @@
+"""Who moves bytes: the Agent, its registrations, transfers and metadata."""
+
+from .agent import Agent, Prepared
+from .config import AgentConfig
+from .metadata import AgentMetadata, decode_metadata, encode_metadata
+from .registration import Registration
+from .transfer import Transfer, XferState
+
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "AgentMetadata",
+    "Prepared",
+    "Registration",
+    "Transfer",
+    "XferState",
+    "decode_metadata",
+    "encode_metadata",
+]

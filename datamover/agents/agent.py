@@ -1,0 +1,463 @@
+"""Agent: registers memory, validates descriptors, picks a backend and makes transfers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..backends import backend_names, backend_status, get_backend_class
+from ..backends.base import Backend, TransferRequest
+from ..descriptors import DescList, MemType, buffer_info
+from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
+from ..errors import (
+    BackendUnavailable,
+    InvalidDescriptor,
+    InvalidMetadata,
+    LengthMismatch,
+    NotificationTimeout,
+    NotRegistered,
+    OverlappingDestination,
+    UnsupportedTransfer,
+)
+from .config import AgentConfig
+from .metadata import AgentMetadata, decode_metadata, encode_metadata
+from .regions import RegionTable
+from .registration import Registration
+from .transfer import Transfer
+
+log = logging.getLogger("datamover.agent")
+
+OPS = ("WRITE", "READ")
+
+
+class Prepared:
+    """A validated descriptor list: what ``make_transfer`` indexes into.
+
+    ``agent`` is the owner's name (None for this agent); ``regions`` the
+    region id of every descriptor, looked up once here.
+    """
+
+    __slots__ = ("agent", "descs", "regions")
+
+    def __init__(self, descs: DescList, agent: str | None, regions: np.ndarray) -> None:
+        self.descs = descs
+        self.agent = agent
+        self.regions = regions
+
+    def __len__(self) -> int:
+        return len(self.descs)
+
+    def __repr__(self) -> str:
+        return f"Prepared({self.descs!r}, agent={self.agent!r})"
+
+
+def _as_desclist(x: Any) -> DescList:
+    return x if isinstance(x, DescList) else DescList.from_buffers(x)
+
+
+def _index_array(idx: Any, n: int, what: str) -> np.ndarray:
+    arr = np.arange(n, dtype=np.int64) if idx is None else np.asarray(idx)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidDescriptor(f"{what} indices must be a 1-D integer array")
+    arr = arr.astype(np.int64, copy=False)
+    if arr.size and (arr.min() < 0 or arr.max() >= n):
+        bad = int(np.flatnonzero((arr < 0) | (arr >= n))[0])
+        raise InvalidDescriptor(f"{what} index {int(arr[bad])} is out of range for {n} prepared descriptors", index=bad)
+    return arr
+
+
+class Agent:
+    """A transfer agent: owns registered memory and moves bytes through backends.
+
+    ``config`` is an AgentConfig or a dict of the same shape; keyword
+    overrides (e.g. ``listen_port=0``) replace its fields.
+    """
+
+    def __init__(self, name: str, config: AgentConfig | Mapping[str, Any] | None = None, **overrides: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("agent name must be a non-empty string")
+        cfg = AgentConfig.from_any(config)
+        if overrides:
+            cfg = AgentConfig.from_any({**{k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, **overrides})
+        self.name = name
+        self.config = cfg
+        self._lock = threading.RLock()
+        self._next_id = 1
+        self._regs: dict[int, Registration] = {}
+        self._table = RegionTable()
+        self._backends: dict[str, Backend] = {}
+        self._enabled: list[str] | None = None
+        self._remotes: dict[str, AgentMetadata] = {}
+        self._notif_cond = threading.Condition()
+        self._notifs: dict[str, list[bytes]] = {}
+        self._closed = False
+
+    # -- backends ----------------------------------------------------------
+    def enabled_backends(self) -> list[str]:
+        """Backend names this agent may use, in preference order."""
+        if self._enabled is None:
+            if self.config.backends is not None:
+                self._enabled = list(self.config.backends)
+            else:
+                self._enabled = [n for n in backend_names() if backend_status(n)[0]]
+        return self._enabled
+
+    def backend(self, name: str) -> Backend:
+        """The running instance of backend ``name``, started on first use."""
+        with self._lock:
+            inst = self._backends.get(name)
+            if inst is not None:
+                return inst
+            if name not in self.enabled_backends():
+                raise BackendUnavailable(f"backend {name!r} is not enabled in this agent's config", backend=name)
+            ok, reason = backend_status(name)
+            if not ok:
+                raise BackendUnavailable(reason, backend=name)
+            cls = get_backend_class(name)
+            params = (self.config.backends or {}).get(name, {})
+            inst = cls(self, params)
+            try:
+                for reg in self._regs.values():
+                    if reg.mem_type in cls.mem_types():
+                        reg.handles[name] = inst.register(reg)
+            except BaseException:
+                inst.close()
+                raise
+            self._backends[name] = inst
+            return inst
+
+    def _choose_backend(self, local: MemType, remote: MemType, remote_agent: bool, only: Any) -> Backend:
+        names = self.enabled_backends() if only is None else ([only] if isinstance(only, str) else list(only))
+        unusable = []
+        for name in names:
+            try:
+                cls = get_backend_class(name)
+            except Exception as exc:
+                unusable.append(f"{name} ({exc})")
+                continue
+            if not cls.moves(local, remote, remote_agent):
+                continue
+            ok, reason = backend_status(name)
+            if ok:
+                return self.backend(name)
+            unusable.append(f"{name} ({reason})")
+        where = "to a remote agent" if remote_agent else "within this agent"
+        msg = f"no enabled backend moves {local} -> {remote} {where}; tried {', '.join(names) or 'none'}"
+        if unusable:
+            msg += "; unusable here: " + "; ".join(unusable)
+        raise UnsupportedTransfer(msg)
+
+    # -- registration ------------------------------------------------------
+    def register_memory(self, x: Any) -> Registration | list[Registration]:
+        """Make a buffer (or each buffer of a list, or each row of a DescList) addressable."""
+        if isinstance(x, DescList):
+            items = [(int(a), int(n), x.mem_type, int(d), x._owners) for a, n, d in x]
+            regs = [self._register_region(*item) for item in items]
+            return regs[0] if len(regs) == 1 else regs
+        if isinstance(x, (list, tuple)):
+            return [self.register_memory(b) for b in x]  # type: ignore[misc]
+        info = buffer_info(x)
+        return self._register_region(info.addr, info.nbytes, info.mem_type, info.dev, info.owner)
+
+    def _register_region(self, addr: int, nbytes: int, mem: MemType, dev: int, owner: Any) -> Registration:
+        if mem not in (MemType.DRAM, MemType.VRAM):
+            raise InvalidDescriptor(
+                f"register_memory takes DRAM or VRAM memory, got {mem}; use register_file / register_objects"
+            )
+        if nbytes <= 0:
+            raise InvalidDescriptor("cannot register an empty buffer")
+        with self._lock:
+            other = self._table.overlapping(mem, dev, addr, nbytes)
+            if other is not None:
+                raise InvalidDescriptor(f"[{addr:#x}, +{nbytes}) overlaps region {other} already registered")
+            reg = Registration(self._new_id(), mem, addr, nbytes, dev, owner=owner)
+            return self._add_registration(reg)
+
+    def register_file(
+        self, path: str | os.PathLike, size: int | None = None, direct: bool = True, create: bool = True
+    ) -> Registration:
+        """Register a file for FILE descriptors; ``size`` extends it if shorter.
+
+        FILE descriptors address ``[0, size)`` of it (the current size when
+        ``size`` is None). ``direct`` asks for O_DIRECT where the filesystem
+        allows it.
+        """
+        path = os.fspath(path)
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise InvalidDescriptor(f"cannot open {path!r}: {exc.strerror}") from exc
+        try:
+            current = os.fstat(fd).st_size
+            if size is not None:
+                if size < 0:
+                    raise InvalidDescriptor(f"file size must be >= 0, got {size}")
+                if current < size:
+                    os.ftruncate(fd, size)
+            length = current if size is None else int(size)
+        finally:
+            os.close(fd)
+        with self._lock:
+            rid = self._new_id()
+            reg = Registration(rid, MemType.FILE, 0, length, rid, path=path, direct=bool(direct))
+            return self._add_registration(reg)
+
+    def _new_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def _add_registration(self, reg: Registration) -> Registration:
+        done: list[str] = []
+        try:
+            for name, inst in self._backends.items():
+                if reg.mem_type in inst.mem_types():
+                    reg.handles[name] = inst.register(reg)
+                    done.append(name)
+        except BaseException:
+            for name in done:
+                self._backends[name].deregister(reg, reg.handles.pop(name))
+            raise
+        self._regs[reg.id] = reg
+        self._rebuild_table()
+        return reg
+
+    def deregister_memory(self, reg: Registration | Iterable[Registration]) -> None:
+        """Undo a registration (or several); its memory is no longer addressable."""
+        if not isinstance(reg, Registration):
+            for r in reg:
+                self.deregister_memory(r)
+            return
+        with self._lock:
+            if self._regs.get(reg.id) is not reg:
+                raise NotRegistered(f"region {reg.id} is not registered with agent {self.name!r}")
+            for name, handle in list(reg.handles.items()):
+                inst = self._backends.get(name)
+                if inst is not None:
+                    inst.deregister(reg, handle)
+            reg.handles.clear()
+            del self._regs[reg.id]
+            self._rebuild_table()
+
+    def _rebuild_table(self) -> None:
+        self._table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())
+
+    @property
+    def registrations(self) -> dict[int, Registration]:
+        """This agent's registrations by id (a copy)."""
+        return dict(self._regs)
+
+    # -- descriptors and transfers -----------------------------------------
+    def prepare(self, descs: Any, agent: str | None = None) -> Prepared:
+        """Validate descriptors once (vectorized) against their owner's registered memory."""
+        descs = _as_desclist(descs)
+        if agent is None or agent == self.name:
+            return Prepared(descs, None, self._lookup(descs))
+        meta = self._remotes.get(agent)
+        if meta is None:
+            raise NotRegistered(f"unknown remote agent {agent!r}; load its metadata with add_remote() first")
+        return Prepared(descs, agent, meta.table.lookup(descs, owner=f"agent {agent!r}"))
+
+    def _lookup(self, descs: DescList) -> np.ndarray:
+        return self._table.lookup(descs, owner=f"agent {self.name!r}")
+
+    def make_transfer(
+        self,
+        op: str,
+        local: Prepared,
+        local_idx: Any,
+        remote: Prepared,
+        remote_idx: Any,
+        notify: bytes = b"",
+        backends: str | list[str] | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """Build a transfer from index arrays into prepared lists; O(1) Python calls per descriptor batch.
+
+        ``timeout`` (seconds, default the config's ``timeout_s``) bounds each post.
+        """
+        op = str(op).upper()
+        if op not in OPS:
+            raise ValueError(f"op must be 'WRITE' or 'READ', got {op!r}")
+        if local.agent is not None:
+            raise InvalidDescriptor("the local list was prepared for a remote agent")
+        li = _index_array(local_idx, len(local), "local")
+        ri = _index_array(remote_idx, len(remote), "remote")
+        if li.shape[0] != ri.shape[0]:
+            raise LengthMismatch(f"{li.shape[0]} local descriptor(s) but {ri.shape[0]} remote")
+        ldescs = local.descs if li.shape[0] == len(local) and _is_identity(li) else local.descs[li]
+        rdescs = remote.descs if ri.shape[0] == len(remote) and _is_identity(ri) else remote.descs[ri]
+        lreg, rreg = local.regions[li], remote.regions[ri]
+        diff = ldescs.length != rdescs.length
+        if diff.any():
+            i = int(np.flatnonzero(diff)[0])
+            raise LengthMismatch(
+                f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
+            )
+        backend = self._choose_backend(ldescs.mem_type, rdescs.mem_type, remote.agent is not None, backends)
+        dst = rdescs if op == "WRITE" else ldescs
+        pair = first_overlap(dst)
+        if pair is not None:
+            raise OverlappingDestination(
+                f"destination overlaps destination descriptor {pair[0]}", index=pair[1], backend=backend.name
+            )
+        starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg)
+        req = TransferRequest(
+            op=op,
+            local=take_runs(ldescs, starts, lengths),
+            remote=take_runs(rdescs, starts, lengths),
+            remote_agent=remote.agent,
+            local_regions=lreg[starts],
+            remote_regions=rreg[starts],
+            registrations=self._regs,
+            first_index=starts,
+            notify=bytes(notify),
+            timeout=float(self.config.timeout_s if timeout is None else timeout),
+        )
+        backend.plan(req)
+        return Transfer(self, backend, req, descriptors=int(li.shape[0]))
+
+    def transfer(
+        self,
+        op: str,
+        local: Any,
+        remote: Any,
+        agent: str | None = None,
+        notify: bytes = b"",
+        backends: str | list[str] | None = None,
+        timeout: float | None = None,
+    ) -> Transfer:
+        """One-shot: prepare both sides, make the transfer and post it."""
+        lp = self.prepare(local)
+        rp = self.prepare(remote, agent)
+        return self.make_transfer(op, lp, None, rp, None, notify=notify, backends=backends, timeout=timeout).post()
+
+    # -- metadata and peers ------------------------------------------------
+    def metadata(self) -> bytes:
+        """This agent's metadata blob: name, remote backends' connection info, regions."""
+        with self._lock:
+            infos = {}
+            for name in self.enabled_backends():
+                try:
+                    cls = get_backend_class(name)
+                except Exception:
+                    continue
+                if cls.supports_remote and backend_status(name)[0]:
+                    infos[name] = self.backend(name).connection_info()
+            regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values()]
+            return encode_metadata(self.name, infos, regions)
+
+    def add_remote(self, blob: bytes) -> str:
+        """Load (or refresh) a peer from its metadata blob; returns its name. Connects lazily."""
+        meta = decode_metadata(blob)
+        if meta.name == self.name:
+            raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
+        with self._lock:
+            self._remotes[meta.name] = meta
+            for name, info in meta.backends.items():
+                if name in self.enabled_backends() and backend_status(name)[0]:
+                    self.backend(name).add_remote(meta.name, info)
+        return meta.name
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer and disconnect from it."""
+        with self._lock:
+            if self._remotes.pop(name, None) is None:
+                raise KeyError(f"unknown remote agent {name!r}")
+            for inst in self._backends.values():
+                inst.remove_remote(name)
+
+    @property
+    def remotes(self) -> list[str]:
+        return list(self._remotes)
+
+    def remote_metadata(self, name: str) -> AgentMetadata:
+        """The decoded metadata last loaded for peer ``name``."""
+        return self._remotes[name]
+
+    # -- notifications -----------------------------------------------------
+    def _deliver_notification(self, peer: str, message: bytes) -> None:
+        with self._notif_cond:
+            self._notifs.setdefault(peer, []).append(bytes(message))
+            self._notif_cond.notify_all()
+
+    def get_notifications(self) -> dict[str, list[bytes]]:
+        """Drain every notification received, by sender."""
+        with self._notif_cond:
+            out, self._notifs = self._notifs, {}
+        return out
+
+    def wait_notification(
+        self, prefix: bytes = b"", timeout: float = 10.0, peer: str | None = None
+    ) -> tuple[str, bytes]:
+        """Wait for (and remove) the first notification starting with ``prefix``; returns (sender, message)."""
+        deadline = time.monotonic() + timeout
+
+        def take() -> tuple[str, bytes] | None:
+            for sender, msgs in self._notifs.items():
+                if peer is not None and sender != peer:
+                    continue
+                for k, m in enumerate(msgs):
+                    if m.startswith(prefix):
+                        del msgs[k]
+                        return sender, m
+            return None
+
+        with self._notif_cond:
+            while True:
+                got = take()
+                if got is not None:
+                    return got
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise NotificationTimeout(f"no notification starting with {prefix!r} within {timeout:g} s")
+                self._notif_cond.wait(left)
+
+    def send_notification(self, peer: str, message: bytes) -> None:
+        """Send ``message`` to ``peer`` without data (to itself when ``peer`` is this agent)."""
+        if peer == self.name:
+            self._deliver_notification(self.name, message)
+            return
+        if peer not in self._remotes:
+            raise NotRegistered(f"unknown remote agent {peer!r}; load its metadata with add_remote() first")
+        for name in self._remotes[peer].backends:
+            if name in self.enabled_backends() and get_backend_class(name).supports_notifications:
+                self.backend(name).send_notification(peer, bytes(message))
+                return
+        raise UnsupportedTransfer(f"no enabled backend carries notifications to {peer!r}")
+
+    # -- lifetime ----------------------------------------------------------
+    def close(self) -> None:
+        """Stop backends and drop registrations; the agent is unusable afterwards."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for reg in list(self._regs.values()):
+                self.deregister_memory(reg)
+            for inst in self._backends.values():
+                try:
+                    inst.close()
+                except Exception as exc:  # closing must go on for the other backends
+                    log.warning("closing backend %s failed: %s", inst.name, exc)
+            self._backends.clear()
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, backends={list(self._backends)}, regions={len(self._regs)})"
+
+
+def _is_identity(idx: np.ndarray) -> bool:
+    return idx.shape[0] == 0 or (int(idx[0]) == 0 and bool((np.diff(idx) == 1).all()))

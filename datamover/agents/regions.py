@@ -1,0 +1,87 @@
+"""RegionTable: vectorized lookup of descriptors in a set of registered regions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..descriptors import DescList, MemType
+from ..errors import InvalidDescriptor, NotRegistered
+
+
+class RegionTable:
+    """Regions of one owner, sorted per (memory type, device) for ``np.searchsorted``.
+
+    ``lookup`` maps a whole DescList to region ids in O(N log R) numpy work and
+    names the first descriptor that falls outside every region.
+    """
+
+    def __init__(self, entries: Iterable[tuple[MemType, int, int, int, int]] = ()) -> None:
+        groups: dict[tuple[MemType, int], list[tuple[int, int, int]]] = {}
+        for mem_type, dev, start, length, rid in entries:
+            groups.setdefault((MemType.parse(mem_type), int(dev)), []).append((int(start), int(length), int(rid)))
+        self._groups: dict[tuple[MemType, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for key, rows in groups.items():
+            arr = np.array(sorted(rows), dtype=np.int64).reshape(-1, 3)
+            starts, lengths, ids = arr[:, 0], arr[:, 1], arr[:, 2]
+            ends = starts + lengths
+            if arr.shape[0] > 1 and (starts[1:] < ends[:-1]).any():
+                i = int(np.flatnonzero(starts[1:] < ends[:-1])[0])
+                raise InvalidDescriptor(
+                    f"regions {int(ids[i])} and {int(ids[i + 1])} overlap on {key[0]} device {key[1]}"
+                )
+            self._groups[key] = (starts, ends, ids)
+
+    def __len__(self) -> int:
+        return sum(g[0].shape[0] for g in self._groups.values())
+
+    def overlapping(self, mem_type: MemType, dev: int, start: int, length: int) -> int | None:
+        """The id of a region overlapping [start, start+length), or None."""
+        group = self._groups.get((mem_type, dev))
+        if group is None:
+            return None
+        starts, ends, ids = group
+        hit = (starts < start + max(length, 1)) & (ends > start)
+        return int(ids[np.flatnonzero(hit)[0]]) if hit.any() else None
+
+    def lookup(self, descs: DescList, *, owner: str, backend: str | None = None) -> np.ndarray:
+        """Region id of every descriptor; raises NotRegistered for the first outside all regions."""
+        n = len(descs)
+        out = np.empty(n, dtype=np.int64)
+        if n == 0:
+            return out
+        addr, length, dev = descs.addr, descs.length, descs.dev
+        d0 = int(dev[0])
+        if (dev == d0).all():
+            parts = [(d0, None)]
+        else:
+            parts = [(int(d), np.flatnonzero(dev == d)) for d in np.unique(dev)]
+        for d, sel in parts:
+            a = addr if sel is None else addr[sel]
+            ln = length if sel is None else length[sel]
+            group = self._groups.get((descs.mem_type, d))
+            if group is None:
+                first = 0 if sel is None else int(sel[0])
+                raise NotRegistered(
+                    f"{owner} has no {descs.mem_type} memory registered on device {d}", index=first, backend=backend
+                )
+            starts, ends, ids = group
+            pos = np.searchsorted(starts, a, side="right") - 1
+            ok = pos >= 0
+            posc = np.maximum(pos, 0)
+            ok &= a + ln <= ends[posc]
+            if not ok.all():
+                k = int(np.flatnonzero(~ok)[0])
+                i = k if sel is None else int(sel[k])
+                raise NotRegistered(
+                    f"{descs.mem_type} range [{int(a[k]):#x}, +{int(ln[k])}) on device {d} "
+                    f"is outside every region {owner} registered",
+                    index=i,
+                    backend=backend,
+                )
+            if sel is None:
+                out[:] = ids[posc]
+            else:
+                out[sel] = ids[posc]
+        return out

@@ -1,0 +1,177 @@
+"""Transfer: one prepared move with the shared lifecycle post -> PROC -> DONE | ERR -> release."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from ..backends.base import Backend, Completion, TransferRequest
+from ..errors import TransferStateError, TransferTimeout
+from ..telemetry.transfer import TransferTelemetry
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+
+class XferState(str, Enum):
+    """States of a transfer; the strings are NIXL's."""
+
+    INIT = "INIT"  # made, never posted
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+    RELEASED = "RELEASED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Transfer:
+    """A transfer made by ``Agent.make_transfer`` or ``Agent.transfer``.
+
+    ``post`` starts it (again, once finished), ``state`` polls, ``wait``
+    blocks up to the transfer's deadline and raises its error on ERR,
+    ``release`` aborts or waits for an in-flight post and frees it.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_agent",
+        "_completion",
+        "_deadline",
+        "_error",
+        "_post_duration",
+        "_posted_at",
+        "_posted_wall",
+        "_released",
+        "backend",
+        "descriptors",
+        "nbytes",
+        "request",
+    )  # fmt: skip
+
+    def __init__(self, agent: Agent, backend: Backend, request: TransferRequest, descriptors: int) -> None:
+        self._agent = agent
+        self.backend = backend
+        self.request = request
+        self.descriptors = descriptors
+        self.nbytes = request.local.nbytes
+        self._completion: Completion | None = None
+        self._deadline = 0.0
+        self._error: BaseException | None = None
+        self._released = False
+        self._posted_at = 0.0
+        self._posted_wall = 0.0
+        self._post_duration = 0.0
+
+    @property
+    def op(self) -> str:
+        return self.request.op
+
+    def post(self) -> Transfer:
+        """Start the transfer; returns self. Posting one still in flight is an error."""
+        if self._released:
+            raise TransferStateError("transfer was released", backend=self.backend.name)
+        if self._completion is not None and self.state == XferState.PROC:
+            raise TransferStateError(
+                "transfer is still in flight; wait for it before posting again", backend=self.backend.name
+            )
+        self._error = None
+        self._posted_wall = time.time()
+        t0 = time.perf_counter()
+        self._posted_at = t0
+        self._deadline = t0 + self.request.timeout
+        self._completion = self.backend.post(self.request)
+        if self.request.notify and self.request.remote_agent is None:
+            self._completion.add_done_callback(self._notify_self)
+        self._post_duration = time.perf_counter() - t0
+        return self
+
+    def _notify_self(self, completion: Completion) -> None:
+        if completion.error is None:
+            self._agent._deliver_notification(self._agent.name, self.request.notify)
+
+    @property
+    def state(self) -> XferState:
+        """INIT, PROC, DONE, ERR or RELEASED; a PROC past its deadline turns ERR (TransferTimeout)."""
+        if self._released:
+            return XferState.RELEASED
+        c = self._completion
+        if c is None:
+            return XferState.INIT
+        if c.finished_at is not None:
+            return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
+        if self._error is not None:
+            return XferState.ERR
+        if time.perf_counter() > self._deadline:
+            self._time_out(c)
+            return XferState.ERR
+        return XferState.PROC
+
+    def _time_out(self, c: Completion) -> None:
+        self._error = TransferTimeout(
+            f"{self.op} of {self.descriptors} descriptor(s) did not complete within {self.request.timeout:g} s",
+            backend=self.backend.name,
+        )
+        c.cancel(self._error)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the transfer failed (None unless state is ERR)."""
+        if self.state != XferState.ERR:
+            return None
+        if self._error is not None:
+            return self._error
+        return self._completion.error if self._completion else None
+
+    def wait(self, timeout: float | None = None) -> XferState:
+        """Block until DONE (returned), ERR (its error raised), or ``timeout`` s (PROC returned)."""
+        c = self._completion
+        if c is None or self._released:
+            raise TransferStateError(
+                "transfer was never posted" if c is None else "transfer was released", backend=self.backend.name
+            )
+        remaining = self._deadline - time.perf_counter()
+        limit = remaining if timeout is None else min(timeout, remaining)
+        c.wait(max(0.0, limit))
+        state = self.state
+        if state == XferState.ERR:
+            raise self.error  # type: ignore[misc]
+        return state
+
+    def release(self) -> None:
+        """Abort an in-flight post (waiting for its workers to stop) and free the transfer."""
+        if self._released:
+            return
+        c = self._completion
+        if c is not None and c.finished_at is None:
+            c.cancel()
+            c.wait(max(0.0, self._deadline - time.perf_counter()))
+        self._released = True
+
+    @property
+    def telemetry(self) -> TransferTelemetry:
+        c = self._completion
+        done = c is not None and c.finished_at is not None
+        return TransferTelemetry(
+            start_time=self._posted_wall,
+            post_duration_s=self._post_duration,
+            transfer_duration_s=(c.finished_at - self._posted_at) if done else None,
+            bytes=self.nbytes,
+            descriptors=self.descriptors,
+            rows=len(self.request.local),
+            backend=self.backend.name,
+        )
+
+    def __enter__(self) -> Transfer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"Transfer({self.op}, {self.descriptors} descriptors, {self.nbytes} bytes, "
+            f"backend={self.backend.name}, state={self.state.value})"
+        )

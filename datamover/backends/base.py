@@ -1,0 +1,274 @@
+"""The Backend interface every backend implements, and the request it executes.
+
+A backend moves bytes for one or more (local, remote) memory-type pairs. The
+Agent validates descriptors, coalesces them and hands the backend a
+``TransferRequest``; ``post`` starts the work and returns a ``Completion``
+that the backend finishes from any thread. Optional dependencies are imported
+inside methods, never at module import, so ``datamover info`` can list a
+backend whose library is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ..descriptors import DescList, MemType
+from ..errors import DatamoverError, TransferAborted
+
+if TYPE_CHECKING:
+    from ..agents.agent import Agent
+    from ..agents.registration import Registration
+
+
+class Completion:
+    """One posted request's outcome, finished once from whichever thread ends last.
+
+    A request may be split into ``parts`` run concurrently; the completion is
+    done when every part reported. The first error wins; ``cancel`` asks the
+    remaining parts to stop early (they poll ``cancelled``).
+    """
+
+    __slots__ = ("_callbacks", "_cond", "_remaining", "cancelled", "error", "finished_at")
+
+    def __init__(self, parts: int = 1) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._remaining = parts
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.finished_at: float | None = None
+        self._callbacks: list[Callable[[Completion], None]] = []
+        if parts == 0:
+            self.finished_at = time.perf_counter()
+
+    def finish_part(self, error: BaseException | None = None) -> None:
+        """Report one part done (with its error, if it failed)."""
+        with self._cond:
+            if error is not None and self.error is None:
+                self.error = error
+                self.cancelled = True
+            self._remaining -= 1
+            if self._remaining > 0:
+                return
+            self.finished_at = time.perf_counter()
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for cb in callbacks:
+            cb(self)
+
+    def add_parts(self, n: int) -> None:
+        """Announce ``n`` more parts before the current ones can all finish."""
+        with self._cond:
+            self._remaining += n
+
+    def done(self) -> bool:
+        return self.finished_at is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or ``timeout`` seconds pass; True when done."""
+        if self.finished_at is not None:
+            return True
+        with self._cond:
+            return self._cond.wait_for(lambda: self.finished_at is not None, timeout)
+
+    def cancel(self, error: BaseException | None = None) -> None:
+        """Ask unfinished parts to stop; ``error`` is recorded if none is yet."""
+        with self._cond:
+            self.cancelled = True
+            if self.error is None and self.finished_at is None:
+                self.error = error or TransferAborted("transfer released while in flight")
+
+    def add_done_callback(self, fn: Callable[[Completion], None]) -> None:
+        """Call ``fn(self)`` once when done (at once if already done)."""
+        with self._cond:
+            if self.finished_at is None:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+@dataclass(frozen=True, eq=False)
+class TransferRequest:
+    """What a backend executes: coalesced, validated descriptors and where they came from.
+
+    ``local`` are this agent's descriptors; ``remote`` the peer's (or this
+    agent's own when ``remote_agent`` is None). WRITE moves local -> remote,
+    READ remote -> local. ``first_index[i]`` is the caller's index of the
+    first descriptor that row ``i`` covers, for error messages.
+    """
+
+    op: str
+    local: DescList
+    remote: DescList
+    remote_agent: str | None
+    local_regions: np.ndarray
+    remote_regions: np.ndarray
+    registrations: Mapping[int, Registration]
+    first_index: np.ndarray
+    notify: bytes = b""
+    timeout: float = 30.0
+    plan: dict = field(default_factory=dict)
+
+    @property
+    def src(self) -> DescList:
+        return self.local if self.op == "WRITE" else self.remote
+
+    @property
+    def dst(self) -> DescList:
+        return self.remote if self.op == "WRITE" else self.local
+
+    @property
+    def src_regions(self) -> np.ndarray:
+        return self.local_regions if self.op == "WRITE" else self.remote_regions
+
+    @property
+    def dst_regions(self) -> np.ndarray:
+        return self.remote_regions if self.op == "WRITE" else self.local_regions
+
+    def caller_index(self, row: int) -> int:
+        """The caller's descriptor index for coalesced row ``row``."""
+        return int(self.first_index[row])
+
+
+class Backend(ABC):
+    """How bytes move: one subclass per backend, registered by name.
+
+    Subclasses declare ``name``, the (local, remote) memory-type ``pairs``
+    they move, and whether they move within one agent (``supports_local``),
+    to other agents (``supports_remote``) and carry notifications.
+    """
+
+    name: ClassVar[str]
+    pairs: ClassVar[frozenset[tuple[MemType, MemType]]]
+    supports_local: ClassVar[bool] = True
+    supports_remote: ClassVar[bool] = False
+    supports_notifications: ClassVar[bool] = False
+    #: parameters accepted in the agent config, with their defaults
+    default_params: ClassVar[Mapping[str, Any]] = {}
+
+    def __init__(self, agent: Agent, params: Mapping[str, Any] | None = None) -> None:
+        self.agent = agent
+        unknown = set(params or {}) - set(self.default_params)
+        if unknown:
+            known = ", ".join(sorted(self.default_params)) or "none"
+            raise ValueError(f"backend {self.name!r}: unknown parameter(s) {sorted(unknown)}; known: {known}")
+        self.params: dict[str, Any] = {**self.default_params, **(params or {})}
+
+    @classmethod
+    def mem_types(cls) -> frozenset[MemType]:
+        """Every memory type appearing on either side of ``pairs``."""
+        return frozenset(m for pair in cls.pairs for m in pair)
+
+    @classmethod
+    @abstractmethod
+    def available(cls) -> tuple[bool, str]:
+        """Whether this backend can run here, and if not, exactly why."""
+
+    @classmethod
+    def environment(cls) -> dict[str, Any]:
+        """Facts about this machine that matter to the backend (for `datamover info`)."""
+        return {}
+
+    @classmethod
+    def moves(cls, local: MemType, remote: MemType, remote_agent: bool) -> bool:
+        """Whether this backend moves the (local, remote) pair, locally or to a peer."""
+        if (local, remote) not in cls.pairs:
+            return False
+        return cls.supports_remote if remote_agent else cls.supports_local
+
+    def register(self, reg: Registration) -> Any:
+        """Prepare a newly registered region for this backend; returns its handle."""
+        return None
+
+    def deregister(self, reg: Registration, handle: Any) -> None:
+        """Undo ``register``."""
+
+    def plan(self, req: TransferRequest) -> None:
+        """Precompute what ``post`` needs into ``req.plan``; called once per request."""
+
+    @abstractmethod
+    def post(self, req: TransferRequest) -> Completion:
+        """Start moving ``req``'s bytes; never blocks for long, never raises for I/O errors."""
+
+    def connection_info(self) -> dict[str, Any]:
+        """What peers need to reach this backend, carried in the agent's metadata."""
+        return {}
+
+    def add_remote(self, name: str, info: Mapping[str, Any]) -> None:
+        """Load a peer's connection info (connecting lazily is fine)."""
+
+    def remove_remote(self, name: str) -> None:
+        """Forget a peer and drop its connections."""
+
+    def send_notification(self, remote: str, message: bytes) -> None:
+        """Deliver ``message`` to ``remote`` without data."""
+        raise NotImplementedError(f"backend {self.name!r} carries no notifications")
+
+    def describe(self) -> dict[str, Any]:
+        """Facts for `datamover info` and benchmark headers (transports, I/O mode)."""
+        return {}
+
+    def close(self) -> None:
+        """Release threads, connections and handles."""
+
+
+def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:
+    """Cut rows into at most ``parts`` contiguous ranges of roughly equal bytes.
+
+    Fewer ranges when the total is small: each range carries at least
+    ``min_bytes`` (except when there is only one).
+    """
+    n = int(lengths.shape[0])
+    if n == 0:
+        return []
+    total = int(lengths.sum())
+    parts = max(1, min(parts, n, total // max(1, min_bytes)))
+    if parts == 1:
+        return [(0, n)]
+    cum = np.cumsum(lengths)
+    targets = (np.arange(1, parts) * total) // parts
+    cuts = np.searchsorted(cum, targets, side="left") + 1
+    bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n - 1), [n])))
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def run_parts(
+    executor: Executor | None,
+    ranges: Sequence[tuple[int, int]],
+    work: Callable[[int, int, Completion], None],
+    *,
+    backend: str,
+) -> Completion:
+    """Run ``work(start, stop, completion)`` for each range; inline when there is one and no executor.
+
+    Errors raised by ``work`` finish its part with that error; anything not a
+    DatamoverError is wrapped so the caller always sees a typed error.
+    """
+    completion = Completion(len(ranges))
+
+    def one(start: int, stop: int) -> None:
+        err: BaseException | None = None
+        try:
+            if not completion.cancelled:
+                work(start, stop, completion)
+        except DatamoverError as exc:
+            err = exc
+        except BaseException as exc:
+            err = DatamoverError(f"{type(exc).__name__}: {exc}", backend=backend)
+            err.__cause__ = exc
+        completion.finish_part(err)
+
+    if executor is None:
+        for start, stop in ranges:
+            one(start, stop)
+        return completion
+    for start, stop in ranges:
+        executor.submit(one, start, stop)
+    return completion

@@ -1,0 +1,103 @@
+"""memcpy: DRAM <-> DRAM within one agent, on threads that release the GIL.
+
+Two paths, picked per request: many equal small blocks between two regions
+go through one numpy gather/scatter (about 0.6 us a block); everything else
+is a ``ctypes.memmove`` per coalesced run (about 1.7 us of call overhead, and
+GIL-free while copying). Large requests are split by bytes across threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ..descriptors import MemType
+from .base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
+
+_memmove = ctypes.memmove
+
+
+class MemcpyBackend(Backend):
+    """Host-memory copies between regions registered with the same agent."""
+
+    name = "memcpy"
+    pairs = frozenset({(MemType.DRAM, MemType.DRAM)})
+    default_params = {
+        "threads": min(4, os.cpu_count() or 1),
+        # below this many bytes a request is copied inline in post(): a thread hop costs more
+        "inline_bytes": 1 << 20,
+        # each thread gets at least this many bytes
+        "min_part_bytes": 4 << 20,
+        # equal blocks up to this size use the numpy gather path
+        "gather_max_block": 64 << 10,
+    }
+
+    def __init__(self, agent, params=None) -> None:
+        super().__init__(agent, params)
+        self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-memcpy")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        return True, "ok"
+
+    def plan(self, req: TransferRequest) -> None:
+        src, dst = req.src, req.dst
+        n = len(src)
+        ln = src.length
+        total = int(ln.sum()) if n else 0
+        p = req.plan
+        p["total"] = total
+        src_regs, dst_regs = req.src_regions, req.dst_regions
+        single_pair = n > 1 and (src_regs == src_regs[0]).all() and (dst_regs == dst_regs[0]).all()
+        block = int(ln.min()) if n else 0
+        if single_pair and 0 < block <= self.params["gather_max_block"] and not (ln % block).any():
+            # coalesced runs of equal blocks are cut back into blocks for one numpy gather
+            counts = ln // block
+            sreg = req.registrations[int(src_regs[0])]
+            dreg = req.registrations[int(dst_regs[0])]
+            within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+            within *= block
+            p["mode"] = "gather"
+            p["block"] = block
+            p["src_reg"], p["dst_reg"] = sreg, dreg
+            p["src_off"] = np.repeat(src.addr - sreg.addr, counts) + within
+            p["dst_off"] = np.repeat(dst.addr - dreg.addr, counts) + within
+            ln = np.full(p["src_off"].shape[0], block, dtype=np.int64)
+        else:
+            p["mode"] = "memmove"
+            p["src"], p["dst"], p["len"] = src.addr.tolist(), dst.addr.tolist(), ln.tolist()
+        threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
+        p["ranges"] = split_by_bytes(ln, threads, int(self.params["min_part_bytes"]))
+
+    def post(self, req: TransferRequest) -> Completion:
+        p = req.plan
+        work = self._gather if p["mode"] == "gather" else self._memmove
+        ranges = p["ranges"]
+        executor = None if len(ranges) <= 1 and p["total"] <= self.params["inline_bytes"] else self._pool
+        return run_parts(executor, ranges, lambda a, b, c: work(p, a, b, c), backend=self.name)
+
+    @staticmethod
+    def _gather(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
+        block = p["block"]
+        sarr, darr = p["src_reg"].array, p["dst_reg"].array
+        srows = as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1))
+        drows = as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1))
+        drows[p["dst_off"][start:stop]] = srows[p["src_off"][start:stop]]
+
+    @staticmethod
+    def _memmove(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
+        src, dst, ln = p["src"], p["dst"], p["len"]
+        step = 64
+        for base in range(start, stop, step):
+            if completion.cancelled:
+                return
+            for i in range(base, min(base + step, stop)):
+                _memmove(dst[i], src[i], ln[i])
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

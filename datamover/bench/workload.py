@@ -1,0 +1,93 @@
+"""Benchmark workloads: one per backend, each timing datamover against the raw library below it.
+
+A Workload sets up agents, buffers and services once; ``case(op, block,
+batch)`` returns a Case whose ``ours`` posts a prepared transfer and whose
+``raw`` moves the same bytes with the library underneath, so both are timed
+in the same run on the same memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+
+@dataclass
+class Case:
+    """One (op, block size, batch) point: ours, raw, and a byte check."""
+
+    op: str
+    block: int
+    batch: int
+    ours: Callable[[], tuple[float, float]]  # runs one transfer; returns (post_s, total_s)
+    raw: Callable[[], float] | None  # runs the raw equivalent; returns seconds
+    verify: Callable[[], bool]
+    before_each: Callable[[], None] = lambda: None  # e.g. drop the page cache for cold reads
+    raw_name: str = ""
+    notes: dict[str, Any] = field(default_factory=dict)
+    close: Callable[[], None] = lambda: None
+
+    @property
+    def nbytes(self) -> int:
+        return self.block * self.batch
+
+
+class Workload(ABC):
+    """Setup shared by every case of one backend."""
+
+    backend: ClassVar[str]
+    ops: ClassVar[tuple[str, ...]] = ("WRITE", "READ")
+    raw_name: ClassVar[str] = ""
+
+    def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.options = options or {}
+
+    def header(self) -> dict[str, Any]:
+        """Settings worth printing above the results (transports, I/O mode, server)."""
+        return {}
+
+    @abstractmethod
+    def case(self, op: str, block: int, batch: int) -> Case: ...
+
+    def close(self) -> None:
+        """Stop services and free buffers."""
+
+
+def timed_transfer(xfer) -> Callable[[], tuple[float, float]]:
+    """A callable that posts ``xfer``, waits, and returns (post seconds, post-to-done seconds)."""
+    import time
+
+    def run() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        xfer.post()
+        t1 = time.perf_counter()
+        xfer.wait()
+        return t1 - t0, time.perf_counter() - t0
+
+    return run
+
+
+def fill_random(arr: np.ndarray, seed: int = 0) -> None:
+    """Fill a uint8 array with random bytes (and touch every page)."""
+    arr[:] = np.frombuffer(np.random.default_rng(seed).bytes(arr.shape[0]), dtype=np.uint8)
+
+
+#: backend name -> "module:Class"; a backend's module adds itself here
+WORKLOADS: dict[str, str] = {
+    "memcpy": "datamover.bench.local:MemcpyWorkload",
+    "posix": "datamover.bench.local:PosixWorkload",
+}
+
+
+def workload_class(backend: str) -> type[Workload]:
+    target = WORKLOADS.get(backend)
+    if target is None:
+        raise KeyError(f"no benchmark workload for backend {backend!r}; known: {', '.join(WORKLOADS)}")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,68 @@
+"""The `datamover` command: info, bench, and the subcommands later layers add."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .backends import backend_names, backend_status, get_backend_class
+
+
+def backend_report() -> list[dict]:
+    """Every known backend: usable here or not (and why), and what it moves."""
+    rows = []
+    for name in backend_names():
+        ok, reason = backend_status(name)
+        try:
+            cls = get_backend_class(name)
+            pairs = sorted(f"{a.value}<->{b.value}" for a, b in cls.pairs)
+            scope = [s for s, on in (("local", cls.supports_local), ("remote", cls.supports_remote)) if on]
+            details = cls.environment()
+        except Exception:
+            pairs, scope, details = [], [], {}
+        rows.append(
+            {"backend": name, "usable": ok, "reason": reason, "moves": pairs, "scope": scope, "details": details}
+        )
+    return rows
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    rows = backend_report()
+    if args.json:
+        print(json.dumps({"version": __version__, "backends": rows}, indent=2))
+        return 0
+    print(f"datamover {__version__}")
+    width = max(len(r["backend"]) for r in rows)
+    for r in rows:
+        mark = "yes" if r["usable"] else "no "
+        moves = ", ".join(r["moves"])
+        print(f"  {r['backend']:<{width}}  usable: {mark}  moves: {moves} ({'/'.join(r['scope'])})")
+        print(f"  {'':<{width}}  {r['reason']}")
+        for key, value in r["details"].items():
+            print(f"  {'':<{width}}  {key}: {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="datamover", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"datamover {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="list backends, whether each is usable here, and why not")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=cmd_info)
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

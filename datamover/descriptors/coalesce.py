@@ -1,0 +1,65 @@
+"""Coalescing: merge descriptor pairs that are contiguous on both sides of a transfer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .desclist import DescList
+
+
+def coalesce_runs(
+    a: DescList, b: DescList, a_regions: np.ndarray, b_regions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Start index and byte length of each run of rows contiguous in both ``a`` and ``b``.
+
+    Row i joins row i-1 when it starts where i-1 ends on both sides, on the
+    same device and within the same registered region. Vectorized: O(N) numpy.
+    """
+    n = len(a)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    ln = a.length
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        cont = (a.addr[1:] == a.addr[:-1] + ln[:-1]) & (b.addr[1:] == b.addr[:-1] + ln[:-1])
+        cont &= (a.dev[1:] == a.dev[:-1]) & (b.dev[1:] == b.dev[:-1])
+        cont &= (a_regions[1:] == a_regions[:-1]) & (b_regions[1:] == b_regions[:-1])
+        brk[1:] = ~cont
+    starts = np.flatnonzero(brk)
+    lengths = np.add.reduceat(ln, starts) if starts.shape[0] < n else ln.copy()
+    return starts, lengths
+
+
+def take_runs(descs: DescList, starts: np.ndarray, lengths: np.ndarray) -> DescList:
+    """The coalesced list: each run's first row with its summed length."""
+    if starts.shape[0] == len(descs):
+        return descs
+    rows = np.empty((starts.shape[0], 3), dtype=np.int64, order="F")
+    rows[:, 0] = descs.addr[starts]
+    rows[:, 1] = lengths
+    rows[:, 2] = descs.dev[starts]
+    rows.setflags(write=False)
+    return DescList._wrap(rows, descs.mem_type, descs.keys, descs._owners)
+
+
+def first_overlap(descs: DescList) -> tuple[int, int] | None:
+    """Indices of two non-empty descriptors whose byte ranges overlap, or None. O(N log N)."""
+    nonempty = np.flatnonzero(descs.length > 0)
+    if nonempty.shape[0] < 2:
+        return None
+    addr, length, dev = descs.addr[nonempty], descs.length[nonempty], descs.dev[nonempty]
+    for d in np.unique(dev):
+        sel = np.flatnonzero(dev == d)
+        if sel.shape[0] < 2:
+            continue
+        order = sel[np.argsort(addr[sel], kind="stable")]
+        start, end = addr[order], addr[order] + length[order]
+        reach = np.maximum.accumulate(end)
+        bad = start[1:] < reach[:-1]
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0]) + 1
+            j = int(order[k])
+            i = int(order[int(np.flatnonzero(end[:k] > start[k])[0])])
+            a, b = sorted((int(nonempty[i]), int(nonempty[j])))
+            return a, b
+    return None

@@ -1,0 +1,112 @@
+"""Typed errors: each names the descriptor index, the backend and the reason."""
+
+from __future__ import annotations
+
+
+class DatamoverError(Exception):
+    """Base of every datamover error.
+
+    ``index`` is the position of the offending descriptor in the caller's list
+    (None when the error is not about one descriptor), ``backend`` the backend
+    that raised it (None before one was chosen).
+    """
+
+    def __init__(self, reason: str, *, index: int | None = None, backend: str | None = None):
+        self.reason = reason
+        self.index = None if index is None else int(index)
+        self.backend = backend
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        parts = []
+        if self.backend:
+            parts.append(f"backend {self.backend!r}")
+        if self.index is not None:
+            parts.append(f"descriptor {self.index}")
+        where = ", ".join(parts)
+        return f"{where}: {self.reason}" if where else self.reason
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.reason, self.index, self.backend, self.__dict__))
+
+
+def _rebuild(cls, reason, index, backend, state):
+    err = cls.__new__(cls)
+    DatamoverError.__init__(err, reason, index=index, backend=backend)
+    err.__dict__.update(state)
+    return err
+
+
+class InvalidDescriptor(DatamoverError, ValueError):
+    """A descriptor is malformed: negative length, wrong memory type, bad buffer."""
+
+
+class NotRegistered(InvalidDescriptor):
+    """A descriptor falls outside every registered region of its owner."""
+
+
+class LengthMismatch(InvalidDescriptor):
+    """Local and remote descriptors of a transfer differ in count or length."""
+
+
+class OverlappingDestination(InvalidDescriptor):
+    """Two destination descriptors of one transfer overlap."""
+
+
+class InvalidMetadata(DatamoverError, ValueError):
+    """A metadata blob is truncated, corrupt, hostile or of an unknown schema."""
+
+
+class UnsupportedTransfer(DatamoverError):
+    """No enabled backend moves this (local, remote) memory-type pair."""
+
+
+class BackendUnavailable(DatamoverError):
+    """The backend cannot run here; ``reason`` says why (missing package, no driver)."""
+
+
+class TransferStateError(DatamoverError, RuntimeError):
+    """A transfer was used out of order: posted while in flight, or after release."""
+
+
+class TransferTimeout(DatamoverError, TimeoutError):
+    """A transfer did not complete within its deadline."""
+
+
+class TransferAborted(DatamoverError):
+    """A transfer was released while in flight and stopped before it finished."""
+
+
+class TransferIOError(DatamoverError, OSError):
+    """An I/O call failed; ``errno`` is the operating system's error number."""
+
+    def __init__(self, reason: str, *, errno: int | None = None, index=None, backend=None):
+        super().__init__(reason, index=index, backend=backend)
+        self.errno = errno
+
+    def __reduce__(self):
+        return (_rebuild_io, (self.reason, self.errno, self.index, self.backend))
+
+
+def _rebuild_io(reason, errno, index, backend):
+    return TransferIOError(reason, errno=errno, index=index, backend=backend)
+
+
+class RemoteDisconnected(DatamoverError, ConnectionError):
+    """The remote agent went away (crashed, killed or unreachable)."""
+
+
+class RemoteRefused(DatamoverError):
+    """The remote agent refused the request (e.g. memory it never registered)."""
+
+
+class ChecksumMismatch(DatamoverError):
+    """Bytes read back do not match the checksum stored when they were written."""
+
+
+class AuthenticationError(DatamoverError, PermissionError):
+    """A peer's metadata or control message failed authentication."""
+
+
+class NotificationTimeout(DatamoverError, TimeoutError):
+    """No matching notification arrived within the timeout."""

@@ -1,0 +1,69 @@
+"""Test buffers for the conformance kit: memory a test can read and write without the backend."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..agents import Agent, Registration
+from ..descriptors import DescList, aligned_empty
+
+
+class TestBuffer(Protocol):
+    """A region the backend under test moves bytes to or from.
+
+    ``read``/``write`` reach the bytes directly (numpy, plain file I/O, boto3,
+    a peer process), never through the backend under test.
+    """
+
+    nbytes: int
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList: ...
+
+    def read(self, offset: int, nbytes: int) -> bytes: ...
+
+    def write(self, offset: int, data: bytes) -> None: ...
+
+
+class HostBuffer:
+    """Registered host memory (page-aligned, so O_DIRECT paths are exercised)."""
+
+    def __init__(self, agent: Agent, nbytes: int, *, shift: int = 0) -> None:
+        self.array = aligned_empty(nbytes + shift)[shift:]
+        self.nbytes = nbytes
+        self.registration: Registration = agent.register_memory(self.array)  # type: ignore[assignment]
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.from_columns(self.array.ctypes.data + np.asarray(offsets), lengths, 0, "DRAM")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.array[offset : offset + nbytes].tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+class FileBuffer:
+    """A registered file, read and written with plain buffered I/O by the test."""
+
+    def __init__(self, agent: Agent, path: str | os.PathLike, nbytes: int, **register_kw: Any) -> None:
+        self.path = os.fspath(path)
+        self.nbytes = nbytes
+        self.registration = agent.register_file(self.path, size=nbytes, **register_kw)
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.file(self.registration, offsets, lengths)
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read(nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        with open(self.path, "r+b") as f:
+            f.seek(offset)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job from a fresh clone: installs what it needs, then runs the throughput benchmark
+# over every backend usable here (local files, a loopback UCX peer, a local S3-compatible server),
+# with a byte check, and writes bench-results/bench.json. Extra arguments go to `datamover bench`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+mkdir -p bench-results
+datamover info
+datamover bench --check --json bench-results/bench.json "$@"

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs everything datamover's tests and benchmark need into ./.venv (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch: the CPU build (a plain "torch" would pull a multi-GB CUDA build)
+python -m pip install -q "torch==2.13.0" || echo "setup: torch 2.13.0 not installable here; torch-based tests will skip"
+python -m pip install -q -e ".[test,s3,ucx,policy,telemetry,bench]"
+# etcd for the metadata-exchange tests (Debian package etcd-server)
+if ! command -v etcd >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null) \
+      || echo "setup: could not install etcd-server; etcd tests will skip"
+  else
+    echo "setup: etcd not found and cannot apt-get install it; etcd tests will skip"
+  fi
+fi

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The whole test suite from a fresh clone: installs what it needs, then runs lint and pytest.
+# Services (S3-compatible server, etcd, UCX peers) are started by the tests and stopped after.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check .
+ruff format --check .
+python -m pytest -q -ra "$@"
