@@ -209,6 +209,25 @@ class Agent:
             reg = Registration(rid, MemType.FILE, 0, length, rid, path=path, direct=bool(direct))
             return self._add_registration(reg)
 
+    def register_objects(
+        self, bucket: str, keys: Iterable[str] | None = None, prefix: str | None = None
+    ) -> Registration:
+        """Make objects of ``bucket`` addressable: the listed ``keys``, or every key under ``prefix``.
+
+        With neither, the whole bucket is addressable. OBJ descriptors name
+        objects through their list's key table; offsets are not bounded here
+        because objects may not exist until written.
+        """
+        if not isinstance(bucket, str) or not bucket:
+            raise InvalidDescriptor("bucket must be a non-empty string")
+        key_list = None if keys is None else [str(k) for k in keys]
+        with self._lock:
+            rid = self._new_id()
+            reg = Registration(
+                rid, MemType.OBJ, 0, 0, rid, extra={"bucket": bucket, "keys": key_list, "prefix": prefix or ""}
+            )
+            return self._add_registration(reg)
+
     def _new_id(self) -> int:
         rid = self._next_id
         self._next_id += 1
@@ -266,7 +285,33 @@ class Agent:
         return Prepared(descs, agent, meta.table.lookup(descs, owner=f"agent {agent!r}"))
 
     def _lookup(self, descs: DescList) -> np.ndarray:
+        if descs.mem_type == MemType.OBJ:
+            return self._lookup_objects(descs)
         return self._table.lookup(descs, owner=f"agent {self.name!r}")
+
+    def _lookup_objects(self, descs: DescList) -> np.ndarray:
+        """Region id per OBJ row: the registration covering each key (one Python step per distinct key)."""
+        if len(descs) == 0:
+            return np.zeros(0, dtype=np.int64)
+        keys = descs.keys or ()
+        if int(descs.dev.max()) >= len(keys):
+            i = int(np.flatnonzero(descs.dev >= len(keys))[0])
+            raise InvalidDescriptor(f"key index {int(descs.dev[i])} is outside the list's {len(keys)} keys", index=i)
+        regs = [r for r in self._regs.values() if r.mem_type == MemType.OBJ]
+        key_reg = np.full(len(keys), -1, dtype=np.int64)
+        for k, key in enumerate(keys):
+            for r in regs:
+                listed = r.extra["keys"]
+                if (listed is not None and key in r.extra.setdefault("key_set", frozenset(listed))) or (
+                    listed is None and key.startswith(r.extra["prefix"])
+                ):
+                    key_reg[k] = r.id
+                    break
+        out = key_reg[descs.dev]
+        if (out < 0).any():
+            i = int(np.flatnonzero(out < 0)[0])
+            raise NotRegistered(f"object key {keys[int(descs.dev[i])]!r} is in no registered bucket or prefix", index=i)
+        return out
 
     def make_transfer(
         self,

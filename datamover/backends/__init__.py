@@ -19,6 +19,10 @@ ENTRY_POINT_GROUP = "datamover.backends"
 BUILTIN: dict[str, str] = {
     "memcpy": "datamover.backends.memcpy:MemcpyBackend",
     "posix": "datamover.backends.posix:PosixBackend",
+    "cuda": "datamover.backends.cuda:CudaBackend",
+    "gds": "datamover.backends.gds:GdsBackend",
+    "ucx": "datamover.backends.ucx:UcxBackend",
+    "s3": "datamover.backends.s3:S3Backend",
 }
 
 _lock = threading.Lock()

@@ -82,6 +82,10 @@ def fill_random(arr: np.ndarray, seed: int = 0) -> None:
 WORKLOADS: dict[str, str] = {
     "memcpy": "datamover.bench.local:MemcpyWorkload",
     "posix": "datamover.bench.local:PosixWorkload",
+    "cuda": "datamover.bench.gpu:CudaWorkload",
+    "gds": "datamover.bench.gpu:GdsWorkload",
+    "ucx": "datamover.bench.ucx:UcxWorkload",
+    "s3": "datamover.bench.s3:S3Workload",
 }
 
 

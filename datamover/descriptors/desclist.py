@@ -120,6 +120,22 @@ class DescList:
             raise InvalidDescriptor(f"DescList.file needs a FILE registration, got {registration.mem_type}")
         return cls.from_columns(offsets, lengths, registration.dev, MemType.FILE)
 
+    @classmethod
+    def objects(cls, registration: Any, lengths: Any, offsets: Any = 0, keys: Sequence[str] | None = None) -> DescList:
+        """OBJ descriptors: ``lengths`` bytes at ``offsets`` of the objects named by ``keys``.
+
+        ``keys`` defaults to the registration's key list; row i names
+        ``keys[i]`` (``dev`` indexes this list's key table).
+        """
+        if MemType.parse(registration.mem_type) != MemType.OBJ:
+            raise InvalidDescriptor(f"DescList.objects needs an OBJ registration, got {registration.mem_type}")
+        if keys is None:
+            keys = registration.extra.get("keys")
+            if not keys:
+                raise InvalidDescriptor("the registration names no keys; pass keys=")
+        keys = [str(k) for k in keys]
+        return cls.from_columns(offsets, lengths, np.arange(len(keys)), MemType.OBJ, keys=keys)
+
     # -- columns ---------------------------------------------------------
     @property
     def rows(self) -> np.ndarray:
