@@ -35,6 +35,8 @@ class MemcpyBackend(Backend):
         "min_part_bytes": 4 << 20,
         # equal blocks up to this size use the numpy gather path
         "gather_max_block": 64 << 10,
+        # the gather path works in chunks of this many bytes (bounds its temporary memory)
+        "gather_chunk_bytes": 8 << 20,
     }
 
     def __init__(self, agent, params=None) -> None:
@@ -67,6 +69,8 @@ class MemcpyBackend(Backend):
             p["src_reg"], p["dst_reg"] = sreg, dreg
             p["src_off"] = np.repeat(src.addr - sreg.addr, counts) + within
             p["dst_off"] = np.repeat(dst.addr - dreg.addr, counts) + within
+            p["src_run"] = bool((np.diff(p["src_off"]) == block).all())
+            p["dst_run"] = bool((np.diff(p["dst_off"]) == block).all())
             ln = np.full(p["src_off"].shape[0], block, dtype=np.int64)
         else:
             p["mode"] = "memmove"
@@ -81,13 +85,27 @@ class MemcpyBackend(Backend):
         executor = None if len(ranges) <= 1 and p["total"] <= self.params["inline_bytes"] else self._pool
         return run_parts(executor, ranges, lambda a, b, c: work(p, a, b, c), backend=self.name)
 
-    @staticmethod
-    def _gather(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
+    def _gather(self, p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
+        """Equal blocks in one numpy call per chunk; a contiguous side is used in place (no temporary)."""
         block = p["block"]
         sarr, darr = p["src_reg"].array, p["dst_reg"].array
         srows = as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1))
         drows = as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1))
-        drows[p["dst_off"][start:stop]] = srows[p["src_off"][start:stop]]
+        src_off, dst_off = p["src_off"], p["dst_off"]
+        step = max(1, int(self.params["gather_chunk_bytes"]) // block)
+        for a in range(start, stop, step):
+            if completion.cancelled:
+                return
+            b = min(stop, a + step)
+            if p["src_run"]:
+                s0 = int(src_off[a])
+                drows[dst_off[a:b]] = sarr[s0 : s0 + (b - a) * block].reshape(b - a, block)
+            elif p["dst_run"]:
+                d0 = int(dst_off[a])
+                np.take(srows, src_off[a:b], axis=0, out=darr[d0 : d0 + (b - a) * block].reshape(b - a, block))
+            else:
+                # both sides scattered: numpy gathers into a temporary of at most gather_chunk_bytes
+                drows[dst_off[a:b]] = srows[src_off[a:b]]
 
     @staticmethod
     def _memmove(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:

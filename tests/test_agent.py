@@ -1,0 +1,199 @@
+"""Agent: registration, validation, backend choice, lifecycle, notifications, metadata and config."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from datamover import Agent, AgentConfig, DescList, MemType, XferState, aligned_empty
+from datamover.agents import decode_metadata
+from datamover.backends import Backend, register_backend
+from datamover.backends.base import Completion
+from datamover.errors import (
+    BackendUnavailable,
+    InvalidDescriptor,
+    InvalidMetadata,
+    NotificationTimeout,
+    NotRegistered,
+    TransferIOError,
+    TransferStateError,
+    UnsupportedTransfer,
+)
+
+
+@pytest.fixture
+def agent():
+    with Agent("a", {"backends": {"memcpy": {}, "posix": {}}}) as a:
+        yield a
+
+
+def test_import_needs_only_numpy_and_msgpack():
+    code = (
+        "import sys; before = set(sys.modules); import datamover; new = set(sys.modules) - before; "
+        "print(sorted(m for m in new if m.split('.')[0] in ('torch','boto3','ucxx','kvikio','cuda','yaml')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_register_and_lookup(agent):
+    a, b = np.zeros(1000, np.uint8), np.zeros(500, np.uint8)
+    ra, rb = agent.register_memory(a), agent.register_memory(b)
+    p = agent.prepare(DescList.from_buffers([b, a]))
+    assert p.regions.tolist() == [rb.id, ra.id]
+    with pytest.raises(NotRegistered) as info:
+        agent.prepare(DescList([[a.ctypes.data, 10, 0], [a.ctypes.data + 995, 10, 0]], "DRAM"))
+    assert info.value.index == 1 and "outside every region" in str(info.value)
+    with pytest.raises(InvalidDescriptor, match="overlaps"):
+        agent.register_memory(a[10:20])
+    agent.deregister_memory(ra)
+    with pytest.raises(NotRegistered):
+        agent.prepare(DescList.from_buffers(a))
+    with pytest.raises(NotRegistered):
+        agent.deregister_memory(ra)
+
+
+def test_register_list_and_desclist(agent):
+    bufs = [np.zeros(64, np.uint8) for _ in range(3)]
+    regs = agent.register_memory(bufs)
+    assert [r.length for r in regs] == [64, 64, 64]
+    more = [np.zeros(16, np.uint8) for _ in range(2)]
+    regs2 = agent.register_memory(DescList.from_buffers(more))
+    assert len(regs2) == 2 and len(agent.registrations) == 5
+
+
+def test_register_file_sizes(agent, tmp_path):
+    path = tmp_path / "f.bin"
+    reg = agent.register_file(path, size=10_000)
+    assert path.stat().st_size == 10_000 and reg.mem_type == MemType.FILE and reg.length == 10_000
+    reg2 = agent.register_file(tmp_path / "g.bin", size=5, direct=False)
+    assert reg2.dev != reg.dev
+    with pytest.raises(InvalidDescriptor, match="cannot open"):
+        agent.register_file(tmp_path / "missing.bin", create=False)
+    mem = aligned_empty(4096)
+    agent.register_memory(mem)
+    with pytest.raises(NotRegistered) as info:
+        agent.transfer("WRITE", DescList.from_buffers(mem), DescList.file(reg, [8192], [4096]))
+    assert info.value.index == 0
+
+
+def test_write_read_file_roundtrip_with_local_notification(agent, tmp_path):
+    mem = aligned_empty(1 << 20)
+    mem[:] = np.frombuffer(np.random.default_rng(1).bytes(1 << 20), np.uint8)
+    agent.register_memory(mem)
+    f = agent.register_file(tmp_path / "kv.bin", size=1 << 20)
+    blocks = DescList.blocks(mem, 64 << 10)
+    slots = DescList.file(f, np.arange(16)[::-1] * (64 << 10), 64 << 10)
+    with agent.transfer("WRITE", blocks, slots, notify=b"req-1") as x:
+        assert x.wait() == XferState.DONE
+        assert x.telemetry.descriptors == 16 and x.telemetry.bytes == 1 << 20
+        assert x.telemetry.transfer_duration_s >= 0 and x.backend.name == "posix"
+    assert agent.wait_notification(b"req-", timeout=5) == ("a", b"req-1")
+    disk = np.fromfile(tmp_path / "kv.bin", dtype=np.uint8).reshape(16, -1)
+    assert np.array_equal(disk[::-1], mem.reshape(16, -1))
+    with pytest.raises(NotificationTimeout):
+        agent.wait_notification(b"req-", timeout=0.05)
+    agent.send_notification("a", b"hello")
+    assert agent.get_notifications() == {"a": [b"hello"]}
+    assert agent.get_notifications() == {}
+
+
+def test_backend_choice_and_unsupported(agent, tmp_path):
+    mem = np.zeros(4096, np.uint8)
+    other = np.zeros(4096, np.uint8)
+    agent.register_memory(mem)
+    agent.register_memory(other)
+    assert agent.transfer("WRITE", [mem], [other]).backend.name == "memcpy"
+    with pytest.raises(UnsupportedTransfer, match="DRAM -> DRAM"):
+        agent.transfer("WRITE", [mem], [other], backends="posix")
+    only_memcpy = Agent("m", {"backends": {"memcpy": {}}})
+    only_memcpy.register_memory(mem)
+    f = only_memcpy.register_file(tmp_path / "x.bin", size=4096)
+    with pytest.raises(UnsupportedTransfer, match="DRAM -> FILE"):
+        only_memcpy.transfer("WRITE", [mem], DescList.file(f, [0], [4096]))
+    with pytest.raises(BackendUnavailable, match="not enabled"):
+        only_memcpy.backend("posix")
+    only_memcpy.close()
+
+
+def test_bad_ops_and_indices(agent):
+    a, b = np.zeros(100, np.uint8), np.zeros(100, np.uint8)
+    agent.register_memory(a)
+    agent.register_memory(b)
+    lp, rp = agent.prepare([a]), agent.prepare([b])
+    with pytest.raises(ValueError, match="op must be"):
+        agent.make_transfer("COPY", lp, [0], rp, [0])
+    with pytest.raises(InvalidDescriptor, match="out of range"):
+        agent.make_transfer("WRITE", lp, [1], rp, [0])
+    with pytest.raises(TransferStateError, match="never posted"):
+        agent.make_transfer("WRITE", lp, [0], rp, [0]).wait()
+
+
+class FailingBackend(Backend):
+    """Fault injection: every post fails with an I/O error on the second descriptor."""
+
+    name = "failing"
+    pairs = frozenset({(MemType.DRAM, MemType.DRAM)})
+
+    @classmethod
+    def available(cls):
+        return True, "ok"
+
+    def post(self, req):
+        c = Completion(1)
+        c.finish_part(
+            TransferIOError("injected", errno=5, index=req.caller_index(min(1, len(req.local) - 1)), backend=self.name)
+        )
+        return c
+
+
+def test_backend_errors_surface_typed():
+    register_backend("failing", FailingBackend)
+    with Agent("f", {"backends": {"failing": {}}}) as agent:
+        a, b = np.zeros(100, np.uint8), np.zeros(100, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        x = agent.transfer("WRITE", DescList.blocks(a, 10), DescList.blocks(b, 10)[::-1])
+        assert x.state == XferState.ERR
+        with pytest.raises(TransferIOError) as info:
+            x.wait()
+        assert info.value.errno == 5 and info.value.backend == "failing" and info.value.index == 1
+        assert x.error is info.value
+
+
+def test_metadata_roundtrip_between_agents():
+    a, b = Agent("a", {"backends": {"memcpy": {}}}), Agent("b", {"backends": {"memcpy": {}}})
+    buf = np.zeros(256, np.uint8)
+    reg = a.register_memory(buf)
+    f_path_meta = decode_metadata(a.metadata())
+    assert f_path_meta.name == "a"
+    assert f_path_meta.regions == ((MemType.DRAM, 0, reg.addr, 256, reg.id),)
+    assert b.add_remote(a.metadata()) == "a" and b.remotes == ["a"]
+    p = b.prepare(DescList.from_buffers(buf), agent="a")
+    assert p.agent == "a" and p.regions.tolist() == [reg.id]
+    with pytest.raises(NotRegistered):
+        b.prepare(DescList([[reg.addr + 200, 100, 0]], "DRAM"), agent="a")
+    with pytest.raises(InvalidMetadata, match="own"):
+        a.add_remote(a.metadata())
+    with pytest.raises(NotRegistered, match="unknown remote"):
+        b.prepare(DescList.from_buffers(buf), agent="c")
+    b.remove_remote("a")
+    assert b.remotes == []
+
+
+def test_config_validation():
+    assert AgentConfig.from_any({"backends": ["memcpy"]}).backends == {"memcpy": {}}
+    with pytest.raises(ValueError, match="unknown config key"):
+        AgentConfig.from_any({"backend": {}})
+    with pytest.raises(ValueError, match="timeout_s"):
+        AgentConfig(timeout_s=0)
+    with pytest.raises(ValueError, match="unknown parameter"):
+        Agent("x", {"backends": {"memcpy": {"threadz": 2}}}).backend("memcpy")
+
+
+def test_info_cli_reports_every_backend():
+    out = subprocess.run([sys.executable, "-m", "datamover.cli", "info"], capture_output=True, text=True, check=True)
+    for name in ("memcpy", "posix", "cuda", "gds", "ucx", "s3"):
+        assert name in out.stdout
+    assert "usable: yes" in out.stdout
