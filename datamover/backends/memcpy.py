@@ -71,6 +71,14 @@ class MemcpyBackend(Backend):
             p["dst_off"] = np.repeat(dst.addr - dreg.addr, counts) + within
             p["src_run"] = bool((np.diff(p["src_off"]) == block).all())
             p["dst_run"] = bool((np.diff(p["dst_off"]) == block).all())
+            # row k of a strided view is the block starting at byte k of the region
+            sarr, darr = sreg.array, dreg.array
+            p["views"] = (
+                sarr,
+                darr,
+                as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1), writeable=False),
+                as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1)),
+            )
             ln = np.full(p["src_off"].shape[0], block, dtype=np.int64)
         else:
             p["mode"] = "memmove"
@@ -88,9 +96,7 @@ class MemcpyBackend(Backend):
     def _gather(self, p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
         """Equal blocks in one numpy call per chunk; a contiguous side is used in place (no temporary)."""
         block = p["block"]
-        sarr, darr = p["src_reg"].array, p["dst_reg"].array
-        srows = as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1))
-        drows = as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1))
+        sarr, darr, srows, drows = p["views"]
         src_off, dst_off = p["src_off"], p["dst_off"]
         step = max(1, int(self.params["gather_chunk_bytes"]) // block)
         for a in range(start, stop, step):
