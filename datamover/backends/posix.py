@@ -142,13 +142,15 @@ class PosixBackend(Backend):
 
     # -- planning ------------------------------------------------------------
     def plan(self, req: TransferRequest) -> None:
+        """Group rows into vectored syscalls and build every buffer view once, so posts only do I/O."""
         mem, fil = req.local, req.remote
         n = len(mem)
         p = req.plan
-        handles = [req.registrations[int(r)].handles[self.name] for r in np.unique(req.remote_regions)]
-        by_region = {h_id: h for h_id, h in zip(np.unique(req.remote_regions).tolist(), handles)}
-        fds = np.array([by_region[r].fd for r in req.remote_regions.tolist()], dtype=np.int64) if n else np.zeros(0)
-        direct = np.array([by_region[r].direct for r in req.remote_regions.tolist()], dtype=bool) if n else fds > 0
+        regs = req.registrations
+        file_ids, file_inv = np.unique(req.remote_regions, return_inverse=True)
+        handles = [regs[int(r)].handles[self.name] for r in file_ids]
+        fds = np.array([h.fd for h in handles], dtype=np.int64)[file_inv]
+        direct = np.array([h.direct for h in handles], dtype=bool)[file_inv]
         A, MA = int(self.params["alignment"]), int(self.params["mem_alignment"])
         ln, off, addr = mem.length, fil.addr, mem.addr
         aligned = direct & (off % A == 0) & (ln % A == 0) & (addr % MA == 0)
@@ -158,22 +160,20 @@ class PosixBackend(Backend):
             brk[1:] = (fds[1:] != fds[:-1]) | (off[1:] != off[:-1] + ln[:-1]) | (aligned[1:] != aligned[:-1])
             brk[1:] |= ~aligned[1:] & direct[1:]  # bounce rows go one by one
         starts = np.flatnonzero(brk)
-        if starts.shape[0] and IOV_MAX:
-            sizes = np.diff(np.append(starts, n))
-            if (sizes > IOV_MAX).any():
-                extra = [np.arange(s + IOV_MAX, s + z, IOV_MAX) for s, z in zip(starts, sizes) if z > IOV_MAX]
-                starts = np.unique(np.concatenate([starts, *extra]))
+        sizes = np.diff(np.append(starts, n))
+        if (sizes > IOV_MAX).any():
+            extra = [np.arange(s + IOV_MAX, s + z, IOV_MAX) for s, z in zip(starts, sizes) if z > IOV_MAX]
+            starts = np.unique(np.concatenate([starts, *extra]))
         ends = np.append(starts[1:], n)
-        group_bytes = np.add.reduceat(ln, starts) if n else np.zeros(0, dtype=np.int64)
-        mem_regs = req.local_regions
-        reg_arrays = {r: req.registrations[r].array for r in np.unique(mem_regs).tolist()}
-        mem_off = addr - np.array([req.registrations[r].addr for r in mem_regs.tolist()], dtype=np.int64)
-        p["groups"] = list(zip(starts.tolist(), ends.tolist()))
-        p["aligned"] = aligned[starts].tolist() if n else []
-        p["rows"] = (fds.tolist(), off.tolist(), ln.tolist(), mem_regs.tolist(), mem_off.tolist())
-        p["arrays"] = reg_arrays
+        mem_ids, mem_inv = np.unique(req.local_regions, return_inverse=True)
+        arrays = [regs[int(r)].array for r in mem_ids]
+        mem_off = addr - np.array([regs[int(r)].addr for r in mem_ids], dtype=np.int64)[mem_inv]
+        views = [memoryview(arrays[k][o : o + m]) for k, o, m in zip(mem_inv.tolist(), mem_off.tolist(), ln.tolist())]
+        p["groups"] = list(zip(starts.tolist(), ends.tolist(), aligned[starts].tolist()))
+        p["fds"], p["offs"], p["views"] = fds.tolist(), off.tolist(), views
         p["handles"] = {h.fd: h for h in handles}
         total = int(ln.sum()) if n else 0
+        group_bytes = np.add.reduceat(ln, starts) if n else np.zeros(0, dtype=np.int64)
         threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
         p["ranges"] = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
         p["inline"] = total <= self.params["inline_bytes"]
@@ -189,29 +189,25 @@ class PosixBackend(Backend):
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
-        fds, offs, lens, regs, moffs = p["rows"]
-        arrays = p["arrays"]
+        fds, offs, views, groups = p["fds"], p["offs"], p["views"], p["groups"]
         touched = set()
         for g in range(first, last):
             if completion.cancelled:
                 return
-            s, e = p["groups"][g]
-            fd = fds[s]
-            h = p["handles"][fd]
-            touched.add(fd)
-            if h.direct and not p["aligned"][g]:
+            s, e, aligned = groups[g]
+            h = p["handles"][fds[s]]
+            touched.add(h.fd)
+            if h.direct and not aligned:
                 for i in range(s, e):
-                    buf = arrays[regs[i]][moffs[i] : moffs[i] + lens[i]]
-                    self._bounce_io(req, h, i, offs[i], buf, write)
+                    self._bounce_io(req, h, i, offs[i], views[i], write)
                 continue
-            bufs = [arrays[regs[i]][moffs[i] : moffs[i] + lens[i]] for i in range(s, e)]
             try:
-                self._vectored(h, bufs, offs[s], write)
+                self._vectored(h, views[s:e], offs[s], write)
             except OSError as exc:
                 if exc.errno == errno_mod.EINVAL and h.direct:
                     # the device wants stricter alignment than configured: take the bounce path
-                    for k, i in enumerate(range(s, e)):
-                        self._bounce_io(req, h, i, offs[i], bufs[k], write)
+                    for i in range(s, e):
+                        self._bounce_io(req, h, i, offs[i], views[i], write)
                     continue
                 raise self._error(req, s, h, exc, write) from exc
             except EOFError as exc:
@@ -229,11 +225,13 @@ class PosixBackend(Backend):
                     raise self._error(req, first, p["handles"][fd], exc, write) from exc
 
     @staticmethod
-    def _vectored(h: FileHandle, bufs: list, offset: int, write: bool) -> None:
+    def _vectored(h: FileHandle, views: list[memoryview], offset: int, write: bool) -> None:
         """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
-        views = [memoryview(b).cast("B") for b in bufs]
-        while views:
-            n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+        n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+        if n == sum(v.nbytes for v in views):
+            return
+        views = list(views)
+        while True:
             if n == 0:
                 if write:
                     raise OSError(errno_mod.EIO, "pwritev wrote 0 bytes")
@@ -242,8 +240,11 @@ class PosixBackend(Backend):
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
                 views.pop(0)
+            if not views:
+                return
             if n:
                 views[0] = views[0][n:]
+            n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
 
     def _bounce_buffer(self) -> np.ndarray:
         buf = getattr(self._bounce, "buf", None)
@@ -251,8 +252,9 @@ class PosixBackend(Backend):
             buf = self._bounce.buf = aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
         return buf
 
-    def _bounce_io(self, req, h: FileHandle, row: int, offset: int, user: np.ndarray, write: bool) -> None:
+    def _bounce_io(self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool) -> None:
         """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time."""
+        user = np.frombuffer(view, dtype=np.uint8)
         A = int(self.params["alignment"])
         bounce = self._bounce_buffer()
         step = bounce.shape[0] - 2 * A

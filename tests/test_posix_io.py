@@ -1,0 +1,140 @@
+"""posix backend details: O_DIRECT read-modify-write, short I/O, EOF, fallback, fsync."""
+
+import errno
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover import Agent, DescList, aligned_empty
+from datamover.errors import TransferIOError
+
+SIZE = 5 * 4096 + 123  # not a multiple of the O_DIRECT block
+
+
+@pytest.fixture
+def setup(tmp_path):
+    agent = Agent("p", {"backends": {"posix": {"threads": 2}}})
+    mem = aligned_empty(SIZE + 64)
+    agent.register_memory(mem)
+    path = tmp_path / "f.bin"
+    reg = agent.register_file(path, size=SIZE)
+    yield agent, mem, reg, path
+    agent.close()
+
+
+@settings(max_examples=40)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, SIZE - 1), st.integers(1, 3 * 4096), st.integers(0, 63)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_random_unaligned_io_matches_model(tmp_path_factory, ops):
+    """Any mix of unaligned O_DIRECT writes and reads behaves like a plain byte array."""
+    path = tmp_path_factory.mktemp("rmw") / "f.bin"
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        mem = aligned_empty(SIZE + 64)
+        agent.register_memory(mem)
+        reg = agent.register_file(path, size=SIZE)
+        agent.backend("posix")  # backends start lazily; this opens the file
+        assert reg.handles["posix"].direct
+        model = bytearray(SIZE)
+        rng = np.random.default_rng(len(ops))
+        for write, off, n, shift in ops:
+            n = min(n, SIZE - off)
+            local = DescList.from_columns(mem.ctypes.data + shift, n)
+            remote = DescList.file(reg, [off], [n])
+            if write:
+                data = rng.bytes(n)
+                mem[shift : shift + n] = np.frombuffer(data, np.uint8)
+                agent.transfer("WRITE", local, remote).wait()
+                model[off : off + n] = data
+            else:
+                mem[:] = 0
+                agent.transfer("READ", local, remote).wait()
+                assert mem[shift : shift + n].tobytes() == bytes(model[off : off + n])
+        assert os.path.getsize(path) == SIZE, "read-modify-write changed the file size"
+        assert path.read_bytes() == bytes(model)
+
+
+def test_short_io_is_resumed(setup, monkeypatch):
+    agent, mem, reg, path = setup
+    real_pwritev, real_preadv = os.pwritev, os.preadv
+    calls = []
+
+    def short(real):
+        def call(fd, bufs, offset):
+            bufs = list(bufs)
+            calls.append(len(bufs))
+            first = memoryview(bufs[0])
+            # move at most 4096 bytes per call (aligned, so O_DIRECT still accepts it)
+            return real(fd, [first[: min(4096, first.nbytes)]], offset)
+
+        return call
+
+    monkeypatch.setattr(os, "pwritev", short(real_pwritev))
+    monkeypatch.setattr(os, "preadv", short(real_preadv))
+    n = 4 * 4096
+    mem[:n] = np.frombuffer(np.random.default_rng(3).bytes(n), np.uint8)
+    blocks = DescList.blocks(mem[:n], 8192)
+    slots = DescList.file(reg, [0, 8192], 8192)
+    agent.transfer("WRITE", blocks, slots).wait()
+    want = mem[:n].copy()
+    mem[:n] = 0
+    agent.transfer("READ", blocks, slots).wait()
+    assert np.array_equal(mem[:n], want)
+    assert len(calls) >= 8, "each short call should have been followed by another"
+    monkeypatch.undo()
+    assert path.read_bytes()[:n] == want.tobytes()
+
+
+def test_read_past_end_is_an_error_not_zeros(setup):
+    agent, mem, reg, path = setup
+    os.truncate(path, 4096)  # behind the agent's back
+    with pytest.raises(TransferIOError, match="past the end") as info:
+        agent.transfer("READ", DescList.blocks(mem[: 3 * 4096], 4096), DescList.file(reg, [0, 4096, 8192], 4096)).wait()
+    assert info.value.index in (0, 1, 2) and info.value.backend == "posix"
+    with pytest.raises(TransferIOError, match="past the end"):
+        agent.transfer(
+            "READ", DescList.from_columns(mem.ctypes.data + 1, 100), DescList.file(reg, [5000], [100])
+        ).wait()
+
+
+def test_fallback_when_filesystem_refuses_direct(tmp_path, monkeypatch, caplog):
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        mem = aligned_empty(8192)
+        mem[:] = 7
+        agent.register_memory(mem)
+        reg = agent.register_file(tmp_path / "x.bin", size=8192)
+        handle = agent.backend("posix").register(reg)
+        assert not handle.direct and "refuses O_DIRECT" in handle.note
+        agent.transfer("WRITE", DescList.from_buffers(mem), DescList.file(reg, [0], [8192])).wait()
+        assert "refuses O_DIRECT" in agent.backend("posix").describe()["files"][str(tmp_path / "x.bin")]
+    assert (tmp_path / "x.bin").read_bytes() == bytes([7]) * 8192
+
+
+def test_fsync_option_syncs_written_files(tmp_path, monkeypatch):
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd)))
+    for fsync in (False, True):
+        with Agent("p", {"backends": {"posix": {"fsync": fsync}}}) as agent:
+            mem = aligned_empty(4096)
+            agent.register_memory(mem)
+            reg = agent.register_file(tmp_path / f"s{fsync}.bin", size=4096)
+            agent.transfer("WRITE", DescList.from_buffers(mem), DescList.file(reg, [0], [4096])).wait()
+            assert bool(synced) == fsync
+            if fsync:
+                assert synced == [reg.handles["posix"].fd]
