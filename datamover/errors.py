@@ -110,3 +110,38 @@ class AuthenticationError(DatamoverError, PermissionError):
 
 class NotificationTimeout(DatamoverError, TimeoutError):
     """No matching notification arrived within the timeout."""
+
+
+class ObjectStoreError(TransferIOError):
+    """An object-store request failed; names the bucket, the key, the HTTP status and the service's code.
+
+    ``status`` is None when no HTTP answer came (endpoint unreachable, connection dropped).
+    """
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        bucket: str | None = None,
+        key: str | None = None,
+        status: int | None = None,
+        code: str | None = None,
+        errno: int | None = None,
+        index=None,
+        backend=None,
+    ):
+        self.bucket = bucket
+        self.key = key
+        self.status = status
+        self.code = code
+        super().__init__(reason, errno=errno, index=index, backend=backend)
+
+    def __reduce__(self):
+        args = (self.reason, self.bucket, self.key, self.status, self.code, self.errno, self.index, self.backend)
+        return (_rebuild_store, args)
+
+
+def _rebuild_store(reason, bucket, key, status, code, errno, index, backend):
+    return ObjectStoreError(
+        reason, bucket=bucket, key=key, status=status, code=code, errno=errno, index=index, backend=backend
+    )

@@ -1,0 +1,615 @@
+"""s3: DRAM <-> OBJ with boto3, against AWS S3 or any S3-compatible endpoint (MinIO, Ceph RGW, moto).
+
+Semantics of an OBJ descriptor (offset, length) naming key k of a registered bucket:
+
+- WRITE (offset 0, length n) stores the whole object k as n bytes: one PUT, or
+  a multipart upload with parallel parts above ``multipart_threshold``. S3 has
+  no partial overwrite, so a non-zero offset on WRITE is refused when the
+  transfer is made. A failed multipart upload is aborted: the object is
+  either entirely the new bytes or untouched.
+- READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
+  into parallel ranged GETs into the destination. A read shorter than asked
+  (the object ends early) fails the descriptor.
+
+Integrity: every write carries the CRC32C of the whole object in metadata
+(``x-amz-meta-crc32c``, base64 big-endian like S3's own header), and, where the
+server supports it, S3's ``x-amz-checksum-crc32c`` so the server verifies the
+upload. Metadata is what reads check, because S3 returns its own checksums
+neither on ranged GETs nor as a whole-object value for multipart uploads. A
+read that covers a whole object is verified: a mismatch fails it with
+ChecksumMismatch and the bytes never reach the destination (split reads land
+first and are zeroed on mismatch).
+
+Work runs on a bounded pool of ``concurrency`` threads pulling objects and
+parts from one shared list, so 4096 small objects cost ``concurrency``
+executor submits, not 4096. Configuration falls back to the usual AWS
+environment variables and config files for anything not set here.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno as errno_mod
+import importlib.util
+import itertools
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..descriptors import MemType
+from ..errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
+from .base import Backend, Completion, TransferRequest
+
+log = logging.getLogger("datamover.s3")
+
+MiB = 1 << 20
+#: metadata key holding the whole object's CRC32C (base64 of the big-endian 4 bytes)
+CRC_META = "crc32c"
+_MIN_PART = 5 * MiB  # S3's smallest non-final multipart part
+_MAX_PARTS = 10_000
+
+_ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
+
+
+def crc32c_b64(data: Any) -> str:
+    """CRC32C of ``data`` as S3 writes it: base64 of the 4 big-endian bytes."""
+    import crc32c
+
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+@dataclass
+class _Group:
+    """A row moved as several tasks (multipart upload parts or split ranged reads)."""
+
+    row: int
+    nparts: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    left: int = 0
+    upload_id: str | None = None
+    etags: list = field(default_factory=list)
+    failed: bool = False
+    finished: bool = False
+    meta_crc: str | None = None
+    total: int | None = None
+
+
+class S3Backend(Backend):
+    """Host memory to and from objects of registered buckets, through boto3 on a bounded pool."""
+
+    name = "s3"
+    pairs = frozenset({(MemType.DRAM, MemType.OBJ)})
+    default_params = {
+        # where and who: None falls back to AWS_* environment variables and ~/.aws/{config,credentials}
+        "endpoint_url": None,
+        "region": None,
+        "profile": None,
+        "access_key_id": None,
+        "secret_access_key": None,
+        "session_token": None,
+        "addressing_style": "auto",  # "path", "virtual" or "auto"
+        "verify_tls": True,  # or a CA bundle path
+        # how fast
+        "concurrency": 16,
+        "multipart_threshold": 16 * MiB,  # objects larger than this go as multipart uploads
+        "part_size": 8 * MiB,
+        "read_part_size": 8 * MiB,  # reads longer than this are split into parallel ranged GETs
+        # how hard to try
+        "retry_mode": "standard",  # botocore: "legacy", "standard" or "adaptive"
+        "max_attempts": 5,
+        "connect_timeout": 5.0,
+        "read_timeout": 60.0,
+        # integrity
+        "native_checksum": "auto",  # send x-amz-checksum-crc32c: True, False, or "auto" (drop it if refused)
+        "require_checksum": True,  # a whole-object read of an object without our CRC32C fails
+    }
+
+    def __init__(self, agent, params=None) -> None:
+        super().__init__(agent, params)
+        p = self.params
+        if int(p["part_size"]) < _MIN_PART:
+            raise ValueError(f"backend 's3': part_size must be >= 5 MiB (S3's minimum part), got {p['part_size']}")
+        if int(p["multipart_threshold"]) < int(p["part_size"]):
+            raise ValueError("backend 's3': multipart_threshold must be >= part_size")
+        if p["addressing_style"] not in ("auto", "path", "virtual"):
+            style = p["addressing_style"]
+            raise ValueError(f"backend 's3': addressing_style must be auto, path or virtual, got {style!r}")
+        self._native = p["native_checksum"]
+        self._client = self._make_client()
+        self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        missing = [m for m in ("boto3", "botocore", "crc32c") if importlib.util.find_spec(m) is None]
+        if missing:
+            return False, f"needs {', '.join(missing)} (pip install 'datamover[s3]')"
+        return True, "ok"
+
+    def _make_client(self) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        p = self.params
+        session = boto3.session.Session(
+            aws_access_key_id=p["access_key_id"],
+            aws_secret_access_key=p["secret_access_key"],
+            aws_session_token=p["session_token"],
+            region_name=p["region"],
+            profile_name=p["profile"],
+        )
+        config = Config(
+            retries={"mode": p["retry_mode"], "max_attempts": int(p["max_attempts"])},
+            max_pool_connections=int(p["concurrency"]),
+            connect_timeout=float(p["connect_timeout"]),
+            read_timeout=float(p["read_timeout"]),
+            s3={"addressing_style": p["addressing_style"]},
+            # we compute CRC32C ourselves (once, GIL-free) and verify reads against our metadata
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return session.client(
+            "s3",
+            endpoint_url=p["endpoint_url"],
+            region_name=session.region_name or "us-east-1",
+            verify=p["verify_tls"],
+            config=config,
+        )
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client this backend uses (thread-safe, shared by the pool)."""
+        return self._client
+
+    def describe(self) -> dict[str, Any]:
+        p = self.params
+        return {
+            "endpoint": self._client.meta.endpoint_url,
+            "region": self._client.meta.region_name,
+            "concurrency": p["concurrency"],
+            "part_size": p["part_size"],
+            "multipart_threshold": p["multipart_threshold"],
+            "retries": f"{p['retry_mode']}/{p['max_attempts']}",
+        }
+
+    # -- planning ------------------------------------------------------------
+    def plan(self, req: TransferRequest) -> None:
+        mem, obj = req.local, req.remote
+        n = len(obj)
+        write = req.op == "WRITE"
+        if write and n and (obj.addr != 0).any():
+            row = int(np.flatnonzero(obj.addr != 0)[0])
+            raise InvalidDescriptor(
+                f"S3 writes whole objects: a WRITE descriptor must have offset 0, got {int(obj.addr[row])} "
+                f"for key {obj.keys[int(obj.dev[row])]!r}",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+        p = req.plan
+        regs = req.registrations
+        buckets = {r: regs[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
+        keys = np.asarray(obj.keys, dtype=object)[obj.dev] if n else np.zeros(0, dtype=object)
+        if write and n > 1:
+            self._refuse_same_object(req, keys)
+        mem_regs = req.local_regions
+        bases = {r: regs[r].addr for r in np.unique(mem_regs).tolist()}
+        mem_off = mem.addr - np.array([bases[r] for r in mem_regs.tolist()], dtype=np.int64)
+        p["bucket"] = [buckets[r] for r in req.remote_regions.tolist()]
+        p["key"] = keys.tolist()
+        p["off"] = obj.addr.tolist()
+        p["len"] = obj.length.tolist()
+        p["mem_reg"] = mem_regs.tolist()
+        p["mem_off"] = mem_off.tolist()
+        p["arrays"] = {r: regs[r].array for r in bases}
+        # tasks: (row, part index or -1 for a whole-row task, byte start within the row, byte count)
+        ln = obj.length
+        split_at = int(self.params["multipart_threshold"] if write else self.params["read_part_size"])
+        big = ln > split_at
+        if write:
+            keep = np.ones(n, dtype=bool)  # zero-length writes still create (empty) objects
+        else:
+            keep = ln > 0
+        big_rows = np.flatnonzero(big)
+        if write:
+            part = np.array([self._part_size(int(x)) for x in ln[big_rows].tolist()], dtype=np.int64)
+        else:
+            part = np.full(big_rows.shape[0], int(self.params["read_part_size"]), dtype=np.int64)
+        counts = -(-ln[big_rows] // np.maximum(part, 1))
+        # big rows' parts first, so the long poles start early; then whole-row tasks
+        g_rows = np.repeat(big_rows, counts)
+        g_part = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        g_start = g_part * np.repeat(part, counts)
+        g_count = np.minimum(np.repeat(part, counts), ln[g_rows] - g_start)
+        small_rows = np.flatnonzero(keep & ~big)
+        rows = np.concatenate([g_rows, small_rows])
+        parts = np.concatenate([g_part, np.full(small_rows.shape[0], -1, dtype=np.int64)])
+        starts = np.concatenate([g_start, np.zeros(small_rows.shape[0], dtype=np.int64)])
+        nbytes = np.concatenate([g_count, ln[small_rows]])
+        p["tasks"] = list(zip(rows.tolist(), parts.tolist(), starts.tolist(), nbytes.tolist()))
+        p["groups"] = dict(zip(big_rows.tolist(), counts.tolist()))
+        p["total"] = int(ln.sum()) if n else 0
+
+    def _refuse_same_object(self, req: TransferRequest, keys: np.ndarray) -> None:
+        """Two WRITE rows naming one object (a key repeated in the key table) would race: refuse them."""
+        names = keys.astype(str)
+        if np.unique(names).shape[0] == names.shape[0]:
+            return
+        buckets = {r: req.registrations[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
+        pairs = np.array([f"{buckets[r]}/{k}" for r, k in zip(req.remote_regions.tolist(), names.tolist())])
+        _, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        seen = first[inverse.reshape(-1)]
+        dup = seen != np.arange(names.shape[0])
+        if dup.any():
+            row = int(np.flatnonzero(dup)[0])
+            raise OverlappingDestination(
+                f"writes object {pairs[row]!r} that descriptor {req.caller_index(int(seen[row]))} writes too",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+
+    def _part_size(self, size: int) -> int:
+        part = int(self.params["part_size"])
+        return max(part, math.ceil(size / _MAX_PARTS))
+
+    # -- execution -----------------------------------------------------------
+    def post(self, req: TransferRequest) -> Completion:
+        p = req.plan
+        tasks = p["tasks"]
+        runners = min(int(self.params["concurrency"]), len(tasks))
+        completion = Completion(runners)
+        if not runners:
+            return completion
+        run = _Run(req, self, completion, runners)
+        for _ in range(runners):
+            self._pool.submit(run.runner)
+        return completion
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        try:
+            self._client.close()
+        except Exception as exc:  # closing must not fail the agent's close
+            log.debug("closing the S3 client failed: %s", exc)
+
+    # -- single requests -----------------------------------------------------
+    def _use_native(self) -> bool:
+        return self._native is True or self._native == "auto"
+
+    def _call(self, fn, *, req: TransferRequest, row: int, what: str, **kw) -> Any:
+        """One boto3 call; refusals of the native checksum in "auto" mode retry without it once."""
+        try:
+            return fn(**kw)
+        except Exception as exc:
+            if self._native == "auto" and "ChecksumAlgorithm" in kw and _refuses_checksum(exc):
+                log.warning("the S3 endpoint refused x-amz-checksum-crc32c; storing CRC32C in metadata only")
+                self._native = False
+                for k in ("ChecksumAlgorithm", "ChecksumCRC32C"):
+                    kw.pop(k, None)
+                try:
+                    return fn(**kw)
+                except Exception as exc2:
+                    raise self.error(exc2, req, row, what) from exc2
+            raise self.error(exc, req, row, what) from exc
+
+    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str) -> DatamoverError:
+        """A typed error for a failed boto3 call on ``row``: names the key, the bucket and the HTTP status."""
+        p = req.plan
+        bucket, key = p["bucket"][row], p["key"][row]
+        return object_store_error(exc, bucket, key, what, index=req.caller_index(row), backend=self.name)
+
+    def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
+        p = req.plan
+        crc = crc32c_b64(view)
+        kw: dict[str, Any] = {"Bucket": p["bucket"][row], "Key": p["key"][row], "Body": view.tobytes()}
+        kw["Metadata"] = {CRC_META: crc}
+        if self._use_native():
+            kw["ChecksumAlgorithm"] = "CRC32C"
+            kw["ChecksumCRC32C"] = crc
+        self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
+
+    def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray) -> dict:
+        """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response headers we need."""
+        p = req.plan
+        off = p["off"][row] + start
+        bucket, key = p["bucket"][row], p["key"][row]
+        resp = self._call(
+            self._client.get_object,
+            req=req,
+            row=row,
+            what="GET",
+            Bucket=bucket,
+            Key=key,
+            Range=f"bytes={off}-{off + count - 1}",
+        )
+        body = resp["Body"]
+        total = _total_size(resp, off + count)
+        got = int(resp.get("ContentLength", count))
+        whole = p["off"][row] == 0 and total == p["len"][row]
+        try:
+            if got != count:
+                why = (
+                    f"holds {total} bytes: [{off}, {off + count}) reads past its end"
+                    if got < count
+                    else f"answered {got} bytes for a range of {count} (does the server ignore Range?)"
+                )
+                raise ObjectStoreError(
+                    f"GET s3://{bucket}/{key} {why}",
+                    bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+                    code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
+                    index=req.caller_index(row), backend=self.name,
+                )  # fmt: skip
+            if whole and start == 0 and count == total:
+                # a whole object in one GET: check it before it touches the destination
+                data = body.read()
+                self._verify(req, row, data, (resp.get("Metadata") or {}).get(CRC_META))
+                dst[:] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                _read_into(body, dst)
+        except DatamoverError:
+            raise
+        except Exception as exc:
+            raise self.error(exc, req, row, "GET") from exc
+        finally:
+            body.close()
+        return {"etag": resp.get("ETag"), "crc": (resp.get("Metadata") or {}).get(CRC_META), "total": total}
+
+    def _verify(self, req: TransferRequest, row: int, data: Any, stored: str | None) -> None:
+        p = req.plan
+        bucket, key = p["bucket"][row], p["key"][row]
+        if stored is None:
+            if self.params["require_checksum"]:
+                err = ChecksumMismatch(
+                    f"s3://{bucket}/{key} carries no CRC32C (x-amz-meta-{CRC_META}), so it cannot be verified; "
+                    "was it written by another tool? (require_checksum=False reads it unverified)",
+                    index=req.caller_index(row),
+                    backend=self.name,
+                )
+                err.bucket, err.key = bucket, key
+                raise err
+            return
+        got = crc32c_b64(data)
+        if got != stored:
+            err = ChecksumMismatch(
+                f"s3://{bucket}/{key}: CRC32C of the bytes read is {got}, the object was written with {stored}",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+            err.bucket, err.key = bucket, key
+            raise err
+
+
+class _Run:
+    """One post of a request: runners pull tasks from a shared counter until done or cancelled."""
+
+    def __init__(self, req: TransferRequest, backend: S3Backend, completion: Completion, runners: int) -> None:
+        self.req = req
+        self.b = backend
+        self.completion = completion
+        self.next = itertools.count()
+        self.lock = threading.Lock()
+        self.active = runners
+        p = req.plan
+        self.groups = {r: _Group(r, n, left=n) for r, n in p["groups"].items()}
+        self.write = req.op == "WRITE"
+
+    def runner(self) -> None:
+        tasks = self.req.plan["tasks"]
+        c = self.completion
+        try:
+            while not c.cancelled:
+                i = next(self.next)
+                if i >= len(tasks):
+                    break
+                row, part, start, count = tasks[i]
+                try:
+                    self.one(row, part, start, count)
+                except DatamoverError as exc:
+                    c.cancel(exc)
+                except BaseException as exc:
+                    err = DatamoverError(f"{type(exc).__name__}: {exc}", index=self.req.caller_index(row), backend="s3")
+                    err.__cause__ = exc
+                    c.cancel(err)
+        finally:
+            with self.lock:
+                self.active -= 1
+                last = self.active == 0
+            if last:
+                self.cleanup()
+            c.finish_part(None)
+
+    def view(self, row: int, start: int, count: int) -> np.ndarray:
+        p = self.req.plan
+        base = p["mem_off"][row] + start
+        return p["arrays"][p["mem_reg"][row]][base : base + count]
+
+    def one(self, row: int, part: int, start: int, count: int) -> None:
+        view = self.view(row, start, count)
+        if part < 0:
+            if self.write:
+                self.b.put(self.req, row, view)
+            else:
+                self.b.get(self.req, row, start, count, view)
+            return
+        g = self.groups[row]
+        ok = False
+        try:
+            if self.write:
+                self.upload_part(g, part, view)
+            else:
+                info = self.b.get(self.req, row, start, count, view)
+                with g.lock:
+                    g.etags.append(info["etag"])
+                    g.meta_crc, g.total = info["crc"], info["total"]
+            ok = True
+        finally:
+            with g.lock:
+                g.left -= 1
+                g.failed |= not ok
+                last = g.left == 0
+            if last and ok and not g.failed:
+                self.finish_group(g)
+
+    # -- multipart uploads ---------------------------------------------------
+    def upload_part(self, g: _Group, part: int, view: np.ndarray) -> None:
+        b, req, p = self.b, self.req, self.req.plan
+        bucket, key = p["bucket"][g.row], p["key"][g.row]
+        with g.lock:
+            if g.failed:
+                raise _Cancelled()
+            if g.upload_id is None:
+                whole = self.view(g.row, 0, p["len"][g.row])
+                kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {CRC_META: crc32c_b64(whole)}}
+                if b._use_native():
+                    kw["ChecksumAlgorithm"] = "CRC32C"
+                create = b._client.create_multipart_upload
+                resp = b._call(create, req=req, row=g.row, what="CreateMultipartUpload", **kw)
+                g.upload_id = resp["UploadId"]
+                g.etags = [None] * g.nparts
+        if self.completion.cancelled:
+            raise _Cancelled()
+        kw = {"Bucket": bucket, "Key": key, "UploadId": g.upload_id, "PartNumber": part + 1, "Body": view.tobytes()}
+        crc = None
+        if b._use_native():
+            crc = crc32c_b64(view)
+            kw["ChecksumAlgorithm"] = "CRC32C"
+            kw["ChecksumCRC32C"] = crc
+        resp = b._call(b._client.upload_part, req=req, row=g.row, what=f"UploadPart {part + 1}", **kw)
+        entry = {"PartNumber": part + 1, "ETag": resp["ETag"]}
+        if crc is not None:
+            entry["ChecksumCRC32C"] = crc
+        g.etags[part] = entry
+
+    def finish_group(self, g: _Group) -> None:
+        b, req, p = self.b, self.req, self.req.plan
+        row = g.row
+        if self.write:
+            if self.completion.cancelled:
+                return  # cleanup aborts it
+            b._call(
+                b._client.complete_multipart_upload,
+                req=req,
+                row=row,
+                what="CompleteMultipartUpload",
+                Bucket=p["bucket"][row],
+                Key=p["key"][row],
+                UploadId=g.upload_id,
+                MultipartUpload={"Parts": g.etags},
+            )
+            g.finished = True
+            return
+        bucket, key = p["bucket"][row], p["key"][row]
+        if len(set(g.etags)) > 1:
+            raise ObjectStoreError(
+                f"s3://{bucket}/{key} changed while it was being read (ETags {sorted(set(map(str, g.etags)))})",
+                bucket=bucket, key=key, code="ObjectChanged", errno=errno_mod.EIO,
+                index=req.caller_index(row), backend=b.name,
+            )  # fmt: skip
+        if p["off"][row] == 0 and g.total == p["len"][row]:
+            dst = self.view(row, 0, p["len"][row])
+            try:
+                b._verify(req, row, dst, g.meta_crc)
+            except ChecksumMismatch:
+                dst[:] = 0  # never leave unverified bytes behind
+                raise
+
+    def cleanup(self) -> None:
+        """Abort every multipart upload this post started and did not complete (no half object is visible)."""
+        p = self.req.plan
+        for g in self.groups.values():
+            if self.write and g.upload_id is not None and not g.finished:
+                try:
+                    self.b._client.abort_multipart_upload(
+                        Bucket=p["bucket"][g.row], Key=p["key"][g.row], UploadId=g.upload_id
+                    )
+                except Exception as exc:  # the upload stays invisible; the bucket's lifecycle rule reaps it
+                    log.warning("aborting the multipart upload of %r failed: %s", p["key"][g.row], exc)
+
+
+class _Cancelled(DatamoverError):
+    """Internal: a part noticed the transfer was cancelled (the completion already holds the reason)."""
+
+    def __init__(self) -> None:
+        super().__init__("cancelled", backend="s3")
+
+
+def _read_into(body: Any, dst: np.ndarray) -> None:
+    mv = memoryview(dst).cast("B")
+    got = 0
+    while got < mv.nbytes:
+        n = body.readinto(mv[got:])
+        if not n:
+            raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")
+        got += n
+
+
+def _total_size(resp: dict, fallback: int) -> int:
+    """The object's size from Content-Range ("bytes a-b/total")."""
+    cr = resp.get("ContentRange") or ""
+    _, _, total = cr.rpartition("/")
+    return int(total) if total.isdigit() else fallback
+
+
+def _refuses_checksum(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = response.get("Error", {}).get("Code", "")
+    message = response.get("Error", {}).get("Message", "").lower()
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status in (400, 501) and (code in ("NotImplemented", "InvalidArgument") or "checksum" in message)
+
+
+def object_store_error(
+    exc: BaseException, bucket: str, key: str, what: str, *, index: int | None = None, backend: str = "s3"
+) -> DatamoverError:
+    """Map a boto3/botocore exception to a typed error naming the bucket, the key and the HTTP status."""
+    if isinstance(exc, DatamoverError):
+        return exc
+    import botocore.exceptions as bx
+
+    where = f"{what} s3://{bucket}/{key}"
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(err.get("Code") or status)
+        message = err.get("Message") or ""
+        if code in ("NoSuchBucket",) or (code == "404" and what == "HEAD bucket"):
+            why = f"bucket {bucket!r} does not exist"
+        elif code in ("NoSuchKey", "404"):
+            why = f"no object {key!r} in bucket {bucket!r}"
+        elif status == 403:
+            why = f"access denied ({code}: {message or 'check the credentials and the bucket policy'})"
+        else:
+            why = f"{code}: {message}" if message else code
+        return ObjectStoreError(
+            f"{where} failed: HTTP {status}, {why}",
+            bucket=bucket, key=key, status=status, code=code,
+            errno=_ERRNO.get(status or 0, errno_mod.EIO), index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return ObjectStoreError(
+            f"{where} failed: {exc} (set access_key_id/secret_access_key, AWS_* variables or ~/.aws/credentials)",
+            bucket=bucket, key=key, code="NoCredentials", errno=errno_mod.EACCES, index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.EndpointConnectionError | bx.ConnectTimeoutError):
+        return ObjectStoreError(
+            f"{where} failed: endpoint unreachable ({exc})",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.ECONNREFUSED,
+            index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.ConnectionError | bx.ReadTimeoutError | bx.ResponseStreamingError | OSError):
+        return ObjectStoreError(
+            f"{where} failed: connection lost ({type(exc).__name__}: {exc})",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.ECONNRESET,
+            index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.BotoCoreError):
+        return ObjectStoreError(
+            f"{where} failed: {type(exc).__name__}: {exc}",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.EIO, index=index, backend=backend,
+        )  # fmt: skip
+    return DatamoverError(f"{where} failed: {type(exc).__name__}: {exc}", index=index, backend=backend)
