@@ -1,0 +1,117 @@
+"""cuda passes the conformance kit on a GPU: VRAM <-> pinned DRAM, DRAM <-> VRAM, VRAM <-> VRAM.
+
+Skipped, with the backend's own reason, where there is no usable GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datamover import Agent, DescList
+from datamover.backends import backend_status
+from datamover.testing import BackendConformance, HostBuffer
+
+
+def gpu_skip_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot be tested with torch CUDA buffers here, or None when it can."""
+    ok, reason = backend_status(backend)
+    if not ok:
+        return f"{backend} backend unavailable here: {reason}"
+    try:
+        import torch
+    except ImportError:
+        return "the VRAM test buffers need torch with CUDA; torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} cannot use CUDA (torch.cuda.is_available() is False)"
+    return None
+
+
+SKIP = gpu_skip_reason("cuda")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+
+class VramBuffer:
+    """Registered GPU memory (a torch CUDA tensor), read and written by the test with torch copies."""
+
+    def __init__(self, agent: Agent, nbytes: int, *, device: int = 0, shift: int = 0) -> None:
+        import torch
+
+        self.device = device
+        self.nbytes = nbytes
+        self.tensor = torch.zeros(nbytes + shift, dtype=torch.uint8, device=f"cuda:{device}")[shift:]
+        self.registration = agent.register_memory(self.tensor)
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.from_columns(self.tensor.data_ptr() + np.asarray(offsets), lengths, self.device, "VRAM")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return self.tensor[offset : offset + nbytes].cpu().numpy().tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        import torch
+
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.tensor[offset : offset + len(data)].copy_(src)
+        torch.cuda.synchronize(self.device)
+
+
+def last_device() -> int:
+    import torch
+
+    return torch.cuda.device_count() - 1
+
+
+class TestCudaVramToDram(BackendConformance):
+    """Local GPU memory, host memory as the other side (WRITE = D2H, READ = H2D)."""
+
+    backend = "cuda"
+    params: dict = {}
+
+    @pytest.fixture
+    def agent(self):
+        with Agent("cuda-test", {"backends": {"cuda": dict(self.params)}}) as agent:
+            yield agent
+
+    @pytest.fixture
+    def peer(self):
+        return None
+
+    @pytest.fixture
+    def make_local(self, agent):
+        return lambda n: VramBuffer(agent, n)
+
+    @pytest.fixture
+    def make_remote(self, agent):
+        return lambda n: HostBuffer(agent, n, shift=3)
+
+
+class TestCudaDramToVram(TestCudaVramToDram):
+    """Local host memory, GPU memory as the other side, inside one agent."""
+
+    @pytest.fixture
+    def make_local(self, agent):
+        return lambda n: HostBuffer(agent, n)
+
+    @pytest.fixture
+    def make_remote(self, agent):
+        return lambda n: VramBuffer(agent, n, shift=3)
+
+
+class TestCudaVramToVram(TestCudaVramToDram):
+    """GPU to GPU: across devices when there are two or more, else within device 0."""
+
+    @pytest.fixture
+    def make_remote(self, agent):
+        return lambda n: VramBuffer(agent, n, device=last_device(), shift=3)
+
+
+class TestCudaNoBatchApi(TestCudaVramToDram):
+    """The cudaMemcpyAsync-per-row path, as on runtimes or drivers older than 12.8."""
+
+    params = {"batch": False}

@@ -1,0 +1,50 @@
+"""gds passes the conformance kit on a GPU: VRAM <-> FILE and DRAM <-> FILE through kvikio.
+
+Skipped, with the backend's own reason, where kvikio or the GPU is missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from test_cuda import VramBuffer, gpu_skip_reason
+
+from datamover import Agent
+from datamover.testing import BackendConformance, FileBuffer, HostBuffer
+
+SKIP = gpu_skip_reason("gds")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
+
+_names = itertools.count()
+
+
+class TestGdsVram(BackendConformance):
+    """GPU memory to and from a registered file."""
+
+    backend = "gds"
+
+    @pytest.fixture
+    def agent(self):
+        with Agent("gds-test", {"backends": {"gds": {}}}) as agent:
+            yield agent
+
+    @pytest.fixture
+    def peer(self):
+        return None
+
+    @pytest.fixture
+    def make_local(self, agent):
+        return lambda n: VramBuffer(agent, n)
+
+    @pytest.fixture
+    def make_remote(self, agent, tmp_path):
+        return lambda n: FileBuffer(agent, tmp_path / f"g{next(_names)}.bin", n)
+
+
+class TestGdsDram(TestGdsVram):
+    """Host memory to and from a registered file through kvikio (its host path)."""
+
+    @pytest.fixture
+    def make_local(self, agent):
+        return lambda n: HostBuffer(agent, n)
