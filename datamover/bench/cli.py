@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 
 from ..backends import backend_status
-from .runner import format_table, machine_info, parse_size, run_sweep
+from .runner import format_table, human, machine_info, parse_size, run_sweep
 from .workload import WORKLOADS
 
 DEFAULT_BLOCKS = "4K,64K,1M,16M,64M"
 DEFAULT_BATCHES = "1,64,4096"
+#: which backend carries each path of a model-shaped run
+MODEL_PATHS = {"offload (DRAM <-> FILE)": "posix", "PD (DRAM -> remote DRAM)": "ucx"}
 
 
 def add_bench_parser(sub) -> None:
@@ -28,9 +30,37 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--min-time", type=float, default=0.3, help="seconds of timing per case and side")
     p.add_argument("--max-iters", type=int, default=50)
     p.add_argument("--check", action="store_true", help="verify every byte after the timed runs")
-    p.add_argument("--json", metavar="PATH", help="write results, machine and settings as JSON")
+    p.add_argument("--json", metavar="PATH", help="write results, machine, versions and settings as JSON")
+    p.add_argument("--csv", metavar="PATH", help="write results as CSV (machine, versions, settings in # lines)")
+    p.add_argument("--plot", metavar="PNG", help="draw GB/s against block size per backend (and per library)")
     p.add_argument("--dir", help="directory for benchmark files (posix); default the temp dir")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    vs = p.add_argument_group("head to head (--vs nixl)")
+    vs.add_argument("--vs", choices=["nixl"], help="also run every case through NIXL on the same memory and files")
+    vs.add_argument(
+        "--ucx-tls",
+        default=os.environ.get("UCX_TLS") or "self,sm,tcp",
+        help="UCX_TLS pinned for both libraries (default: $UCX_TLS, else self,sm,tcp)",
+    )
+    vs.add_argument(
+        "--nixl-ucx-err-mode",
+        choices=["none", "peer"],
+        default="none",
+        help="NIXL UCX backend's ucx_error_handling_mode (default none)",
+    )
+    vs.add_argument(
+        "--nixl-posix-queue",
+        choices=["aio", "uring", "posixaio"],
+        default="aio",
+        help="NIXL POSIX backend's I/O queue (default aio: libaio)",
+    )
+    m = p.add_argument_group("model-shaped blocks (--model)")
+    m.add_argument("--model", help="built-in model name or a YAML/JSON shape file (Hugging Face config.json works)")
+    m.add_argument("--isl", type=int, default=4096, help="input sequence length in tokens (default 4096)")
+    m.add_argument("--page-tokens", type=int, default=16, help="tokens per KV page (default 16)")
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; sizes are per rank (default 1)")
+    m.add_argument("--layout", choices=["block", "layer"], default="layer", help="one block per page, or per layer")
+    m.add_argument("--list-models", action="store_true", help="print the built-in model shapes and exit")
     p.set_defaults(func=cmd_bench)
 
 
@@ -49,8 +79,49 @@ def selected_backends(spec: str) -> tuple[list[str], list[str]]:
     return run, skipped
 
 
+def _model_points(args, max_bytes: int) -> tuple[list[str], dict, dict, list[str], list[str]]:
+    """Backends, exact (block, batch) points and labels for --model; plus lines to print and skipped paths."""
+    from .models import ModelShapeError, kv_plan, load_model
+
+    try:
+        plan = kv_plan(load_model(args.model), args.isl, args.page_tokens, args.tp, args.layout)
+    except ModelShapeError as exc:
+        raise SystemExit(f"datamover bench: {exc}") from None
+    wanted = list(MODEL_PATHS.values()) if args.backend == "all" else args.backend.split(",")
+    backends, skipped = selected_backends(",".join(wanted))
+    batch = plan.blocks
+    lines = [f"model: {plan.describe()}"]
+    if plan.total_bytes > max_bytes:
+        batch = max(1, max_bytes // plan.block_bytes)
+        lines.append(
+            f"  a request is {human(plan.total_bytes)}; each transfer moves {batch} of its {plan.blocks} blocks "
+            f"({human(batch * plan.block_bytes)}) to stay within --max-bytes {human(max_bytes)}"
+        )
+    if plan.block_bytes > max_bytes:
+        raise SystemExit(f"datamover bench: one block ({plan.block_bytes} B) exceeds --max-bytes; raise it")
+    for path, backend in MODEL_PATHS.items():
+        if backend in backends:
+            lines.append(f"  {path}: {backend}")
+    points = {b: [(plan.block_bytes, batch)] for b in backends}
+    labels = dict.fromkeys(backends, plan.label())
+    return backends, points, labels, lines, skipped
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    backends, skipped = selected_backends(args.backend)
+    if args.list_models:
+        from .models import MODELS, kv_plan
+
+        for name, shape in MODELS.items():
+            p = kv_plan(shape, args.isl, args.page_tokens, args.tp, args.layout)
+            print(f"{name:<16} {shape}  ->  {p.blocks} x {p.block_bytes} B")
+        return 0
+    max_bytes = parse_size(args.max_bytes)
+    points = labels = None
+    model_lines: list[str] = []
+    if args.model:
+        backends, points, labels, model_lines, skipped = _model_points(args, max_bytes)
+    else:
+        backends, skipped = selected_backends(args.backend)
     if not backends:
         print("no usable backend to benchmark:\n  " + "\n  ".join(skipped), file=sys.stderr)
         return 1
@@ -58,9 +129,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     batches = [int(s) for s in args.batch_sizes.split(",")]
     ops = [o.strip().upper() for o in args.op.split(",")] if args.op else None
     options = {"posix": {"dir": args.dir}} if args.dir else {}
+    settings = None
+    if args.vs == "nixl":
+        from .nixl import NixlSettings, nixl_status, nixl_versions
+
+        ok, reason = nixl_status()
+        if not ok:
+            print(f"datamover bench --vs nixl: {reason}", file=sys.stderr)
+            return 1
+        settings = NixlSettings(
+            ucx_tls=args.ucx_tls, ucx_err_mode=args.nixl_ucx_err_mode, posix_queue=args.nixl_posix_queue
+        )
+        settings.apply_env()
     headers: dict[str, dict] = {}
     info = machine_info()
-    print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs, python {info['python']}")
+    print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs ({info['cpu_model']}), python {info['python']}")
+    if settings is not None:
+        print(
+            f"  vs nixl {nixl_versions()}: UCX_TLS={settings.ucx_tls}, NIXL ucx_error_handling_mode="
+            f"{settings.ucx_err_mode}, NIXL POSIX queue={settings.posix_queue}, NIXL progress thread=off"
+        )
+    for line in model_lines:
+        print(line)
     for line in skipped:
         print(f"  skipped {line}")
     results = run_sweep(
@@ -68,32 +158,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
         ops,
         blocks,
         batches,
-        max_bytes=parse_size(args.max_bytes),
+        max_bytes=max_bytes,
         min_time=args.min_time,
         max_iters=args.max_iters,
         check=args.check,
         options=options,
         progress=not args.quiet,
         headers=headers,
+        points=points,
+        labels=labels,
+        vs=args.vs,
+        vs_settings=settings,
     )
     for name, head in headers.items():
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
     print(format_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "machine": info,
-                    "settings": vars(args) | {"func": None},
-                    "headers": headers,
-                    "skipped": skipped,
-                    "results": [r.row() for r in results],
-                },
-                f,
-                indent=2,
-                default=str,
-            )
-    if args.check and any(r.checked is False for r in results):
+    if args.json or args.csv or args.plot:
+        from . import output
+
+        payload = output.report(results, info, vars(args) | {"func": None}, headers, skipped)
+        if args.json:
+            output.write_json(args.json, payload)
+        if args.csv:
+            output.write_csv(args.csv, payload)
+        if args.plot:
+            title = f"datamover{' vs NIXL' if args.vs else ''} on {info['cpus']} CPUs, {info['cpu_model']}"
+            output.plot(args.plot, results, title=(labels and next(iter(labels.values()), "")) or title)
+    if args.check and any(r.checked is False or r.vs_checked is False for r in results):
         print("byte check FAILED", file=sys.stderr)
         return 2
     return 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .. import __version__
+from ..errors import BackendUnavailable, DatamoverError
 from .workload import Case, Workload, workload_class
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -33,9 +35,29 @@ class Result:
     ratio: float | None
     raw: str
     checked: bool | None
+    label: str = ""  # e.g. the model shape a case was sized from
+    vs: str | None = None  # the other library, when compared (--vs nixl)
+    vs_gbps: float | None = None
+    vs_post_p99_us: float | None = None
+    vs_xfer_avg_us: float | None = None
+    vs_xfer_p99_us: float | None = None
+    vs_ratio: float | None = None  # ours / theirs, in GB/s
+    vs_checked: bool | None = None
+    vs_error: str | None = None
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class Samples:
+    """Seconds per run of one case: ours (post, total), the raw library, and the compared library."""
+
+    posts: list[float] = field(default_factory=list)
+    totals: list[float] = field(default_factory=list)
+    raws: list[float] = field(default_factory=list)
+    vs_posts: list[float] = field(default_factory=list)
+    vs_totals: list[float] = field(default_factory=list)
 
 
 def parse_size(text: str) -> int:
@@ -54,22 +76,49 @@ def human(n: int) -> str:
 
 def time_case(case: Case, *, min_time: float, max_iters: int, min_iters: int = 3) -> tuple[list, list, list]:
     """Alternate ours and raw until ``min_time`` seconds each (or ``max_iters``); returns samples."""
-    case.before_each()
-    case.ours()  # warm up: first-touch, connections, caches
+    s = sample_case(case, min_time=min_time, max_iters=max_iters, min_iters=min_iters)
+    return s.posts, s.totals, s.raws
+
+
+def sample_case(
+    case: Case,
+    *,
+    min_time: float,
+    max_iters: int,
+    min_iters: int = 3,
+    vs: Callable[[], tuple[float, float]] | None = None,
+) -> Samples:
+    """Alternate ours, raw and ``vs`` (another library's run of the same case) until ``min_time`` seconds each.
+
+    Every side is preceded by ``case.before_each`` (e.g. a cold page cache),
+    warmed up once, and the order flips each round so that neither library
+    always runs right after the other.
+    """
+    sides: list[tuple[str, Callable]] = [("ours", case.ours)]
     if case.raw is not None:
+        sides.append(("raw", case.raw))
+    if vs is not None:
+        sides.append(("vs", vs))
+    for _, fn in sides:  # warm up: first-touch, connections, caches
         case.before_each()
-        case.raw()
-    posts, totals, raws = [], [], []
+        fn()
+    s = Samples()
     start = time.perf_counter()
-    while len(totals) < max_iters and (len(totals) < min_iters or time.perf_counter() - start < 2 * min_time):
-        case.before_each()
-        p, t = case.ours()
-        posts.append(p)
-        totals.append(t)
-        if case.raw is not None:
+    rounds = 0
+    while rounds < max_iters and (rounds < min_iters or time.perf_counter() - start < len(sides) * min_time):
+        for name, fn in sides if rounds % 2 == 0 else sides[::-1]:
             case.before_each()
-            raws.append(case.raw())
-    return posts, totals, raws
+            out = fn()
+            if name == "ours":
+                s.posts.append(out[0])
+                s.totals.append(out[1])
+            elif name == "raw":
+                s.raws.append(out)
+            else:
+                s.vs_posts.append(out[0])
+                s.vs_totals.append(out[1])
+        rounds += 1
+    return s
 
 
 def run_sweep(
@@ -85,51 +134,116 @@ def run_sweep(
     options: dict[str, Any] | None = None,
     progress: bool = True,
     headers: dict[str, dict] | None = None,
+    points: dict[str, list[tuple[int, int]]] | None = None,
+    labels: dict[str, str] | None = None,
+    vs: str | None = None,
+    vs_settings: Any = None,
 ) -> list[Result]:
-    """Run the sweep over every backend given; cases larger than ``max_bytes`` are skipped."""
+    """Run the sweep over every backend given; cases larger than ``max_bytes`` are skipped.
+
+    ``points`` replaces the block x batch grid per backend with exact
+    (block, batch) pairs (model-shaped runs); ``labels`` tags each backend's
+    rows. ``vs="nixl"`` also runs every case through NIXL on the same memory
+    (``vs_settings``: a NixlSettings), alternating with ours.
+    """
+    grid = [(bl, ba) for bl in blocks for ba in batches if bl * ba <= max_bytes]
+    plan = {b: [pt for pt in (points or {}).get(b, grid) if pt[0] * pt[1] <= max_bytes] for b in backends}
+    if vs not in (None, "nixl"):
+        raise ValueError(f"can only compare with 'nixl', not {vs!r}")
+    total = 0
+    for b in backends:
+        cls_ops = workload_class(b).ops
+        total += len([o for o in (ops or cls_ops) if o in cls_ops]) * len(plan[b])
+    bar = _progress(total, progress)
     results: list[Result] = []
-    plan = [(b, bl, ba) for b in backends for bl in blocks for ba in batches if bl * ba <= max_bytes]
-    bar = _progress(len(plan), progress)
-    for backend in backends:
-        sizes = [bl * ba for bl in blocks for ba in batches if bl * ba <= max_bytes]
-        if not sizes:
-            continue
-        workload: Workload = workload_class(backend)(max(sizes), (options or {}).get(backend, {}))
-        try:
-            if headers is not None:
-                headers[backend] = workload.header()
-            for op in ops or workload.ops:
-                if op not in workload.ops:
-                    continue
-                for block in blocks:
-                    for batch in batches:
-                        if block * batch > max_bytes:
-                            continue
+    try:
+        for backend in backends:
+            if not plan[backend]:
+                continue
+            workload: Workload = workload_class(backend)(
+                max(bl * ba for bl, ba in plan[backend]), (options or {}).get(backend, {})
+            )
+            other, missing = None, None
+            try:
+                if vs == "nixl":
+                    from .nixl import nixl_side
+
+                    try:
+                        other = nixl_side(backend, workload, vs_settings)
+                    except BackendUnavailable as exc:
+                        missing = str(exc)
+                if headers is not None:
+                    headers[backend] = workload.header()
+                    if other is not None:
+                        headers[f"{backend} vs nixl"] = other.header()
+                    elif missing:
+                        headers[f"{backend} vs nixl"] = {"skipped": missing}
+                for op in ops or workload.ops:
+                    if op not in workload.ops:
+                        continue
+                    for block, batch in plan[backend]:
                         bar.set_description(f"{backend} {op} {human(block)} x {batch}")
-                        results.append(_measure(workload, backend, op, block, batch, min_time, max_iters, check))
-                        bar.update(1 / len(workload.ops) if not ops else 1 / max(1, len(ops)))
-        finally:
-            workload.close()
-    bar.close()
+                        r = _measure(workload, backend, op, block, batch, min_time, max_iters, check, other)
+                        r.label = (labels or {}).get(backend, "")
+                        if missing:
+                            r.vs, r.vs_error = "nixl", missing
+                        results.append(r)
+                        bar.update(1)
+            finally:
+                if other is not None:
+                    other.close()
+                workload.close()
+    finally:
+        bar.close()
     return results
 
 
-def _measure(workload, backend, op, block, batch, min_time, max_iters, check) -> Result:
+def _measure(workload, backend, op, block, batch, min_time, max_iters, check, other=None) -> Result:
     case = workload.case(op, block, batch)
+    vs_case, vs_error = None, None
     try:
-        posts, totals, raws = time_case(case, min_time=min_time, max_iters=max_iters)
-        checked = case.verify() if check else None
+        if other is not None:
+            try:
+                vs_case = other.case(case)
+            except DatamoverError as exc:
+                vs_error = str(exc)
+        try:
+            s = sample_case(case, min_time=min_time, max_iters=max_iters, vs=vs_case.run if vs_case else None)
+        except DatamoverError as exc:
+            if vs_case is None:
+                raise
+            # NIXL failed mid-run: measure ours alone and say why the comparison is missing
+            vs_error, vs_case = f"{type(exc).__name__}: {exc}", None
+            s = sample_case(case, min_time=min_time, max_iters=max_iters)
+        checked = vs_checked = None
+        if check:
+            if vs_case is not None:
+                vs_checked = vs_case.verify()
+                vs_case.zero_target()
+                case.ours()  # so that our check sees our bytes, not NIXL's
+            checked = case.verify()
     finally:
+        if vs_case is not None:
+            vs_case.close()
         case.close()
     nbytes = block * batch
-    gbps = nbytes * len(totals) / sum(totals) / 1e9
-    raw_gbps = nbytes * len(raws) / sum(raws) / 1e9 if raws else None
-    return Result(
-        backend=backend, op=op, block=block, batch=batch, bytes=nbytes, iters=len(totals), gbps=gbps,
-        post_avg_us=float(np.mean(posts) * 1e6), post_p99_us=float(np.percentile(posts, 99) * 1e6),
-        xfer_avg_us=float(np.mean(totals) * 1e6), xfer_p99_us=float(np.percentile(totals, 99) * 1e6),
+    gbps = nbytes * len(s.totals) / sum(s.totals) / 1e9
+    raw_gbps = nbytes * len(s.raws) / sum(s.raws) / 1e9 if s.raws else None
+    r = Result(
+        backend=backend, op=op, block=block, batch=batch, bytes=nbytes, iters=len(s.totals), gbps=gbps,
+        post_avg_us=float(np.mean(s.posts) * 1e6), post_p99_us=float(np.percentile(s.posts, 99) * 1e6),
+        xfer_avg_us=float(np.mean(s.totals) * 1e6), xfer_p99_us=float(np.percentile(s.totals, 99) * 1e6),
         raw_gbps=raw_gbps, ratio=(gbps / raw_gbps) if raw_gbps else None, raw=case.raw_name, checked=checked,
     )  # fmt: skip
+    if other is not None:
+        r.vs, r.vs_error, r.vs_checked = "nixl", vs_error, vs_checked
+        if s.vs_totals:
+            r.vs_gbps = nbytes * len(s.vs_totals) / sum(s.vs_totals) / 1e9
+            r.vs_post_p99_us = float(np.percentile(s.vs_posts, 99) * 1e6)
+            r.vs_xfer_avg_us = float(np.mean(s.vs_totals) * 1e6)
+            r.vs_xfer_p99_us = float(np.percentile(s.vs_totals, 99) * 1e6)
+            r.vs_ratio = gbps / r.vs_gbps
+    return r
 
 
 class _NoBar:
@@ -151,33 +265,100 @@ def _progress(total: int, enabled: bool):
 
 
 def machine_info() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on: host, CPU, memory, kernel, and library versions."""
     import os
 
-    return {
+    info = {
         "datamover": __version__,
         "python": platform.python_version(),
         "numpy": np.__version__,
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "mem_gib": _mem_gib(),
         "platform": platform.platform(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
+    info["versions"] = library_versions()
+    return info
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries underneath every backend and of NIXL, where installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("numpy", "msgpack", "ucxx-cu12", "libucx-cu12", "boto3", "moto", "torch", "nixl", "nixl-cu12"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _mem_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(f.readline().split()[1])
+        return round(kib / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _fmt(x: float | None, spec: str, width: int) -> str:
+    return f"{x:{width}{spec}}" if x is not None else f"{'-':>{width}}"
 
 
 def format_table(results: list[Result]) -> str:
-    """A fixed-width table: one line per case, ours beside raw."""
+    """A fixed-width table: one line per case, ours beside raw (and beside NIXL when compared)."""
+    if any(r.vs for r in results):
+        return format_vs_table(results)
     head = (
         f"{'backend':<8} {'op':<5} {'block':>9} {'batch':>6} {'GB/s':>7} {'raw GB/s':>9} {'ratio':>6} "
         f"{'post avg us':>11} {'post p99 us':>11} {'xfer avg us':>11} {'xfer p99 us':>11} {'check':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
-        raw = f"{r.raw_gbps:9.2f}" if r.raw_gbps is not None else f"{'-':>9}"
-        ratio = f"{r.ratio:6.2f}" if r.ratio is not None else f"{'-':>6}"
         chk = {True: "ok", False: "FAIL", None: "-"}[r.checked]
         lines.append(
-            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {r.gbps:7.2f} {raw} {ratio} "
-            f"{r.post_avg_us:11.1f} {r.post_p99_us:11.1f} {r.xfer_avg_us:11.1f} {r.xfer_p99_us:11.1f} {chk:>5}"
+            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {r.gbps:7.2f} {_fmt(r.raw_gbps, '.2f', 9)} "
+            f"{_fmt(r.ratio, '.2f', 6)} {r.post_avg_us:11.1f} {r.post_p99_us:11.1f} {r.xfer_avg_us:11.1f} "
+            f"{r.xfer_p99_us:11.1f} {chk:>5}"
         )
+    return "\n".join(lines)
+
+
+def format_vs_table(results: list[Result]) -> str:
+    """Ours beside NIXL: both GB/s, both p99 post-to-done latencies, the ratio, and both byte checks."""
+    head = (
+        f"{'backend':<8} {'op':<5} {'block':>9} {'batch':>6} {'ours GB/s':>9} {'nixl GB/s':>9} {'ours/nixl':>9} "
+        f"{'ours p99 us':>11} {'nixl p99 us':>11} {'raw GB/s':>8} {'check':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    notes = []
+    for r in results:
+        mark = {True: "ok", False: "FAIL", None: "-"}
+        chk = f"{mark[r.checked]}/{mark[r.vs_checked]}"
+        ratio = _fmt(r.vs_ratio, ".2f", 9)
+        if r.vs_error:
+            notes.append(f"  {r.backend} {r.op} {human(r.block)} x {r.batch}: nixl: {r.vs_error}")
+            ratio = f"{'n/a':>9}"
+        lines.append(
+            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {r.gbps:9.2f} {_fmt(r.vs_gbps, '.2f', 9)} "
+            f"{ratio} {r.xfer_p99_us:11.1f} {_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"
+        )
+    if notes:
+        lines += ["", "NIXL did not run these cases:", *dict.fromkeys(notes)]
     return "\n".join(lines)

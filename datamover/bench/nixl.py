@@ -1,0 +1,300 @@
+"""The NIXL side of `datamover bench --vs nixl`: each case again through NIXL's Python API, same memory, same files.
+
+A NixlSide is built on a running datamover Workload and reuses its buffers,
+its file descriptors and its block permutation, so both libraries move the
+same bytes between the same addresses and file offsets. NIXL settings that
+change its numbers several-fold are pinned explicitly (``NixlSettings``):
+UCX_TLS, the UCX error-handling mode, the POSIX I/O queue, and no progress
+thread (NIXL's progress thread spins a whole core, which on a 2-core machine
+would be taken from whichever library runs next).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import BackendUnavailable, DatamoverError, TransferTimeout
+from .workload import Case, Workload
+
+DEFAULT_UCX_TLS = "self,sm,tcp"
+UCX_ERR_MODES = ("none", "peer")
+POSIX_QUEUES = {"aio": "use_aio", "uring": "use_uring", "posixaio": "use_posix_aio"}
+
+
+class NixlError(DatamoverError):
+    """NIXL refused a setup step or reported ERR for a transfer."""
+
+
+@dataclass
+class NixlSettings:
+    """The NIXL knobs that change its numbers; all are printed above the results."""
+
+    ucx_tls: str = DEFAULT_UCX_TLS
+    ucx_err_mode: str = "none"
+    posix_queue: str = "aio"
+    progress_thread: bool = False
+    timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.ucx_err_mode not in UCX_ERR_MODES:
+            raise ValueError(f"ucx_err_mode must be one of {UCX_ERR_MODES}, got {self.ucx_err_mode!r}")
+        if self.posix_queue not in POSIX_QUEUES:
+            raise ValueError(f"posix_queue must be one of {tuple(POSIX_QUEUES)}, got {self.posix_queue!r}")
+
+    def apply_env(self) -> None:
+        """Pin UCX_TLS for every UCX context created after this call (NIXL's and ucxx's alike)."""
+        os.environ["UCX_TLS"] = self.ucx_tls
+
+    def header(self) -> dict[str, Any]:
+        return asdict(self) | {"UCX_TLS (env)": os.environ.get("UCX_TLS", "")}
+
+
+def nixl_status() -> tuple[bool, str]:
+    """Whether NIXL's Python API imports here, and if not, why."""
+    try:
+        importlib.import_module("nixl._api")
+    except ImportError as exc:
+        return False, f"nixl is not installed ({exc}); pip install --no-deps nixl nixl-cu12"
+    except Exception as exc:  # a broken native library raises OSError or RuntimeError
+        return False, f"nixl failed to load: {type(exc).__name__}: {exc}"
+    return True, "ok"
+
+
+def nixl_versions() -> dict[str, str]:
+    """Installed NIXL distributions and their versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("nixl", "nixl-cu12", "nixl-cu13"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def make_agent(name: str, settings: NixlSettings, backends: dict[str, dict[str, str]]):
+    """A nixl_agent with exactly ``backends`` created with the given init params."""
+    ok, reason = nixl_status()
+    if not ok:
+        raise BackendUnavailable(reason, backend="nixl")
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[]))
+    for backend, params in backends.items():
+        try:
+            agent.create_backend(backend, params)
+        except Exception as exc:
+            raise NixlError(f"NIXL could not create its {backend} backend ({params}): {exc}", backend="nixl") from exc
+    return agent
+
+
+def ucx_params(settings: NixlSettings) -> dict[str, str]:
+    return {"ucx_error_handling_mode": settings.ucx_err_mode}
+
+
+def posix_params(settings: NixlSettings) -> dict[str, str]:
+    return {POSIX_QUEUES[settings.posix_queue]: "true"}
+
+
+def block_rows(base: int, offsets: np.ndarray, block: int, dev: int) -> np.ndarray:
+    """An (N, 3) uint64 array of (base + offset, block, dev) rows, NIXL's descriptor form."""
+    rows = np.empty((offsets.shape[0], 3), dtype=np.uint64)
+    rows[:, 0] = base + offsets.astype(np.uint64)
+    rows[:, 1] = block
+    rows[:, 2] = dev
+    return rows
+
+
+@dataclass
+class NixlCase:
+    """One prepared NIXL transfer: ``run`` times it, ``verify`` checks its bytes, ``close`` releases it.
+
+    ``zero_target`` zeroes the destination so that a later check proves the
+    next writer (ours) rather than bytes NIXL left there.
+    """
+
+    run: Callable[[], tuple[float, float]]
+    verify: Callable[[], bool]
+    close: Callable[[], None]
+    zero_target: Callable[[], None] = lambda: None
+
+
+class NixlSide(ABC):
+    """NIXL's version of one datamover workload, on that workload's memory."""
+
+    def __init__(self, workload: Workload, settings: NixlSettings) -> None:
+        self.workload = workload
+        self.settings = settings
+
+    def header(self) -> dict[str, Any]:
+        return {}
+
+    @abstractmethod
+    def case(self, case: Case) -> NixlCase: ...
+
+    def close(self) -> None:
+        """Deregister and drop the NIXL agent."""
+
+    # -- shared by the pairs -------------------------------------------------
+    def _prepped(self, agent, op: str, local_rows: np.ndarray, local_mem: str, remote_rows, remote_mem, peer: str):
+        """Prepare both sides and make one transfer handle; returns (handle, releaser)."""
+        n = local_rows.shape[0]
+        try:
+            lh = agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows, local_mem)
+            rh = agent.prep_xfer_dlist(peer, remote_rows, remote_mem)
+            idx = np.arange(n, dtype=np.int32)
+            xh = agent.make_prepped_xfer(op, lh, idx, rh, idx)
+        except Exception as exc:
+            raise NixlError(f"NIXL could not prepare {op} of {n} descriptors: {exc}", backend="nixl") from exc
+
+        def release() -> None:
+            agent.release_xfer_handle(xh)
+            agent.release_dlist_handle(lh)
+            agent.release_dlist_handle(rh)
+
+        return xh, release
+
+    def _timed(self, agent, handle) -> Callable[[], tuple[float, float]]:
+        timeout = self.settings.timeout
+
+        def run() -> tuple[float, float]:
+            t0 = time.perf_counter()
+            state = agent.transfer(handle)
+            t1 = time.perf_counter()
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+                if time.perf_counter() - t0 > timeout:
+                    raise TransferTimeout(f"NIXL transfer still in progress after {timeout} s", backend="nixl")
+            if state != "DONE":
+                raise NixlError(f"NIXL reported {state} for the transfer", backend="nixl")
+            return t1 - t0, time.perf_counter() - t0
+
+        return run
+
+
+def _permutation(batch: int) -> np.ndarray:
+    from .local import _permutation as same_as_workload
+
+    return same_as_workload(batch)
+
+
+class NixlLocalDram(NixlSide):
+    """DRAM -> DRAM in one process: NIXL's UCX backend in loopback, against our memcpy backend."""
+
+    def __init__(self, workload: Workload, settings: NixlSettings) -> None:
+        super().__init__(workload, settings)
+        self.src, self.dst = workload.src, workload.dst
+        self.agent = make_agent("bench-nixl-local", settings, {"UCX": ucx_params(settings)})
+        self.reg = self.agent.register_memory(
+            [(int(a.ctypes.data), int(a.nbytes), 0, "") for a in (self.src, self.dst)], "DRAM"
+        )
+
+    def header(self) -> dict[str, Any]:
+        return {"nixl backend": "UCX (loopback)", "ucx": self.agent.get_backend_params("UCX")}
+
+    def case(self, case: Case) -> NixlCase:
+        block, batch, n = case.block, case.batch, case.nbytes
+        perm = _permutation(batch)
+        src_rows = block_rows(int(self.src.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
+        dst_rows = block_rows(int(self.dst.ctypes.data), perm.astype(np.int64) * block, block, 0)
+        xh, release = self._prepped(self.agent, "WRITE", src_rows, "DRAM", dst_rows, "DRAM", self.agent.name)
+        run = self._timed(self.agent, xh)
+
+        def zero_target() -> None:
+            self.dst[:n] = 0
+
+        def verify() -> bool:
+            zero_target()
+            run()
+            return bool(np.array_equal(self.dst[:n].reshape(batch, block)[perm], self.src[:n].reshape(batch, block)))
+
+        return NixlCase(run, verify, release, zero_target)
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+
+
+class NixlPosix(NixlSide):
+    """DRAM <-> FILE: NIXL's POSIX backend on the very fd (same O_DIRECT flag) and buffer our posix workload uses."""
+
+    def __init__(self, workload: Workload, settings: NixlSettings) -> None:
+        super().__init__(workload, settings)
+        self.mem = workload.mem
+        self.path = workload.path
+        self.fd = workload.handle.fd
+        self.direct = bool(workload.handle.direct)
+        size = os.fstat(self.fd).st_size
+        self.agent = make_agent("bench-nixl-posix", settings, {"POSIX": posix_params(settings)})
+        self.mem_reg = self.agent.register_memory([(int(self.mem.ctypes.data), int(self.mem.nbytes), 0, "")], "DRAM")
+        self.file_reg = self.agent.register_memory([(0, size, self.fd, self.path)], "FILE")
+
+    def header(self) -> dict[str, Any]:
+        flags = os.O_DIRECT if self.direct else 0
+        return {
+            "nixl backend": "POSIX",
+            "posix": self.agent.get_backend_params("POSIX"),
+            "file": self.path,
+            "fd shared with ours": True,
+            "O_DIRECT": bool(flags),
+        }
+
+    def case(self, case: Case) -> NixlCase:
+        block, batch, n, op = case.block, case.batch, case.nbytes, case.op
+        perm = _permutation(batch)
+        mem_rows = block_rows(int(self.mem.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
+        file_rows = block_rows(0, perm.astype(np.int64) * block, block, self.fd)
+        xh, release = self._prepped(self.agent, op, mem_rows, "DRAM", file_rows, "FILE", self.agent.name)
+        run = self._timed(self.agent, xh)
+
+        def disk() -> np.ndarray:
+            with open(self.path, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                return np.frombuffer(f.read(n), dtype=np.uint8).reshape(batch, block)
+
+        def zero_target() -> None:
+            if op == "WRITE":
+                with open(self.path, "r+b") as f:
+                    f.write(bytes(n))
+                    f.flush()
+                    os.fsync(f.fileno())
+            else:
+                self.mem[:n] = 0
+
+        def verify() -> bool:
+            zero_target()
+            run()
+            return bool(np.array_equal(disk()[perm], self.mem[:n].reshape(batch, block)))
+
+        return NixlCase(run, verify, release, zero_target)
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.file_reg)
+        self.agent.deregister_memory(self.mem_reg)
+
+
+#: datamover backend -> "module:Class" of the NIXL side compared with it
+NIXL_PAIRS: dict[str, str] = {
+    "memcpy": "datamover.bench.nixl:NixlLocalDram",
+    "posix": "datamover.bench.nixl:NixlPosix",
+}
+
+
+def nixl_side(backend: str, workload: Workload, settings: NixlSettings) -> NixlSide:
+    """The NIXL side for ``backend``'s workload; BackendUnavailable if there is none or NIXL is missing."""
+    target = NIXL_PAIRS.get(backend)
+    if target is None:
+        raise BackendUnavailable(f"no NIXL counterpart for the {backend} workload", backend="nixl")
+    ok, reason = nixl_status()
+    if not ok:
+        raise BackendUnavailable(reason, backend="nixl")
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)(workload, settings)

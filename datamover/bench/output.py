@@ -1,0 +1,125 @@
+"""Benchmark results on disk: JSON and CSV (with machine, versions and settings), and a GB/s plot."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import fields
+from typing import Any
+
+from .runner import Result, human
+
+RESULT_FIELDS = [f.name for f in fields(Result)]
+
+
+def _clean(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if not callable(v)}
+
+
+def report(results: list[Result], machine: dict, settings: dict, headers: dict, skipped: list[str]) -> dict:
+    """Everything one run produced, as one JSON-able mapping."""
+    return {
+        "machine": machine,
+        "settings": _clean(settings),
+        "headers": headers,
+        "skipped": skipped,
+        "results": [r.row() for r in results],
+    }
+
+
+def write_json(path: str, payload: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+
+
+def read_json(path: str) -> tuple[list[Result], dict]:
+    """Results and the rest of the report from a file written by ``write_json``."""
+    with open(path) as f:
+        payload = json.load(f)
+    return [Result(**row) for row in payload["results"]], payload
+
+
+def write_csv(path: str, payload: dict) -> None:
+    """One row per case; machine, versions and settings go first as ``# key: json`` comment lines."""
+    with open(path, "w", newline="") as f:
+        f.write(to_csv(payload))
+
+
+def to_csv(payload: dict) -> str:
+    out = io.StringIO()
+    for key in ("machine", "settings", "headers", "skipped"):
+        out.write(f"# {key}: {json.dumps(payload.get(key), default=str, sort_keys=True)}\n")
+    w = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n")
+    w.writeheader()
+    for row in payload["results"]:
+        w.writerow({k: "" if row.get(k) is None else row[k] for k in RESULT_FIELDS})
+    return out.getvalue()
+
+
+def read_csv(path: str) -> tuple[list[Result], dict]:
+    """Results (typed as written) and the commented metadata from a file written by ``write_csv``."""
+    meta: dict[str, Any] = {}
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    body = []
+    for line in lines:
+        if line.startswith("# ") and ": " in line and not body:
+            key, _, value = line[2:].partition(": ")
+            meta[key] = json.loads(value)
+        else:
+            body.append(line)
+    types = {f.name: f.type for f in fields(Result)}
+    results = []
+    for row in csv.DictReader(body):
+        results.append(Result(**{k: _parse(types[k], v) for k, v in row.items()}))
+    return results, meta
+
+
+def _parse(type_name: str, text: str) -> Any:
+    if text == "":
+        return "" if type_name == "str" else None
+    if type_name.startswith("int"):
+        return int(text)
+    if type_name.startswith("float"):
+        return float(text)
+    if type_name.startswith("bool"):
+        return text == "True"
+    return text
+
+
+def plot(path: str, results: list[Result], title: str = "") -> None:
+    """GB/s against block size: one line per (backend, op, batch), and per library when compared with NIXL."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[str, str, int], list[Result]] = {}
+    for r in results:
+        series.setdefault((r.backend, r.op, r.batch), []).append(r)
+    ops = sorted({r.op for r in results})
+    fig, axes = plt.subplots(1, len(ops), figsize=(6.5 * len(ops), 4.5), squeeze=False, sharey=True)
+    for ax, op in zip(axes[0], ops):
+        for (backend, sop, batch), rows in sorted(series.items()):
+            if sop != op:
+                continue
+            rows = sorted(rows, key=lambda r: r.block)
+            x = [r.block for r in rows]
+            (line,) = ax.plot(x, [r.gbps for r in rows], marker="o", label=f"datamover {backend} x{batch}")
+            vs = [(r.block, r.vs_gbps) for r in rows if r.vs_gbps is not None]
+            if vs:
+                ax.plot(*zip(*vs), marker="s", linestyle="--", color=line.get_color(), label=f"nixl x{batch}")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({r.block for r in results if r.op == op})
+        ax.set_xticks(ticks, [human(t).replace(" ", "") for t in ticks], rotation=45)
+        ax.set_xlabel("block size")
+        ax.set_title(op)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("GB/s")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

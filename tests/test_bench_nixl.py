@@ -1,0 +1,67 @@
+"""`datamover bench --vs nixl`: a tiny comparison when NIXL is installed; skipped with the reason when not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from datamover.bench.nixl import NixlSettings, nixl_status
+from datamover.cli import main
+
+OK, REASON = nixl_status()
+needs_nixl = pytest.mark.skipif(not OK, reason=f"NIXL unavailable: {REASON}")
+TINY = ["--block-sizes", "4K,64K", "--batch-sizes", "4", "--min-time", "0.01", "--max-iters", "3", "--quiet"]
+
+
+@needs_nixl
+def test_tiny_comparison_checks_both_libraries(tmp_path, capsys) -> None:
+    js = tmp_path / "vs.json"
+    argv = ["bench", "--vs", "nixl", "--backend", "memcpy,posix", "--check", "--dir", str(tmp_path), *TINY]
+    assert main([*argv, "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "ours/nixl" in out and "UCX_TLS=" in out and "ucx_error_handling_mode=none" in out
+    rows = json.loads(js.read_text())["results"]
+    assert len(rows) == 2 + 4
+    for r in rows:
+        assert r["vs"] == "nixl" and r["vs_error"] is None
+        assert r["checked"] is True and r["vs_checked"] is True
+        assert r["vs_gbps"] > 0 and r["vs_ratio"] == pytest.approx(r["gbps"] / r["vs_gbps"])
+
+
+@needs_nixl
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_nixl_posix_check_fails_when_nixl_moves_nothing(tmp_path, op) -> None:
+    from datamover.bench.local import PosixWorkload
+    from datamover.bench.nixl import NixlPosix
+
+    w = PosixWorkload(1 << 20, {"dir": str(tmp_path)})
+    side = NixlPosix(w, NixlSettings())
+    try:
+        case = w.case(op, 65536, 16)
+        good = side.case(case)
+        assert good.verify() is True
+        good.close()
+        side._timed = lambda agent, handle: lambda: (0.0, 0.0)  # a NIXL run that moves no bytes
+        bad = side.case(case)
+        assert bad.verify() is False
+        bad.close()
+        case.close()
+    finally:
+        side.close()
+        w.close()
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="ucx_err_mode"):
+        NixlSettings(ucx_err_mode="sometimes")
+    with pytest.raises(ValueError, match="posix_queue"):
+        NixlSettings(posix_queue="threads")
+
+
+def test_missing_nixl_is_reported(monkeypatch, capsys) -> None:
+    import datamover.bench.nixl as nixl_mod
+
+    monkeypatch.setattr(nixl_mod, "nixl_status", lambda: (False, "nixl is not installed (test)"))
+    assert main(["bench", "--vs", "nixl", "--backend", "memcpy", *TINY]) == 1
+    assert "nixl is not installed (test)" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""Benchmark output: JSON and CSV round-trips, the plot, and the sampling order of the runner."""
+
+from __future__ import annotations
+
+import struct
+
+from datamover.bench import output
+from datamover.bench.runner import Result, machine_info, sample_case
+from datamover.bench.workload import Case
+
+
+def _results() -> list[Result]:
+    plain = Result("posix", "WRITE", 65536, 64, 65536 * 64, 12, 1.234567891234, 10.5, 20.25, 3000.125, 4000.0,
+                   1.1, 1.12233445566, "os.pwritev loop", True)  # fmt: skip
+    vs = Result("memcpy", "WRITE", 4096, 4096, 4096 * 4096, 7, 5.5, 1.0, 2.0, 3.0, 4.0, None, None, "", None,
+                label="llama-3.1-8b isl=64", vs="nixl", vs_gbps=1.5, vs_post_p99_us=9.75, vs_xfer_avg_us=8.5,
+                vs_xfer_p99_us=11.0, vs_ratio=5.5 / 1.5, vs_checked=False, vs_error=None)  # fmt: skip
+    return [plain, vs]
+
+
+def _payload(results):
+    return output.report(results, machine_info(), {"op": None, "func": print, "min_time": 0.1}, {"posix": {}}, [])
+
+
+def test_csv_round_trip(tmp_path) -> None:
+    results = _results()
+    path = tmp_path / "r.csv"
+    output.write_csv(str(path), _payload(results))
+    back, meta = output.read_csv(str(path))
+    assert back == results
+    assert meta["machine"]["cpus"] >= 1
+    assert "numpy" in meta["machine"]["versions"]
+    assert meta["settings"] == {"op": None, "min_time": 0.1}  # callables dropped
+
+
+def test_json_round_trip(tmp_path) -> None:
+    results = _results()
+    path = tmp_path / "r.json"
+    output.write_json(str(path), _payload(results))
+    back, payload = output.read_json(str(path))
+    assert back == results
+    assert payload["machine"]["python"]
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    path = tmp_path / "p.png"
+    r = _results()
+    output.plot(str(path), [r[0], Result(**(r[0].row() | {"block": 1 << 20, "op": "READ"})), r[1]], title="t")
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width > 500 and height > 300
+
+
+def test_sample_case_alternates_and_flips_order() -> None:
+    calls: list[str] = []
+
+    def side(name, value):
+        def fn():
+            calls.append(name)
+            return value
+
+        return fn
+
+    case = Case("WRITE", 4096, 1, side("ours", (0.0, 1.0)), side("raw", 1.0), lambda: True,
+                before_each=lambda: calls.append("-"))  # fmt: skip
+    s = sample_case(case, min_time=0.0, max_iters=4, min_iters=4, vs=side("vs", (0.0, 2.0)))
+    runs = [c for c in calls if c != "-"]
+    assert runs[:3] == ["ours", "raw", "vs"]  # warm-up
+    assert runs[3:6] == ["ours", "raw", "vs"] and runs[6:9] == ["vs", "raw", "ours"]
+    assert calls.count("-") == len(runs)  # cold state before every side
+    assert len(s.totals) == len(s.raws) == len(s.vs_totals) == 4
