@@ -1,0 +1,114 @@
+"""`datamover replay`: replay a request trace through the tier policy and print the cost dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from .config import ConfigError, load_config
+from .policies import policy_names
+from .replay import (
+    DEFAULT_SWEEP,
+    ReplayReport,
+    format_report,
+    load_trace,
+    parse_capacity,
+    run_replay,
+    single_tier,
+    with_l1_capacity,
+)
+
+
+def add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `replay` to a subcommand parser (datamover/cli.py wires it in)."""
+    p = sub.add_parser("replay", help="replay a Mooncake-format trace through the tier policy (simulation)")
+    p.add_argument("trace", help="JSON-lines trace: one {timestamp, hash_ids, ...} object per request")
+    p.add_argument("--config", help="tier config YAML (default: the documented defaults)")
+    p.add_argument(
+        "--policy",
+        action="append",
+        help="policy to replay, repeatable (default: the configured "
+        "policy, lru and belady); 'belady' is the offline optimum",
+    )
+    p.add_argument("--l1-capacity", help="override L1 capacity: chunks, or a share of distinct chunks like 1%%")
+    p.add_argument("--single-tier", action="store_true", help="replay L1 alone (other tiers disabled)")
+    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also vary L1 capacity over " + ", ".join(f"{f:.1%}" for f in DEFAULT_SWEEP) + " of distinct chunks",
+    )
+    p.add_argument("--plot", help="with --sweep: write hit rate and effective cost against capacity to this PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_replay)
+
+
+def report_dict(report: ReplayReport) -> dict:
+    """The report as plain data (tier hit rates, evictions, moves in chunks and bytes, costs)."""
+
+    def result(r):
+        return {
+            "policy": r.policy,
+            "tiers": [asdict(t) for t in r.tiers],
+            "refs": r.refs,
+            "hit_rate": r.hit_rate,
+            "hit_rates": r.hit_rates(),
+            "miss_rate": r.miss_rate,
+            "evictions": {t.name: e for t, e in zip(r.tiers, r.evictions, strict=True)},
+            "moved_chunks": {f"{a}->{b}": n for (a, b), n in r.moved.items()},
+            "moved_bytes": {f"{a}->{b}": n * report.page_bytes for (a, b), n in r.moved.items()},
+            "effective_ns_per_access": r.effective_ns(report.cost),
+            "effective_ns_per_token": r.effective_ns(report.cost) / report.block_tokens,
+            "replay_s": r.elapsed_s,
+        }
+
+    return {
+        "trace": report.trace,
+        "requests": report.requests,
+        "refs": report.refs,
+        "distinct": report.distinct,
+        "page_bytes": report.page_bytes,
+        "cost_ns": {"tiers": list(report.cost.tier_ns), "miss": report.cost.miss_ns},
+        "results": [result(r) for r in report.results],
+        "sweep": [result(r) for r in report.sweep],
+        "plot": report.plot,
+    }
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    """Run the replay the arguments describe and print the report."""
+    try:
+        config = load_config(args.config)
+        for name in args.policy or []:
+            if name != "belady" and name not in policy_names():
+                raise SystemExit(
+                    f"datamover replay: unknown policy {name!r}; known: belady, " + ", ".join(policy_names())
+                )
+        if args.l1_capacity or args.single_tier:
+            distinct = load_trace(args.trace, args.limit).distinct
+            chunks = parse_capacity(args.l1_capacity, distinct) if args.l1_capacity else config.l1_hbm.block_pool_size
+            config = single_tier(config, chunks) if args.single_tier else with_l1_capacity(config, chunks)
+    except (ConfigError, ValueError) as exc:
+        print(f"datamover replay: {exc}", file=sys.stderr)
+        return 2
+    if args.plot and not args.sweep:
+        print("datamover replay: --plot needs --sweep", file=sys.stderr)
+        return 2
+    report = run_replay(args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit)
+    print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m datamover.policy.cli TRACE [...]`: the replay command on its own."""
+    parser = argparse.ArgumentParser(prog="datamover", description=__doc__)
+    add_replay_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["replay", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

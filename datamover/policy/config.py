@@ -1,0 +1,492 @@
+"""The tier configuration (`kv_cache_tiered:` YAML): schema, documented defaults, and validation that names the key.
+
+Every field is declared once below with its default and a one-line doc; `default_config_yaml()` prints them all.
+Validation rejects unknown keys, wrong types, values out of range and capacities that do not fit, and every
+message starts with the dotted path of the offending key, e.g. `kv_cache_tiered.l2_dram.pinned_pool_gb`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+GIB = 1 << 30
+ROOT = "kv_cache_tiered"
+TIER_NAMES = ("l1_hbm", "l2_dram", "l3_nvme", "l4_pool")
+SPAN_FIELDS = (
+    "layer_id",
+    "head_id",
+    "token_range",
+    "from_tier",
+    "to_tier",
+    "size_bytes",
+    "latency_us",
+    "prefix_hash",
+    "hit_or_miss",
+)
+# The seed template spells the tier fields `from_layer` / `to_layer`; accept them as the same fields.
+SPAN_FIELD_ALIASES = {"from_layer": "from_tier", "to_layer": "to_tier"}
+_DURATION = re.compile(r"^(\d+)(s|m|h|d)$")
+_MILLIS = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s)?$")
+
+
+class ConfigError(ValueError):
+    """A tier configuration is invalid; `path` is the dotted key path, and the message starts with it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+def _f(default: Any, doc: str, **checks: Any) -> Any:
+    """A config field: its (immutable) default, its documentation, and optional checks (choices, ge, gt, le)."""
+    return field(default=default, metadata={"doc": doc, **checks})
+
+
+@dataclass(frozen=True)
+class L1Config:
+    """L1: GPU HBM (without a GPU, a host DRAM arena stands in for it and the cache says so)."""
+
+    enabled: bool = _f(True, "keep an L1 tier")
+    page_size_bytes: int = _f(65536, "bytes of one KV chunk; every tier stores and moves whole chunks", gt=0)
+    block_pool_size: int = _f(8192, "L1 capacity in chunks", gt=0)
+    device: str = _f(
+        "auto",
+        "where L1 lives: cuda, dram (a stand-in arena), or auto (cuda if usable)",
+        choices=("auto", "cuda", "dram"),
+    )
+    high_watermark: float = _f(
+        1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0
+    )
+    low_watermark: float = _f(
+        1.0, "evict down to this fraction (below high_watermark: demote in batches)", gt=0.0, le=1.0
+    )
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """L2: pinned host DRAM."""
+
+    enabled: bool = _f(True, "keep an L2 tier")
+    pinned_pool_gb: float = _f(1.0, "L2 capacity in GiB (the pinned host pool)", gt=0.0)
+    swap_threshold_pages: int = _f(512, "most chunks demoted from L1 to L2 in one transfer", gt=0)
+    hysteresis_cooldown_s: float = _f(
+        5.0, "a chunk used or placed less than this ago is demoted only as a last resort (every tier)", ge=0.0
+    )
+    high_watermark: float = _f(
+        1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0
+    )
+    low_watermark: float = _f(1.0, "evict down to this fraction of capacity", gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class L3Config:
+    """L3: local NVMe, one file per chunk under `path`."""
+
+    enabled: bool = _f(False, "keep an L3 tier")
+    path: str = _f("/var/tmp/datamover/l3", "directory holding the chunk files and the index")
+    capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0)
+    fsync_mode: str = _f("fdatasync", "durability of each chunk write", choices=("none", "fsync", "fdatasync"))
+    crc32c_check: bool = _f(True, "store a CRC32C per chunk and check it on every read (a mismatch is a miss)")
+    chunk_size_tokens: int = _f(16, "tokens per chunk (token_range in spans, cost per token)", gt=0)
+    high_watermark: float = _f(
+        1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0
+    )
+    low_watermark: float = _f(1.0, "evict down to this fraction of capacity", gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class L4Config:
+    """L4: a remote pool (an S3-compatible object store)."""
+
+    enabled: bool = _f(False, "keep an L4 tier")
+    backend: str = _f("s3", "backend that reaches the pool", choices=("s3",))
+    endpoint: str = _f("", "endpoint URL of the store; empty means the backend's default")
+    bucket: str = _f("datamover-kv", "bucket (or namespace) holding the chunks")
+    replica_count: int = _f(1, "copies of each chunk written", ge=1)
+    capacity_gb: float = _f(1024.0, "L4 capacity in GiB", gt=0.0)
+    high_watermark: float = _f(
+        1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0
+    )
+    low_watermark: float = _f(1.0, "evict down to this fraction of capacity", gt=0.0, le=1.0)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Placement and eviction."""
+
+    name: str = _f("default", "eviction policy of every tier: default, lru, or a registered plug-in")
+    half_life_s: float = _f(
+        300.0, "default policy: a chunk's score (decayed use count) halves after this long unused", gt=0.0
+    )
+    history_factor: float = _f(
+        8.0, "default policy: remember the scores of this many evicted chunks per resident chunk", ge=0.0
+    )
+    admission: bool = _f(
+        True,
+        "admit a new chunk into a full tier only if it outscores the chunk it would "
+        "replace; otherwise it goes to the next tier",
+    )
+    promote_on_hit: bool = _f(True, "copy a chunk found in a lower tier up to L1")
+    write_mode: str = _f(
+        "write_back",
+        "write_back: a chunk goes to the next tier when demoted; write_through: at once",
+        choices=("write_back", "write_through"),
+    )
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """The cost model c = c1*h1 + c2*h2 + c3*h3 + c4*h4 + c_miss*miss, per chunk access, in nanoseconds."""
+
+    l1_ns: float = _f(100.0, "cost of an L1 hit", ge=0.0)
+    l2_ns: float = _f(100_000.0, "cost of an L2 hit", ge=0.0)
+    l3_ns: float = _f(1_000_000.0, "cost of an L3 hit", ge=0.0)
+    l4_ns: float = _f(30_000_000.0, "cost of an L4 hit", ge=0.0)
+    miss_ns: float = _f(50_000_000.0, "cost of a miss: prefill (recompute) of one chunk", ge=0.0)
+
+
+@dataclass(frozen=True)
+class AlertRule:
+    """One burn-rate window: fire when the metric over `window` is above or below `threshold`."""
+
+    window: str
+    threshold: float
+
+
+@dataclass(frozen=True)
+class BurnRateAlerts:
+    """Alert windows; thresholds: p99 latency in ms (above), L1 hit rate (below), evictions per second (above)."""
+
+    p99_latency_ms: tuple[AlertRule, ...] = _f(
+        (AlertRule("5m", 800.0), AlertRule("1h", 600.0)), "p99 block-move latency above threshold ms over window"
+    )
+    hit_rate_hbm: tuple[AlertRule, ...] = _f((AlertRule("30m", 0.6),), "L1 hit rate below threshold over window")
+    swap_eviction_rate_per_sec: tuple[AlertRule, ...] = _f(
+        (AlertRule("15m", 10000.0),), "evictions per second above threshold over window"
+    )
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Spans, counters and alerts."""
+
+    spans: bool = _f(False, "emit a span per chunk move (off: the hot path does no span work)")
+    span_exporter: str = _f("jsonl", "where spans go", choices=("jsonl", "otel"))
+    span_path: str = _f("datamover-spans.jsonl", "file for the jsonl span exporter")
+    span_fields: tuple[str, ...] = _f(SPAN_FIELDS, "fields each span carries (a subset of the nine span fields)")
+    burn_rate_alerts: BurnRateAlerts = field(
+        default_factory=BurnRateAlerts, metadata={"doc": "alert windows for `datamover alerts`"}
+    )
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """The whole `kv_cache_tiered:` section."""
+
+    l1_hbm: L1Config = field(default_factory=L1Config, metadata={"doc": "L1 tier"})
+    l2_dram: L2Config = field(default_factory=L2Config, metadata={"doc": "L2 tier"})
+    l3_nvme: L3Config = field(default_factory=L3Config, metadata={"doc": "L3 tier"})
+    l4_pool: L4Config = field(default_factory=L4Config, metadata={"doc": "L4 tier"})
+    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"doc": "placement and eviction"})
+    cost: CostConfig = field(default_factory=CostConfig, metadata={"doc": "cost model"})
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig, metadata={"doc": "telemetry"})
+
+    def tier(self, name: str) -> L1Config | L2Config | L3Config | L4Config:
+        """The section of tier `name` (one of TIER_NAMES)."""
+        return getattr(self, name)
+
+    def enabled_tiers(self) -> list[str]:
+        """Names of the enabled tiers, fastest first."""
+        return [name for name in TIER_NAMES if self.tier(name).enabled]
+
+    def capacity_chunks(self, name: str) -> int:
+        """Capacity of tier `name` in chunks of `l1_hbm.page_size_bytes`."""
+        page = self.l1_hbm.page_size_bytes
+        if name == "l1_hbm":
+            return self.l1_hbm.block_pool_size
+        gb = self.l2_dram.pinned_pool_gb if name == "l2_dram" else self.tier(name).capacity_gb
+        return int(gb * GIB) // page
+
+    def cost_ns(self) -> tuple[float, float, float, float, float]:
+        """(c1, c2, c3, c4, c_miss) in ns."""
+        c = self.cost
+        return c.l1_ns, c.l2_ns, c.l3_ns, c.l4_ns, c.miss_ns
+
+    def check_fits(self, gpu_bytes: int | None = None) -> None:
+        """Check that the enabled tiers fit this machine: L1 in GPU memory (or host RAM when it stands in on
+        DRAM), L1+L2 in host RAM, L3 on its file system. Raise ConfigError naming the key that does not fit."""
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        l1_bytes = self.l1_hbm.block_pool_size * self.l1_hbm.page_size_bytes if self.l1_hbm.enabled else 0
+        l2_bytes = int(self.l2_dram.pinned_pool_gb * GIB) if self.l2_dram.enabled else 0
+        on_gpu = gpu_bytes is not None and self.l1_hbm.device != "dram"
+        if on_gpu and l1_bytes > gpu_bytes:
+            raise ConfigError(
+                f"{ROOT}.l1_hbm.block_pool_size",
+                f"{l1_bytes / GIB:.2f} GiB of L1 does not fit in {gpu_bytes / GIB:.2f} GiB of GPU memory",
+            )
+        host = l2_bytes + (0 if on_gpu else l1_bytes)
+        if host > ram:
+            key = "l2_dram.pinned_pool_gb" if l2_bytes else "l1_hbm.block_pool_size"
+            raise ConfigError(
+                f"{ROOT}.{key}", f"{host / GIB:.2f} GiB of host tiers does not fit in {ram / GIB:.2f} GiB of RAM"
+            )
+        if self.l3_nvme.enabled:
+            path = Path(self.l3_nvme.path)
+            probe = next((p for p in (path, *path.parents) if p.exists()), Path("/"))
+            free = shutil.disk_usage(probe).free + _used_bytes(path)
+            if self.l3_nvme.capacity_gb * GIB > free:
+                raise ConfigError(
+                    f"{ROOT}.l3_nvme.capacity_gb",
+                    f"{self.l3_nvme.capacity_gb} GiB does not fit: {free / GIB:.2f} GiB available under {probe}",
+                )
+
+
+def _used_bytes(path: Path) -> int:
+    """Bytes already held under `path` (they count as available to the L3 tier that owns them)."""
+    if not path.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _check_scalar(tp: Any, value: Any, path: str) -> Any:
+    if tp is bool:
+        ok = isinstance(value, bool)
+    elif tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_limits(meta: typing.Mapping[str, Any], value: Any, path: str) -> None:
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(path, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    for key, bad, words in (
+        ("gt", lambda v, b: v <= b, "greater than"),
+        ("ge", lambda v, b: v < b, "at least"),
+        ("le", lambda v, b: v > b, "at most"),
+    ):
+        if key in meta and bad(value, meta[key]):
+            raise ConfigError(path, f"must be {words} {meta[key]}, got {value}")
+
+
+def _duration(value: Any, path: str) -> str:
+    if not isinstance(value, str) or not _DURATION.match(value):
+        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {value!r}")
+    return value
+
+
+# Each alert fires on one side of its threshold; `threshold` or that side's word may name it.
+ALERT_SIDE = {"p99_latency_ms": "above", "hit_rate_hbm": "below", "swap_eviction_rate_per_sec": "above"}
+
+
+def _alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(path, f"expected a list of {{window, threshold}} mappings, got {type(value).__name__}")
+    unit_ms = name == "p99_latency_ms"
+    allowed = ("threshold", ALERT_SIDE[name])
+    rules = []
+    for i, item in enumerate(value):
+        where = f"{path}[{i}]"
+        if not isinstance(item, dict):
+            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {item!r}")
+        for key in item:
+            if key != "window" and key not in allowed:
+                raise ConfigError(f"{where}.{key}", f"unknown key (expected window and one of {', '.join(allowed)})")
+        limits = [k for k in allowed if k in item]
+        if "window" not in item or len(limits) != 1:
+            raise ConfigError(where, f"needs a window and exactly one of {', '.join(allowed)}")
+        raw = item[limits[0]]
+        match = _MILLIS.match(raw.strip()) if isinstance(raw, str) else None
+        if isinstance(raw, int | float) and not isinstance(raw, bool):
+            number = float(raw)
+        elif match and (unit_ms or match.group(2) is None):
+            number = float(match.group(1)) * (1000.0 if match.group(2) == "s" else 1.0)
+        else:
+            raise ConfigError(f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {raw!r}")
+        rules.append(AlertRule(_duration(item["window"], f"{where}.window"), number))
+    return tuple(rules)
+
+
+def _span_fields(value: Any, path: str) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(path, f"expected a list of field names, got {type(value).__name__}")
+    out = []
+    for i, name in enumerate(value):
+        name = SPAN_FIELD_ALIASES.get(name, name)
+        if name not in SPAN_FIELDS:
+            raise ConfigError(f"{path}[{i}]", f"unknown span field {name!r} (known: {', '.join(SPAN_FIELDS)})")
+        out.append(name)
+    return tuple(out)
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass `cls` from a YAML mapping, checking keys, types and limits; missing keys take defaults."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"
+            raise ConfigError(f"{path}.{key}", f"unknown key{hint}")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in data:
+            continue
+        where, value, tp = f"{path}.{name}", data[name], hints[name]
+        if is_dataclass(tp):
+            kwargs[name] = _build(typing.cast(type, tp), value, where)
+        elif name == "span_fields":
+            kwargs[name] = _span_fields(value, where)
+        elif typing.get_origin(tp) is tuple:
+            kwargs[name] = _alert_rules(value, where, name)
+        else:
+            kwargs[name] = _check_scalar(tp, value, where)
+            _check_limits(f.metadata, kwargs[name], where)
+    obj = cls(**kwargs)
+    _check_section(obj, path)
+    return obj
+
+
+def _check_section(obj: Any, path: str) -> None:
+    """Checks across fields of one section: watermarks in order, capacities that hold at least one chunk."""
+    if hasattr(obj, "low_watermark") and obj.low_watermark > obj.high_watermark:
+        raise ConfigError(f"{path}.low_watermark", f"{obj.low_watermark} is above high_watermark {obj.high_watermark}")
+    if isinstance(obj, L1Config) and obj.page_size_bytes % 4096:
+        raise ConfigError(
+            f"{path}.page_size_bytes",
+            f"{obj.page_size_bytes} is not a multiple of 4096 (chunks must be page-aligned for O_DIRECT)",
+        )
+    if isinstance(obj, L4Config) and obj.enabled and not obj.bucket:
+        raise ConfigError(f"{path}.bucket", "an enabled L4 pool needs a bucket")
+    if isinstance(obj, TierConfig):
+        page = obj.l1_hbm.page_size_bytes
+        for name, key in (("l2_dram", "pinned_pool_gb"), ("l3_nvme", "capacity_gb"), ("l4_pool", "capacity_gb")):
+            if obj.tier(name).enabled and obj.capacity_chunks(name) < 1:
+                raise ConfigError(f"{path}.{name}.{key}", f"holds no chunk of {page} bytes (l1_hbm.page_size_bytes)")
+        if not obj.enabled_tiers():
+            raise ConfigError(path, "no tier is enabled")
+
+
+def parse_config(data: Any, source: str = "<config>") -> TierConfig:
+    """Validate a loaded YAML document (`{kv_cache_tiered: {...}}`) and return the TierConfig."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(source, f"expected a mapping with a {ROOT} key, got {type(data).__name__}")
+    for key in data:
+        if key != ROOT:
+            raise ConfigError(str(key), f"unknown top-level key (expected {ROOT})")
+    return _build(TierConfig, data.get(ROOT), ROOT)
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
+    """Read and validate a tier config file; None gives the documented defaults. YAML syntax errors become
+    ConfigError with the line and column."""
+    if path is None:
+        return TierConfig()
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    return parse_config(data, str(path))
+
+
+def _yaml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value if value else '""'
+    return str(value)
+
+
+def _dump(obj: Any, indent: int, lines: list[str]) -> None:
+    pad = "  " * indent
+    for f in fields(obj):
+        value, doc = getattr(obj, f.name), f.metadata.get("doc", "")
+        if is_dataclass(value):
+            lines.append(f"{pad}{f.name}:  # {doc}")
+            _dump(value, indent + 1, lines)
+        elif isinstance(value, tuple) and value and isinstance(value[0], AlertRule):
+            lines.append(f"{pad}{f.name}:  # {doc}")
+            lines += [f"{pad}  - {{window: {r.window}, threshold: {r.threshold:g}}}" for r in value]
+        elif isinstance(value, tuple):
+            lines.append(f"{pad}{f.name}: [{', '.join(value)}]  # {doc}")
+        else:
+            lines.append(f"{pad}{f.name}: {_yaml_value(value)}  # {doc}")
+
+
+def default_config_yaml() -> str:
+    """Every field with its default and its documentation, as a YAML file that load_config accepts."""
+    lines = [f"{ROOT}:"]
+    _dump(TierConfig(), 1, lines)
+    return "\n".join(lines) + "\n"
+
+
+def with_overrides(config: TierConfig, **sections: dict[str, Any]) -> TierConfig:
+    """A copy of `config` with fields of some sections replaced, e.g. with_overrides(c, l1_hbm={"block_pool_size": 8}),
+    validated like a file."""
+    data: dict[str, Any] = {}
+    for f in fields(config):
+        section = getattr(config, f.name)
+        data[f.name] = {g.name: _plain(getattr(section, g.name)) for g in fields(section)}
+    for name, values in sections.items():
+        if name not in data:
+            raise ConfigError(f"{ROOT}.{name}", "unknown section")
+        data[name].update(values)
+    return parse_config({ROOT: data})
+
+
+def _plain(value: Any) -> Any:
+    """A config value back in YAML-document form (for re-validation)."""
+    if is_dataclass(value):
+        return {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
+    if isinstance(value, tuple):
+        return [{"window": v.window, "threshold": v.threshold} if isinstance(v, AlertRule) else v for v in value]
+    return value
+
+
+__all__ = [
+    "SPAN_FIELDS",
+    "TIER_NAMES",
+    "AlertRule",
+    "BurnRateAlerts",
+    "ConfigError",
+    "CostConfig",
+    "L1Config",
+    "L2Config",
+    "L3Config",
+    "L4Config",
+    "ObservabilityConfig",
+    "PolicyConfig",
+    "TierConfig",
+    "default_config_yaml",
+    "load_config",
+    "parse_config",
+    "with_overrides",
+]

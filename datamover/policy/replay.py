@@ -1,0 +1,357 @@
+"""Trace replay in simulation mode: drive a tier stack with a request trace and count what would happen.
+
+A Mooncake-format trace (one JSON object per request: `timestamp` in ms, `hash_ids` = the prompt's 512-token
+blocks) becomes a sequence of chunk references. Each reference looks the chunk up tier by tier (L1 first); a hit
+in a lower tier promotes it to L1 when the policy admits it there; a miss is a prefill, and the new chunk is
+placed in L1 (or, if L1's admission refuses it, in the next tier). A full tier evicts down to its low
+watermark; an evicted chunk is demoted to the next tier (write-back) unless it is already there, and the last
+tier drops it. With write-through every placement is copied to the next tier at once. No bytes move: the
+result counts hits per tier, misses, evictions, and chunks moved between each pair of tiers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .config import TIER_NAMES, TierConfig, with_overrides
+from .cost import CostModel
+from .policies import BeladyPolicy, Policy, PolicySettings, make_policy, next_use
+
+PREFILL = "prefill"
+MOONCAKE_BLOCK_TOKENS = 512
+DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A request trace as flat chunk references: `keys[i]` was read at `times[i]` seconds by request
+    `request[i]`."""
+
+    keys: np.ndarray
+    times: np.ndarray
+    request: np.ndarray
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    @property
+    def distinct(self) -> int:
+        """Number of distinct chunks."""
+        return len(np.unique(self.keys))
+
+    @property
+    def requests(self) -> int:
+        """Number of requests."""
+        return int(self.request[-1]) + 1 if len(self.request) else 0
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> Trace:
+    """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given)."""
+    keys: list[np.ndarray] = []
+    stamps: list[float] = []
+    sizes: list[int] = []
+    with open(path) as f:
+        for line in f:
+            if limit is not None and len(sizes) >= limit:
+                break
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            ids = np.asarray(row["hash_ids"], dtype=np.int64)
+            keys.append(ids)
+            stamps.append(float(row["timestamp"]) / 1000.0)
+            sizes.append(len(ids))
+    counts = np.asarray(sizes, dtype=np.int64)
+    request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    flat = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
+    return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One simulated tier: name, capacity in chunks, and its watermarks (fractions of capacity)."""
+
+    name: str
+    capacity: int
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+
+
+@dataclass
+class ReplayResult:
+    """What one policy did on one trace and tier stack."""
+
+    policy: str
+    tiers: list[TierSpec]
+    refs: int
+    hits: list[int]
+    misses: int
+    evictions: list[int]
+    moved: Counter = field(default_factory=Counter)  # (from, to) -> chunks; from is "prefill" or a tier name
+    elapsed_s: float = 0.0
+
+    def hit_rates(self) -> dict[str, float]:
+        """Fraction of references served by each tier."""
+        return {t.name: h / self.refs for t, h in zip(self.tiers, self.hits, strict=True)}
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of references served by any tier."""
+        return sum(self.hits) / self.refs
+
+    @property
+    def miss_rate(self) -> float:
+        return self.misses / self.refs
+
+    def effective_ns(self, cost: CostModel) -> float:
+        """Effective cost per chunk access under `cost`."""
+        return cost.effective_ns(self.hit_rates(), self.miss_rate)
+
+
+class TierStack:
+    """The simulated tiers of one cache under one policy; `access` replays one reference."""
+
+    def __init__(
+        self, policy: Policy, tiers: Sequence[TierSpec], promote_on_hit: bool = True, write_through: bool = False
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tier stack needs at least one tier")
+        self.policy = policy
+        self.specs = list(tiers)
+        self.names = [t.name for t in self.specs]
+        self.resident: list[set[Hashable]] = [set() for _ in self.specs]
+        self.orders = [policy.tier(t.capacity) for t in self.specs]
+        self.high = [max(1, int(t.capacity * t.high_watermark)) for t in self.specs]
+        self.low = [
+            max(1, min(h, int(t.capacity * t.low_watermark))) for h, t in zip(self.high, self.specs, strict=True)
+        ]
+        self.promote = promote_on_hit
+        self.write_through = write_through
+        self.hits = [0] * len(self.specs)
+        self.misses = 0
+        self.evictions = [0] * len(self.specs)
+        self.moved: Counter = Counter()
+
+    def access(self, key: Hashable, now: float, ref: int = -1) -> int:
+        """Replay one reference; return the tier index that served it, or -1 for a miss."""
+        self.policy.observe(key, now, ref)
+        for j, resident in enumerate(self.resident):
+            if key in resident:
+                self.hits[j] += 1
+                self.orders[j].touch(key, now, ref)
+                if j and self.promote:
+                    self._place(0, key, now, ref, self.names[j])
+                return j
+        self.misses += 1
+        self._place(0, key, now, ref, PREFILL)
+        return -1
+
+    def _place(self, j: int, key: Hashable, now: float, ref: int, source: str) -> None:
+        resident, order = self.resident[j], self.orders[j]
+        if key in resident:
+            return
+        last = j + 1 == len(self.resident)
+        if len(resident) >= self.high[j]:
+            if not order.admit(key, now, ref):
+                if source == PREFILL and not last:  # write around the tier that refused it
+                    self._place(j + 1, key, now, ref, source)
+                return
+            for victim in order.evict(len(resident) + 1 - self.low[j], now):
+                resident.remove(victim)
+                self.evictions[j] += 1
+                if not last and victim not in self.resident[j + 1]:
+                    self._place(j + 1, victim, now, ref, self.names[j])
+        resident.add(key)
+        order.insert(key, now, ref)
+        self.moved[source, self.names[j]] += 1
+        if self.write_through and not last:
+            self._place(j + 1, key, now, ref, self.names[j])
+
+
+def tier_specs(config: TierConfig) -> list[TierSpec]:
+    """The enabled tiers of a config as simulation specs."""
+    return [
+        TierSpec(name, config.capacity_chunks(name), config.tier(name).high_watermark, config.tier(name).low_watermark)
+        for name in config.enabled_tiers()
+    ]
+
+
+def simulate(trace: Trace, policy: str, config: TierConfig) -> ReplayResult:
+    """Replay `trace` through the config's enabled tiers under `policy` (a registered name or "belady")."""
+    if policy == "belady":
+        brain: Policy = BeladyPolicy(next_use(trace.keys))
+    else:
+        brain = make_policy(policy, PolicySettings.from_config(config))
+    specs = tier_specs(config)
+    stack = TierStack(brain, specs, config.policy.promote_on_hit, config.policy.write_mode == "write_through")
+    access = stack.access
+    start = time.perf_counter()
+    for i, (key, now) in enumerate(zip(trace.keys.tolist(), trace.times.tolist(), strict=True)):
+        access(key, now, i)
+    elapsed = time.perf_counter() - start
+    return ReplayResult(policy, specs, len(trace.keys), stack.hits, stack.misses, stack.evictions, stack.moved, elapsed)
+
+
+def parse_capacity(text: str, distinct: int) -> int:
+    """A capacity in chunks from "1000" or a share of the trace's distinct chunks like "1%"."""
+    value = text.strip()
+    chunks = int(distinct * float(value[:-1]) / 100.0) if value.endswith("%") else int(value)
+    if chunks < 1:
+        raise ValueError(f"capacity {text!r} is less than one chunk")
+    return chunks
+
+
+def with_l1_capacity(config: TierConfig, chunks: int) -> TierConfig:
+    """The config with L1 enabled and holding `chunks` chunks."""
+    return with_overrides(config, l1_hbm={"enabled": True, "block_pool_size": chunks})
+
+
+def single_tier(config: TierConfig, chunks: int) -> TierConfig:
+    """The config reduced to one tier (L1) of `chunks` chunks."""
+    off = {"enabled": False}
+    return with_overrides(with_l1_capacity(config, chunks), l2_dram=off, l3_nvme=off, l4_pool=off)
+
+
+@dataclass
+class ReplayReport:
+    """A replay run: the main results (the configured policy with LRU and Belady beside it) and the sweep."""
+
+    trace: str
+    refs: int
+    distinct: int
+    requests: int
+    block_tokens: int
+    page_bytes: int
+    cost: CostModel
+    results: list[ReplayResult]
+    sweep: list[ReplayResult] = field(default_factory=list)
+    plot: str | None = None
+
+
+def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
+    """The configured policy, then LRU and Belady, without repeats (or the given list)."""
+    names = list(policies) if policies else [config.policy.name, "lru", "belady"]
+    return list(dict.fromkeys(names))
+
+
+def run_replay(
+    trace_path: str | Path,
+    config: TierConfig,
+    *,
+    policies: Sequence[str] | None = None,
+    sweep: bool = False,
+    sweep_fractions: Sequence[float] = DEFAULT_SWEEP,
+    plot: str | Path | None = None,
+    limit: int | None = None,
+) -> ReplayReport:
+    """Replay a trace under each policy on the config's tiers; with `sweep`, also vary L1's capacity (as a
+    share of the trace's distinct chunks, other tiers as configured) and, with `plot`, draw the curves."""
+    trace = load_trace(trace_path, limit)
+    names = compared_policies(config, policies)
+    results = [simulate(trace, name, config) for name in names]
+    report = ReplayReport(
+        str(trace_path),
+        len(trace.keys),
+        trace.distinct,
+        trace.requests,
+        trace.block_tokens,
+        config.l1_hbm.page_size_bytes,
+        CostModel.from_config(config),
+        results,
+    )
+    if sweep:
+        for fraction in sweep_fractions:
+            sized = with_l1_capacity(config, max(1, int(trace.distinct * fraction)))
+            report.sweep += [simulate(trace, name, sized) for name in names]
+        if plot is not None:
+            report.plot = str(plot_sweep(report, plot))
+    return report
+
+
+def plot_sweep(report: ReplayReport, path: str | Path) -> Path:
+    """Write a PNG: hit rate and effective cost per access against L1 capacity, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_hit, ax_cost) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r.policy for r in report.sweep):
+        rows = sorted((r for r in report.sweep if r.policy == name), key=lambda r: r.tiers[0].capacity)
+        caps = [r.tiers[0].capacity / report.distinct * 100.0 for r in rows]
+        ax_hit.plot(caps, [r.hit_rate * 100.0 for r in rows], marker="o", label=name)
+        ax_cost.plot(caps, [r.effective_ns(report.cost) / 1e6 for r in rows], marker="o", label=name)
+    for ax in (ax_hit, ax_cost):
+        ax.set_xscale("log")
+        ax.set_xlabel("L1 capacity (% of distinct chunks)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    ax_hit.set_ylabel("hit rate, all tiers (%)")
+    ax_cost.set_ylabel("effective cost per chunk access (ms)")
+    fig.suptitle(f"{Path(report.trace).name}: {report.refs:,} references, {report.distinct:,} distinct chunks")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _fmt_ns(ns: float) -> str:
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("us", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.2f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def _result_lines(r: ReplayResult, report: ReplayReport, bound: ReplayResult | None) -> list[str]:
+    cost = r.effective_ns(report.cost)
+    vs = f", {r.hit_rate / bound.hit_rate:.1%} of belady" if bound and bound.hit_rate else ""
+    lines = [
+        f"  {r.policy}: hit rate {r.hit_rate:.2%}{vs}; effective cost {_fmt_ns(cost)} per access, "
+        f"{_fmt_ns(cost / report.block_tokens)} per token; replay {r.elapsed_s:.2f} s"
+    ]
+    rates = r.hit_rates()
+    lines.append(
+        "    hits:      " + "  ".join(f"{t.name} {rates[t.name]:.2%}" for t in r.tiers) + f"  miss {r.miss_rate:.2%}"
+    )
+    lines.append("    evictions: " + "  ".join(f"{t.name} {e:,}" for t, e in zip(r.tiers, r.evictions, strict=True)))
+    moves = sorted(r.moved.items(), key=lambda kv: ([PREFILL, *TIER_NAMES].index(kv[0][0]), kv[0][1]))
+    lines.append(
+        "    moved:     "
+        + "  ".join(f"{a}->{b} {n:,} ({n * report.page_bytes / 2**30:.2f} GiB)" for (a, b), n in moves)
+    )
+    return lines
+
+
+def format_report(report: ReplayReport) -> str:
+    """The report as text: per policy, hit rate per tier, evictions, chunks and bytes moved, effective cost."""
+    tiers = ", ".join(f"{t.name} {t.capacity:,} chunks" for t in report.results[0].tiers)
+    c = report.cost
+    lines = [
+        f"trace {report.trace}: {report.requests:,} requests, {report.refs:,} chunk references, "
+        f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})",
+        f"tiers: {tiers}; chunk {report.page_bytes:,} bytes, {report.block_tokens} tokens",
+        "cost per access: "
+        + ", ".join(f"{n} {_fmt_ns(v)}" for n, v in zip(TIER_NAMES, c.tier_ns, strict=True))
+        + f", miss {_fmt_ns(c.miss_ns)}",
+    ]
+    bound = next((r for r in report.results if r.policy == "belady"), None)
+    for r in report.results:
+        lines += _result_lines(r, report, bound)
+    if report.sweep:
+        lines.append("sweep over L1 capacity (hit rate all tiers / effective cost per access):")
+        names = list(dict.fromkeys(r.policy for r in report.sweep))
+        lines.append(f"  {'L1 chunks':>10} {'share':>7}  " + "  ".join(f"{n:>22}" for n in names))
+        caps = sorted({r.tiers[0].capacity for r in report.sweep})
+        for cap in caps:
+            row = {r.policy: r for r in report.sweep if r.tiers[0].capacity == cap}
+            cells = "  ".join(f"{row[n].hit_rate:>9.2%} / {_fmt_ns(row[n].effective_ns(c)):>10}" for n in names)
+            lines.append(f"  {cap:>10,} {cap / report.distinct:>7.2%}  {cells}")
+        if report.plot:
+            lines.append(f"plot: {report.plot}")
+    return "\n".join(lines)

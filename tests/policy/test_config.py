@@ -1,0 +1,187 @@
+"""The tier config: documented defaults, and errors that name the offending key."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover.policy.config import (
+    GIB,
+    ConfigError,
+    TierConfig,
+    default_config_yaml,
+    load_config,
+    parse_config,
+    with_overrides,
+)
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(TierConfig)}
+SCALARS = [
+    (section, f.name, f.type)
+    for section, factory in SECTIONS.items()
+    for f in dataclasses.fields(factory())
+    if f.type in ("bool", "int", "float", "str")
+]
+
+
+def doc(section: str, values: dict) -> dict:
+    return {"kv_cache_tiered": {section: values}}
+
+
+def test_defaults_are_documented_and_round_trip():
+    text = default_config_yaml()
+    assert parse_config(yaml.safe_load(text)) == TierConfig()
+    for section, factory in SECTIONS.items():
+        for f in dataclasses.fields(factory()):
+            assert f.metadata.get("doc"), f"{section}.{f.name} has no documentation"
+            assert f"{f.name}:" in text
+
+
+def test_empty_file_and_none_give_defaults(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.yaml") == TierConfig() == load_config(None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(section=st.sampled_from(sorted(SECTIONS)), key=st.from_regex(r"[a-z_]{3,20}", fullmatch=True))
+def test_unknown_key_is_named(section, key):
+    known = {f.name for f in dataclasses.fields(SECTIONS[section]())}
+    if key in known:
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc(section, {key: 1}))
+    assert err.value.path == f"kv_cache_tiered.{section}.{key}"
+    assert str(err.value).startswith(f"kv_cache_tiered.{section}.{key}: unknown key")
+
+
+def _wrong_value(kind: str):
+    if kind == "bool":
+        return st.one_of(st.integers(), st.text(max_size=5), st.floats(allow_nan=False))
+    if kind == "int":
+        return st.one_of(st.booleans(), st.text(max_size=5), st.floats(allow_nan=False))
+    if kind == "float":
+        return st.one_of(st.booleans(), st.text(max_size=5), st.lists(st.integers(), max_size=2))
+    return st.one_of(st.integers(), st.booleans(), st.floats(allow_nan=False))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), field=st.sampled_from(SCALARS))
+def test_wrong_type_is_named(data, field):
+    section, name, kind = field
+    value = data.draw(_wrong_value(kind))
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc(section, {name: value}))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+    assert "expected" in str(err.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(pool=st.integers(1, 1 << 20), page_kib=st.integers(1, 256), gb=st.floats(0.001, 64))
+def test_valid_values_are_kept(pool, page_kib, gb):
+    config = parse_config(
+        {
+            "kv_cache_tiered": {
+                "l1_hbm": {"block_pool_size": pool, "page_size_bytes": page_kib * 4096},
+                "l2_dram": {"pinned_pool_gb": gb},
+            }
+        }
+    )
+    assert config.l1_hbm.block_pool_size == pool
+    assert config.capacity_chunks("l2_dram") == int(gb * GIB) // (page_kib * 4096)
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "path", "words"),
+    [
+        ("l1_hbm", {"page_size_bytes": 1000}, "l1_hbm.page_size_bytes", "multiple of 4096"),
+        ("l1_hbm", {"block_pool_size": 0}, "l1_hbm.block_pool_size", "greater than 0"),
+        ("l1_hbm", {"device": "tpu"}, "l1_hbm.device", "not one of"),
+        ("l2_dram", {"high_watermark": 0.8, "low_watermark": 0.9}, "l2_dram.low_watermark", "above high_watermark"),
+        ("l3_nvme", {"fsync_mode": "sometimes"}, "l3_nvme.fsync_mode", "not one of"),
+        ("l4_pool", {"enabled": True, "bucket": ""}, "l4_pool.bucket", "needs a bucket"),
+        ("l4_pool", {"replica_count": 0}, "l4_pool.replica_count", "at least 1"),
+        ("policy", {"write_mode": "write_sometimes"}, "policy.write_mode", "not one of"),
+        ("observability", {"span_fields": ["layer_id", "colour"]}, "observability.span_fields[1]", "unknown span"),
+    ],
+)
+def test_bad_values_are_named(section, values, path, words):
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc(section, values))
+    assert err.value.path == f"kv_cache_tiered.{path}"
+    assert words in str(err.value)
+
+
+def test_capacity_that_holds_no_chunk_is_named():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"kv_cache_tiered": {"l1_hbm": {"page_size_bytes": 1 << 30}, "l2_dram": {"pinned_pool_gb": 0.5}}})
+    assert err.value.path == "kv_cache_tiered.l2_dram.pinned_pool_gb"
+
+
+def test_capacity_that_does_not_fit_the_machine(tmp_path):
+    config = with_overrides(TierConfig(), l1_hbm={"block_pool_size": 1 << 20, "device": "cuda"})
+    with pytest.raises(ConfigError) as err:
+        config.check_fits(gpu_bytes=1 << 30)  # 64 GiB of L1 on a 1 GiB GPU
+    assert err.value.path == "kv_cache_tiered.l1_hbm.block_pool_size"
+    with pytest.raises(ConfigError) as err:
+        with_overrides(TierConfig(), l2_dram={"pinned_pool_gb": 1e7}).check_fits()
+    assert err.value.path == "kv_cache_tiered.l2_dram.pinned_pool_gb"
+    l3 = with_overrides(TierConfig(), l3_nvme={"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 1e9})
+    with pytest.raises(ConfigError) as err:
+        l3.check_fits()
+    assert err.value.path == "kv_cache_tiered.l3_nvme.capacity_gb"
+    TierConfig().check_fits()  # the defaults fit any machine this runs on
+
+
+def test_yaml_syntax_error_has_line(tmp_path):
+    # The seed template writes alert windows as `- window: 5m, threshold: 800ms`, which is not YAML.
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        "kv_cache_tiered:\n  observability:\n    burn_rate_alerts:\n      p99_latency_ms:\n"
+        "        - window: 5m, threshold: 800ms\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.path.startswith(f"{path}:5:")
+
+
+def test_alert_rules_and_span_aliases(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        "kv_cache_tiered:\n  observability:\n    span_fields: [layer_id, from_layer, to_layer]\n"
+        "    burn_rate_alerts:\n"
+        "      p99_latency_ms:\n        - {window: 5m, threshold: 800ms}\n        - {window: 1h, threshold: 1s}\n"
+        "      hit_rate_hbm:\n        - {window: 30m, below: 0.6}\n"
+        "      swap_eviction_rate_per_sec:\n        - {window: 15m, above: 10000}\n"
+    )
+    obs = load_config(path).observability
+    assert obs.span_fields == ("layer_id", "from_tier", "to_tier")
+    assert [(r.window, r.threshold) for r in obs.burn_rate_alerts.p99_latency_ms] == [("5m", 800.0), ("1h", 1000.0)]
+    assert obs.burn_rate_alerts.hit_rate_hbm[0].threshold == 0.6
+    assert obs.burn_rate_alerts.swap_eviction_rate_per_sec[0].threshold == 10000.0
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "path"),
+    [
+        ("hit_rate_hbm", {"window": "30m", "above": 0.6}, "hit_rate_hbm[0].above"),
+        ("p99_latency_ms", {"window": "5 minutes", "threshold": 800}, "p99_latency_ms[0].window"),
+        ("p99_latency_ms", {"threshold": 800}, "p99_latency_ms[0]"),
+        ("swap_eviction_rate_per_sec", {"window": "15m", "above": "lots"}, "swap_eviction_rate_per_sec[0].above"),
+    ],
+)
+def test_bad_alert_rules_are_named(name, rule, path):
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc("observability", {"burn_rate_alerts": {name: [rule]}}))
+    assert err.value.path == f"kv_cache_tiered.observability.burn_rate_alerts.{path}"
+
+
+def test_top_level_must_be_kv_cache_tiered():
+    with pytest.raises(ConfigError) as err:
+        parse_config({"kv_cache": {}})
+    assert err.value.path == "kv_cache"
+    with pytest.raises(ConfigError, match="no tier is enabled"):
+        parse_config({"kv_cache_tiered": {"l1_hbm": {"enabled": False}, "l2_dram": {"enabled": False}}})
