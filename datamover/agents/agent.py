@@ -282,7 +282,15 @@ class Agent:
         meta = self._remotes.get(agent)
         if meta is None:
             raise NotRegistered(f"unknown remote agent {agent!r}; load its metadata with add_remote() first")
-        return Prepared(descs, agent, meta.table.lookup(descs, owner=f"agent {agent!r}"))
+        try:
+            return Prepared(descs, agent, meta.table.lookup(descs, owner=f"agent {agent!r}"))
+        except NotRegistered as exc:
+            raise NotRegistered(
+                f"{exc.reason} (as of its metadata loaded here; if it registered memory since, refresh: "
+                f"add_remote() its new metadata or refresh_remote({agent!r}))",
+                index=exc.index,
+                backend=exc.backend,
+            ) from None
 
     def _lookup(self, descs: DescList) -> np.ndarray:
         if descs.mem_type == MemType.OBJ:
@@ -405,10 +413,11 @@ class Agent:
         if meta.name == self.name:
             raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
         with self._lock:
-            self._remotes[meta.name] = meta
+            # backends check their connection info first, so a bad blob changes nothing
             for name, info in meta.backends.items():
                 if name in self.enabled_backends() and backend_status(name)[0]:
                     self.backend(name).add_remote(meta.name, info)
+            self._remotes[meta.name] = meta
         return meta.name
 
     def remove_remote(self, name: str) -> None:

@@ -1,0 +1,166 @@
+"""The UCX backend's control protocol: length-prefixed msgpack frames over TCP, optionally HMAC-signed.
+
+Data moves over UCX; requests, acknowledgements, refusals and notifications
+move over one TCP connection per (initiator, target) pair. The connection is
+also how a dead peer is noticed: the kernel closes a killed process's
+sockets, so the survivor reads EOF at once.
+
+Handshake: the target sends ``challenge`` with a nonce; the initiator answers
+``hello`` (its name, UCX worker address and its own nonce); the target
+answers ``welcome`` (a connection id). With a shared secret both handshake
+messages carry an HMAC over both nonces, and every later frame carries a
+16-byte HMAC over (direction, sequence number, payload) under a session key,
+so a peer without the secret is refused and frames cannot be replayed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from ..errors import AuthenticationError, InvalidMetadata
+
+MAX_FRAME = 256 << 20
+MAC_LEN = 16
+_LEN = struct.Struct("!I")
+
+
+def new_nonce() -> bytes:
+    return os.urandom(16)
+
+
+def handshake_mac(secret: bytes, role: bytes, nonce_a: bytes, nonce_b: bytes, body: bytes) -> bytes:
+    """The MAC a side proves the secret with during the handshake."""
+    return hmac.new(secret, role + nonce_a + nonce_b + body, hashlib.sha256).digest()
+
+
+def session_key(secret: bytes, nonce_t: bytes, nonce_i: bytes) -> bytes:
+    return hmac.new(secret, b"datamover-ucx-session" + nonce_t + nonce_i, hashlib.sha256).digest()
+
+
+class FrameConn:
+    """A non-blocking TCP connection that sends and receives whole msgpack frames.
+
+    ``feed`` reads what the socket has and returns complete messages;
+    ``send`` queues a message and ``flush`` writes as much as the socket
+    takes, so two service threads writing to each other never deadlock.
+    """
+
+    def __init__(self, sock: socket.socket, outbound: bool) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keepalive(sock)
+        self.sock = sock
+        self._in = bytearray()
+        self._out = bytearray()
+        self._key: bytes | None = None
+        self._send_dir = b"I" if outbound else b"T"
+        self._recv_dir = b"T" if outbound else b"I"
+        self._send_seq = 0
+        self._recv_seq = 0
+        self.closed = False
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def authenticate(self, key: bytes) -> None:
+        """From now on sign every frame sent and require a valid MAC on every frame received."""
+        self._key = key
+
+    def _mac(self, direction: bytes, seq: int, payload: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, direction + seq.to_bytes(8, "big") + payload, hashlib.sha256).digest()[:MAC_LEN]
+
+    def send(self, msg: dict[str, Any]) -> None:
+        payload = msgpack.packb(msg, use_bin_type=True)
+        if self._key is not None:
+            payload += self._mac(self._send_dir, self._send_seq, payload)
+            self._send_seq += 1
+        self._out += _LEN.pack(len(payload))
+        self._out += payload
+        self.flush()
+
+    @property
+    def wants_write(self) -> bool:
+        return bool(self._out) and not self.closed
+
+    def flush(self) -> None:
+        """Write queued bytes until the socket would block."""
+        while self._out and not self.closed:
+            try:
+                n = self.sock.send(self._out)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.closed = True
+                return
+            del self._out[:n]
+
+    def feed(self) -> list[dict[str, Any]]:
+        """Read available bytes; return complete messages. Sets ``closed`` on EOF or error.
+
+        Raises AuthenticationError on a bad MAC and InvalidMetadata on a malformed frame.
+        """
+        while True:
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.closed = True
+                break
+            if not chunk:
+                self.closed = True
+                break
+            self._in += chunk
+            if len(chunk) < (1 << 20):
+                break
+        out = []
+        while len(self._in) >= 4:
+            (n,) = _LEN.unpack_from(self._in)
+            if n > MAX_FRAME:
+                raise InvalidMetadata(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+            if len(self._in) < 4 + n:
+                break
+            payload = bytes(self._in[4 : 4 + n])
+            del self._in[: 4 + n]
+            if self._key is not None:
+                body, mac = payload[:-MAC_LEN], payload[-MAC_LEN:]
+                if len(payload) < MAC_LEN or not hmac.compare_digest(
+                    mac, self._mac(self._recv_dir, self._recv_seq, body)
+                ):
+                    raise AuthenticationError("control frame failed authentication (bad or missing HMAC)")
+                self._recv_seq += 1
+                payload = body
+            try:
+                msg = msgpack.unpackb(payload, raw=False)
+            except Exception as exc:
+                raise InvalidMetadata(f"control frame is not valid msgpack: {type(exc).__name__}") from None
+            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+                raise InvalidMetadata("control frame must be a map with a string 't' (type)")
+            out.append(msg)
+        return out
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """Notice a peer whose host vanished (no RST) within seconds, not hours."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, val in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 5000)):
+        if hasattr(socket, opt):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), val)
+            except OSError:
+                pass

@@ -1,0 +1,152 @@
+"""A peer Agent in another process, for testing remote backends.
+
+``RemotePeer`` starts an Agent in a spawned process and drives it through a
+multiprocessing pipe: allocate and register memory, read and write it, hand
+out metadata, drain notifications. The pipe never touches the backend under
+test, so a test can check what a transfer really did to the peer's memory.
+``RemoteBuffer`` is the conformance kit's TestBuffer for such memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+from ..descriptors import DescList, aligned_empty
+from ..errors import RemoteDisconnected
+
+
+def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    from ..agents import Agent
+
+    agent = Agent(name, config)
+    bufs: dict[int, tuple[np.ndarray, Any]] = {}
+    next_id = 1
+
+    def alloc(nbytes: int) -> tuple[int, int]:
+        nonlocal next_id
+        arr = aligned_empty(nbytes)
+        arr[:] = 0
+        reg = agent.register_memory(arr)
+        bufs[next_id] = (arr, reg)
+        next_id += 1
+        return next_id - 1, int(arr.ctypes.data)
+
+    def free(handle: int) -> None:
+        _, reg = bufs.pop(handle)
+        agent.deregister_memory(reg)
+
+    def read(handle: int, offset: int, nbytes: int) -> bytes:
+        return bufs[handle][0][offset : offset + nbytes].tobytes()
+
+    def write(handle: int, offset: int, data: bytes) -> None:
+        bufs[handle][0][offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    commands = {
+        "ping": lambda: os.getpid(),
+        "alloc": alloc,
+        "free": free,
+        "read": read,
+        "write": write,
+    }
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        if cmd == "close":
+            agent.close()
+            conn.send((True, None))
+            break
+        try:
+            fn = commands.get(cmd) or getattr(agent, cmd)
+            conn.send((True, fn(*args)))
+        except BaseException as exc:  # the caller re-raises it
+            try:
+                conn.send((False, exc))
+            except Exception:
+                conn.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+class RemotePeer:
+    """An Agent named ``name`` running in its own process; methods run there.
+
+    Besides the helpers below, ``call(method, *args)`` runs any Agent method
+    in the peer (``metadata``, ``add_remote``, ``transfer`` is not picklable,
+    ``send_notification``, ``wait_notification``, ``get_notifications``...).
+    """
+
+    def __init__(self, name: str, config: Any = None, env: dict[str, str] | None = None, timeout: float = 60.0):
+        ctx = mp.get_context("spawn")
+        self.name = name
+        self.timeout = timeout
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, name, config, env or {}), daemon=True)
+        self.process.start()
+        child.close()
+        self.pid = self.call("ping")
+
+    def call(self, cmd: str, *args: Any, timeout: float | None = None) -> Any:
+        """Run ``cmd`` in the peer and return its result (its exception is raised here)."""
+        try:
+            self._conn.send((cmd, args))
+            if not self._conn.poll(self.timeout if timeout is None else timeout):
+                raise RemoteDisconnected(f"peer {self.name!r} did not answer {cmd!r}")
+            ok, value = self._conn.recv()
+        except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as exc:
+            raise RemoteDisconnected(f"peer process {self.name!r} is gone ({type(exc).__name__})") from None
+        if not ok:
+            raise value
+        return value
+
+    def metadata(self) -> bytes:
+        return self.call("metadata")
+
+    def kill(self) -> None:
+        """SIGKILL the peer process (no cleanup: its sockets close, its memory vanishes)."""
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("close", timeout=15)
+            except Exception:
+                pass
+            self.process.join(5)
+            if self.process.is_alive():
+                self.kill()
+        self._conn.close()
+
+    def __enter__(self) -> RemotePeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteBuffer:
+    """``nbytes`` of registered DRAM in a RemotePeer; read/write go through the peer's pipe."""
+
+    def __init__(self, peer: RemotePeer, nbytes: int) -> None:
+        self.peer = peer
+        self.nbytes = nbytes
+        self.handle, self.addr = peer.call("alloc", nbytes)
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.from_columns(self.addr + np.asarray(offsets), lengths, 0, "DRAM")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.peer.call("read", self.handle, offset, nbytes)
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.peer.call("write", self.handle, offset, bytes(data))
+
+    def free(self) -> None:
+        self.peer.call("free", self.handle)
