@@ -70,6 +70,16 @@ _DATAMOVER_TO_NIXL: dict[str, tuple[str, ...]] = {
 }
 # NIXL init-parameter names that mean "how many worker threads"
 _THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus", "num_workers")
+# NIXL's OBJ plugin parameters -> datamover s3 parameters ("bucket" is kept by the facade)
+_OBJ_PARAMS = {
+    "endpoint_override": "endpoint_url",
+    "access_key": "access_key_id",
+    "secret_key": "secret_access_key",
+    "session_token": "session_token",
+    "region": "region",
+    "use_virtual_addressing": "addressing_style",
+    "ca_bundle": "verify_tls",
+}
 
 
 def datamover_backend_name(nixl_name: str) -> str:
@@ -619,6 +629,9 @@ class nixl_agent_config:
         self.sync_mode = sync_mode
 
 
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
+
+
 def _param_str(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
@@ -676,6 +689,8 @@ class nixl_agent:
         self.backend_options: dict[str, dict[str, str]] = {}
         self._regs: dict[tuple[MemType, int, int, int], Registration] = {}
         self._files: dict[int, Registration] = {}  # the caller's fd -> its FILE registration
+        self._obj_keys: dict[int, str] = {}  # the caller's devId -> object key
+        self._obj_bucket: str | None = None
         self.nixl_mems = {m.value: m for m in nixl_mem_t} | {"cpu": DRAM_SEG, "cuda": VRAM_SEG}
         self.nixl_ops = {"WRITE": "WRITE", "READ": "READ"}
         try:
@@ -738,13 +753,17 @@ class nixl_agent:
             raise nixlInvalidParamError(f"backend {backend!r} was already created")
         name = datamover_backend_name(backend)
         cls = get_backend_class(name)
+        init = dict(initParams or {})
+        if backend == "OBJ":
+            init = self._obj_params(init)
         params: dict[str, Any] = {}
-        for key, value in dict(initParams or {}).items():
+        for key, value in init.items():
             target = key if key in cls.default_params else ("threads" if key in _THREAD_PARAMS else None)
             if target not in cls.default_params:
                 log.warning("backend %s: ignoring parameter %r, which datamover's %s does not take", backend, key, name)
                 continue
-            params[target] = _param_value(key, value, cls.default_params[target])
+            raw = target == "verify_tls" and isinstance(value, str) and value.lower() not in _BOOL_WORDS
+            params[target] = value if raw else _param_value(key, value, cls.default_params[target])
         cfg_backends = self.agent.config.backends
         assert cfg_backends is not None
         cfg_backends[name] = {**cfg_backends.get(name, {}), **params}
@@ -760,6 +779,19 @@ class nixl_agent:
         self.backend_mems[backend] = _mem_names(cls.mem_types())
         self.backend_options[backend] = {k: _param_str(v) for k, v in inst.params.items()}
         log.info("Backend %s was instantiated", backend)
+
+    def _obj_params(self, init: dict[str, Any]) -> dict[str, Any]:
+        """NIXL OBJ parameters in s3's names; the bucket (param or AWS_DEFAULT_BUCKET) stays here."""
+        init = dict(init)
+        self._obj_bucket = init.pop("bucket", None) or os.environ.get("AWS_DEFAULT_BUCKET")
+        endpoint = init.pop("endpoint_override", None) or os.environ.get("AWS_ENDPOINT_OVERRIDE")
+        scheme = init.pop("scheme", None)
+        if endpoint:
+            init["endpoint_override"] = endpoint if "://" in endpoint else f"{scheme or 'https'}://{endpoint}"
+        if "use_virtual_addressing" in init:
+            virtual = _param_value("use_virtual_addressing", init["use_virtual_addressing"], False)
+            init["use_virtual_addressing"] = "virtual" if virtual else "path"
+        return {_OBJ_PARAMS.get(k, k): v for k, v in init.items()}
 
     def _datamover_backends(self, backends: Any) -> list[str]:
         """The datamover backends a transfer may use: the ones asked for, else every one created.
@@ -811,7 +843,8 @@ class nixl_agent:
         reg = self.get_reg_descs(reg_list, mem_type)
         mem = reg.descs.mem_type
         if mem == MemType.OBJ:
-            raise nixlNotSupportedError("OBJ registrations through the NIXL facade are not supported yet")
+            self._register_objects(reg)
+            return reg
         if mem == MemType.FILE:
             self._register_files(reg)
             return reg
@@ -861,8 +894,28 @@ class nixl_agent:
         for off, length, fd in d:
             self._regs[(MemType.FILE, off, length, fd)] = self._files[fd]
 
+    def _register_objects(self, reg: nixlRegDList) -> None:
+        """OBJ rows are (offset, len, devId, key): devId names the object metaInfo gives (else str(devId))."""
+        bucket = self._obj_bucket or os.environ.get("AWS_DEFAULT_BUCKET")
+        if not bucket:
+            raise nixlInvalidParamError("OBJ registration needs a bucket: create_backend('OBJ', {'bucket': ...})")
+        keys: dict[int, str] = {}
+        for (_, _, dev), meta in zip(reg.descs, reg.meta):
+            key = os.fsdecode(meta) if meta else str(dev)
+            if keys.get(dev, key) != key or (dev in self._obj_keys and self._obj_keys[dev] != key):
+                raise nixlInvalidParamError(f"devId {dev} names two objects")
+            keys[dev] = key
+        with _nixl_errors():
+            r = self.agent.register_objects(bucket, keys=list(dict.fromkeys(keys.values())))
+        self._obj_keys.update(keys)
+        for a, n, d in reg.descs:
+            self._regs[(MemType.OBJ, a, n, d)] = r
+
     def deregister_memory(self, dereg_list: nixlRegDList, backends: list[str] = []) -> None:  # noqa: B006
-        """Deregister what ``register_memory`` registered (the same descriptors, in any list)."""
+        """Deregister what ``register_memory`` registered (the same descriptors, in any list).
+
+        A file or an object registration made by one call goes as a whole.
+        """
         reg = self.get_reg_descs(dereg_list)
         mem = reg.descs.mem_type
         keys = [(mem, a, n, d) for a, n, d in reg.descs]
@@ -870,13 +923,15 @@ class nixl_agent:
         if missing:
             _, a, n, d = missing[0]
             raise nixlNotFoundError(f"{mem} descriptor ({a:#x}, {n}, {d}) was not registered through this agent")
-        regs = list({id(r): r for r in (self._regs.pop(k) for k in keys)}.values())
-        if mem == MemType.FILE:
-            for fd, r in list(self._files.items()):
-                if any(r is x for x in regs):
-                    del self._files[fd]
-                    for k in [k for k, v in self._regs.items() if v is r]:
-                        del self._regs[k]
+        regs = list({id(self._regs[k]): self._regs[k] for k in keys}.values())
+        for k, r in list(self._regs.items()):
+            if any(r is x for x in regs):
+                del self._regs[k]
+                if k[0] == MemType.OBJ:
+                    self._obj_keys.pop(k[3], None)
+        for fd, r in list(self._files.items()):
+            if any(r is x for x in regs):
+                del self._files[fd]
         with _nixl_errors():
             self.agent.deregister_memory(regs)
 
@@ -899,7 +954,16 @@ class nixl_agent:
 
     # -- transfers --------------------------------------------------------------
     def _own_side(self, descs: DescList) -> DescList:
-        """Descriptors of this agent in datamover's form: FILE rows carry the file's id, not the caller's fd."""
+        """Descriptors of this agent in datamover's form: FILE rows carry the file's id, not the caller's fd,
+        and OBJ rows index the list's own key table instead of naming a devId."""
+        if descs.mem_type == MemType.OBJ and len(descs):
+            devs, inverse = np.unique(descs.dev, return_inverse=True)
+            missing = [int(d) for d in devs.tolist() if int(d) not in self._obj_keys]
+            if missing:
+                i = int(np.flatnonzero(descs.dev == missing[0])[0])
+                raise nixlNotFoundError(f"descriptor {i}: object devId {missing[0]} is not registered")
+            keys = [self._obj_keys[int(d)] for d in devs.tolist()]
+            return DescList.from_columns(descs.addr, descs.length, inverse.reshape(-1), MemType.OBJ, keys=keys)
         if descs.mem_type != MemType.FILE or len(descs) == 0:
             return descs
         fds = np.fromiter(self._files.keys(), dtype=np.int64, count=len(self._files))
