@@ -34,6 +34,7 @@ import importlib.util
 import itertools
 import logging
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -100,8 +101,10 @@ class S3Backend(Backend):
         "part_size": 8 * MiB,
         "read_part_size": 8 * MiB,  # reads longer than this are split into parallel ranged GETs
         # how hard to try
-        "retry_mode": "standard",  # botocore: "legacy", "standard" or "adaptive"
-        "max_attempts": 5,
+        # botocore's "legacy", "standard" or "adaptive", and attempts in all; None: AWS_RETRY_MODE,
+        # AWS_MAX_ATTEMPTS or the profile's retry_mode / max_attempts, else standard with 5 attempts
+        "retry_mode": None,
+        "max_attempts": None,
         "connect_timeout": 5.0,
         "read_timeout": 60.0,
         # integrity
@@ -132,18 +135,28 @@ class S3Backend(Backend):
 
     def _make_client(self) -> Any:
         import boto3
+        import botocore.exceptions
+        import botocore.session
         from botocore.config import Config
 
         p = self.params
-        session = boto3.session.Session(
-            aws_access_key_id=p["access_key_id"],
-            aws_secret_access_key=p["secret_access_key"],
-            aws_session_token=p["session_token"],
-            region_name=p["region"],
-            profile_name=p["profile"],
-        )
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=p["access_key_id"],
+                aws_secret_access_key=p["secret_access_key"],
+                aws_session_token=p["session_token"],
+                region_name=p["region"],
+                profile_name=p["profile"],
+                botocore_session=botocore.session.Session(),
+            )
+            scoped = session._session.get_scoped_config()
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ValueError(f"backend 's3': {exc}") from exc
+        mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
+        attempts = int(p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5)
+        self.retries = {"mode": mode, "total_max_attempts": attempts}
         config = Config(
-            retries={"mode": p["retry_mode"], "max_attempts": int(p["max_attempts"])},
+            retries=self.retries,
             max_pool_connections=int(p["concurrency"]),
             connect_timeout=float(p["connect_timeout"]),
             read_timeout=float(p["read_timeout"]),
@@ -173,7 +186,7 @@ class S3Backend(Backend):
             "concurrency": p["concurrency"],
             "part_size": p["part_size"],
             "multipart_threshold": p["multipart_threshold"],
-            "retries": f"{p['retry_mode']}/{p['max_attempts']}",
+            "retries": f"{self.retries['mode']}, {self.retries['total_max_attempts']} attempts",
         }
 
     # -- planning ------------------------------------------------------------

@@ -11,6 +11,7 @@ real 403 (InvalidAccessKeyId / SignatureDoesNotMatch).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -168,6 +169,16 @@ class S3Server:
             config=Config(s3={"addressing_style": "path"}, **config),
         )
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections open, nothing answered, as a hung endpoint."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Thaw a paused server (SIGCONT)."""
+        if self._proc is not None:
+            os.kill(self._proc.pid, signal.SIGCONT)
+
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -182,6 +193,7 @@ class S3Server:
         """Stop the server process (terminate, then kill after 5 s)."""
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)  # a paused server cannot act on SIGTERM
             proc.terminate()
             try:
                 proc.wait(5)
