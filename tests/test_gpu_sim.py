@@ -1,0 +1,456 @@
+"""The cuda backend's control flow against a simulated CUDA runtime, on machines without a GPU.
+
+``SimRuntime`` stands in for ``cuda.bindings.runtime``: streams are threads
+that run their copies in order with ``ctypes.memmove``, events are set when
+their stream reaches them, "device memory" is host memory the simulator
+hands out with a device id, and ``cudaHostRegister`` only records ranges.
+Bytes really move, so these tests check what the backend does with the
+API: planning, batching and its fallback, per-device streams, event
+completion in stream order, pinning and the pool, errors naming the
+descriptor, timeouts, release and concurrency. The enums, the
+``cudaMemcpyAttributes`` struct and error strings are the real cuda-python
+ones, and where no driver is present every batch call is also passed to the
+real binding to check that it accepts the arguments. What only a GPU can
+show (real DMA, real pinning, speed) is tested by
+tests/conformance/test_cuda.py there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+rt_real = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python (cuda.bindings) is not installed")
+
+from datamover import Agent, DescList  # noqa: E402
+from datamover.backends import cuda as cuda_mod  # noqa: E402
+from datamover.errors import DatamoverError, TransferIOError, TransferTimeout  # noqa: E402
+from datamover.testing import BackendConformance, HostBuffer, random_bytes  # noqa: E402
+
+OK = rt_real.cudaError_t.cudaSuccess
+E = rt_real.cudaError_t
+
+
+class SimEvent:
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.done.set()  # a never-recorded event counts as complete, as in CUDA
+
+
+class SimStream:
+    """Runs queued operations in order on its own thread."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.ops: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            op = self.ops.get()
+            if op is None:
+                return
+            kind, *args = op
+            if kind == "copy":
+                dst, src, n = args
+                ctypes.memmove(dst, src, n)
+            elif kind == "wait":
+                args[0].wait()
+            else:
+                args[0].set()
+
+
+class SimRuntime:
+    """The parts of cuda.bindings.runtime the cuda backend calls, simulated on host memory."""
+
+    def __init__(self, devices: int = 2, batch: bool = True) -> None:
+        for name in (
+            "cudaError_t",
+            "cudaMemcpyKind",
+            "cudaMemoryType",
+            "cudaMemcpySrcAccessOrder",
+            "cudaMemcpyFlags",
+            "cudaMemcpyAttributes",
+            "cudaStreamNonBlocking",
+            "cudaEventDisableTiming",
+            "cudaEventBlockingSync",
+            "cudaHostRegisterPortable",
+            "cudaGetErrorString",
+        ):
+            setattr(self, name, getattr(rt_real, name))
+        if batch:
+            self.cudaMemcpyBatchAsync = self._batch
+        self.devices = devices
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.device_allocs: list[tuple[int, int, int, np.ndarray]] = []
+        self.pinned: dict[int, int] = {}
+        self.streams: list[SimStream] = []
+        self.calls = {"batch": 0, "memcpy": 0, "register": 0, "unregister": 0}
+        self.fail_batch: Any = None  # an error code the next batch calls return
+        self.fail_copy_at: int | None = None  # memcpy call number that fails
+        self.real_driver_missing = cuda_mod.driver_missing() is not None
+
+    # -- memory the test hands out as "device memory" -------------------------
+    def device_buffer(self, nbytes: int, device: int) -> np.ndarray:
+        arr = np.zeros(nbytes + 64, dtype=np.uint8)[64:]
+        with self.lock:
+            self.device_allocs.append((arr.ctypes.data, arr.ctypes.data + nbytes, device, arr))
+        return arr
+
+    # -- runtime calls -----------------------------------------------------------
+    def cudaGetLastError(self):
+        return (OK,)
+
+    def cudaGetDevice(self):
+        return (OK, getattr(self.local, "dev", 0))
+
+    def cudaSetDevice(self, dev: int):
+        if not 0 <= dev < self.devices:
+            return (E.cudaErrorInvalidDevice,)
+        self.local.dev = dev
+        return (OK,)
+
+    def cudaRuntimeGetVersion(self):
+        return (OK, 12090)
+
+    def cudaDriverGetVersion(self):
+        return (OK, 12090)
+
+    def cudaStreamCreateWithFlags(self, flags: int):
+        assert flags == rt_real.cudaStreamNonBlocking, "the copy stream must not sync with the legacy stream"
+        s = SimStream(self.local.__dict__.get("dev", 0))
+        self.streams.append(s)
+        return (OK, s)
+
+    def cudaStreamSynchronize(self, stream: SimStream):
+        done = threading.Event()
+        stream.ops.put(("signal", done))
+        done.wait()
+        return (OK,)
+
+    def cudaStreamDestroy(self, stream: SimStream):
+        stream.ops.put(None)
+        stream.thread.join()
+        return (OK,)
+
+    def cudaEventCreateWithFlags(self, flags: int):
+        assert flags & rt_real.cudaEventDisableTiming
+        return (OK, SimEvent())
+
+    def cudaEventRecord(self, event: SimEvent, stream: SimStream):
+        event.done.clear()
+        stream.ops.put(("signal", event.done))
+        return (OK,)
+
+    def cudaEventSynchronize(self, event: SimEvent):
+        event.done.wait()
+        return (OK,)
+
+    def cudaEventDestroy(self, event: SimEvent):
+        return (OK,)
+
+    def cudaDeviceCanAccessPeer(self, a: int, b: int):
+        return (OK, 1)
+
+    def cudaDeviceEnablePeerAccess(self, peer: int, flags: int):
+        return (OK,)
+
+    def cudaPointerGetAttributes(self, ptr: int):
+        with self.lock:
+            for start, end, dev, _ in self.device_allocs:
+                if start <= ptr < end:
+                    return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeDevice, device=dev))
+            for start, n in self.pinned.items():
+                if start <= ptr < start + n:
+                    return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeHost, device=0))
+        return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeUnregistered, device=-2))
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int):
+        with self.lock:
+            self.calls["register"] += 1
+            for start, n in self.pinned.items():
+                if start < ptr + size and ptr < start + n:
+                    return (E.cudaErrorHostMemoryAlreadyRegistered,)
+            self.pinned[ptr] = size
+        return (OK,)
+
+    def cudaHostUnregister(self, ptr: int):
+        with self.lock:
+            self.calls["unregister"] += 1
+            if self.pinned.pop(ptr, None) is None:
+                return (E.cudaErrorHostMemoryNotRegistered,)
+        return (OK,)
+
+    def cudaMemcpyAsync(self, dst: int, src: int, n: int, kind, stream: SimStream):
+        assert kind == rt_real.cudaMemcpyKind.cudaMemcpyDefault
+        with self.lock:
+            self.calls["memcpy"] += 1
+            k = self.calls["memcpy"]
+        if self.fail_copy_at is not None and k == self.fail_copy_at:
+            return (E.cudaErrorInvalidValue,)
+        stream.ops.put(("copy", dst, src, n))
+        return (OK,)
+
+    def _batch(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream: SimStream):
+        if self.real_driver_missing:
+            # the real binding must accept these argument types (it then fails for want of a driver)
+            res = rt_real.cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, None)
+            assert res[0] != OK
+        self.calls["batch"] += 1
+        if self.fail_batch is not None:
+            return (self.fail_batch, None)
+        ok_args = (
+            len(dsts) == len(srcs) == len(sizes) == count > 0
+            and 1 <= num_attrs <= count
+            and list(attrs_idxs)[:1] == [0]
+            and all(isinstance(a, rt_real.cudaMemcpyAttributes) for a in attrs)
+            and all(a.srcAccessOrder != rt_real.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderInvalid for a in attrs)
+            and all(isinstance(z, int) and z > 0 for z in sizes)
+        )
+        if not ok_args:
+            return (E.cudaErrorInvalidValue, 2**64 - 1)
+        for d, s, z in zip(dsts, srcs, sizes):
+            stream.ops.put(("copy", d, s, z))
+        return (OK, 0)
+
+
+class SimVram:
+    """Simulated device memory, registered as VRAM with its device id; the test reads it directly."""
+
+    def __init__(self, sim: SimRuntime, agent: Agent, nbytes: int, device: int = 0, shift: int = 0) -> None:
+        self.array = sim.device_buffer(nbytes + shift, device)[shift:]
+        self.nbytes = nbytes
+        self.device = device
+        rows = DescList.from_columns(self.array.ctypes.data, nbytes, device, "VRAM")
+        self.registration = agent.register_memory(rows)
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.from_columns(self.array.ctypes.data + np.asarray(offsets), lengths, self.device, "VRAM")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        return self.array[offset : offset + nbytes].tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    runtime = SimRuntime()
+    monkeypatch.setattr(cuda_mod, "_runtime", lambda: runtime)
+    monkeypatch.setattr(cuda_mod.CudaBackend, "available", classmethod(lambda cls: (True, "simulated runtime")))
+    yield runtime
+    for s in runtime.streams:
+        s.ops.put(None)
+
+
+class TestCudaSimulatedVramToDram(BackendConformance):
+    backend = "cuda"
+    params: dict = {}
+    sizes = (1, 4096, 12345, 1 << 20, 16 << 20)
+
+    @pytest.fixture
+    def agent(self, sim):
+        with Agent("cuda-sim", {"backends": {"cuda": dict(self.params)}}) as agent:
+            yield agent
+
+    @pytest.fixture
+    def peer(self):
+        return None
+
+    @pytest.fixture
+    def make_local(self, sim, agent):
+        return lambda n: SimVram(sim, agent, n)
+
+    @pytest.fixture
+    def make_remote(self, agent):
+        return lambda n: HostBuffer(agent, n, shift=3)
+
+
+class TestCudaSimulatedVramToVram(TestCudaSimulatedVramToDram):
+    @pytest.fixture
+    def make_remote(self, sim, agent):
+        return lambda n: SimVram(sim, agent, n, device=1, shift=3)
+
+
+class TestCudaSimulatedNoBatch(TestCudaSimulatedVramToDram):
+    params = {"batch": False, "batch_chunk": 7}
+
+
+class TestCudaSimulatedSmallChunks(TestCudaSimulatedVramToDram):
+    params = {"batch_chunk": 5}
+
+
+# -- targeted behaviour -------------------------------------------------------------
+
+
+def _pair(sim, agent, n=1 << 16):
+    vram = SimVram(sim, agent, n)
+    host = HostBuffer(agent, n)
+    return vram, host
+
+
+def test_batch_api_used_for_many_rows_and_single_copy_for_one(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        vram, host = _pair(sim, agent)
+        host.write(0, random_bytes(1 << 16, 1))
+        perm = np.random.default_rng(0).permutation(16)
+        lp = agent.prepare(vram.descs(np.arange(16) * 4096, 4096))
+        rp = agent.prepare(host.descs(np.arange(16) * 4096, 4096))
+        agent.make_transfer("READ", lp, np.arange(16), rp, perm).post().wait()
+        assert sim.calls["batch"] == 1 and sim.calls["memcpy"] == 0
+        got = np.frombuffer(vram.read(0, 1 << 16), np.uint8).reshape(16, 4096)
+        want = np.frombuffer(host.read(0, 1 << 16), np.uint8).reshape(16, 4096)
+        assert np.array_equal(got, want[perm])
+        agent.transfer("WRITE", vram.descs([0], [1 << 16]), host.descs([0], [1 << 16])).wait()
+        assert sim.calls["memcpy"] == 1, "one coalesced row should be one cudaMemcpyAsync"
+        assert "used" in agent.backend("cuda").describe()["cudaMemcpyBatchAsync"]
+
+
+def test_batch_not_supported_falls_back_and_still_moves(sim):
+    sim.fail_batch = E.cudaErrorNotSupported
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        vram, host = _pair(sim, agent)
+        data = random_bytes(1 << 16, 2)
+        host.write(0, data)
+        perm = np.arange(16)[::-1].copy()
+        lp = agent.prepare(vram.descs(np.arange(16) * 4096, 4096))
+        rp = agent.prepare(host.descs(np.arange(16) * 4096, 4096))
+        agent.make_transfer("READ", lp, np.arange(16), rp, perm).post().wait()
+        assert sim.calls["memcpy"] == 16
+        got = np.frombuffer(vram.read(0, 1 << 16), np.uint8).reshape(16, 4096)
+        assert np.array_equal(got, np.frombuffer(data, np.uint8).reshape(16, 4096)[perm])
+        assert "cudaErrorNotSupported" in agent.backend("cuda").describe()["cudaMemcpyBatchAsync"]
+
+
+def test_batch_error_is_typed_with_cuda_name(sim):
+    sim.fail_batch = E.cudaErrorInvalidValue
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        vram, host = _pair(sim, agent)
+        x = agent.transfer("WRITE", vram.descs([0, 8192], [100, 100]), host.descs([4096, 0], [100, 100]))
+        with pytest.raises(cuda_mod.CudaError) as info:
+            x.wait()
+        assert info.value.cuda_error == "cudaErrorInvalidValue" and info.value.backend == "cuda"
+        assert isinstance(info.value, TransferIOError)
+
+
+def test_copy_error_names_the_callers_descriptor(sim):
+    with Agent("a", {"backends": {"cuda": {"batch": False}}}) as agent:
+        vram, host = _pair(sim, agent)
+        sim.fail_copy_at = 3
+        lp = agent.prepare(vram.descs([0, 100, 200, 4096], [100, 100, 100, 50]))
+        rp = agent.prepare(host.descs([0, 100, 5000, 9000], [100, 100, 100, 50]))
+        x = agent.make_transfer("WRITE", lp, None, rp, None).post()
+        with pytest.raises(cuda_mod.CudaError) as info:
+            x.wait()
+        # rows 0 and 1 coalesce; the third cudaMemcpyAsync is caller descriptor 3
+        assert info.value.index == 3 and "descriptor 3" in str(info.value)
+
+
+def test_dram_pinned_at_registration_and_unpinned_at_deregistration(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        backend = agent.backend("cuda")
+        buf = np.zeros(1 << 20, dtype=np.uint8)
+        reg = agent.register_memory(buf)
+        assert sim.pinned == {buf.ctypes.data: 1 << 20}
+        assert backend.pool.used == 1 << 20 and reg.handles["cuda"].pinned_by_us
+        agent.deregister_memory(reg)
+        assert sim.pinned == {} and backend.pool.used == 0
+
+
+def test_already_pinned_memory_is_left_alone(sim):
+    buf = np.zeros(1 << 16, dtype=np.uint8)
+    sim.pinned[buf.ctypes.data] = buf.nbytes  # page-locked by someone else (e.g. torch pin_memory)
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        reg = agent.register_memory(buf)
+        agent.backend("cuda")
+        assert not reg.handles["cuda"].pinned_by_us
+        agent.deregister_memory(reg)
+    assert sim.pinned == {buf.ctypes.data: buf.nbytes} and sim.calls["unregister"] == 0
+
+
+def test_pinned_pool_limit_refuses_registration_and_rolls_back(sim):
+    with Agent("a", {"backends": {"cuda": {"pinned_pool_bytes": "1M"}}}) as agent:
+        agent.backend("cuda")
+        a = agent.register_memory(np.zeros(768 << 10, dtype=np.uint8))
+        big = np.zeros(512 << 10, dtype=np.uint8)
+        with pytest.raises(cuda_mod.PinnedPoolExhausted) as info:
+            agent.register_memory(big)
+        assert "pinned-pool limit of 1048576 bytes" in str(info.value)
+        assert len(agent.registrations) == 1 and len(sim.pinned) == 1
+        agent.deregister_memory(a)
+        agent.register_memory(big)  # fits once the first region is gone
+        assert agent.backend("cuda").pool.used == 512 << 10
+
+
+def test_close_unpins_everything(sim):
+    agent = Agent("a", {"backends": {"cuda": {}}})
+    agent.register_memory(np.zeros(4096, dtype=np.uint8))
+    agent.register_memory(np.zeros(8192, dtype=np.uint8))
+    agent.backend("cuda")
+    assert len(sim.pinned) == 2
+    agent.close()
+    assert sim.pinned == {}
+
+
+def test_vram_region_must_be_device_memory_of_its_device(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        agent.backend("cuda")
+        arr = sim.device_buffer(4096, device=1)
+        with pytest.raises(DatamoverError, match="lives on device 1"):
+            agent.register_memory(DescList.from_columns(arr.ctypes.data, 4096, 0, "VRAM"))
+        host = np.zeros(4096, dtype=np.uint8)
+        with pytest.raises(DatamoverError, match="not device memory"):
+            agent.register_memory(DescList.from_columns(host.ctypes.data, 4096, 0, "VRAM"))
+        assert agent.registrations == {}
+
+
+def test_rows_on_two_devices_use_two_streams(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        v0 = SimVram(sim, agent, 8192, device=0)
+        v1 = SimVram(sim, agent, 8192, device=1)
+        host = HostBuffer(agent, 16384)
+        data = random_bytes(16384, 5)
+        host.write(0, data)
+        local = v0.descs([0], [8192]).concat([v1.descs([0], [8192])])
+        agent.transfer("READ", local, host.descs([0, 8192], [8192, 8192])).wait()
+        assert v0.read(0, 8192) + v1.read(0, 8192) == data
+        assert sorted(s.device for s in sim.streams) == [0, 1]
+
+
+def test_post_returns_before_the_copy_completes(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        vram, host = _pair(sim, agent)
+        data = random_bytes(4096, 6)
+        vram.write(0, data)
+        lp, rp = agent.prepare(vram.descs([0], [4096])), agent.prepare(host.descs([0], [4096]))
+        x = agent.make_transfer("WRITE", lp, None, rp, None)
+        gate = threading.Event()
+        sim.streams[0].ops.put(("wait", gate))  # the copy stream is busy until the gate opens
+        x.post()
+        assert x.state.value == "PROC" and host.read(0, 4096) != data
+        gate.set()
+        assert x.wait().value == "DONE" and host.read(0, 4096) == data
+
+
+def test_completion_after_the_deadline_is_a_timeout(sim):
+    with Agent("a", {"backends": {"cuda": {}}}) as agent:
+        vram, host = _pair(sim, agent)
+        lp, rp = agent.prepare(vram.descs([0], [4096])), agent.prepare(host.descs([0], [4096]))
+        x = agent.make_transfer("WRITE", lp, None, rp, None, timeout=0.05)
+        gate = threading.Event()
+        sim.streams[0].ops.put(("wait", gate))
+        x.post()
+        threading.Timer(0.2, gate.set).start()
+        with pytest.raises(TransferTimeout):
+            x.wait()
+        x.release()
+        agent.transfer("WRITE", vram.descs([0], [4096]), host.descs([0], [4096])).wait()  # still usable
