@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import logging
 import os
 import queue
@@ -347,10 +348,8 @@ class CudaBackend(Backend):
         missing = driver_missing()
         out["driver"] = missing or f"{DRIVER_LIBRARY} loads"
         try:
-            import cuda.bindings
-
-            out["cuda-python"] = cuda.bindings.__version__
-        except ImportError:
+            out["cuda-python"] = importlib.metadata.version("cuda-bindings")
+        except importlib.metadata.PackageNotFoundError:
             out["cuda-python"] = "not installed (pip install 'datamover[cuda]')"
             return out
         if missing:
@@ -365,7 +364,8 @@ class CudaBackend(Backend):
         for d in range(count):
             err, prop = rt.cudaGetDeviceProperties(d)
             if _ok(rt, err):
-                out[f"device {d}"] = prop.name.decode(errors="replace").rstrip("\x00")
+                name = prop.name.decode(errors="replace") if isinstance(prop.name, bytes) else str(prop.name)
+                out[f"device {d}"] = name.rstrip("\x00")
         out["cudaMemcpyBatchAsync"] = _batch_support(rt)[1]
         return out
 
