@@ -16,7 +16,8 @@ SIZE = 5 * 4096 + 123  # not a multiple of the O_DIRECT block
 
 @pytest.fixture
 def setup(tmp_path):
-    agent = Agent("p", {"backends": {"posix": {"threads": 2}}})
+    # aio off: these tests patch os.preadv/os.pwritev, the path native AIO bypasses (tests/test_posix_aio.py covers it)
+    agent = Agent("p", {"backends": {"posix": {"threads": 2, "aio": False}}})
     mem = aligned_empty(SIZE + 64)
     agent.register_memory(mem)
     path = tmp_path / "f.bin"

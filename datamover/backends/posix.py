@@ -3,7 +3,11 @@
 Aligned rows go straight between the user's buffer and the disk; rows that
 O_DIRECT cannot take (offset, length or address unaligned) go through a
 per-thread aligned bounce buffer (read-modify-write for partial blocks).
-Rows contiguous in the file become one vectored syscall. Where the
+Rows contiguous in the file become one vectored syscall. Batches that
+are all O_DIRECT-aligned go through Linux native AIO instead (``.aio``):
+up to ``aio_depth`` I/Os in flight from one thread, the way NIXL's POSIX
+backend runs them; anything that comes back short or failed is redone on
+the synchronous path. Where the
 filesystem refuses O_DIRECT the file is opened buffered and that is logged
 once and shown in ``describe()``.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import errno as errno_mod
 import logging
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +27,7 @@ import numpy as np
 
 from ..descriptors import MemType, aligned_empty
 from ..errors import TransferIOError
+from .aio import AioContext, IocbBatch, aio_available
 from .base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
 
 log = logging.getLogger("datamover.posix")
@@ -81,12 +87,16 @@ class PosixBackend(Backend):
         "fsync": False,  # fdatasync every written file before a WRITE completes
         "inline_bytes": 256 << 10,  # smaller requests run inside post()
         "min_part_bytes": 1 << 20,
+        "aio": True,  # O_DIRECT batches go through Linux native AIO (many I/Os per syscall) where it works
+        "aio_depth": 256,  # I/Os in flight per AIO context
     }
 
     def __init__(self, agent, params=None) -> None:
         super().__init__(agent, params)
         self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-posix")
         self._bounce = threading.local()
+        self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
+        self._aio_all: list = []
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -177,15 +187,45 @@ class PosixBackend(Backend):
         threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
         p["ranges"] = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
         p["inline"] = total <= self.params["inline_bytes"]
+        p["aio"] = None
+        if n and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
+            p["aio"] = IocbBatch(fds, off, addr, ln, req.op == "WRITE", starts)
+            p["ranges"] = [(0, len(p["groups"]))]
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
         write = req.op == "WRITE"
 
         def work(a: int, b: int, completion: Completion) -> None:
-            self._run_groups(req, p, a, b, write, completion)
+            if p["aio"] is not None:
+                self._run_aio(req, p, a, b, write, completion)
+            else:
+                self._run_groups(req, p, a, b, write, completion)
 
         return run_parts(None if p["inline"] else self._pool, p["ranges"], work, backend=self.name)
+
+    # -- native AIO ----------------------------------------------------------
+    def _run_aio(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
+        """Every group through one AIO context; groups that came back short or failed are redone synchronously."""
+        try:
+            ctx = self._aio_free.get_nowait()
+        except queue.Empty:
+            ctx = AioContext(int(self.params["aio_depth"]))
+            self._aio_all.append(ctx)
+        try:
+            res = ctx.run(p["aio"], lambda: completion.cancelled, first, last)
+        finally:
+            self._aio_free.put(ctx)
+        if completion.cancelled:
+            return
+        for g in (np.flatnonzero(res != p["aio"].expect[first:last]) + first).tolist():
+            self._run_groups(req, p, g, g + 1, write, completion)
+        if write and self.params["fsync"]:
+            for h in p["handles"].values():
+                try:
+                    os.fdatasync(h.fd)
+                except OSError as exc:
+                    raise self._error(req, first, h, exc, write) from exc
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
@@ -320,3 +360,5 @@ class PosixBackend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+        for ctx in self._aio_all:
+            ctx.close()
