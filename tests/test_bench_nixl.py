@@ -65,3 +65,32 @@ def test_missing_nixl_is_reported(monkeypatch, capsys) -> None:
     monkeypatch.setattr(nixl_mod, "nixl_status", lambda: (False, "nixl is not installed (test)"))
     assert main(["bench", "--vs", "nixl", "--backend", "memcpy", *TINY]) == 1
     assert "nixl is not installed (test)" in capsys.readouterr().err
+
+
+def _s3_ready() -> tuple[bool, str]:
+    import importlib.util
+
+    from datamover.backends import backend_status
+
+    if importlib.util.find_spec("datamover.bench.s3") is None:
+        return False, "no s3 benchmark workload yet"
+    ok, reason = backend_status("s3")
+    if not ok:
+        return False, reason
+    if importlib.util.find_spec("moto") is None:
+        return False, "moto (the local S3 server) is not installed"
+    return True, ""
+
+
+@needs_nixl
+def test_tiny_object_comparison(tmp_path, capsys) -> None:
+    ok, reason = _s3_ready()
+    if not ok:
+        pytest.skip(reason)
+    js = tmp_path / "obj.json"
+    argv = ["bench", "--vs", "nixl", "--backend", "s3", "--check", "--block-sizes", "64K", "--batch-sizes", "2"]
+    assert main([*argv, "--min-time", "0.01", "--max-iters", "2", "--quiet", "--json", str(js)]) == 0
+    assert "nixl backend=OBJ" in capsys.readouterr().out
+    rows = json.loads(js.read_text())["results"]
+    assert {r["op"] for r in rows} == {"WRITE", "READ"}
+    assert all(r["checked"] is True and r["vs_checked"] is True and r["vs_gbps"] > 0 for r in rows)

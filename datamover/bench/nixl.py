@@ -281,10 +281,80 @@ class NixlPosix(NixlSide):
         self.agent.deregister_memory(self.mem_reg)
 
 
+class NixlObj(NixlSide):
+    """DRAM <-> OBJ: NIXL's OBJ backend (aws-sdk-cpp) on the same bucket, keys and buffer as our s3 workload."""
+
+    def __init__(self, workload: Workload, settings: NixlSettings) -> None:
+        super().__init__(workload, settings)
+        from urllib.parse import urlparse
+
+        self.mem, self.client = workload.mem, workload.client
+        ours = workload.agent.backend("s3")
+        endpoint = ours.params.get("endpoint_url") or ours.client.meta.endpoint_url
+        self.params = {
+            "bucket": workload.bucket,
+            "endpoint_override": endpoint,
+            "scheme": urlparse(endpoint).scheme or "https",
+            "region": ours.params.get("region") or ours.client.meta.region_name or "us-east-1",
+            "use_virtual_addressing": "true" if ours.params.get("addressing_style") == "virtual" else "false",
+            "req_checksum": "supported",
+        }
+        if ours.params.get("access_key_id"):
+            self.params["access_key"] = ours.params["access_key_id"]
+            self.params["secret_key"] = ours.params.get("secret_access_key") or ""
+        self.agent = make_agent("bench-nixl-obj", settings, {"OBJ": self.params})
+        self.mem_reg = self.agent.register_memory([(int(self.mem.ctypes.data), int(self.mem.nbytes), 0, "")], "DRAM")
+        self._next_dev = 1
+
+    def header(self) -> dict[str, Any]:
+        shown = {k: v for k, v in self.params.items() if k not in ("access_key", "secret_key")}
+        return {"nixl backend": "OBJ", "obj": shown, "crtMinLimit": "unset (standard S3 client)"}
+
+    def case(self, case: Case) -> NixlCase:
+        block, batch, n, op = case.block, case.batch, case.nbytes, case.op
+        keys = self.workload.keys(block, batch)
+        devs = np.arange(self._next_dev, self._next_dev + batch, dtype=np.int64)
+        self._next_dev += batch
+        obj_reg = self.agent.register_memory([(0, block, int(d), k) for d, k in zip(devs, keys)], "OBJ")
+        mem_rows = block_rows(int(self.mem.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
+        obj_rows = np.zeros((batch, 3), dtype=np.uint64)
+        obj_rows[:, 1] = block
+        obj_rows[:, 2] = devs
+        xh, release_xfer = self._prepped(self.agent, op, mem_rows, "DRAM", obj_rows, "OBJ", self.agent.name)
+        run = self._timed(self.agent, xh)
+        bucket = self.workload.bucket
+
+        def stored(k: str) -> bytes:
+            return self.client.get_object(Bucket=bucket, Key=k)["Body"].read()
+
+        def zero_target() -> None:
+            if op == "WRITE":
+                for k in keys:
+                    self.client.put_object(Bucket=bucket, Key=k, Body=bytes(block))
+            else:
+                self.mem[:n] = 0
+
+        def verify() -> bool:
+            zero_target()
+            run()
+            mem = self.mem[:n].reshape(batch, block)
+            return all(stored(k) == mem[i].tobytes() for i, k in enumerate(keys))
+
+        def release() -> None:
+            release_xfer()
+            self.agent.deregister_memory(obj_reg)
+
+        return NixlCase(run, verify, release, zero_target)
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.mem_reg)
+
+
 #: datamover backend -> "module:Class" of the NIXL side compared with it
 NIXL_PAIRS: dict[str, str] = {
     "memcpy": "datamover.bench.nixl:NixlLocalDram",
     "posix": "datamover.bench.nixl:NixlPosix",
+    "s3": "datamover.bench.nixl:NixlObj",
 }
 
 

@@ -318,7 +318,11 @@ def _mem_gib() -> float | None:
 
 
 def _fmt(x: float | None, spec: str, width: int) -> str:
-    return f"{x:{width}{spec}}" if x is not None else f"{'-':>{width}}"
+    if x is None:
+        return f"{'-':>{width}}"
+    if spec == ".2f" and abs(x) < 0.1:  # slow tiers (objects over HTTP) still get two significant digits
+        spec = ".4f" if abs(x) < 0.01 else ".3f"
+    return f"{x:{width}{spec}}"
 
 
 def format_table(results: list[Result]) -> str:
@@ -333,9 +337,9 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         chk = {True: "ok", False: "FAIL", None: "-"}[r.checked]
         lines.append(
-            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {r.gbps:7.2f} {_fmt(r.raw_gbps, '.2f', 9)} "
-            f"{_fmt(r.ratio, '.2f', 6)} {r.post_avg_us:11.1f} {r.post_p99_us:11.1f} {r.xfer_avg_us:11.1f} "
-            f"{r.xfer_p99_us:11.1f} {chk:>5}"
+            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 7)} "
+            f"{_fmt(r.raw_gbps, '.2f', 9)} {_fmt(r.ratio, '.2f', 6)} {r.post_avg_us:11.1f} {r.post_p99_us:11.1f} "
+            f"{r.xfer_avg_us:11.1f} {r.xfer_p99_us:11.1f} {chk:>5}"
         )
     return "\n".join(lines)
 
@@ -356,8 +360,9 @@ def format_vs_table(results: list[Result]) -> str:
             notes.append(f"  {r.backend} {r.op} {human(r.block)} x {r.batch}: nixl: {r.vs_error}")
             ratio = f"{'n/a':>9}"
         lines.append(
-            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {r.gbps:9.2f} {_fmt(r.vs_gbps, '.2f', 9)} "
-            f"{ratio} {r.xfer_p99_us:11.1f} {_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"
+            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 9)} "
+            f"{_fmt(r.vs_gbps, '.2f', 9)} {ratio} {r.xfer_p99_us:11.1f} {_fmt(r.vs_xfer_p99_us, '.1f', 11)} "
+            f"{_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"
         )
     if notes:
         lines += ["", "NIXL did not run these cases:", *dict.fromkeys(notes)]
