@@ -26,7 +26,7 @@ from ..errors import (
     UnsupportedTransfer,
 )
 from .config import AgentConfig
-from .metadata import AgentMetadata, decode_metadata, encode_metadata
+from .metadata import AgentMetadata, decode_metadata, encode_metadata, open_metadata, sign_metadata
 from .regions import RegionTable
 from .registration import Registration
 from .transfer import Transfer
@@ -97,6 +97,15 @@ class Agent:
         self._notif_cond = threading.Condition()
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
+        self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh_remote
+        self._watches: dict[str, Any] = {}
+        self._publisher: Any = None
+        self._side: Any = None
+        if cfg.listen_port is not None:
+            from .side_channel import MetadataServer
+
+            host = str(cfg.extra.get("listen_host", "127.0.0.1"))
+            self._side = MetadataServer(self.metadata, host=host, port=int(cfg.listen_port))
 
     # -- backends ----------------------------------------------------------
     def enabled_backends(self) -> list[str]:
@@ -246,6 +255,7 @@ class Agent:
             raise
         self._regs[reg.id] = reg
         self._rebuild_table()
+        self._metadata_changed()
         return reg
 
     def deregister_memory(self, reg: Registration | Iterable[Registration]) -> None:
@@ -264,6 +274,7 @@ class Agent:
             reg.handles.clear()
             del self._regs[reg.id]
             self._rebuild_table()
+            self._metadata_changed()
 
     def _rebuild_table(self) -> None:
         self._table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())
@@ -405,11 +416,12 @@ class Agent:
                 if cls.supports_remote and backend_status(name)[0]:
                     infos[name] = self.backend(name).connection_info()
             regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values()]
-            return encode_metadata(self.name, infos, regions)
+            blob = encode_metadata(self.name, infos, regions)
+            return sign_metadata(blob, self.config.secret) if self.config.secret else blob
 
     def add_remote(self, blob: bytes) -> str:
         """Load (or refresh) a peer from its metadata blob; returns its name. Connects lazily."""
-        meta = decode_metadata(blob)
+        meta = decode_metadata(open_metadata(blob, self.config.secret))
         if meta.name == self.name:
             raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
         with self._lock:
@@ -427,6 +439,99 @@ class Agent:
                 raise KeyError(f"unknown remote agent {name!r}")
             for inst in self._backends.values():
                 inst.remove_remote(name)
+
+    # -- metadata exchange: side channel and etcd ----------------------------
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """(host, port) of this agent's metadata side channel, when ``listen_port`` was set."""
+        return None if self._side is None else self._side.address
+
+    def fetch_remote(
+        self,
+        where: str,
+        port: int | None = None,
+        *,
+        etcd: Any = None,
+        namespace: str = "datamover",
+        timeout: float = 10.0,
+        watch: bool = True,
+    ) -> str:
+        """Load a peer's metadata from its side channel (``where``=host, ``port``) or from etcd.
+
+        With ``etcd`` (endpoint or list of endpoints), ``where`` is the peer's
+        name: its blob is read (waiting up to ``timeout`` s for it to appear)
+        and, with ``watch``, kept current; when its lease expires the peer is
+        removed. Returns the peer's name.
+        """
+        if etcd is None:
+            from .side_channel import fetch_metadata
+
+            if port is None:
+                raise ValueError("fetch_remote(host, port) needs the side channel's port, or etcd=...")
+            name = self.add_remote(fetch_metadata(where, port, timeout=timeout))
+            self._sources[name] = ("tcp", where, int(port))
+            return name
+        from . import etcd as etcd_mod
+
+        client = etcd_mod.connect(etcd, timeout=timeout)
+        name = self.add_remote(etcd_mod.fetch(client, namespace, where, timeout=timeout))
+        if name != where:
+            self.remove_remote(name)
+            raise InvalidMetadata(f"etcd key of {where!r} holds the metadata of {name!r}")
+        self._sources[name] = ("etcd", client, namespace)
+        if watch and name not in self._watches:
+            self._watches[name] = etcd_mod.EtcdWatch(
+                client, namespace, name, on_change=self._remote_changed, on_delete=lambda: self._remote_expired(name)
+            )
+        return name
+
+    def refresh_remote(self, name: str) -> str:
+        """Fetch peer ``name``'s metadata again from where it came (side channel or etcd)."""
+        src = self._sources.get(name)
+        if src is None:
+            raise KeyError(f"no side channel or etcd source known for {name!r}; call add_remote() with a new blob")
+        if src[0] == "tcp":
+            from .side_channel import fetch_metadata
+
+            return self.add_remote(fetch_metadata(src[1], src[2]))
+        from . import etcd as etcd_mod
+
+        return self.add_remote(etcd_mod.fetch(src[1], src[2], name, timeout=self.config.timeout_s))
+
+    def _remote_changed(self, blob: bytes) -> None:
+        self.add_remote(blob)
+
+    def _remote_expired(self, name: str) -> None:
+        log.info("agent %r left etcd (its lease expired or it unpublished); removing it", name)
+        with self._lock:
+            if name in self._remotes:
+                self.remove_remote(name)
+
+    def publish(self, etcd: Any, namespace: str = "datamover", ttl: float = 5.0) -> str:
+        """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key.
+
+        The lease is refreshed by a thread while the agent lives; registering
+        memory republishes the blob, so watching peers see new regions.
+        """
+        from .etcd import EtcdPublisher
+
+        if self._publisher is not None:
+            self._publisher.close()
+        self._publisher = EtcdPublisher(etcd, namespace, self.name, self.metadata, ttl=ttl)
+        return self._publisher.key
+
+    def unpublish(self) -> None:
+        """Revoke the lease now: the key disappears and watching peers drop this agent."""
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+
+    def _metadata_changed(self) -> None:
+        if self._publisher is not None:
+            try:
+                self._publisher.update()
+            except Exception as exc:  # registration must not fail because etcd is away
+                log.warning("republishing metadata to etcd failed: %s", exc)
 
     @property
     def remotes(self) -> list[str]:
@@ -461,6 +566,8 @@ class Agent:
                 for k, m in enumerate(msgs):
                     if m.startswith(prefix):
                         del msgs[k]
+                        if not msgs:
+                            del self._notifs[sender]
                         return sender, m
             return None
 
@@ -494,6 +601,12 @@ class Agent:
             if self._closed:
                 return
             self._closed = True
+            for w in self._watches.values():
+                w.close()
+            self._watches.clear()
+            if self._side is not None:
+                self._side.close()
+            self.unpublish()
             for reg in list(self._regs.values()):
                 self.deregister_memory(reg)
             for inst in self._backends.values():

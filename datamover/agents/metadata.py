@@ -8,6 +8,8 @@ that is truncated, mistyped, oversized or inconsistent raises InvalidMetadata.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +17,7 @@ from typing import Any
 import msgpack
 
 from ..descriptors import MemType
-from ..errors import InvalidDescriptor, InvalidMetadata
+from ..errors import AuthenticationError, InvalidDescriptor, InvalidMetadata
 from .regions import RegionTable
 
 SCHEMA_VERSION = 1
@@ -104,3 +106,30 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
     except InvalidDescriptor as exc:
         raise InvalidMetadata(f"metadata regions are inconsistent: {exc.reason}") from None
     return AgentMetadata(name=name, backends=backends, regions=tuple(regions), table=table)
+
+
+SIGNED_MAGIC = b"DMS1"
+_MAC_LEN = 32
+
+
+def sign_metadata(blob: bytes, secret: bytes) -> bytes:
+    """Wrap a blob with an HMAC-SHA256 over it, for agents configured with a shared secret."""
+    return SIGNED_MAGIC + hmac.new(secret, blob, hashlib.sha256).digest() + blob
+
+
+def open_metadata(blob: bytes, secret: bytes | None) -> bytes:
+    """Check and strip the signature; raises AuthenticationError when the secrets disagree."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise InvalidMetadata(f"metadata must be bytes, got {type(blob).__name__}")
+    blob = bytes(blob)
+    signed = blob.startswith(SIGNED_MAGIC)
+    if secret is None:
+        if signed:
+            raise AuthenticationError("metadata is signed with a shared secret this agent does not have")
+        return blob
+    if not signed or len(blob) < len(SIGNED_MAGIC) + _MAC_LEN:
+        raise AuthenticationError("metadata is not signed; this agent requires the shared secret")
+    mac, inner = blob[len(SIGNED_MAGIC) : len(SIGNED_MAGIC) + _MAC_LEN], blob[len(SIGNED_MAGIC) + _MAC_LEN :]
+    if not hmac.compare_digest(mac, hmac.new(secret, inner, hashlib.sha256).digest()):
+        raise AuthenticationError("metadata signature does not match (wrong secret or tampered blob)")
+    return inner

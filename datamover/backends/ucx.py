@@ -42,7 +42,7 @@ from ..errors import (
     InvalidMetadata,
     RemoteDisconnected,
     RemoteRefused,
-    TransferAborted,
+    TransferTimeout,
 )
 from .base import Backend, Completion, TransferRequest
 from .ucx_protocol import FrameConn, handshake_mac, new_nonce, session_key
@@ -126,10 +126,11 @@ class _Requests:
 class _OutOp:
     """A request this agent initiated, from post to completion."""
 
-    __slots__ = ("abandoned", "acked", "completion", "done_msg", "id", "peer", "req", "reqs", "tag0")
+    __slots__ = ("abandoned", "acked", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
 
-    def __init__(self, op_id: int, peer: _Peer, req: TransferRequest, completion: Completion) -> None:
+    def __init__(self, op_id: int, peer: _Peer, req: TransferRequest, completion: Completion, deadline: float) -> None:
         self.id = op_id
+        self.deadline = deadline
         self.peer = peer
         self.req = req
         self.completion = completion
@@ -316,7 +317,8 @@ class UcxBackend(Backend):
         if len(req.local) == 0:
             completion.finish_part()
             return completion
-        self._submit(lambda: self._start(req, completion))
+        deadline = time.monotonic() + req.timeout
+        self._submit(lambda: self._start(req, completion, deadline))
         return completion
 
     def send_notification(self, remote: str, message: bytes) -> None:
@@ -389,8 +391,8 @@ class UcxBackend(Backend):
                     continue
                 if not worker.arm():
                     continue
-                self._poll(0.05)
-                last = time.monotonic()
+                if self._poll(0.05):
+                    last = time.monotonic()
         except BaseException:
             log.exception("ucx service thread of %s died", self.agent.name)
             raise
@@ -398,15 +400,18 @@ class UcxBackend(Backend):
             self._shutdown()
 
     def _poll(self, timeout: float) -> bool:
-        """Handle ready sockets; True when something happened."""
+        """Handle ready sockets (waiting up to ``timeout`` s); True when something happened."""
         for conn in self._all_conns():
             want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write else 0)
             key = self._sel.get_map().get(conn.sock)
             if key is not None and key.events != want:
                 self._sel.modify(conn.sock, want, key.data)
         events = self._sel.select(timeout)
+        woke = False
         for key, mask in events:
             what = key.data
+            # UCX's event fd stays readable until the next arm(): not a reason to keep spinning
+            woke |= what != "ucx" or timeout > 0
             if what == "wake":
                 try:
                     os.read(self._wake_r, 4096)
@@ -421,7 +426,7 @@ class UcxBackend(Backend):
                     what.conn.flush()
                 if mask & selectors.EVENT_READ:
                     self._read(what)
-        return bool(events)
+        return woke
 
     def _all_conns(self) -> list[FrameConn]:
         out = [p.conn for p in self._peers.values() if p.conn is not None]
@@ -530,13 +535,13 @@ class UcxBackend(Backend):
         if peer is not None:
             self._disconnect_peer(peer, why)
 
-    def _start(self, req: TransferRequest, completion: Completion) -> None:
+    def _start(self, req: TransferRequest, completion: Completion, deadline: float) -> None:
         try:
             peer = self._peer(req.remote_agent)  # type: ignore[arg-type]
         except DatamoverError as exc:
             completion.finish_part(exc)
             return
-        op = _OutOp(self._next_op, peer, req, completion)
+        op = _OutOp(self._next_op, peer, req, completion, deadline)
         self._next_op += 1
         peer.ops[op.id] = op
         if peer.state == "ready":
@@ -589,6 +594,8 @@ class UcxBackend(Backend):
         if op is None:
             return
         if t == "ack":
+            if op.completion.cancelled or time.monotonic() > op.deadline:
+                op.finish(op.completion.error or self._late(op))
             if op.abandoned:
                 peer.conn.send({"t": "cancel", "id": op.id})  # type: ignore[union-attr]
                 peer.ops.pop(op.id, None)
@@ -695,12 +702,18 @@ class UcxBackend(Backend):
                 inbound.conn.send({"t": "fail", "id": key[1], "reason": f"{type(res).__name__}: {res}"})
         return progressed
 
+    def _late(self, op: _OutOp) -> TransferTimeout:
+        return TransferTimeout(
+            f"{op.req.op} to agent {op.peer.name!r} was not acknowledged within {op.req.timeout:g} s", backend=self.name
+        )
+
     def _check_cancelled(self) -> None:
+        now = time.monotonic()
         for peer in self._peers.values():
             for op in list(peer.ops.values()):
-                if op.completion.cancelled and not op.acked and not op.abandoned:
+                if not op.acked and not op.abandoned and (op.completion.cancelled or now > op.deadline):
                     # not acknowledged yet: no byte has moved; stop here, tell the target on its ack
-                    op.finish(op.completion.error or TransferAborted("transfer released", backend=self.name))
+                    op.finish(op.completion.error or self._late(op))
 
     # -- target side --------------------------------------------------------------
     def _accept(self) -> None:

@@ -47,8 +47,15 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
     def write(handle: int, offset: int, data: bytes) -> None:
         bufs[handle][0][offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
+    def notified_then_read(prefix: bytes, timeout: float, handle: int, offset: int, nbytes: int):
+        """Wait for a notification, then read memory: what the peer saw when the notification came."""
+        got = agent.wait_notification(prefix, timeout)
+        return got, read(handle, offset, nbytes)
+
     commands = {
         "ping": lambda: os.getpid(),
+        "attr": lambda name: getattr(agent, name),
+        "notified_then_read": notified_then_read,
         "alloc": alloc,
         "free": free,
         "read": read,

@@ -1,0 +1,270 @@
+"""Remote agents over ucx, each peer a real process: side channel, refresh, notifications, refusals, SIGKILL."""
+
+import time
+
+import numpy as np
+import pytest
+
+from datamover import Agent, XferState
+from datamover.agents.metadata import decode_metadata, encode_metadata
+from datamover.backends import backend_status
+from datamover.errors import (
+    AuthenticationError,
+    InvalidMetadata,
+    NotRegistered,
+    RemoteDisconnected,
+    RemoteRefused,
+)
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+UCX = {"backends": {"ucx": {}}}
+
+
+@pytest.fixture(scope="module")
+def target():
+    with RemotePeer("decode-0", {**UCX, "listen_port": 0}) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def agent(target):
+    with Agent("prefill-0", UCX, listen_port=0) as agent:
+        host, port = target.call("attr", "listen_address")
+        assert agent.fetch_remote(host, port) == "decode-0"
+        target.call("fetch_remote", *agent.listen_address)  # so the target can notify back
+        yield agent
+
+
+def test_side_channel_serves_current_metadata(agent, target):
+    host, port = target.call("attr", "listen_address")
+    assert host == "127.0.0.1" and port > 0
+    before = agent.remote_metadata("decode-0")
+    buf = RemoteBuffer(target, 4096)
+    try:
+        assert agent.refresh_remote("decode-0") == "decode-0"
+        after = agent.remote_metadata("decode-0")
+        assert len(after.regions) == len(before.regions) + 1
+        assert any(r[2] == buf.addr and r[3] == 4096 for r in after.regions)
+    finally:
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_fetch_from_nothing_listening_is_remote_disconnected(agent):
+    with pytest.raises(RemoteDisconnected):
+        agent.fetch_remote("127.0.0.1", 1, timeout=2)
+
+
+def test_incremental_metadata_needs_refresh(agent, target):
+    local = HostBuffer(agent, 8192)
+    buf = RemoteBuffer(target, 8192)  # registered after the initiator loaded the target's metadata
+    try:
+        with pytest.raises(NotRegistered, match="refresh"):
+            agent.transfer("WRITE", local.descs([0], [8192]), buf.descs([0], [8192]), agent="decode-0")
+        agent.refresh_remote("decode-0")
+        data = random_bytes(8192, 3)
+        local.write(0, data)
+        xfer = agent.transfer("WRITE", local.descs([0], [8192]), buf.descs([0], [8192]), agent="decode-0")
+        assert xfer.wait() == XferState.DONE
+        assert buf.read(0, 8192) == data
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_notify_arrives_after_every_descriptor_landed(agent, target):
+    n, bs = 512, 8192
+    local = HostBuffer(agent, n * bs)
+    buf = RemoteBuffer(target, n * bs)
+    agent.refresh_remote("decode-0")
+    try:
+        data = random_bytes(n * bs, 5)
+        local.write(0, data)
+        perm = np.random.default_rng(0).permutation(n)
+        xfer = agent.transfer(
+            "WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(perm * bs, bs), agent="decode-0", notify=b"req-42"
+        )
+        (sender, msg), seen = target.call("notified_then_read", b"req-", 10.0, buf.handle, 0, n * bs)
+        assert (sender, msg) == ("prefill-0", b"req-42")
+        want = np.frombuffer(data, np.uint8).reshape(n, bs)
+        got = np.frombuffer(seen, np.uint8).reshape(n, bs)
+        assert np.array_equal(got[perm], want), "notification came before all descriptors landed"
+        assert xfer.wait() == XferState.DONE
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_notify_on_read_goes_to_the_target(agent, target):
+    local = HostBuffer(agent, 4096)
+    buf = RemoteBuffer(target, 4096)
+    agent.refresh_remote("decode-0")
+    try:
+        data = random_bytes(4096, 6)
+        buf.write(0, data)
+        xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), agent="decode-0", notify=b"r1")
+        assert xfer.wait() == XferState.DONE and local.read(0, 4096) == data
+        assert target.call("wait_notification", b"r1", 10.0) == ("prefill-0", b"r1")
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_send_notification_both_ways(agent, target):
+    agent.send_notification("decode-0", b"hello decode")
+    assert target.call("wait_notification", b"hello", 10.0) == ("prefill-0", b"hello decode")
+    target.call("send_notification", "prefill-0", b"layer-3 ready")
+    target.call("send_notification", "prefill-0", b"other")
+    assert agent.wait_notification(b"layer-", timeout=10) == ("decode-0", b"layer-3 ready")
+    deadline = time.monotonic() + 10
+    drained: dict = {}
+    while not drained and time.monotonic() < deadline:
+        drained = agent.get_notifications()
+        time.sleep(0.01)
+    assert drained == {"decode-0": [b"other"]}
+    assert agent.get_notifications() == {}
+
+
+def test_target_refuses_memory_it_never_registered(agent, target):
+    """A peer with forged metadata asks for more than was registered: refused by the owner, memory untouched."""
+    local = HostBuffer(agent, 3 * 4096)
+    buf = RemoteBuffer(target, 2 * 4096)
+    agent.refresh_remote("decode-0")
+    real = agent.remote_metadata("decode-0")
+    try:
+        before = buf.read(0, 2 * 4096)
+        regions = [(m, d, s, (n + 4096 if s == buf.addr else n), r) for m, d, s, n, r in real.regions]
+        forged = encode_metadata("decode-0", real.backends, regions)
+        agent.add_remote(forged)
+        local.write(0, random_bytes(3 * 4096, 9))
+        xfer = agent.transfer(
+            "WRITE", local.descs([0, 4096], [100, 8000]), buf.descs([0, 200], [100, 8000]), agent="decode-0"
+        )
+        with pytest.raises(RemoteRefused) as info:
+            xfer.wait()
+        assert info.value.index == 1 and "descriptor 1" in str(info.value)
+        assert "outside every region" in str(info.value)
+        assert buf.read(0, 2 * 4096) == before, "a refused transfer touched the owner's memory"
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_bad_connection_info_changes_nothing(agent):
+    meta = agent.remote_metadata("decode-0")
+    for bad in ({"address": "x", "host": "h", "port": 1}, {"address": b"a", "host": "h", "port": 70000}):
+        blob = encode_metadata("decode-0", {"ucx": bad}, meta.regions)
+        with pytest.raises(InvalidMetadata):
+            agent.add_remote(blob)
+        assert agent.remote_metadata("decode-0") is meta
+
+
+def test_sigkill_mid_transfer_then_peer_comes_back(agent):
+    size, bs = 1 << 30, 1 << 20
+    local = HostBuffer(agent, size)
+    local.array[:] = 7
+    victim = RemotePeer("victim", UCX)
+    try:
+        rbuf = RemoteBuffer(victim, size)
+        agent.add_remote(victim.metadata())
+        descs_l = local.descs(np.arange(size // bs) * bs, bs)
+        descs_r = rbuf.descs(np.arange(size // bs)[::-1] * bs, bs)
+        xfer = agent.transfer("WRITE", descs_l, descs_r, agent="victim", timeout=30)
+        time.sleep(0.05)
+        assert xfer.state == XferState.PROC, "the transfer finished before the kill; make it bigger"
+        t0 = time.monotonic()
+        victim.kill()
+        with pytest.raises(RemoteDisconnected) as info:
+            xfer.wait()
+        elapsed = time.monotonic() - t0
+        assert xfer.state == XferState.ERR and elapsed < 5, elapsed
+        assert info.value.backend == "ucx" and "victim" in str(info.value)
+        xfer.release()
+    finally:
+        victim.close()
+    # the victim comes back under the same name with new metadata: transfers to it work again
+    with RemotePeer("victim", UCX) as again:
+        rbuf = RemoteBuffer(again, 1 << 20)
+        agent.add_remote(again.metadata())
+        data = random_bytes(1 << 20, 12)
+        local.write(0, data)
+        xfer = agent.transfer("WRITE", local.descs([0], [1 << 20]), rbuf.descs([0], [1 << 20]), agent="victim")
+        assert xfer.wait() == XferState.DONE
+        assert rbuf.read(0, 1 << 20) == data
+        agent.remove_remote("victim")
+    agent.deregister_memory(local.registration)
+
+
+def test_agent_still_serves_its_other_peer_after_a_kill(agent, target):
+    local = HostBuffer(agent, 1 << 16)
+    buf = RemoteBuffer(target, 1 << 16)
+    agent.refresh_remote("decode-0")
+    try:
+        data = random_bytes(1 << 16, 13)
+        local.write(0, data)
+        assert agent.transfer("WRITE", local.descs([0], [1 << 16]), buf.descs([0], [1 << 16]), "decode-0").wait()
+        assert buf.read(0, 1 << 16) == data
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+
+
+class TestSecret:
+    def test_same_secret_works_and_blobs_are_signed(self):
+        cfg = {**UCX, "secret": b"s3cret"}
+        with RemotePeer("sec-target", cfg) as peer, Agent("sec-init", cfg) as agent:
+            blob = peer.metadata()
+            assert blob.startswith(b"DMS1")
+            agent.add_remote(blob)
+            buf = RemoteBuffer(peer, 4096)
+            agent.add_remote(peer.metadata())
+            local = HostBuffer(agent, 4096)
+            local.write(0, random_bytes(4096, 1))
+            assert agent.transfer("WRITE", local.descs([0], [4096]), buf.descs([0], [4096]), "sec-target").wait()
+            assert buf.read(0, 4096) == local.read(0, 4096)
+            agent.send_notification("sec-target", b"authenticated")
+            assert peer.call("wait_notification", b"auth", 10.0) == ("sec-init", b"authenticated")
+
+    def test_peer_without_the_secret_is_refused(self):
+        with RemotePeer("sec-target2", {**UCX, "secret": b"s3cret"}) as peer:
+            buf = RemoteBuffer(peer, 4096)
+            blob = peer.metadata()
+            with Agent("wrong", {**UCX, "secret": b"guess"}) as agent:
+                with pytest.raises(AuthenticationError):
+                    agent.add_remote(blob)
+                assert agent.remotes == []
+            with Agent("none", UCX) as agent:
+                with pytest.raises(AuthenticationError):
+                    agent.add_remote(blob)
+                # strip the signature to get past metadata checks: the control handshake still refuses
+                agent.add_remote(blob[36:])
+                local = HostBuffer(agent, 4096)
+                local.write(0, random_bytes(4096, 2))
+                before = buf.read(0, 4096)
+                xfer = agent.transfer("WRITE", local.descs([0], [4096]), buf.descs([0], [4096]), "sec-target2")
+                with pytest.raises(AuthenticationError):
+                    xfer.wait()
+                assert buf.read(0, 4096) == before
+            tampered = bytearray(blob)
+            tampered[-1] ^= 1
+            with Agent("right", {**UCX, "secret": b"s3cret"}) as agent:
+                with pytest.raises(AuthenticationError):
+                    agent.add_remote(bytes(tampered))
+
+
+def test_unsigned_blob_refused_by_agent_with_secret():
+    with (
+        Agent("a", {"backends": {"memcpy": {}}}) as plain,
+        Agent("b", {"backends": {"memcpy": {}}, "secret": "k"}) as b,
+    ):
+        with pytest.raises(AuthenticationError):
+            b.add_remote(plain.metadata())
+        assert decode_metadata(plain.metadata()).name == "a"
