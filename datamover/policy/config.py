@@ -95,7 +95,9 @@ class L3Config:
     path: str = _f("/var/tmp/datamover/l3", "directory holding the chunk files and the index")
     capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0)
     fsync_mode: str = _f("fdatasync", "durability of each chunk write", choices=("none", "fsync", "fdatasync"))
-    crc32c_check: bool = _f(True, "store a CRC32C per chunk and check it on every read (a mismatch is a miss)")
+    crc32c_check: bool = _f(
+        True, "store a CRC32C per chunk and check it on every read from L3 or L4 (a mismatch is a miss)"
+    )
     chunk_size_tokens: int = _f(16, "tokens per chunk (token_range in spans, cost per token)", gt=0)
     high_watermark: float = _f(
         1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0

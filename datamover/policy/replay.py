@@ -136,41 +136,76 @@ class TierStack:
         self.misses = 0
         self.evictions = [0] * len(self.specs)
         self.moved: Counter = Counter()
+        self.pinned: set[Hashable] = set()  # never evicted
+        self.closed: set[int] = set()  # tiers being drained: no new chunks
 
     def access(self, key: Hashable, now: float, ref: int = -1) -> int:
         """Replay one reference; return the tier index that served it, or -1 for a miss."""
         self.policy.observe(key, now, ref)
+        j = self.where(key)
+        if j >= 0:
+            self.hit(j, key, now, ref)
+        else:
+            self.misses += 1
+            self.place(0, key, now, ref, PREFILL)
+        return j
+
+    def where(self, key: Hashable) -> int:
+        """Index of the fastest tier holding `key`, or -1."""
         for j, resident in enumerate(self.resident):
             if key in resident:
-                self.hits[j] += 1
-                self.orders[j].touch(key, now, ref)
-                if j and self.promote:
-                    self._place(0, key, now, ref, self.names[j])
                 return j
-        self.misses += 1
-        self._place(0, key, now, ref, PREFILL)
         return -1
 
-    def _place(self, j: int, key: Hashable, now: float, ref: int, source: str) -> None:
+    def hit(self, j: int, key: Hashable, now: float, ref: int = -1) -> None:
+        """Count a hit of `key` in tier `j` and promote it to L1 if the policy says so."""
+        self.hits[j] += 1
+        self.orders[j].touch(key, now, ref)
+        if j and self.promote:
+            self.place(0, key, now, ref, self.names[j])
+
+    def place(self, j: int, key: Hashable, now: float, ref: int, source: str) -> bool:
+        """Make `key` resident in tier `j` (copied from `source`), evicting as the watermarks ask; a refused new
+        chunk goes to the next tier. Return whether it was placed in some tier."""
         resident, order = self.resident[j], self.orders[j]
         if key in resident:
-            return
+            return True
         last = j + 1 == len(self.resident)
-        if len(resident) >= self.high[j]:
-            if not order.admit(key, now, ref):
+        if len(resident) >= self.high[j] or j in self.closed:
+            if j not in self.closed and order.admit(key, now, ref):
+                for victim in order.evict(len(resident) + 1 - self.low[j], now, self.pinned):
+                    self.evict(j, victim, now, ref)
+            if len(resident) >= self.high[j] or j in self.closed:  # refused, or all that is left is pinned
                 if source == PREFILL and not last:  # write around the tier that refused it
-                    self._place(j + 1, key, now, ref, source)
-                return
-            for victim in order.evict(len(resident) + 1 - self.low[j], now):
-                resident.remove(victim)
-                self.evictions[j] += 1
-                if not last and victim not in self.resident[j + 1]:
-                    self._place(j + 1, victim, now, ref, self.names[j])
+                    return self.place(j + 1, key, now, ref, source)
+                return False
         resident.add(key)
         order.insert(key, now, ref)
         self.moved[source, self.names[j]] += 1
+        self._placed(source, j, key)
         if self.write_through and not last:
-            self._place(j + 1, key, now, ref, self.names[j])
+            self.place(j + 1, key, now, ref, self.names[j])
+        return True
+
+    def evict(self, j: int, victim: Hashable, now: float, ref: int = -1) -> None:
+        """`victim` (already forgotten by tier j's policy) leaves tier j, demoted to the next tier if not there."""
+        self.resident[j].remove(victim)
+        self.evictions[j] += 1
+        if j + 1 < len(self.resident) and victim not in self.resident[j + 1]:
+            self.place(j + 1, victim, now, ref, self.names[j])
+        self._removed(j, victim)
+
+    def drop(self, j: int, key: Hashable) -> None:
+        """Remove `key` from tier `j` without demoting it (invalid data, or already copied elsewhere)."""
+        self.resident[j].remove(key)
+        self.orders[j].remove(key)
+        self._removed(j, key)
+
+    def _placed(self, source: str, j: int, key: Hashable) -> None:
+        """Hook: `key` was just copied from `source` into tier `j` (the real cache allocates a slot here)."""
+
+    def _removed(self, j: int, key: Hashable) -> None:
+        """Hook: `key` left tier `j`, after any demotion copy of it was placed (its slot may be reused now)."""
 
 
 def tier_specs(config: TierConfig) -> list[TierSpec]:

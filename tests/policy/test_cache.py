@@ -1,0 +1,230 @@
+"""The tiered cache moves real bytes: every delivered chunk is the one put, across tiers, restarts and faults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from datamover import Agent
+from datamover.policy.cache import DATA_FILE, TieredCache
+from datamover.policy.config import TierConfig, with_overrides
+from datamover.policy.keys import ChunkKey, chunk_keys
+from datamover.telemetry.metrics import CacheMetrics
+from datamover.testing.s3server import S3Server
+
+PAGE = 4096
+GB = 1 << 30
+
+
+def tiers(tmp: Path, l1: int = 3, l2: int = 5, l3: int | None = 8, **sections) -> TierConfig:
+    """A small stack: l1/l2/l3 capacities in chunks of 4 KiB, no cooldown (so tests choose what moves)."""
+    config = {
+        "l1_hbm": {"block_pool_size": l1, "page_size_bytes": PAGE, "device": "dram"},
+        "l2_dram": {"enabled": l2 > 0, "pinned_pool_gb": max(l2, 1) * PAGE / GB, "hysteresis_cooldown_s": 0.0},
+        "l3_nvme": {
+            "enabled": l3 is not None,
+            "path": str(tmp / "l3"),
+            "capacity_gb": (l3 or 1) * PAGE / GB,
+            "fsync_mode": "fdatasync",
+        },
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    return with_overrides(TierConfig(), **config)
+
+
+def content(key: ChunkKey) -> np.ndarray:
+    """Bytes that identify a chunk: any misplaced or stale chunk shows."""
+    seed = abs(hash((key.prefix_hash, key.model_version, key.tokenizer_version))) % (1 << 32)
+    return np.random.default_rng(seed).integers(0, 256, PAGE, dtype=np.uint8)
+
+
+def chunks(keys) -> np.ndarray:
+    return np.concatenate([content(k) for k in keys]) if keys else np.zeros(0, np.uint8)
+
+
+def check_get(cache: TieredCache, keys) -> int:
+    dst = np.zeros(len(keys) * PAGE, np.uint8)
+    n = cache.get(keys, dst)
+    for i, key in enumerate(keys[:n]):
+        assert (dst[i * PAGE : (i + 1) * PAGE] == content(key)).all(), f"wrong bytes for {key}"
+    return n
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["put", "get", "prefetch"]), st.lists(st.integers(0, 30), min_size=1, max_size=6)),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, write_through=st.booleans(), policy=st.sampled_from(["default", "lru"]))
+def test_random_operations_deliver_exactly_what_was_put(tmp_path_factory, ops, write_through, policy):
+    tmp = tmp_path_factory.mktemp("cache")
+    mode = "write_through" if write_through else "write_back"
+    config = tiers(tmp, policy={"write_mode": mode, "name": policy})
+    with TieredCache(config) as cache:
+        for op, ids in ops:
+            keys = chunk_keys(dict.fromkeys(ids), "m1", "t1")
+            if op == "put":
+                cache.put(keys, chunks(keys))
+            elif op == "get":
+                expected, _ = cache.lookup(keys)
+                assert check_get(cache, keys) == expected
+            else:
+                cache.prefetch(keys).result()
+        resident = cache.stats()["resident"]
+        assert resident["l1_hbm"] <= 3 and resident["l2_dram"] <= 5 and resident["l3_nvme"] <= 8
+        assert cache.stats()["checksum_failures"] == 0
+
+
+def test_tiers_fill_in_order_and_promote_on_hit(tmp_path):
+    with TieredCache(tiers(tmp_path)) as cache:
+        keys = chunk_keys(range(10), "m", "t")
+        assert cache.put(keys, chunks(keys)) == 10
+        n, where = cache.lookup(keys)
+        assert n == 10 and where.count("l1_hbm") == 3 and where.count("l2_dram") == 5 and where.count("l3_nvme") == 2
+        assert "stands in for HBM" in cache.notes[0]
+        old = [k for k, t in zip(keys, where, strict=True) if t == "l3_nvme"]
+        assert check_get(cache, old) == 2
+        assert cache.lookup(old)[1] == ["l1_hbm", "l1_hbm"]  # promoted
+        assert cache.stats()["hits"]["l3_nvme"] == 2
+
+
+def test_l3_survives_a_restart(tmp_path):
+    keys = chunk_keys(range(12), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=2, l2=2, l3=20)) as cache:
+        cache.put(keys, chunks(keys))
+        on_l3 = [k for k, t in zip(keys, cache.lookup(keys)[1], strict=True) if t == "l3_nvme"]
+    assert len(on_l3) == 8
+    with TieredCache(tiers(tmp_path, l1=2, l2=2, l3=20)) as cache:
+        assert cache.lookup(on_l3) == (8, ["l3_nvme"] * 8)
+        assert "found again" in cache.notes[-1]
+        assert check_get(cache, on_l3) == 8
+
+
+def test_corrupt_chunk_is_a_miss_never_wrong_bytes(tmp_path, caplog):
+    keys = chunk_keys(range(6), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=10)) as cache:
+        cache.put(keys, chunks(keys))
+        slot = cache.engine.slots[1][keys[2]]
+    with open(tmp_path / "l3" / DATA_FILE, "r+b") as f:  # flip a byte of chunk 2 on "disk"
+        f.seek(slot * PAGE + 100)
+        byte = f.read(1)
+        f.seek(slot * PAGE + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=10)) as cache:
+        assert cache.lookup(keys)[0] == 5
+        assert check_get(cache, keys) == 2  # chunks 0 and 1; chunk 2 failed its CRC32C
+        assert cache.stats()["checksum_failures"] == 1
+        assert cache.lookup([keys[2]])[0] == 0  # dropped: next time it is recomputed
+        assert str(keys[2]) in caplog.text
+
+
+def test_other_model_or_tokenizer_version_never_hits(tmp_path):
+    with TieredCache(tiers(tmp_path)) as cache:
+        keys = chunk_keys(range(4), "llama@1", "tok@1")
+        cache.put(keys, chunks(keys))
+        assert cache.lookup(chunk_keys(range(4), "llama@2", "tok@1"))[0] == 0
+        assert check_get(cache, chunk_keys(range(4), "llama@1", "tok@2")) == 0
+        assert check_get(cache, keys) == 4
+
+
+def test_pinned_chunks_stay(tmp_path):
+    with TieredCache(tiers(tmp_path, l1=3, l2=0, l3=None)) as cache:
+        hot = chunk_keys([1, 2], "m", "t")
+        cache.put(hot, chunks(hot))
+        cache.pin(hot)
+        cold = chunk_keys(range(10, 30), "m", "t")
+        cache.put(cold, chunks(cold))
+        assert cache.lookup(hot)[0] == 2
+        cache.unpin(hot)
+        cache.put(cold, chunks(cold))
+        more = chunk_keys(range(40, 60), "m", "t")
+        cache.put(more, chunks(more))
+        assert cache.lookup(hot)[0] == 0
+
+
+def test_drain_moves_every_unique_chunk_down(tmp_path):
+    with TieredCache(tiers(tmp_path, l1=4, l2=8, l3=None)) as cache:
+        keys = chunk_keys(range(6), "m", "t")
+        cache.put(keys, chunks(keys))
+        assert cache.drain("l1_hbm") == 4
+        assert cache.lookup(keys) == (6, ["l2_dram"] * 6)
+        assert check_get(cache, keys) == 6
+        new = chunk_keys([99], "m", "t")
+        cache.put(new, chunks(new))
+        assert cache.lookup(new)[1] == ["l2_dram"]  # a drained tier takes no new chunks
+        with pytest.raises(ValueError, match="no enabled tier below"):
+            cache.drain("l2_dram")
+
+
+def test_prefetch_promotes_in_the_background(tmp_path):
+    with TieredCache(tiers(tmp_path, l1=2, l2=2, l3=10)) as cache:
+        keys = chunk_keys(range(8), "m", "t")
+        cache.put(keys, chunks(keys))
+        cold = keys[:2]
+        assert cache.lookup(cold)[1] == ["l3_nvme", "l3_nvme"]
+        assert cache.prefetch(cold).result(timeout=10) == 2
+        assert cache.lookup(cold)[1] == ["l1_hbm", "l1_hbm"]
+        assert check_get(cache, cold) == 2
+
+
+def test_spans_and_metrics(tmp_path):
+    spans = tmp_path / "spans.jsonl"
+    config = tiers(
+        tmp_path,
+        l1=2,
+        l2=4,
+        l3=None,
+        observability={
+            "spans": True,
+            "span_path": str(spans),
+            "span_fields": ["from_tier", "to_tier", "prefix_hash", "hit_or_miss", "token_range"],
+        },
+    )
+    metrics = CacheMetrics()
+    with TieredCache(config, metrics=metrics) as cache:
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys, chunks(keys))
+        assert check_get(cache, keys + chunk_keys([77], "m", "t")) == 4
+    rows = [json.loads(line) for line in spans.read_text().splitlines()]
+    assert all(set(r) == {"from_tier", "to_tier", "prefix_hash", "hit_or_miss", "token_range"} for r in rows)
+    puts = [r for r in rows if r["from_tier"] == "caller"]  # chunks demoted in the same put come from the caller
+    assert sorted(r["prefix_hash"] for r in puts if r["to_tier"] == "l1_hbm") == [0, 1, 2, 3]
+    assert {r["hit_or_miss"] for r in puts} == {"miss"}
+    assert [r["token_range"] for r in puts if r["prefix_hash"] == 3] == [[48, 64]]  # chunk 3 of 16 tokens
+    assert {"evict", "hit"} <= {r["hit_or_miss"] for r in rows}
+    text = metrics.render().decode()
+    assert "datamover_cache_misses_total 1.0" in text
+    assert 'datamover_cache_hits_total{tier="l2_dram"} 2.0' in text
+    assert 'datamover_tier_resident_chunks{tier="l1_hbm"} 2.0' in text
+
+
+@pytest.mark.skipif(not S3Server.available()[0], reason=S3Server.available()[1])
+def test_l4_object_pool_round_trip(tmp_path):
+    with S3Server(bucket="kv-cache") as srv:
+        agent = Agent("kv-test", {"backends": {"memcpy": {}, "posix": {}, "s3": srv.config()}})
+        config = tiers(
+            tmp_path,
+            l1=2,
+            l2=0,
+            l3=None,
+            l4_pool={"enabled": True, "bucket": "kv-cache", "capacity_gb": 16 * PAGE / GB, "replica_count": 2},
+        )
+        with TieredCache(config, agent=agent) as cache:
+            keys = chunk_keys(range(6), "m", "t")
+            cache.put(keys, chunks(keys))
+            assert cache.lookup(keys)[1].count("l4_pool") == 4
+            listed = srv.client().list_objects_v2(Bucket="kv-cache")["Contents"]
+            assert len(listed) == 8  # 4 chunks x 2 replicas
+            first = next(o["Key"] for o in listed if o["Key"].endswith(".0"))
+            srv.client().delete_object(Bucket="kv-cache", Key=first)  # a lost replica: the other one serves
+            assert check_get(cache, keys) == 6
+        agent.close()
