@@ -13,7 +13,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +49,10 @@ log = logging.getLogger("datamover.compat.nixl")
 DEFAULT_COMM_PORT = 8888
 #: The agent name NIXL uses for the local side of ``prep_xfer_dlist``.
 NIXL_INIT_AGENT = "NIXL_INIT_AGENT"
+#: NIXL's etcd namespace when NIXL_ETCD_NAMESPACE is not set.
+ETCD_NAMESPACE_DEFAULT = "/nixl/agents"
+#: How long ``fetch_remote_metadata`` retries a peer listener that is not up yet.
+FETCH_RETRY_S = 10.0
 
 # -- backend names -----------------------------------------------------------
 
@@ -632,15 +638,34 @@ class nixl_agent_config:
 _BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off")
 
 
+def _threads_param(cls: type) -> str | None:
+    """The backend's own name for its thread count."""
+    return next((k for k in ("threads", "concurrency") if k in cls.default_params), None)
+
+
 def _param_str(value: Any) -> str:
+    if value is None:
+        return ""
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
 def _param_value(key: str, value: Any, default: Any) -> Any:
-    """A NIXL string parameter converted to the type of datamover's default."""
-    if not isinstance(value, str) or isinstance(default, str) or default is None:
+    """A NIXL string parameter converted to the type of datamover's default.
+
+    For a default of None (unset), "" means unset and numbers become numbers.
+    """
+    if not isinstance(value, str) or isinstance(default, str):
         return value
     text = value.strip().lower()
+    if default is None:
+        if not text:
+            return None
+        for kind in (int, float):
+            try:
+                return kind(text)
+            except ValueError:
+                pass
+        return value
     try:
         if isinstance(default, bool):
             if text in ("1", "true", "yes", "on"):
@@ -744,7 +769,7 @@ class nixl_agent:
         """Start a backend by its NIXL name with NIXL-style string parameters.
 
         Thread-count parameters (``num_threads``, ``thread_count``, ...) map to
-        the backend's ``threads``; parameters the backend does not know are
+        the backend's ``threads`` (s3: ``concurrency``); parameters the backend does not know are
         logged and ignored, as NIXL plugins do.
         """
         if backend not in self.plugin_list:
@@ -758,7 +783,7 @@ class nixl_agent:
             init = self._obj_params(init)
         params: dict[str, Any] = {}
         for key, value in init.items():
-            target = key if key in cls.default_params else ("threads" if key in _THREAD_PARAMS else None)
+            target = key if key in cls.default_params else (_threads_param(cls) if key in _THREAD_PARAMS else None)
             if target not in cls.default_params:
                 log.warning("backend %s: ignoring parameter %r, which datamover's %s does not take", backend, key, name)
                 continue
@@ -984,9 +1009,25 @@ class nixl_agent:
         return None if name in ("", NIXL_INIT_AGENT, self.name) else name
 
     def _prepare(self, descs: Any, peer: str | None, mem_type: str | None = None) -> Prepared:
+        """Validate descriptors; a peer's that its loaded metadata does not cover trigger one refetch
+        from where that metadata came (its listener or etcd), since it may have registered them since."""
         dl = self.get_xfer_descs(descs, mem_type).descs
+        if peer is None:
+            with _nixl_errors():
+                return self.agent.prepare(self._own_side(dl))
+        try:
+            with _nixl_errors():
+                return self.agent.prepare(dl, peer)
+        except NotRegistered:
+            if peer not in self.agent.remotes:
+                raise
+            try:
+                with _nixl_errors():
+                    self.agent.refresh_remote(peer)
+            except KeyError:  # metadata handed over as bytes: nowhere to refetch it from
+                pass
         with _nixl_errors():
-            return self.agent.prepare(self._own_side(dl) if peer is None else dl, peer)
+            return self.agent.prepare(dl, peer)
 
     def initialize_xfer(
         self,
@@ -1168,6 +1209,84 @@ class nixl_agent:
         except DatamoverError:
             return False
         return True
+
+    # -- metadata exchange: side channel and etcd ---------------------------------
+    @property
+    def listen_port(self) -> int | None:
+        """The port this agent serves its metadata on (``enable_listen_thread``), e.g. when 0 was asked."""
+        addr = self.agent.listen_address
+        return None if addr is None else int(addr[1])
+
+    def _etcd(self) -> tuple[list[str], str]:
+        """Endpoints and namespace from NIXL_ETCD_ENDPOINTS / NIXL_ETCD_NAMESPACE, as NIXL reads them."""
+        endpoints = [e.strip() for e in re.split(r"[,;]", os.environ.get("NIXL_ETCD_ENDPOINTS", "")) if e.strip()]
+        if not endpoints:
+            raise nixlInvalidParamError("no peer address given and NIXL_ETCD_ENDPOINTS is not set")
+        namespace = os.environ.get("NIXL_ETCD_NAMESPACE", ETCD_NAMESPACE_DEFAULT).strip("/") or "nixl"
+        return endpoints, namespace
+
+    def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Publish this agent's metadata to etcd (no ``ip_addr``, NIXL_ETCD_ENDPOINTS set).
+
+        Pushing to one peer's listener (``ip_addr``) raises nixlNotSupportedError:
+        datamover's side channel only serves metadata, so the peer fetches it
+        with ``fetch_remote_metadata(name, ip, port)`` instead.
+        """
+        if ip_addr:
+            raise nixlNotSupportedError(
+                "datamover's metadata side channel only serves metadata; the peer must "
+                f"fetch_remote_metadata({self.name!r}, <this host>, {self.listen_port or '<listen port>'})"
+            )
+        endpoints, namespace = self._etcd()
+        with _nixl_errors():
+            self.agent.publish(endpoints, namespace)
+
+    def fetch_remote_metadata(
+        self, remote_agent: str, ip_addr: str = "", port: int = DEFAULT_COMM_PORT, label: str = ""
+    ) -> None:
+        """Load a peer's metadata from its listener (``ip_addr``, ``port``) or, without an address, from etcd.
+
+        Synchronous: when it returns, ``check_remote_metadata(remote_agent)`` is
+        True. A listener not up yet (or an agent not yet in etcd) is waited for
+        up to ``FETCH_RETRY_S`` (10 s); a peer whose metadata names another
+        agent raises nixlMismatchError.
+        """
+        if label:
+            raise nixlNotSupportedError("labelled (partial) metadata is not supported")
+        name = _as_name(remote_agent)
+        if not ip_addr:
+            endpoints, namespace = self._etcd()
+            with _nixl_errors():
+                self.agent.fetch_remote(name, etcd=endpoints, namespace=namespace, timeout=max(FETCH_RETRY_S, 0.1))
+            return
+        deadline = time.monotonic() + FETCH_RETRY_S
+        while True:
+            try:
+                with _nixl_errors():
+                    got = self.agent.fetch_remote(ip_addr, int(port))
+                break
+            except RemoteDisconnected:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        if got != name:
+            self.agent.remove_remote(got)
+            raise nixlMismatchError(f"{ip_addr}:{port} serves the metadata of {got!r}, not {name!r}")
+
+    def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
+        """Withdraw this agent's metadata from etcd (no ``ip_addr``); peers watching it drop this agent.
+
+        Invalidating at one peer's listener (``ip_addr``) raises
+        nixlNotSupportedError, as ``send_local_metadata`` does.
+        """
+        if ip_addr:
+            raise nixlNotSupportedError(
+                "datamover's metadata side channel cannot tell a peer to drop this agent; "
+                f"the peer calls remove_remote_agent({self.name!r})"
+            )
+        self._etcd()
+        with _nixl_errors():
+            self.agent.unpublish()
 
     # -- lifetime -----------------------------------------------------------------
     def close(self) -> None:

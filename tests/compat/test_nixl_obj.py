@@ -35,9 +35,11 @@ def test_obj_write_and_read_by_devid(server):
     agent = nixl_agent("obj-client", nixl_agent_config(backends=[]))
     try:
         assert "OBJ" in agent.get_plugin_list()
+        defaults = agent.get_plugin_params("OBJ")
         agent.create_backend(
             "OBJ",
-            {
+            defaults
+            | {
                 "bucket": server.bucket,
                 "endpoint_override": server.endpoint_url,
                 "access_key": server.access_key,
@@ -49,6 +51,11 @@ def test_obj_write_and_read_by_devid(server):
         )
         params = agent.get_backend_params("OBJ")
         assert params["endpoint_url"] == server.endpoint_url and params["addressing_style"] == "path"
+        assert params["concurrency"] == "4"  # NIXL's num_threads
+        mapped = {"endpoint_url", "addressing_style", "access_key_id", "secret_access_key", "region", "concurrency"}
+        assert {k: v for k, v in params.items() if k not in mapped} == {
+            k: v for k, v in defaults.items() if k not in mapped
+        }  # get_plugin_params() round-trips through create_backend()
         assert agent.get_backend_mem_types("OBJ") == ["DRAM", "OBJ"]
 
         rng = np.random.default_rng(3)
