@@ -268,3 +268,29 @@ def test_unsigned_blob_refused_by_agent_with_secret():
         with pytest.raises(AuthenticationError):
             b.add_remote(plain.metadata())
         assert decode_metadata(plain.metadata()).name == "a"
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00\x00\x00\x05hello",  # not msgpack
+        b"\xff\xff\xff\xff",  # a 4 GiB frame announced
+        b"\x00\x00\x00\x0b" + b"\x82\xa1t\xa3req\xa2id\x01",  # a request before the handshake
+        b"\x00\x00\x00\x06" + b"\x81\xa1t\xa5hello",  # a hello without its fields
+    ],
+)
+def test_hostile_control_frames_are_dropped(agent, target, garbage):
+    import socket
+
+    info = agent.remote_metadata("decode-0").backends["ucx"]
+    with socket.create_connection((info["host"], info["port"]), timeout=5) as sock:
+        sock.sendall(garbage)
+        sock.settimeout(5)
+        got = b""
+        while True:  # the target answers the challenge, then hangs up on the garbage
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        assert b"challenge" in got
+    test_agent_still_serves_its_other_peer_after_a_kill(agent, target)
