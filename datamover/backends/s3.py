@@ -277,8 +277,8 @@ class S3Backend(Backend):
         if not runners:
             return completion
         run = _Run(req, self, completion, runners)
-        for _ in range(runners):
-            self._pool.submit(run.runner)
+        # one submit here; the first runner starts the others, so post() never waits on busy workers for the GIL
+        self._pool.submit(run.start, self._pool)
         return completion
 
     def close(self) -> None:
@@ -408,6 +408,22 @@ class _Run:
         p = req.plan
         self.groups = {r: _Group(r, n, left=n) for r, n in p["groups"].items()}
         self.write = req.op == "WRITE"
+
+    def start(self, pool: ThreadPoolExecutor) -> None:
+        """Start the other runners, then be one."""
+        submitted = 0
+        try:
+            for _ in range(self.active - 1):
+                pool.submit(self.runner)
+                submitted += 1
+        except RuntimeError as exc:  # the pool is shut down: account for the runners that never started
+            missing = self.active - 1 - submitted
+            self.completion.cancel(DatamoverError(f"the S3 backend is closed ({exc})", backend="s3"))
+            with self.lock:
+                self.active -= missing
+            for _ in range(missing):
+                self.completion.finish_part(None)
+        self.runner()
 
     def runner(self) -> None:
         tasks = self.req.plan["tasks"]
