@@ -1,0 +1,148 @@
+"""The NIXL facade's etcd route (NIXL_ETCD_ENDPOINTS), following NIXL's nixl_etcd_example.py."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from datamover.backends import backend_status
+from datamover.compat import nixl as nx
+from datamover.compat.nixl import nixl_agent, nixl_agent_config
+
+HOST = "127.0.0.1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def etcd_url(tmp_path_factory):
+    binary = shutil.which("etcd")
+    if binary is None:
+        pytest.skip("no etcd binary (Debian package etcd-server)")
+    try:
+        import etcd3gw
+    except ImportError:
+        pytest.skip("etcd3gw is not installed")
+    client_port, peer_port = _free_port(), _free_port()
+    url, peer = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--name=nixl-facade",
+            f"--data-dir={tmp_path_factory.mktemp('etcd')}",
+            f"--listen-client-urls={url}",
+            f"--advertise-client-urls={url}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=nixl-facade={peer}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        client = etcd3gw.Etcd3Client(host=HOST, port=client_port, timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.status()
+                break
+            except Exception:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail("etcd did not start")
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture
+def etcd_env(etcd_url, monkeypatch, request):
+    monkeypatch.setenv("NIXL_ETCD_ENDPOINTS", etcd_url)
+    monkeypatch.setenv("NIXL_ETCD_NAMESPACE", f"/nixl/test/{request.node.name}")
+    return etcd_url
+
+
+def test_etcd_example_flow(etcd_env):
+    ok, reason = backend_status("ucx")
+    if not ok:
+        pytest.skip(f"ucx backend unavailable: {reason}")
+    agent1 = nixl_agent("EtcdAgent1", nixl_agent_config(backends=["UCX"]))
+    agent2 = nixl_agent("EtcdAgent2", nixl_agent_config(backends=["UCX"]))
+    try:
+        buf1 = np.frombuffer(b"a" * 1024, dtype=np.uint8).copy()
+        buf2 = np.frombuffer(b"b" * 1024, dtype=np.uint8).copy()
+        reg1 = agent1.register_memory(agent1.get_reg_descs([(buf1.ctypes.data, 1024, 0, "a" * 1024)], "DRAM"))
+        reg2 = agent2.register_memory(agent2.get_reg_descs([(buf2.ctypes.data, 1024, 0, "b" * 1024)], "DRAM"))
+
+        agent1.send_local_metadata()
+        agent2.send_local_metadata()
+        agent1.fetch_remote_metadata("EtcdAgent2")
+        agent2.fetch_remote_metadata("EtcdAgent1")
+        assert agent1.check_remote_metadata("EtcdAgent2") and agent2.check_remote_metadata("EtcdAgent1")
+
+        src = agent1.get_xfer_descs([(buf1.ctypes.data + 16, 8, 0)], "DRAM")
+        dst = agent2.get_xfer_descs([(buf2.ctypes.data + 8, 8, 0)], "DRAM")
+        handle = agent1.initialize_xfer("WRITE", src, dst, "EtcdAgent2", b"notification")
+        state = agent1.transfer(handle)
+        notifs: dict = {}
+        deadline = time.monotonic() + 30
+        while (state != "DONE" or not notifs) and time.monotonic() < deadline:
+            if state != "DONE":
+                state = agent1.check_xfer_state(handle)
+                assert state != "ERR", handle.error
+            if not notifs:
+                notifs = agent2.get_new_notifs()
+        assert state == "DONE" and notifs == {"EtcdAgent1": [b"notification"]}
+        assert bytes(buf2[:8]) == b"b" * 8 and bytes(buf2[8:16]) == b"a" * 8 and bytes(buf2[16:]) == b"b" * 1008
+        agent1.release_xfer_handle(handle)
+
+        # agent2 withdraws its metadata: agent1, watching it, drops it
+        agent2.invalidate_local_metadata()
+        deadline = time.monotonic() + 15
+        while agent1.check_remote_metadata("EtcdAgent2") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not agent1.check_remote_metadata("EtcdAgent2")
+
+        agent1.deregister_memory(reg1, backends=["UCX"])
+        agent2.deregister_memory(reg2, backends=["UCX"])
+    finally:
+        agent1.close()
+        agent2.close()
+
+
+def test_etcd_fetch_of_an_absent_agent_raises(etcd_env, monkeypatch):
+    monkeypatch.setattr(nx, "FETCH_RETRY_S", 0.5)
+    agent = nixl_agent("lonely", nixl_agent_config(backends=[]))
+    try:
+        with pytest.raises(nx.nixlRemoteDisconnectError):
+            agent.fetch_remote_metadata("nobody")
+    finally:
+        agent.close()
+
+
+def test_peer_push_is_not_supported_and_needs_an_address_or_etcd(monkeypatch):
+    monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
+    agent = nixl_agent("pusher", nixl_agent_config(backends=[]))
+    try:
+        with pytest.raises(nx.nixlNotSupportedError):
+            agent.send_local_metadata(HOST, 5555)
+        with pytest.raises(nx.nixlNotSupportedError):
+            agent.invalidate_local_metadata(HOST, 5555)
+        with pytest.raises(nx.nixlInvalidParamError):
+            agent.send_local_metadata()
+        with pytest.raises(nx.nixlInvalidParamError):
+            agent.fetch_remote_metadata("target")
+        with pytest.raises(nx.nixlNotSupportedError):
+            agent.fetch_remote_metadata("target", HOST, 5555, label="partial")
+    finally:
+        agent.close()
