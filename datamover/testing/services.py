@@ -1,0 +1,81 @@
+"""Real services on loopback for tests and benchmarks: etcd, started in a temp dir on free ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_binary() -> str | None:
+    """Path of the etcd server binary (``$ETCD_BIN``, PATH, or Debian's /usr/bin/etcd), or None."""
+    for cand in (os.environ.get("ETCD_BIN"), shutil.which("etcd"), "/usr/bin/etcd"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+class EtcdServer:
+    """A single-member etcd on 127.0.0.1 with a temp data dir; ``endpoint`` is its client URL."""
+
+    def __init__(self, binary: str | None = None, timeout: float = 20.0) -> None:
+        binary = binary or etcd_binary()
+        if binary is None:
+            raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.dir = tempfile.mkdtemp(prefix="datamover-etcd-")
+        self.port, peer = free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self._log = open(os.path.join(self.dir, "etcd.log"), "wb")
+        env = {**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")}
+        self.process = subprocess.Popen(
+            [
+                binary, "--name", "dm", "--data-dir", os.path.join(self.dir, "data"),
+                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+                "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                "--initial-cluster", f"dm={peer_url}", "--log-level", "error",
+            ],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.process.poll() is not None:
+                self.close()
+                raise RuntimeError(f"etcd exited with {self.process.returncode}; see {self.dir}/etcd.log")
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:
+                    if b"true" in resp.read():
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"etcd did not become healthy within {timeout:g} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

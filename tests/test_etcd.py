@@ -1,0 +1,118 @@
+"""Metadata exchange through a real etcd on loopback: publish under a lease, fetch with a watch, expiry."""
+
+import threading
+import time
+import uuid
+
+import pytest
+
+from datamover import Agent, XferState
+from datamover.backends import backend_status
+from datamover.errors import NotRegistered, RemoteDisconnected
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+from datamover.testing.services import EtcdServer, etcd_binary
+
+ok, why = backend_status("ucx")
+pytestmark = [
+    pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}"),
+    pytest.mark.skipif(etcd_binary() is None, reason="etcd server binary not installed (apt-get install etcd-server)"),
+]
+UCX = {"backends": {"ucx": {}}}
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    with EtcdServer() as server:
+        yield server.endpoint
+
+
+@pytest.fixture
+def ns():
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+def _until(cond, timeout, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
+
+
+def test_publish_fetch_transfer_and_incremental_update(etcd, ns):
+    with RemotePeer("decode-e", UCX) as peer, Agent("prefill-e", UCX) as agent:
+        first = RemoteBuffer(peer, 4096)
+        key = peer.call("publish", etcd, ns, 3.0)
+        assert key == f"/{ns}/agents/decode-e"
+        assert agent.fetch_remote("decode-e", etcd=etcd, namespace=ns, timeout=5) == "decode-e"
+        local = HostBuffer(agent, 8192)
+        data = random_bytes(8192, 1)
+        local.write(0, data)
+        assert agent.transfer("WRITE", local.descs([0], [4096]), first.descs([0], [4096]), "decode-e").wait()
+        assert first.read(0, 4096) == data[:4096]
+        # memory registered later is republished; the watch brings it here without an explicit refresh
+        second = RemoteBuffer(peer, 4096)
+        with pytest.raises(NotRegistered):
+            agent.prepare(second.descs([0], [4096]), "decode-e")
+        assert _until(lambda: any(r[2] == second.addr for r in agent.remote_metadata("decode-e").regions), 10)
+        xfer = agent.transfer("WRITE", local.descs([4096], [4096]), second.descs([0], [4096]), "decode-e")
+        assert xfer.wait() == XferState.DONE and second.read(0, 4096) == data[4096:]
+        assert agent.refresh_remote("decode-e") == "decode-e"
+
+
+def test_fetch_waits_for_the_peer_to_appear(etcd, ns):
+    with Agent("late-init", UCX) as agent:
+        got = {}
+
+        def fetch():
+            try:
+                got["name"] = agent.fetch_remote("late", etcd=etcd, namespace=ns, timeout=20)
+            except Exception as exc:
+                got["error"] = exc
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), got
+        with Agent("late", UCX) as late:
+            late.publish(etcd, ns, ttl=3)
+            t.join(20)
+            assert got == {"name": "late"}
+            late.unpublish()
+            # unpublishing revokes the lease: the watcher drops the peer at once
+            assert _until(lambda: "late" not in agent.remotes, 5)
+
+
+def test_fetch_times_out(etcd, ns):
+    with Agent("lonely", UCX) as agent:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteDisconnected, match="did not appear"):
+            agent.fetch_remote("nobody", etcd=etcd, namespace=ns, timeout=1.0)
+        assert time.monotonic() - t0 < 5
+
+
+def test_killed_agent_expires_and_is_invalidated(etcd, ns):
+    ttl = 2.0
+    with Agent("watcher", UCX) as agent:
+        peer = RemotePeer("doomed", UCX)
+        try:
+            peer.call("publish", etcd, ns, ttl)
+            agent.fetch_remote("doomed", etcd=etcd, namespace=ns, timeout=5)
+            time.sleep(ttl * 1.5)  # refreshes keep the key alive past one TTL
+            assert "doomed" in agent.remotes
+            t0 = time.monotonic()
+            peer.kill()
+            assert _until(lambda: "doomed" not in agent.remotes, ttl + 5), "lease did not expire"
+            assert time.monotonic() - t0 <= ttl + 5
+            with pytest.raises(RemoteDisconnected, match="did not appear"):
+                agent.fetch_remote("doomed", etcd=etcd, namespace=ns, timeout=0.5)
+        finally:
+            peer.close()
+
+
+def test_unreachable_etcd(ns):
+    with Agent("no-etcd", UCX) as agent:
+        with pytest.raises(RemoteDisconnected, match="no etcd endpoint"):
+            agent.publish("http://127.0.0.1:1", ns)
