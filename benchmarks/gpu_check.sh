@@ -48,9 +48,14 @@ if [ "${DM_SKIP_INSTALL:-0}" != 1 ]; then
   pip_in "numpy>=1.24" "msgpack>=1.0" "pytest>=8" "hypothesis>=6.100" || note_fail "test tools did not install"
   # cuda-bindings 12.x runs on any 12.x or newer driver; 12.8+ has cudaMemcpyBatchAsync
   pip_in "cuda-python>=12.8,<13" || note_fail "cuda-python did not install"
-  # kvikio without its cupy dependency (only CuFile is used): the wheel, its library, cuFile and the loader
-  pip_in --no-deps kvikio-cu12 libkvikio-cu12 || note_fail "kvikio did not install"
-  pip_in rapids-logger nvidia-cufile-cu12 cuda-pathfinder packaging || note_fail "kvikio's libraries did not install"
+  # kvikio without its cupy dependency (only CuFile is used), then its library of the same release with
+  # that library's own (small) dependencies: cuFile, rapids-logger, cuda-pathfinder
+  if pip_in --no-deps kvikio-cu12; then
+    KV=$("$VPY" -c "import importlib.metadata as m; print(m.version('kvikio-cu12'))")
+    pip_in "libkvikio-cu12==$KV" packaging || note_fail "libkvikio-cu12 $KV did not install"
+  else
+    note_fail "kvikio did not install"
+  fi
   if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "no torch with CUDA here: trying pip install torch (the VRAM tests and benchmarks need it)"
     timeout 240 "$VPY" -m pip install -q torch || note_fail "torch did not install; VRAM tests and benchmarks will skip"
