@@ -1197,6 +1197,17 @@ class nixl_agent:
         except KeyError as exc:
             raise nixlNotFoundError(str(exc.args[0]) if exc.args else str(exc)) from exc
 
+    def make_connection(self, remote_agent: str, backends: list[str] = []) -> None:  # noqa: B006
+        """Check that ``remote_agent`` is loaded (nixlNotFoundError otherwise).
+
+        datamover backends connect on the first transfer to a peer, so there is
+        nothing to do ahead of it; NIXL documents this call as optional.
+        """
+        self._datamover_backends(backends)
+        name = _as_name(remote_agent)
+        if name not in self.agent.remotes:
+            raise nixlNotFoundError(f"unknown remote agent {name!r}; load its metadata first")
+
     def check_remote_metadata(self, agent: str, descs: nixlXferDList | None = None) -> bool:
         """Whether the peer's metadata is loaded (and, with ``descs``, covers those descriptors)."""
         name = _as_name(agent)

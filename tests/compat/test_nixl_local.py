@@ -505,6 +505,9 @@ def test_metadata_of_another_agent(agent, bufs):
         assert agent.check_remote_metadata("target", agent.get_xfer_descs([(addr(src), BUF, 0)], "DRAM"))
         assert not agent.check_remote_metadata("target", agent.get_xfer_descs([(addr(src), BUF + 1, 0)], "DRAM"))
         assert not agent.check_remote_metadata("nobody")
+        agent.make_connection("target")
+        with pytest.raises(nx.nixlNotFoundError):
+            agent.make_connection("nobody")
         agent.remove_remote_agent("target")
         assert not agent.check_remote_metadata("target")
         with pytest.raises(nx.nixlNotFoundError):
