@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from datamover.bench.nixl import NixlSettings, nixl_status
@@ -94,3 +95,37 @@ def test_tiny_object_comparison(tmp_path, capsys) -> None:
     rows = json.loads(js.read_text())["results"]
     assert {r["op"] for r in rows} == {"WRITE", "READ"}
     assert all(r["checked"] is True and r["vs_checked"] is True and r["vs_gbps"] > 0 for r in rows)
+
+
+class _SourceOnly:
+    """Just what the NIXL remote pair needs from a workload: a registered source buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        from datamover.descriptors import aligned_empty
+
+        self.mem = aligned_empty(nbytes)
+        self.mem[:] = np.frombuffer(np.random.default_rng(5).bytes(nbytes), np.uint8)
+
+
+@needs_nixl
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_nixl_remote_pair_moves_and_checks_bytes_across_processes(op) -> None:
+    from datamover.bench.nixl import NixlRemoteDram
+    from datamover.bench.workload import Case
+
+    side = NixlRemoteDram(_SourceOnly(1 << 20), NixlSettings(timeout=30))
+    try:
+        assert side.header()["nixl backend"] == "UCX (two processes)"
+        case = Case(op, 65536, 16, lambda: (0.0, 0.0), None, lambda: True)
+        good = side.case(case)
+        post, total = good.run()
+        assert 0 <= post <= total
+        assert good.verify() is True
+        good.close()
+        side._timed = lambda agent, handle: lambda: (0.0, 0.0)  # a NIXL run that moves no bytes
+        bad = side.case(case)
+        assert bad.verify() is False
+        bad.close()
+    finally:
+        side.close()
+    assert side.peer.proc.poll() == 0

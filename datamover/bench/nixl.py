@@ -12,6 +12,7 @@ would be taken from whichever library runs next).
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
 from abc import ABC, abstractmethod
@@ -87,6 +88,8 @@ def make_agent(name: str, settings: NixlSettings, backends: dict[str, dict[str, 
     if not ok:
         raise BackendUnavailable(reason, backend="nixl")
     from nixl._api import nixl_agent, nixl_agent_config
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs every agent and backend at INFO, to stdout
 
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[]))
     for backend, params in backends.items():
@@ -350,11 +353,98 @@ class NixlObj(NixlSide):
         self.agent.deregister_memory(self.mem_reg)
 
 
+class NixlRemoteDram(NixlSide):
+    """DRAM -> remote DRAM: NIXL's UCX backend to a NIXL agent in another process (``nixl_peer``).
+
+    The local side is the workload's own source buffer; block i goes to the
+    peer's slot ``perm[i]``, the permutation the workload uses. The peer
+    holds a buffer as large as the workload's.
+    """
+
+    def __init__(self, workload: Workload, settings: NixlSettings) -> None:
+        super().__init__(workload, settings)
+        from .nixl_peer import NixlPeer
+
+        self.mem = local_buffer(workload)
+        self.agent = make_agent("bench-nixl-initiator", settings, {"UCX": ucx_params(settings)})
+        self.reg = self.agent.register_memory([(int(self.mem.ctypes.data), int(self.mem.nbytes), 0, "")], "DRAM")
+        self.peer = NixlPeer(int(self.mem.nbytes), settings)
+        try:
+            self.peer_name = self.agent.add_remote_agent(self.peer.metadata)
+            if isinstance(self.peer_name, bytes):
+                self.peer_name = self.peer_name.decode()
+            self.agent.make_connection(self.peer_name)
+        except Exception as exc:
+            self.peer.close()
+            raise NixlError(f"NIXL could not connect to its peer process: {exc}", backend="nixl") from exc
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "nixl backend": "UCX (two processes)",
+            "ucx": self.agent.get_backend_params("UCX"),
+            "peer pid": self.peer.proc.pid,
+            "peer progress": "none between commands" if self.settings.ucx_err_mode == "none" else "polled",
+        }
+
+    def case(self, case: Case) -> NixlCase:
+        block, batch, n, op = case.block, case.batch, case.nbytes, case.op
+        perm = remote_permutation(self.workload, batch)
+        local_rows = block_rows(int(self.mem.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
+        remote_rows = block_rows(self.peer.addr, perm.astype(np.int64) * block, block, 0)
+        xh, release = self._prepped(self.agent, op, local_rows, "DRAM", remote_rows, "DRAM", self.peer_name)
+        run = self._timed(self.agent, xh)
+        if op == "READ":
+            self.peer.fill(n, seed=block ^ batch)
+
+        def in_remote_order() -> np.ndarray:
+            out = np.empty((batch, block), dtype=np.uint8)
+            out[perm] = self.mem[:n].reshape(batch, block)
+            return out
+
+        def zero_target() -> None:
+            if op == "WRITE":
+                self.peer.zero(n)
+            else:
+                self.mem[:n] = 0
+
+        def verify() -> bool:
+            from .nixl_peer import digest
+
+            zero_target()
+            run()
+            return digest(in_remote_order()) == self.peer.digest(n)
+
+        return NixlCase(run, verify, release, zero_target)
+
+    def close(self) -> None:
+        try:
+            self.agent.remove_remote_agent(self.peer_name)
+        finally:
+            self.peer.close()
+            self.agent.deregister_memory(self.reg)
+
+
+def local_buffer(workload: Workload) -> np.ndarray:
+    """The workload's registered source buffer (``mem`` or ``src``)."""
+    for name in ("mem", "src", "local"):
+        buf = getattr(workload, name, None)
+        if isinstance(buf, np.ndarray):
+            return buf
+    raise NixlError(f"{type(workload).__name__} exposes no local buffer (mem or src) to share with NIXL")
+
+
+def remote_permutation(workload: Workload, batch: int) -> np.ndarray:
+    """The slots block i lands in on the remote side: the workload's own, else the local workloads' permutation."""
+    fn = getattr(workload, "permutation", None)
+    return np.asarray(fn(batch)) if callable(fn) else _permutation(batch)
+
+
 #: datamover backend -> "module:Class" of the NIXL side compared with it
 NIXL_PAIRS: dict[str, str] = {
     "memcpy": "datamover.bench.nixl:NixlLocalDram",
     "posix": "datamover.bench.nixl:NixlPosix",
     "s3": "datamover.bench.nixl:NixlObj",
+    "ucx": "datamover.bench.nixl:NixlRemoteDram",
 }
 
 

@@ -1,0 +1,125 @@
+"""The remote end of NIXL's DRAM -> remote DRAM pair: a NIXL agent in its own process, driven over a pipe.
+
+``NixlPeer`` starts ``python -m datamover.bench.nixl_peer``, which registers
+one DRAM buffer with NIXL's UCX backend and prints its agent metadata and the
+buffer's address. It then waits on its stdin for one-line commands (zero,
+fill, digest, quit), so the initiator can prepare the target's bytes and
+check them after a transfer. Between commands it does not touch UCX at all
+when the error-handling mode is ``none`` (RMA over shared memory needs no
+target progress, the way NIXL is meant to be used); in ``peer`` mode UCX
+needs the target to progress, so it polls NIXL every ``poll_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import select
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+
+from .nixl import NixlError, NixlSettings, make_agent, ucx_params
+
+
+def digest(arr: np.ndarray) -> str:
+    return hashlib.blake2b(memoryview(arr), digest_size=16).hexdigest()
+
+
+class NixlPeer:
+    """A NIXL target process holding ``nbytes`` of registered DRAM."""
+
+    def __init__(self, nbytes: int, settings: NixlSettings, name: str = "bench-nixl-target", poll_s: float = 1e-4):
+        env = dict(os.environ, UCX_TLS=settings.ucx_tls)
+        cmd = [sys.executable, "-m", "datamover.bench.nixl_peer", name, str(nbytes), settings.ucx_err_mode, str(poll_s)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self._reply(timeout=settings.timeout)
+        try:
+            meta, addr = line.split()
+        except ValueError:
+            self.close()
+            raise NixlError(f"the NIXL target process did not start: {line!r}", backend="nixl") from None
+        self.metadata = base64.b64decode(meta)
+        self.addr = int(addr)
+        self.nbytes = nbytes
+        self.name = name
+
+    def _reply(self, timeout: float = 120.0) -> str:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            code = self.proc.poll()
+            raise NixlError(f"the NIXL target process did not answer (exit code {code})", backend="nixl")
+        return line.strip()
+
+    def command(self, *words: Any) -> str:
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def zero(self, n: int) -> None:
+        self.command("zero", n)
+
+    def fill(self, n: int, seed: int) -> None:
+        """Random bytes (``np.random.default_rng(seed)``) in the first ``n`` bytes."""
+        self.command("fill", n, seed)
+
+    def digest(self, n: int) -> str:
+        return self.command("digest", n)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def serve(name: str, nbytes: int, err_mode: str, poll_s: float) -> None:
+    """The target's main loop; replies go to the original stdout, and anything else printed goes to stderr."""
+    from ..descriptors import aligned_empty
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # native libraries and NIXL's stdout logger must not write into the reply pipe
+    sys.stdout = sys.stderr
+
+    settings = NixlSettings(ucx_tls=os.environ.get("UCX_TLS", ""), ucx_err_mode=err_mode)
+    agent = make_agent(name, settings, {"UCX": ucx_params(settings)})
+    buf = aligned_empty(nbytes)
+    buf[:] = 0
+    reg = agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
+    print(base64.b64encode(agent.get_agent_metadata()).decode(), int(buf.ctypes.data), file=out, flush=True)
+    timeout = poll_s if err_mode == "peer" else None
+    try:
+        while True:
+            ready, _, _ = select.select([sys.stdin], [], [], timeout)
+            if err_mode == "peer":
+                agent.get_new_notifs()  # progresses the UCX worker
+            if not ready:
+                continue
+            words = sys.stdin.readline().split()
+            if not words or words[0] == "quit":
+                return
+            if words[0] == "zero":
+                buf[: int(words[1])] = 0
+                print("ok", file=out, flush=True)
+            elif words[0] == "fill":
+                n = int(words[1])
+                buf[:n] = np.frombuffer(np.random.default_rng(int(words[2])).bytes(n), dtype=np.uint8)
+                print("ok", file=out, flush=True)
+            elif words[0] == "digest":
+                print(digest(buf[: int(words[1])]), file=out, flush=True)
+            else:
+                print(f"error unknown command {words[0]!r}", file=out, flush=True)
+    finally:
+        agent.deregister_memory(reg)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]))
