@@ -12,6 +12,7 @@ parameters. kvikio is imported on first use, never at ``import datamover``.
 from __future__ import annotations
 
 import errno as errno_mod
+import importlib.metadata
 import importlib.util
 import logging
 import threading
@@ -161,14 +162,16 @@ class GdsBackend(Backend):
         if importlib.util.find_spec("kvikio") is None:
             out["kvikio"] = "not installed (pip install 'datamover[gds]')"
             return out
+        if driver_missing():  # kvikio is not loaded without the driver it needs
+            out["kvikio"] = _installed_version() or "installed"
+            return out
         try:
             kvikio = _kvikio()
         except Exception as exc:
             out["kvikio"] = f"cannot load: {type(exc).__name__}: {exc}"
             return out
         out["kvikio"] = kvikio.__version__
-        if not driver_missing():
-            out["io"] = _io_mode(kvikio)
+        out["io"] = _io_mode(kvikio)
         return out
 
     def _kvikio(self):
@@ -301,6 +304,16 @@ class GdsBackend(Backend):
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _installed_version() -> str | None:
+    """kvikio's version from its distribution's metadata, without importing it."""
+    for dist in ("kvikio-cu12", "kvikio-cu13", "kvikio"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _io_mode(kvikio) -> str:
