@@ -5,14 +5,14 @@
 #   3. run the GPU tests (conformance for cuda and gds, tests/test_gpu_*.py);
 #   4. run the GPU benchmarks: H2D/D2H against torch copy_ from pinned memory, GDS against kvikio,
 #      4 KiB..64 MiB blocks, and judge them (>= 0.9 x raw at blocks >= 1 MiB).
-# Usage: benchmarks/gpu_check.sh            (results in $OUT, else ./gpu-check-out)
-# Env:   PYTHON (default python3), DM_BENCH_DIR (directory for the gds benchmark file, default the
-#        repository's directory, which is usually on a real disk, unlike /tmp), DM_SKIP_INSTALL=1.
+# Usage: benchmarks/gpu_check.sh            (results in $OUT, else /tmp/datamover-gpu-check)
+# Env:   PYTHON (default python3), DM_BENCH_DIR (directory for the gds test and benchmark files, default
+#        the repository's directory, usually on a real disk, unlike /tmp), DM_VENV, DM_SKIP_INSTALL=1.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 REPO=$PWD
-OUT=${OUT:-$REPO/gpu-check-out}
+OUT=${OUT:-/tmp/datamover-gpu-check}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 VENV=${DM_VENV:-/tmp/dm-gpu-venv}
@@ -76,9 +76,12 @@ stage "datamover info"
 timeout 60 "$VPY" -m datamover.cli info | tee "$OUT/info.txt"
 
 stage "GPU tests"
+# the simulated-runtime tests (tests/test_gpu_*sim.py) need no GPU and run with the CPU suite
 timeout 150 "$VPY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
-  tests/conformance/test_cuda.py tests/conformance/test_gds.py tests/test_gpu_*.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
+  --basetemp "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp" \
+  tests/conformance/test_cuda.py tests/conformance/test_gds.py tests/test_gpu_device.py tests/test_gpu_nodevice.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || note_fail "GPU tests failed (see $OUT/gpu-tests.txt)"
+rm -rf "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp"
 
 BLOCKS=4K,64K,256K,1M,4M,16M,64M
 bench() {
