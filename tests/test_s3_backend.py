@@ -8,10 +8,12 @@ replacing boto3 calls.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -139,24 +141,55 @@ def test_corrupted_large_object_zeroed(server):
         assert not buf.array.any(), "unverified bytes were left in the destination"
 
 
-def test_object_without_checksum(server):
-    """A whole-object read of an object carrying no CRC32C fails unless require_checksum=False."""
-    client = server.client()
+def test_foreign_objects(server):
+    """Objects written without our metadata: S3's own whole-object CRC32C or CRC32 verifies them, or nothing does."""
+    plain = server.client(request_checksum_calculation="when_required")
     data = random_bytes(5000, 40)
-    client.put_object(Bucket=server.bucket, Key="foreign/x", Body=data)
+    bad_crc32c = crc32c_b64(b"something else")
+    bad_crc32 = base64.b64encode(zlib.crc32(b"something else").to_bytes(4, "big")).decode()
+    cases = {
+        "foreign/crc32c": ({"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": crc32c_b64(data)}, True),
+        "foreign/crc32": ({"ChecksumAlgorithm": "CRC32"}, True),  # botocore computes it, botocore checks it
+        # moto stores a client's checksum without checking it: bytes that do not match their S3 checksum
+        "foreign/bad-crc32c": ({"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": bad_crc32c}, False),
+        "foreign/bad-crc32": ({"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": bad_crc32}, False),
+        "foreign/none": ({}, False),
+    }
+    for key, (kw, _) in cases.items():
+        plain.put_object(Bucket=server.bucket, Key=key, Body=data, **kw)
     with make_agent(server) as agent:
         buf = HostBuffer(agent, 5000)
-        src = objects(agent, server.bucket, ["foreign/x"], [5000])
-        err = wait_error(agent.transfer("READ", buf.descs([0], [5000]), src, backends="s3"), 30)
-        assert isinstance(err, ChecksumMismatch) and "carries no CRC32C" in str(err)
-        part = objects(agent, server.bucket, ["foreign/x"], [100], [10])
+        for key, (_, good) in cases.items():
+            buf.array[:] = 7
+            src = objects(agent, server.bucket, [key], [5000])
+            xfer = agent.transfer("READ", buf.descs([0], [5000]), src, backends="s3")
+            if good:
+                assert xfer.wait() == XferState.DONE and buf.read(0, 5000) == data, key
+                continue
+            err = wait_error(xfer, 30)
+            assert isinstance(err, ChecksumMismatch) and err.key == key, (key, err)
+            assert buf.read(0, 5000) == bytes([7]) * 5000, f"{key}: unverified bytes reached the destination"
+        assert "no checksum" in str(err)
+        part = objects(agent, server.bucket, ["foreign/none"], [100], [10])
         assert agent.transfer("READ", buf.descs([0], [100]), part, backends="s3").wait() == XferState.DONE
         assert buf.read(0, 100) == data[10:110], "a ranged read needs no checksum"
     with make_agent(server, require_checksum=False) as agent:
         buf = HostBuffer(agent, 5000)
-        src = objects(agent, server.bucket, ["foreign/x"], [5000])
+        src = objects(agent, server.bucket, ["foreign/none"], [5000])
         assert agent.transfer("READ", buf.descs([0], [5000]), src, backends="s3").wait() == XferState.DONE
         assert buf.read(0, 5000) == data
+
+
+def test_prefix_read(server):
+    """A READ at offset 0 shorter than the object returns its first bytes (unverified, like any partial read)."""
+    with make_agent(server) as agent:
+        _, _, (data,) = write(agent, server.bucket, ["prefix/x"], [3 * MiB], seed=45)
+        buf = HostBuffer(agent, 2 * MiB)
+        for n in (10, 2 * MiB):
+            src = objects(agent, server.bucket, ["prefix/x"], [n])
+            assert agent.transfer("READ", buf.descs([0], [n]), src, backends="s3").wait() == XferState.DONE
+            assert buf.read(0, n) == data[:n]
+        write(agent, server.bucket, ["prefix/y"], [100])  # the pool's connections still work
 
 
 # -- typed errors ----------------------------------------------------------------

@@ -54,6 +54,10 @@ CRC_META = "crc32c"
 _MIN_PART = 5 * MiB  # S3's smallest non-final multipart part
 _MAX_PARTS = 10_000
 
+#: whole objects up to this size are verified before they touch the destination; larger ones land, then are checked
+_VERIFY_BEFORE_COPY = 1 * MiB
+#: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
+_BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
 
 
@@ -325,25 +329,25 @@ class S3Backend(Backend):
         self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
 
     def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray) -> dict:
-        """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response headers we need."""
+        """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response facts we need.
+
+        A whole row at object offset 0 is asked for without a Range: when the
+        object is exactly that long (the usual case) S3 then sends its own
+        checksums too, and the read is verified. A longer object makes it a
+        prefix read: ``count`` bytes are kept and the connection is dropped.
+        """
         p = req.plan
         off = p["off"][row] + start
         bucket, key = p["bucket"][row], p["key"][row]
-        resp = self._call(
-            self._client.get_object,
-            req=req,
-            row=row,
-            what="GET",
-            Bucket=bucket,
-            Key=key,
-            Range=f"bytes={off}-{off + count - 1}",
-        )
+        ranged = not (off == 0 and count == p["len"][row])
+        kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
+        resp = self._call(self._client.get_object, req=req, row=row, what="GET", Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
-        total = _total_size(resp, off + count)
         got = int(resp.get("ContentLength", count))
-        whole = p["off"][row] == 0 and total == p["len"][row]
+        total = _total_size(resp, off + count) if ranged else got
+        meta = (resp.get("Metadata") or {}).get(CRC_META)
         try:
-            if got != count:
+            if got < count or (ranged and got > count):
                 why = (
                     f"holds {total} bytes: [{off}, {off + count}) reads past its end"
                     if got < count
@@ -355,29 +359,46 @@ class S3Backend(Backend):
                     code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
                     index=req.caller_index(row), backend=self.name,
                 )  # fmt: skip
-            if whole and start == 0 and count == total:
-                # a whole object in one GET: check it before it touches the destination
-                data = body.read()
-                self._verify(req, row, data, (resp.get("Metadata") or {}).get(CRC_META))
+            if ranged or got > count:
+                _read_into(body, dst)  # a range or a prefix: nothing to verify it against
+            elif count <= _VERIFY_BEFORE_COPY:
+                data = body.read()  # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
+                self._verify(req, row, data, resp, meta)
                 dst[:] = np.frombuffer(data, dtype=np.uint8)
             else:
-                _read_into(body, dst)
+                try:
+                    _read_into(body, dst)
+                    body.read()
+                    self._verify(req, row, dst, resp, meta)
+                except Exception:
+                    dst[:] = 0  # never leave unverified bytes behind
+                    raise
         except DatamoverError:
             raise
         except Exception as exc:
             raise self.error(exc, req, row, "GET") from exc
         finally:
             body.close()
-        return {"etag": resp.get("ETag"), "crc": (resp.get("Metadata") or {}).get(CRC_META), "total": total}
+        return {"etag": resp.get("ETag"), "crc": meta, "total": total}
 
-    def _verify(self, req: TransferRequest, row: int, data: Any, stored: str | None) -> None:
+    def _verify(self, req: TransferRequest, row: int, data: Any, resp: dict | None, stored: str | None) -> None:
+        """Check a whole object's bytes: our CRC32C metadata, else S3's own full-object CRC32C.
+
+        S3's CRC32 and SHA checksums, when an object carries one instead, were
+        checked by botocore while the body was read to its end.
+        """
         p = req.plan
         bucket, key = p["bucket"][row], p["key"][row]
+        native = (resp or {}).get("ChecksumCRC32C")
+        if stored is None and native and "-" not in native:
+            stored = native
         if stored is None:
+            if resp is not None and any("-" not in str(resp.get(h, "-")) for h in _BOTOCORE_CHECKED):
+                return
             if self.params["require_checksum"]:
                 err = ChecksumMismatch(
-                    f"s3://{bucket}/{key} carries no CRC32C (x-amz-meta-{CRC_META}), so it cannot be verified; "
-                    "was it written by another tool? (require_checksum=False reads it unverified)",
+                    f"s3://{bucket}/{key} carries no checksum to verify it with (no x-amz-meta-{CRC_META}, no "
+                    "whole-object S3 checksum); was it written by another tool? (require_checksum=False reads it)",
                     index=req.caller_index(row),
                     backend=self.name,
                 )
@@ -540,7 +561,7 @@ class _Run:
         if p["off"][row] == 0 and g.total == p["len"][row]:
             dst = self.view(row, 0, p["len"][row])
             try:
-                b._verify(req, row, dst, g.meta_crc)
+                b._verify(req, row, dst, None, g.meta_crc)
             except ChecksumMismatch:
                 dst[:] = 0  # never leave unverified bytes behind
                 raise
@@ -601,6 +622,10 @@ def object_store_error(
     import botocore.exceptions as bx
 
     where = f"{what} s3://{bucket}/{key}"
+    if isinstance(exc, bx.FlexibleChecksumError):
+        err = ChecksumMismatch(f"{where}: {exc}", index=index, backend=backend)
+        err.bucket, err.key = bucket, key
+        return err
     if isinstance(exc, bx.ClientError):
         err = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
