@@ -454,3 +454,27 @@ def test_completion_after_the_deadline_is_a_timeout(sim):
             x.wait()
         x.release()
         agent.transfer("WRITE", vram.descs([0], [4096]), host.descs([0], [4096])).wait()  # still usable
+
+
+def test_backend_and_simulator_use_the_real_api():
+    """Every runtime name the backend uses exists in cuda-python, and the simulator takes the same arguments."""
+    import inspect
+    import re
+
+    source = inspect.getsource(cuda_mod)
+    names = set(re.findall(r"\brt\.(cuda\w+)", source))
+    assert {"cudaMemcpyAsync", "cudaMemcpyBatchAsync", "cudaEventRecord", "cudaHostRegister"} <= names
+    assert sorted(n for n in names if not hasattr(rt_real, n)) == []
+    for enum in ("cudaError_t", "cudaMemoryType", "cudaMemcpySrcAccessOrder", "cudaMemcpyFlags", "cudaMemcpyKind"):
+        members = set(re.findall(rf"\b{enum}\.(\w+)", source))
+        assert sorted(m for m in members if not hasattr(getattr(rt_real, enum), m)) == [], enum
+    assert {"type", "device"} <= set(dir(rt_real.cudaPointerAttributes()))
+    assert "name" in dir(rt_real.cudaDeviceProp())
+    assert {"srcAccessOrder", "flags"} <= set(dir(rt_real.cudaMemcpyAttributes()))
+    sim = SimRuntime()
+    for name in sorted(names):
+        real = getattr(rt_real, name)
+        mine = getattr(sim, name, None)
+        if not inspect.isroutine(real) or mine is None or not inspect.ismethod(mine):
+            continue
+        assert len(inspect.signature(mine).parameters) == len(inspect.signature(real).parameters), name
