@@ -76,10 +76,12 @@ stage "datamover info"
 timeout 60 "$VPY" -m datamover.cli info | tee "$OUT/info.txt"
 
 stage "GPU tests"
-# the simulated-runtime tests (tests/test_gpu_*sim.py) need no GPU and run with the CPU suite
+# of the simulator tests (CPU-only, run with the CPU suite) only the checks against the installed APIs
 timeout 150 "$VPY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
   --basetemp "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp" \
-  tests/conformance/test_cuda.py tests/conformance/test_gds.py tests/test_gpu_device.py tests/test_gpu_nodevice.py 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
+  tests/conformance/test_cuda.py tests/conformance/test_gds.py tests/test_gpu_device.py tests/test_gpu_nodevice.py \
+  tests/test_gpu_sim.py::test_backend_and_simulator_use_the_real_api \
+  tests/test_gpu_gds_sim.py::test_simulator_matches_real_kvikio 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || note_fail "GPU tests failed (see $OUT/gpu-tests.txt)"
 rm -rf "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp"
 

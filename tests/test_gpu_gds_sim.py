@@ -195,3 +195,28 @@ def test_kvikio_failure_is_a_typed_error(kv, tmp_path, monkeypatch):
         with pytest.raises(TransferIOError) as info:
             x.wait()
     assert info.value.index == 1 and "CU_FILE_IO_ERROR" in str(info.value)
+
+
+def test_simulator_matches_real_kvikio():
+    """The kvikio calls the backend makes exist with these parameters (kvikio imports without a driver)."""
+    import inspect
+
+    try:
+        kvikio = gds_mod._kvikio()
+    except ImportError as exc:
+        pytest.skip(f"kvikio is not installed: {exc}")
+    except Exception as exc:
+        pytest.skip(f"kvikio cannot load here: {type(exc).__name__}: {exc}")
+    from kvikio.cufile import IOFuture
+
+    for method in ("pread", "pwrite"):
+        params = list(inspect.signature(getattr(kvikio.CuFile, method)).parameters)
+        assert params == ["self", "buf", "size", "file_offset", "task_size"], params
+    assert {"get", "done"} <= set(dir(IOFuture))
+    d = kvikio.defaults
+    if hasattr(d, "set"):
+        assert {"ON", "OFF", "AUTO"} <= set(kvikio.CompatMode.__members__)
+        assert d.get("task_size") > 0 and d.get("num_threads") >= 1
+    else:
+        assert callable(d.num_threads_reset) and callable(d.compat_mode_reset)
+    assert isinstance(gds_mod._io_mode(kvikio), str)
