@@ -10,7 +10,7 @@ import pytest
 
 from datamover import Agent, DescList, aligned_empty
 from datamover.backends import aio
-from datamover.backends.aio import AioContext, IocbBatch, aio_available
+from datamover.backends.aio import AioContext, AioRun, IocbBatch, aio_available
 from datamover.errors import TransferIOError
 
 OK, REASON = aio_available()
@@ -109,8 +109,8 @@ def agent_file(tmp_path):
 def test_posix_uses_aio_for_aligned_direct_batches(agent_file, monkeypatch) -> None:
     agent, mem, reg, path = agent_file
     runs = []
-    real = AioContext.run
-    monkeypatch.setattr(AioContext, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    real = AioContext.start
+    monkeypatch.setattr(AioContext, "start", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
     n = 200
     mem[: n * B] = _random(n * B, 7)
     perm = np.random.default_rng(2).permutation(n)
@@ -129,15 +129,17 @@ def test_posix_uses_aio_for_aligned_direct_batches(agent_file, monkeypatch) -> N
 
 def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch) -> None:
     agent, mem, reg, _ = agent_file
-    real = AioContext.run
+    real = AioRun.finish
+    lossy_runs = []
 
-    def lossy(self, batch, cancelled=lambda: False, first=0, last=None):
-        res = real(self, batch, cancelled, first, last)
+    def lossy(self, cancelled=lambda: False):
+        res = real(self, cancelled)
         res[::3] = np.minimum(res[::3], 512)  # claim every third group came back short
         res[1::5] = -errno.EAGAIN
+        lossy_runs.append(1)
         return res
 
-    monkeypatch.setattr(AioContext, "run", lossy)
+    monkeypatch.setattr(AioRun, "finish", lossy)
     n = 30
     src = _random(n * B, 9)
     mem[: n * B] = src
@@ -146,6 +148,7 @@ def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch) -> None:
     mem[:] = 0
     agent.transfer("READ", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
     assert np.array_equal(mem[: n * B], src)
+    assert len(lossy_runs) == 2
 
 
 def test_aio_read_past_end_is_an_error(agent_file) -> None:
@@ -156,7 +159,7 @@ def test_aio_read_past_end_is_an_error(agent_file) -> None:
 
 
 def test_aio_can_be_turned_off(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(AioContext, "run", lambda *a, **k: pytest.fail("aio used although turned off"))
+    monkeypatch.setattr(AioContext, "start", lambda *a, **k: pytest.fail("aio used although turned off"))
     with Agent("noaio", {"backends": {"posix": {"aio": False}}}) as agent:
         mem = _random(8 * B)
         agent.register_memory(mem)
@@ -183,3 +186,18 @@ def test_aio_write_with_fsync_syncs_every_file(agent_file, monkeypatch) -> None:
         r = sync_agent.register_file(reg.path, size=8 * B)
         sync_agent.transfer("WRITE", DescList.blocks(mem[: 8 * B], B), DescList.file(r, np.arange(8) * B, B)).wait()
         assert synced == [r.handles["posix"].fd]
+
+
+def test_release_while_aio_in_flight_reaps_everything(agent_file) -> None:
+    agent, mem, reg, _ = agent_file
+    backend = agent.backend("posix")
+    n = 256
+    lp = agent.prepare(DescList.blocks(mem[: n * B], B))
+    rp = agent.prepare(DescList.file(reg, np.random.default_rng(3).permutation(n) * B, B))
+    for _ in range(5):
+        x = agent.make_transfer("READ", lp, None, rp, None)
+        x.post()
+        x.release()  # aborts or waits; either way no I/O may still be in flight afterwards
+    contexts = backend._aio_all
+    assert contexts and all(not c._lock.locked() for c in contexts)
+    assert backend._aio_free.qsize() == len(contexts)

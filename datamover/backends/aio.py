@@ -155,41 +155,23 @@ class AioContext:
         -ECANCELED. What is in flight is always reaped before returning, so
         no buffer is touched afterwards.
         """
-        stop = len(batch) if last is None else last
-        res = np.full(stop - first, -errno_mod.ECANCELED, dtype=np.int64)
-        events, depth = self._events, self.depth
-        ev_ptr = ctypes.c_void_p(events.ctypes.data)
-        ptr0 = int(batch.ptrs.ctypes.data)
-        nxt, inflight = first, 0
-        with self._lock:
-            while True:
-                if nxt < stop and inflight < depth and not cancelled():
-                    want = min(depth - inflight, stop - nxt)
-                    try:
-                        got = _syscall("io_submit", self._ctx, ctypes.c_long(want), ctypes.c_void_p(ptr0 + nxt * 8))
-                    except OSError as exc:
-                        if exc.errno == errno_mod.EINTR or (exc.errno == errno_mod.EAGAIN and inflight):
-                            got = 0
-                        else:  # the kernel refused this iocb (EINVAL, EBADF, ...): record it, go on
-                            res[nxt - first] = -(exc.errno or errno_mod.EIO)
-                            nxt += 1
-                            continue
-                    nxt += got
-                    inflight += got
-                if not inflight:
-                    if nxt >= stop or cancelled():
-                        break
-                    continue
-                try:
-                    n = _syscall("io_getevents", self._ctx, ctypes.c_long(1), ctypes.c_long(depth), ev_ptr, None)
-                except OSError as exc:
-                    if exc.errno == errno_mod.EINTR:
-                        continue
-                    raise
-                done = events[:n]
-                res[done["data"].astype(np.int64) - first] = done["res"]
-                inflight -= n
-        return res
+        return self.start(batch, first, last, cancelled).finish(cancelled)
+
+    def start(
+        self, batch: IocbBatch, first: int = 0, last: int | None = None, cancelled: Callable[[], bool] = lambda: False
+    ) -> AioRun:
+        """Submit the first ``depth`` rows now (io_submit does not wait for O_DIRECT I/O); finish() does the rest.
+
+        The context is busy until ``finish`` returns, which may happen on another thread.
+        """
+        self._lock.acquire()
+        run = AioRun(self, batch, first, len(batch) if last is None else last)
+        try:
+            run.submit(cancelled)
+        except BaseException:
+            self._lock.release()
+            raise
+        return run
 
     def close(self) -> None:
         with self._lock:
@@ -202,3 +184,57 @@ class AioContext:
             self.close()
         except Exception:
             pass
+
+
+class AioRun:
+    """One batch in flight on an AioContext: ``submit`` tops up the queue, ``finish`` reaps until all are done."""
+
+    def __init__(self, ctx: AioContext, batch: IocbBatch, first: int, stop: int) -> None:
+        self.ctx, self.batch, self.first, self.stop = ctx, batch, first, stop
+        self.res = np.full(stop - first, -errno_mod.ECANCELED, dtype=np.int64)
+        self.nxt, self.inflight = first, 0
+        self._ptr0 = int(batch.ptrs.ctypes.data)
+
+    def submit(self, cancelled: Callable[[], bool]) -> None:
+        """Submit rows until ``depth`` are in flight or none are left."""
+        depth = self.ctx.depth
+        while self.nxt < self.stop and self.inflight < depth and not cancelled():
+            want = min(depth - self.inflight, self.stop - self.nxt)
+            ptr = ctypes.c_void_p(self._ptr0 + self.nxt * 8)
+            try:
+                got = _syscall("io_submit", self.ctx._ctx, ctypes.c_long(want), ptr)
+            except OSError as exc:
+                if exc.errno == errno_mod.EINTR or (exc.errno == errno_mod.EAGAIN and self.inflight):
+                    return
+                # the kernel refused this iocb (EINVAL, EBADF, ...): record it, go on with the next
+                self.res[self.nxt - self.first] = -(exc.errno or errno_mod.EIO)
+                self.nxt += 1
+                continue
+            self.nxt += got
+            self.inflight += got
+            if got < want:
+                return
+
+    def finish(self, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+        """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context."""
+        ctx = self.ctx
+        events, depth = ctx._events, ctx.depth
+        ev_ptr = ctypes.c_void_p(events.ctypes.data)
+        try:
+            while True:
+                self.submit(cancelled)
+                if not self.inflight:
+                    if self.nxt >= self.stop or cancelled():
+                        return self.res
+                    continue
+                try:
+                    n = _syscall("io_getevents", ctx._ctx, ctypes.c_long(1), ctypes.c_long(depth), ev_ptr, None)
+                except OSError as exc:
+                    if exc.errno == errno_mod.EINTR:
+                        continue
+                    raise
+                done = events[:n]
+                self.res[done["data"].astype(np.int64) - self.first] = done["res"]
+                self.inflight -= n
+        finally:
+            ctx._lock.release()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import MemType, aligned_empty
-from ..errors import TransferIOError
+from ..errors import DatamoverError, TransferIOError
 from .aio import AioContext, IocbBatch, aio_available
 from .base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
 
@@ -196,28 +196,59 @@ class PosixBackend(Backend):
         p = req.plan
         write = req.op == "WRITE"
 
+        if p["aio"] is not None:
+            return self._post_aio(req, p, write)
+
         def work(a: int, b: int, completion: Completion) -> None:
-            if p["aio"] is not None:
-                self._run_aio(req, p, a, b, write, completion)
-            else:
-                self._run_groups(req, p, a, b, write, completion)
+            self._run_groups(req, p, a, b, write, completion)
 
         return run_parts(None if p["inline"] else self._pool, p["ranges"], work, backend=self.name)
 
     # -- native AIO ----------------------------------------------------------
-    def _run_aio(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
-        """Every group through one AIO context; groups that came back short or failed are redone synchronously."""
+    def _post_aio(self, req, p, write: bool) -> Completion:
+        """Submit the first ``aio_depth`` I/Os right here, then reap (and submit the rest) on the pool."""
         try:
             ctx = self._aio_free.get_nowait()
         except queue.Empty:
             ctx = AioContext(int(self.params["aio_depth"]))
             self._aio_all.append(ctx)
         try:
-            res = ctx.run(p["aio"], lambda: completion.cancelled, first, last)
-        finally:
+            run = ctx.start(p["aio"])
+        except BaseException:
             self._aio_free.put(ctx)
-        if completion.cancelled:
-            return
+            raise
+
+        completion = Completion(1)
+        groups = len(p["groups"])
+
+        def reap() -> None:
+            # always runs, even once cancelled: I/O submitted above must be reaped before buffers are released
+            err: BaseException | None = None
+            try:
+                try:
+                    res = run.finish(lambda: completion.cancelled)
+                finally:
+                    self._aio_free.put(ctx)
+                if not completion.cancelled:
+                    self._aio_done(req, p, res, 0, groups, write, completion)
+            except DatamoverError as exc:
+                err = exc
+            except BaseException as exc:
+                err = DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name)
+                err.__cause__ = exc
+            completion.finish_part(err)
+
+        if p["inline"]:
+            reap()
+        else:
+            try:
+                self._pool.submit(reap)
+            except RuntimeError:  # the pool is shut down (backend closing): finish here
+                reap()
+        return completion
+
+    def _aio_done(self, req, p, res, first: int, last: int, write: bool, completion: Completion) -> None:
+        """Groups that came back short or failed are redone synchronously; then fsync if asked."""
         for g in (np.flatnonzero(res != p["aio"].expect[first:last]) + first).tolist():
             self._run_groups(req, p, g, g + 1, write, completion)
         if write and self.params["fsync"]:
