@@ -1,13 +1,15 @@
 """ucx: one-sided WRITE/READ into a remote agent's registered DRAM/VRAM, over ucxx tag send/recv.
 
 ucxx's Python layer has no RMA put/get, so the target serves requests: the
-initiator sends the remote descriptors over a TCP control connection; the
-target checks every one against its own registrations (bounds, memory type)
-before any byte moves, answers ``ack`` (or ``refuse``, naming the
-descriptor), and posts one tag receive (WRITE) or send (READ) per row
-straight into/from the registered buffer, while the initiator posts the
-matching sends/receives. All rows of a request are posted at once
-(pipelined), each with its own tag.
+initiator sends the remote descriptors over a TCP control connection and, in
+the same breath, posts one tag send (WRITE) or receive (READ) per row from
+or into its own registered buffer, each row with its own tag. The target
+checks every descriptor against its own registrations (bounds, memory type)
+before posting the matching receives (into the registered buffer itself) or
+sends; a request that fails the check is refused, naming the descriptor, and
+the data of a refused WRITE is drained into scratch memory, so registered
+memory is never touched. A WRITE completes when the target reports every row
+landed; notifications ride the control connection after the data.
 
 Data endpoints are created from worker addresses with UCX error handling
 off, which lets UCX pick shared memory and cma on one host (several GB/s,
@@ -23,11 +25,15 @@ progress while requests are in flight and sleeps in epoll otherwise.
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import logging
 import os
+import re
 import selectors
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -52,6 +58,8 @@ log = logging.getLogger("datamover.ucx")
 _MASK40 = (1 << 40) - 1
 _READ_TAG = 1 << 63
 _MAX_ADDRESS = 1 << 16
+_DRAIN_MAX = 64 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
+_DRAIN_ROWS = 1 << 20
 
 
 def _import_ucxx():
@@ -126,7 +134,7 @@ class _Requests:
 class _OutOp:
     """A request this agent initiated, from post to completion."""
 
-    __slots__ = ("abandoned", "acked", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
+    __slots__ = ("abandoned", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
 
     def __init__(self, op_id: int, peer: _Peer, req: TransferRequest, completion: Completion, deadline: float) -> None:
         self.id = op_id
@@ -134,7 +142,6 @@ class _OutOp:
         self.peer = peer
         self.req = req
         self.completion = completion
-        self.acked = False
         self.abandoned = False
         self.done_msg = req.op == "READ"
         self.reqs: _Requests | None = None
@@ -227,6 +234,7 @@ class UcxBackend(Backend):
         self._active_in: dict[tuple[int, int], _Inbound] = {}
         self._graveyard: list[tuple[float, Any]] = []
         self._self_ep: Any = None
+        self._draining: list[tuple[float, list, Any]] = []
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
@@ -256,7 +264,8 @@ class UcxBackend(Backend):
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {
             "ucx": ".".join(map(str, ucx_api.get_ucx_version())),
-            "transports": ", ".join(transports_of(ctx.info)),
+            "transports available": ", ".join(transports_of(ctx.info)),
+            "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
             "UCX_TLS": ctx.config.get("TLS", "?"),
             "data path": "endpoints from worker addresses, UCX error handling off; peer failure via control TCP",
         }
@@ -471,6 +480,7 @@ class UcxBackend(Backend):
         """Let closed endpoints go once their cancelled requests had time to finish."""
         now = time.monotonic()
         self._graveyard = [(t, ep) for t, ep in self._graveyard if now - t < 10.0]
+        self._draining = [d for d in self._draining if now - d[0] < 60.0 and not all(r.completed for r in d[1])]
 
     def _retire_ep(self, ep: Any) -> None:
         if ep is None:
@@ -545,7 +555,7 @@ class UcxBackend(Backend):
         self._next_op += 1
         peer.ops[op.id] = op
         if peer.state == "ready":
-            self._send_req(peer, op)
+            self._launch(peer, op)
         else:
             peer.queue.append(("req", op))
 
@@ -561,7 +571,15 @@ class UcxBackend(Backend):
         else:
             peer.queue.append(("notify", (message, done)))
 
-    def _send_req(self, peer: _Peer, op: _OutOp) -> None:
+    def _launch(self, peer: _Peer, op: _OutOp) -> None:
+        """Send the request and post this side's UCX operations at once (no round trip first).
+
+        READ posts its receives before the request leaves, so the target's
+        sends always find them; WRITE posts its sends right after the request.
+        """
+        if op.completion.cancelled or time.monotonic() > op.deadline:
+            self._end(op, op.completion.error or self._late(op))
+            return
         n = len(op.req.local)
         if op.req.op == "WRITE":
             if (self._tag_ctr & _MASK40) + n > _MASK40:
@@ -573,7 +591,11 @@ class UcxBackend(Backend):
         msg = dict(op.req.plan["msg"])
         msg["id"] = op.id
         msg["tag"] = op.tag0
+        if op.req.op == "READ" and not self._post_local(peer, op):
+            return
         peer.conn.send(msg)  # type: ignore[union-attr]
+        if op.req.op == "WRITE":
+            self._post_local(peer, op)
 
     def _on_peer_msg(self, peer: _Peer, msg: dict[str, Any]) -> None:
         t = msg["t"]
@@ -593,21 +615,15 @@ class UcxBackend(Backend):
         op = peer.ops.get(msg["id"])
         if op is None:
             return
-        if t == "ack":
-            if op.completion.cancelled or time.monotonic() > op.deadline:
-                op.finish(op.completion.error or self._late(op))
-            if op.abandoned:
-                peer.conn.send({"t": "cancel", "id": op.id})  # type: ignore[union-attr]
-                peer.ops.pop(op.id, None)
-                return
-            op.acked = True
-            self._post_local(peer, op)
-        elif t == "refuse":
+        if t == "refuse":
             row = int(msg["row"]) if msg.get("row") is not None else None
             index = op.req.caller_index(row) if row is not None and 0 <= row < len(op.req.local) else None
             self._end(
                 op, RemoteRefused(f"agent {peer.name!r} refused: {msg['reason']}", index=index, backend=self.name)
             )
+            if op.req.op == "READ" and op.reqs is not None:
+                # the target sent nothing: complete our receives with empty messages from ourselves
+                self._self_complete(op.tag0, op.reqs.pending())
         elif t == "done":
             op.done_msg = True
             self._maybe_done(op)
@@ -637,15 +653,12 @@ class UcxBackend(Backend):
         queue, peer.queue = peer.queue, []
         for kind, item in queue:
             if kind == "req":
-                if not item.abandoned:
-                    self._send_req(peer, item)
-                else:
-                    peer.ops.pop(item.id, None)
+                self._launch(peer, item)
             else:
                 peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
                 item[1].finish_part()
 
-    def _post_local(self, peer: _Peer, op: _OutOp) -> None:
+    def _post_local(self, peer: _Peer, op: _OutOp) -> bool:
         views = op.req.plan["views"]
         tag, ep, T = op.tag0, peer.ep, self._ucx.UCXXTag
         try:
@@ -655,18 +668,21 @@ class UcxBackend(Backend):
                 reqs = [ep.tag_recv(v, T(tag + i)) for i, v in enumerate(views)]
         except Exception as exc:
             self._end(op, RemoteDisconnected(f"posting to agent {peer.name!r} failed: {exc}", backend=self.name))
-            return
+            return False
         op.reqs = _Requests(reqs)
         self._active_out[op.id] = op
+        return True
 
     def _maybe_done(self, op: _OutOp) -> None:
         if op.done_msg and op.reqs is not None and op.reqs.k >= len(op.reqs.reqs):
             self._end(op, None)
 
     def _end(self, op: _OutOp, error: BaseException | None) -> None:
-        self._active_out.pop(op.id, None)
-        op.peer.ops.pop(op.id, None)
+        """Finish the caller's completion; UCX requests still pending stay tracked until they end."""
         op.finish(error)
+        if op.reqs is None or op.reqs.k >= len(op.reqs.reqs):
+            self._active_out.pop(op.id, None)
+            op.peer.ops.pop(op.id, None)
 
     def _check_requests(self) -> bool:
         progressed = False
@@ -674,11 +690,17 @@ class UcxBackend(Backend):
             k = op.reqs.k  # type: ignore[union-attr]
             res = op.reqs.poll()  # type: ignore[union-attr]
             progressed |= op.reqs.k != k  # type: ignore[union-attr]
-            if res is True:
+            if res is False:
+                continue
+            if op.abandoned:
+                self._active_out.pop(op.id, None)
+                op.peer.ops.pop(op.id, None)
+            elif res is True:
                 self._active_out.pop(op.id, None)
                 self._maybe_done(op)
-            elif res is not False:
+            else:
                 idx = op.req.caller_index(op.reqs.k)  # type: ignore[union-attr]
+                op.reqs.k = len(op.reqs.reqs)  # type: ignore[union-attr]
                 self._end(op, _ucx_error(res, op.peer.name, idx, self.name))
         for key, inbound in list(self._active_in.items()):
             entry = inbound.ops.get(key[1])
@@ -704,16 +726,28 @@ class UcxBackend(Backend):
 
     def _late(self, op: _OutOp) -> TransferTimeout:
         return TransferTimeout(
-            f"{op.req.op} to agent {op.peer.name!r} was not acknowledged within {op.req.timeout:g} s", backend=self.name
+            f"{op.req.op} to agent {op.peer.name!r} did not start within {op.req.timeout:g} s", backend=self.name
         )
 
     def _check_cancelled(self) -> None:
+        """Ops still waiting for the handshake give up when released or late; launched ones run to the end."""
         now = time.monotonic()
         for peer in self._peers.values():
+            if peer.state == "ready":
+                continue
             for op in list(peer.ops.values()):
-                if not op.acked and not op.abandoned and (op.completion.cancelled or now > op.deadline):
-                    # not acknowledged yet: no byte has moved; stop here, tell the target on its ack
+                if op.reqs is None and not op.abandoned and (op.completion.cancelled or now > op.deadline):
                     op.finish(op.completion.error or self._late(op))
+
+    def _self_complete(self, tag0: int, rows: list[int]) -> None:
+        """Complete pending receives of ours that no peer will ever match, with empty self-sends."""
+        if not rows:
+            return
+        if self._self_ep is None:
+            self._self_ep = self._worker.create_endpoint_from_worker_address(self._worker.address, False)
+        empty = self._Array(memoryview(bytearray(1))[:0])
+        for i in rows:
+            self._self_ep.tag_send(empty, self._ucx.UCXXTag(tag0 + i))
 
     # -- target side --------------------------------------------------------------
     def _accept(self) -> None:
@@ -752,8 +786,6 @@ class UcxBackend(Backend):
             self._serve(inbound, msg)
         elif t == "notif":
             self.agent._deliver_notification(inbound.name, bytes(msg["msg"]))
-        elif t == "cancel":
-            self._cancel_served(inbound, int(msg["id"]))
 
     def _on_hello(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
         name, address, nonce_i = msg["name"], bytes(msg["address"]), bytes(msg["nonce"])
@@ -780,18 +812,19 @@ class UcxBackend(Backend):
 
     def _serve(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
         op_id, op = int(msg["id"]), msg["op"]
+        tag0 = int(msg["tag"])
         try:
             descs, rids = self._validate(msg)
         except DatamoverError as exc:
             inbound.conn.send({"t": "refuse", "id": op_id, "row": exc.index, "reason": exc.reason})
+            if op == "WRITE":
+                self._drain(inbound, msg, tag0)
             return
-        tag0 = int(msg["tag"])
-        inbound.conn.send({"t": "ack", "id": op_id})
         views = _views(self.agent._regs, rids, descs.addr, descs.length, self._Array)
         ep, T = inbound.ep, self._ucx.UCXXTag
         try:
             if op == "WRITE":
-                reqs = [self._worker.tag_recv(v, T(tag0 + i)) for i, v in enumerate(views)]
+                reqs = [ep.tag_recv(v, T(tag0 + i)) for i, v in enumerate(views)]
             else:
                 reqs = [ep.tag_send(v, T(tag0 + i)) for i, v in enumerate(views)]
         except Exception as exc:
@@ -817,18 +850,18 @@ class UcxBackend(Backend):
         rids = self.agent._table.lookup(descs, owner=f"agent {self.agent.name!r}", backend=self.name)
         return descs, rids
 
-    def _cancel_served(self, inbound: _Inbound, op_id: int) -> None:
-        """The initiator gave up before sending: complete our pending receives with empty self-sends."""
-        entry = inbound.ops.pop(op_id, None)
-        self._active_in.pop((inbound.conn_id, op_id), None)
-        if entry is None or entry[1] != "WRITE":
+    def _drain(self, inbound: _Inbound, msg: dict[str, Any], tag0: int) -> None:
+        """Consume the refused request's data into scratch memory, so none of it touches registered memory."""
+        try:
+            n = len(msg["len"]) // 8
+            longest = int(np.frombuffer(msg["len"], dtype="<i8").max()) if n else 0
+        except (TypeError, ValueError):
             return
-        reqs, _, _, tag0, _ = entry
-        if self._self_ep is None:
-            self._self_ep = self._worker.create_endpoint_from_worker_address(self._worker.address, False)
-        empty = self._Array(memoryview(bytearray(1))[:0])
-        for i in reqs.pending():
-            self._self_ep.tag_send(empty, self._ucx.UCXXTag(tag0 + i))
+        scratch = memoryview(bytearray(max(1, min(longest, _DRAIN_MAX))))
+        sink = self._Array(scratch)
+        ep, T = inbound.ep, self._ucx.UCXXTag
+        reqs = [ep.tag_recv(sink, T(tag0 + i)) for i in range(min(n, _DRAIN_ROWS))]
+        self._draining.append((time.monotonic(), reqs, scratch))
 
     # -- lifetime ---------------------------------------------------------------
     def _shutdown(self) -> None:
@@ -880,3 +913,51 @@ def transports_of(info: str) -> list[str]:
             if tl and tl not in out:
                 out.append(tl)
     return out
+
+
+_ROW = re.compile(r"\|\s*([0-9KMGinf.]+)\s*\|\s*(?:\(\?\)\s*)?([^|]+?)\s*\|\s*([\w/]+)\s*\|")
+
+
+def transports_in_use(log: str) -> list[str]:
+    """'<sizes>: <protocol> over <transport>' rows of the tag-send table in UCX_PROTO_INFO output."""
+    out: list[str] = []
+    in_tag = False
+    for line in log.splitlines():
+        if "tagged message by ucp_tag_send* from host memory" in line:
+            in_tag = True
+            continue
+        if in_tag and "ucp_context" in line:
+            in_tag = False
+        m = _ROW.search(line) if in_tag else None
+        if m:
+            row = f"{m.group(1)}: {m.group(2)} over {m.group(3)}"
+            if row not in out:
+                out.append(row)
+    return out
+
+
+_PROBE = """
+import numpy as np
+from datamover.backends.ucx import _import_ucxx
+u, Array = _import_ucxx()
+ws = [u.UCXWorker(u.UCXContext({}, feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))) for _ in range(2)]
+ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)
+for n in (64, 1 << 20):
+    a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    rs = [ep.tag_send(Array(a), u.UCXXTag(n)), ws[1].tag_recv(Array(b), u.UCXXTag(n))]
+    while not all(r.completed for r in rs):
+        ws[0].progress(); ws[1].progress()
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def probe_transports(timeout: float = 30.0) -> list[str]:
+    """Which transports UCX picks for tag messages between two workers on this host (a subprocess probe)."""
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"probe failed: {exc}"]
+    return transports_in_use(res.stdout + res.stderr)

@@ -1,0 +1,244 @@
+"""ucx workload: initiator here, target in a second process, over loopback; raw ucxx tag send/recv beside it.
+
+Both sides move the same bytes between the same two buffers, one message per
+block. Raw ucxx runs on its own workers (endpoints from worker addresses,
+error handling off: the same fast path the backend uses) with the smallest
+protocol that is still correct: the initiator sends an 8-byte "go" per
+iteration, both sides post one tag send/recv per block, and for WRITE the
+target acknowledges once every block has landed, as the backend does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..agents import Agent
+from ..backends.ucx import transports_in_use
+from ..descriptors import DescList, aligned_empty
+from .workload import Case, Workload, fill_random, timed_transfer
+
+_GO_TAG = 1 << 62
+_ACK_TAG = 1 << 61
+TARGET = "bench-ucx-target"
+
+
+def _raw_worker():
+    from ..backends.ucx import _import_ucxx
+
+    ucx_api, Array = _import_ucxx()
+    ctx = ucx_api.UCXContext({}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    worker = ucx_api.UCXWorker(ctx)
+    worker.init_blocking_progress_mode()
+    return ucx_api, Array, ctx, worker
+
+
+def _wait(worker, reqs: list) -> None:
+    for r in reqs:
+        while not r.completed:
+            worker.progress()
+        r.check_error()
+
+
+def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int, slots: np.ndarray, stop) -> None:
+    """Target side of raw ucxx: per iteration wait for go, post one recv/send per block, ack a WRITE."""
+    mv = memoryview(buf)
+    views = [Array(mv[s * block : (s + 1) * block]) for s in slots.tolist()]
+    go = np.zeros(1, dtype=np.uint64)
+    ack = Array(np.ones(1, dtype=np.uint64))
+    it = 0
+    while not stop.is_set():
+        r = worker.tag_recv(Array(go), ucx_api.UCXXTag(_GO_TAG | it))
+        while not r.completed:  # idle between iterations: sleep in epoll, leave the CPU to the agent
+            if stop.is_set():
+                return
+            worker.progress_worker_event(100)
+        r.check_error()
+        if int(go[0]) == 0:
+            return
+        base = it << 32
+        if op == "WRITE":
+            _wait(worker, [worker.tag_recv(v, ucx_api.UCXXTag(base | i)) for i, v in enumerate(views)])
+            _wait(worker, [ep.tag_send(ack, ucx_api.UCXXTag(_ACK_TAG | it))])
+        else:
+            _wait(worker, [ep.tag_send(v, ucx_api.UCXXTag(base | i)) for i, v in enumerate(views)])
+        it += 1
+
+
+def _target_main(conn, nbytes: int, log_path: str) -> None:
+    """The target process: an Agent with registered memory plus a raw ucxx worker, driven over a pipe."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for std in (1, 2):  # UCX logs (and the UCX_PROTO_INFO tables) go here: the header reads them
+        os.dup2(fd, std)
+    agent = Agent(TARGET, {"backends": {"ucx": {}}})
+    buf = aligned_empty(nbytes)
+    fill_random(buf, seed=2)
+    agent.register_memory(buf)
+    ucx_api, Array, _ctx, worker = _raw_worker()
+    conn.send((agent.metadata(), int(buf.ctypes.data), worker.address.tobytes()))
+    ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(conn.recv()), False)
+    server: tuple[threading.Thread, threading.Event] | None = None
+    while True:
+        cmd, args = conn.recv()
+        if cmd == "raw":
+            stop = threading.Event()
+            t = threading.Thread(target=_raw_serve, args=(ucx_api, Array, worker, ep, buf, *args, stop), daemon=True)
+            t.start()
+            server = (t, stop)
+            conn.send(None)
+        elif cmd == "raw_end":
+            if server is not None:
+                server[0].join(10)
+                if server[0].is_alive():
+                    server[1].set()
+                    server[0].join(10)
+                server = None
+            conn.send(None)
+        elif cmd == "read":
+            off, n = args
+            conn.send(buf[off : off + n].tobytes())
+        elif cmd == "fill":
+            fill_random(buf[: args[0]], seed=args[1])
+            conn.send(None)
+        elif cmd == "close":
+            agent.close()
+            conn.send(None)
+            return
+
+
+class UcxWorkload(Workload):
+    """Blocks at permuted slots of the target's buffer in another process, WRITE and READ."""
+
+    backend = "ucx"
+    raw_name = "raw ucxx tag send/recv, one per block (same process pair, same buffers)"
+
+    def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
+        super().__init__(max_bytes, options)
+        self._log = tempfile.NamedTemporaryFile(prefix="datamover-ucx-bench-", suffix=".log", delete=False).name
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        env_before = os.environ.get("UCX_PROTO_INFO")
+        os.environ["UCX_PROTO_INFO"] = "y"  # inherited by the spawned target only
+        try:
+            self.process = ctx.Process(target=_target_main, args=(child, max_bytes, self._log), daemon=True)
+            self.process.start()
+        finally:
+            if env_before is None:
+                os.environ.pop("UCX_PROTO_INFO", None)
+            else:
+                os.environ["UCX_PROTO_INFO"] = env_before
+        child.close()
+        blob, self.remote_addr, raw_address = self._conn.recv()
+        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": dict(self.options.get("ucx", {}))}})
+        self.mem = aligned_empty(max_bytes)
+        fill_random(self.mem, seed=1)
+        self.agent.register_memory(self.mem)
+        self.agent.add_remote(blob)
+        self.ucx_api, self.Array, self._raw_ctx, self.worker = _raw_worker()
+        self._conn.send(self.worker.address.tobytes())
+        self.ep = self.worker.create_endpoint_from_worker_address(
+            self.ucx_api.UCXAddress.create_from_buffer(raw_address), False
+        )
+        self._iter = 0
+        # one small and one large transfer so the target's protocol tables are printed and parsed
+        for n in (64, min(max_bytes, 1 << 20)):
+            self.agent.transfer("WRITE", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
+            self.agent.transfer("READ", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
+
+    def _remote(self, slots: Any, block: int) -> DescList:
+        return DescList.from_columns(self.remote_addr + np.asarray(slots, dtype=np.int64) * block, block, 0, "DRAM")
+
+    def _call(self, cmd: str, *args: Any) -> Any:
+        self._conn.send((cmd, args))
+        return self._conn.recv()
+
+    def header(self) -> dict[str, Any]:
+        desc = self.agent.backend("ucx").describe()
+        return {
+            "transports in use": "; ".join(transports_in_use(_read(self._log))) or "unknown",
+            "UCX_TLS": desc["UCX_TLS"],
+            "endpoint error handling": desc["error_handling"],
+            "target": f"pid {self.process.pid}",
+        }
+
+    def case(self, op: str, block: int, batch: int) -> Case:
+        n = block * batch
+        perm = np.random.default_rng(1).permutation(batch)
+        lp = self.agent.prepare(DescList.blocks(self.mem[:n], block))
+        rp = self.agent.prepare(self._remote(perm, block), TARGET)
+        xfer = self.agent.make_transfer(op, lp, None, rp, None)
+        mv = memoryview(self.mem)
+        views = [self.Array(mv[i * block : (i + 1) * block]) for i in range(batch)]
+        self._call("raw", op, block, perm)
+        ucx_api, worker, ep = self.ucx_api, self.worker, self.ep
+        go = self.Array(np.ones(1, dtype=np.uint64))
+        ack = self.Array(np.zeros(1, dtype=np.uint64))
+        Tag = ucx_api.UCXXTag
+
+        def raw() -> float:
+            it = self._iter
+            self._iter += 1
+            base = it << 32
+            t0 = time.perf_counter()
+            reqs = [ep.tag_send(go, Tag(_GO_TAG | it))]
+            if op == "WRITE":
+                reqs += [ep.tag_send(v, Tag(base | i)) for i, v in enumerate(views)]
+                reqs.append(worker.tag_recv(ack, Tag(_ACK_TAG | it)))
+            else:
+                reqs += [worker.tag_recv(v, Tag(base | i)) for i, v in enumerate(views)]
+            _wait(worker, reqs)
+            return time.perf_counter() - t0
+
+        def verify() -> bool:
+            if op == "WRITE":
+                xfer.post()
+                xfer.wait()
+                got = np.frombuffer(self._call("read", 0, n), dtype=np.uint8).reshape(batch, block)
+                return bool(np.array_equal(got[perm], self.mem[:n].reshape(batch, block)))
+            self._call("fill", n, 99)
+            self.mem[:n] = 0
+            xfer.post()
+            xfer.wait()
+            want = np.frombuffer(self._call("read", 0, n), dtype=np.uint8).reshape(batch, block)
+            return bool(np.array_equal(self.mem[:n].reshape(batch, block), want[perm]))
+
+        def close() -> None:
+            xfer.release()
+            it = self._iter
+            self._iter += 1
+            _wait(worker, [ep.tag_send(self.Array(np.zeros(1, dtype=np.uint64)), Tag(_GO_TAG | it))])
+            self._call("raw_end")
+            self._iter = 0
+
+        return Case(
+            op, block, batch, timed_transfer(xfer), raw, verify, raw_name=self.raw_name, close=close,
+            notes={"descriptors": batch},
+        )  # fmt: skip
+
+    def close(self) -> None:
+        try:
+            self._call("close")
+        except (EOFError, OSError):
+            pass
+        self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+        self.agent.close()
+        try:
+            os.unlink(self._log)
+        except OSError:
+            pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""

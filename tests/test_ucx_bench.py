@@ -1,0 +1,24 @@
+"""The ucx benchmark workload: two processes, ours and raw ucxx on the same bytes, byte-checked."""
+
+import pytest
+
+from datamover.backends import backend_status
+from datamover.bench.runner import run_sweep
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+
+def test_sweep_checks_bytes_and_reports_transports():
+    headers = {}
+    results = run_sweep(
+        ["ucx"], None, [4096, 1 << 20], [1, 16], max_bytes=16 << 20, min_time=0.01, max_iters=3, check=True,
+        progress=False, headers=headers,
+    )  # fmt: skip
+    assert {(r.op, r.block, r.batch) for r in results} == {
+        (op, b, n) for op in ("WRITE", "READ") for b in (4096, 1 << 20) for n in (1, 16)
+    }
+    for r in results:
+        assert r.checked is True, r
+        assert r.gbps > 0 and r.raw_gbps and r.raw_gbps > 0
+    assert "over" in headers["ucx"]["transports in use"], headers
