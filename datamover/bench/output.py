@@ -18,9 +18,12 @@ def _clean(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 def report(results: list[Result], machine: dict, settings: dict, headers: dict, skipped: list[str]) -> dict:
-    """Everything one run produced, as one JSON-able mapping."""
+    """Everything one run produced, as one JSON-able mapping (with the load average at the end of the run)."""
+    import os
+
+    end = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {
-        "machine": machine,
+        "machine": machine | {"load_avg_end": end},
         "settings": _clean(settings),
         "headers": headers,
         "skipped": skipped,
@@ -123,3 +126,34 @@ def plot(path: str, results: list[Result], title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def markdown_table(results: list[Result]) -> str:
+    """A Markdown table of the results: ours beside NIXL when compared, else ours beside the raw library."""
+    vs = any(r.vs for r in results)
+
+    def g(x: float | None) -> str:
+        if x is None:
+            return "-"
+        return f"{x:.2f}" if x >= 0.1 else f"{x:.3g}"
+
+    def ms(us: float | None) -> str:
+        return "-" if us is None else f"{us / 1000:.2f}"
+
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    if vs:
+        head = "| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | ours p99 ms | NIXL p99 ms "
+        head += "| check |"
+    else:
+        head = "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in results:
+        cells = [r.backend, r.op, human(r.block), str(r.batch), g(r.gbps)]
+        if vs:
+            ratio = "n/a" if r.vs_error else g(r.vs_ratio)
+            check = f"{mark[r.checked]}/{mark[r.vs_checked]}"
+            cells += [g(r.vs_gbps), ratio, ms(r.xfer_p99_us), ms(r.vs_xfer_p99_us), check]
+        else:
+            cells += [g(r.raw_gbps), g(r.ratio), ms(r.xfer_p99_us), mark[r.checked]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
