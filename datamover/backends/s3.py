@@ -137,6 +137,21 @@ class S3Backend(Backend):
             return False, f"needs {', '.join(missing)} (pip install 'datamover[s3]')"
         return True, "ok"
 
+    @classmethod
+    def environment(cls) -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        here: dict[str, Any] = {}
+        for pkg in ("boto3", "botocore", "crc32c", "awscrt"):
+            try:
+                here[pkg] = version(pkg)
+            except PackageNotFoundError:
+                here[pkg] = "not installed"
+        for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION"):
+            if os.environ.get(var):
+                here[var] = os.environ[var]
+        return here
+
     def _make_client(self) -> Any:
         import boto3
         import botocore.exceptions
