@@ -8,7 +8,7 @@ import pytest
 
 from datamover import Agent, XferState
 from datamover.backends import backend_status
-from datamover.errors import NotRegistered, RemoteDisconnected
+from datamover.errors import RemoteDisconnected
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 from datamover.testing.services import EtcdServer, etcd_binary
@@ -54,8 +54,6 @@ def test_publish_fetch_transfer_and_incremental_update(etcd, ns):
         assert first.read(0, 4096) == data[:4096]
         # memory registered later is republished; the watch brings it here without an explicit refresh
         second = RemoteBuffer(peer, 4096)
-        with pytest.raises(NotRegistered):
-            agent.prepare(second.descs([0], [4096]), "decode-e")
         assert _until(lambda: any(r[2] == second.addr for r in agent.remote_metadata("decode-e").regions), 10)
         xfer = agent.transfer("WRITE", local.descs([4096], [4096]), second.descs([0], [4096]), "decode-e")
         assert xfer.wait() == XferState.DONE and second.read(0, 4096) == data[4096:]
