@@ -41,7 +41,7 @@ RUNS: dict[str, tuple[str, str]] = {
     ),
     "s3": (
         "DRAM <-> OBJ on the local S3 server (moto): our s3 vs NIXL OBJ",
-        "--backend s3 --vs nixl --block-sizes 64K,1M,8M --batch-sizes 1,16 --max-iters 5",
+        "--backend s3 --vs nixl --block-sizes 64K,1M,8M --batch-sizes 1,8 --max-iters 3",
     ),
     "model-70b-tp8": (
         "Llama-3.1-70B, 8k-token request, TP=8, one block per layer and K/V of a 16-token page (offload and PD paths)",

@@ -58,10 +58,25 @@ class NixlSettings:
         return asdict(self) | {"UCX_TLS (env)": os.environ.get("UCX_TLS", "")}
 
 
+#: where NIXL's Python API lives: the ``nixl`` meta package, or a CUDA-flavoured wheel installed alone
+API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def nixl_api():
+    """NIXL's ``_api`` module (nixl_agent, nixl_agent_config); ImportError naming what to install."""
+    errors = []
+    for name in API_MODULES:
+        try:
+            return importlib.import_module(name)
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+    raise ImportError("; ".join(errors))
+
+
 def nixl_status() -> tuple[bool, str]:
     """Whether NIXL's Python API imports here, and if not, why."""
     try:
-        importlib.import_module("nixl._api")
+        nixl_api()
     except ImportError as exc:
         return False, f"nixl is not installed ({exc}); pip install --no-deps nixl nixl-cu12"
     except Exception as exc:  # a broken native library raises OSError or RuntimeError
@@ -87,8 +102,8 @@ def make_agent(name: str, settings: NixlSettings, backends: dict[str, dict[str, 
     ok, reason = nixl_status()
     if not ok:
         raise BackendUnavailable(reason, backend="nixl")
-    from nixl._api import nixl_agent, nixl_agent_config
-
+    api = nixl_api()
+    nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs every agent and backend at INFO, to stdout
 
     agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[]))
