@@ -5,20 +5,24 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
 - WRITE (offset 0, length n) stores the whole object k as n bytes: one PUT, or
   a multipart upload with parallel parts above ``multipart_threshold``. S3 has
   no partial overwrite, so a non-zero offset on WRITE is refused when the
-  transfer is made. A failed multipart upload is aborted: the object is
-  either entirely the new bytes or untouched.
+  transfer is made, and so are two WRITE rows naming the same object. A failed
+  multipart upload is aborted: the object is either all new bytes or untouched.
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
-  into parallel ranged GETs into the destination. A read shorter than asked
-  (the object ends early) fails the descriptor.
+  into parallel ranged GETs into the destination. A READ at offset 0 of the
+  whole row is a plain GET: when the object is exactly that long it is a
+  whole-object read and is verified; when longer, its first bytes are kept.
+  A read that runs past the object's end fails the descriptor. A zero-length
+  READ makes no request.
 
 Integrity: every write carries the CRC32C of the whole object in metadata
-(``x-amz-meta-crc32c``, base64 big-endian like S3's own header), and, where the
-server supports it, S3's ``x-amz-checksum-crc32c`` so the server verifies the
-upload. Metadata is what reads check, because S3 returns its own checksums
-neither on ranged GETs nor as a whole-object value for multipart uploads. A
-read that covers a whole object is verified: a mismatch fails it with
-ChecksumMismatch and the bytes never reach the destination (split reads land
-first and are zeroed on mismatch).
+(``x-amz-meta-crc32c``, base64 of the big-endian value, like S3's own header)
+and, where the server takes it, S3's ``x-amz-checksum-crc32c`` so the server
+checks the upload. Metadata is what reads check first, because S3 returns its
+own checksums neither on ranged GETs nor as a whole-object value for multipart
+uploads; objects written by other tools are verified with S3's whole-object
+CRC32C (by us) or CRC32/SHA (by botocore). A mismatch fails the descriptor with
+ChecksumMismatch and its destination never keeps the bytes: up to 1 MiB they
+are checked before the copy, larger ones land and are zeroed on mismatch.
 
 Work runs on a bounded pool of ``concurrency`` threads pulling objects and
 parts from one shared list, so 4096 small objects cost ``concurrency``
@@ -33,7 +37,6 @@ import errno as errno_mod
 import importlib.util
 import itertools
 import logging
-import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -223,20 +226,20 @@ class S3Backend(Backend):
             )
         p = req.plan
         regs = req.registrations
-        buckets = {r: regs[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
+        obj_regs, obj_inv = np.unique(req.remote_regions, return_inverse=True)
+        buckets = np.array([regs[r].extra["bucket"] for r in obj_regs.tolist()], dtype=object)[obj_inv.reshape(-1)]
         keys = np.asarray(obj.keys, dtype=object)[obj.dev] if n else np.zeros(0, dtype=object)
         if write and n > 1:
-            self._refuse_same_object(req, keys)
-        mem_regs = req.local_regions
-        bases = {r: regs[r].addr for r in np.unique(mem_regs).tolist()}
-        mem_off = mem.addr - np.array([bases[r] for r in mem_regs.tolist()], dtype=np.int64)
-        p["bucket"] = [buckets[r] for r in req.remote_regions.tolist()]
+            self._refuse_same_object(req, buckets, keys)
+        mem_regs, mem_inv = np.unique(req.local_regions, return_inverse=True)
+        bases = np.array([regs[r].addr for r in mem_regs.tolist()], dtype=np.int64)
+        p["bucket"] = buckets.tolist()
         p["key"] = keys.tolist()
         p["off"] = obj.addr.tolist()
         p["len"] = obj.length.tolist()
-        p["mem_reg"] = mem_regs.tolist()
-        p["mem_off"] = mem_off.tolist()
-        p["arrays"] = {r: regs[r].array for r in bases}
+        p["mem_reg"] = req.local_regions.tolist()
+        p["mem_off"] = (mem.addr - bases[mem_inv.reshape(-1)]).tolist()
+        p["arrays"] = {r: regs[r].array for r in mem_regs.tolist()}
         # tasks: (row, part index or -1 for a whole-row task, byte start within the row, byte count)
         ln = obj.length
         split_at = int(self.params["multipart_threshold"] if write else self.params["read_part_size"])
@@ -246,8 +249,8 @@ class S3Backend(Backend):
         else:
             keep = ln > 0
         big_rows = np.flatnonzero(big)
-        if write:
-            part = np.array([self._part_size(int(x)) for x in ln[big_rows].tolist()], dtype=np.int64)
+        if write:  # S3 allows 10,000 parts: huge objects get bigger parts
+            part = np.maximum(int(self.params["part_size"]), -(-ln[big_rows] // _MAX_PARTS))
         else:
             part = np.full(big_rows.shape[0], int(self.params["read_part_size"]), dtype=np.int64)
         counts = -(-ln[big_rows] // np.maximum(part, 1))
@@ -265,27 +268,22 @@ class S3Backend(Backend):
         p["groups"] = dict(zip(big_rows.tolist(), counts.tolist()))
         p["total"] = int(ln.sum()) if n else 0
 
-    def _refuse_same_object(self, req: TransferRequest, keys: np.ndarray) -> None:
+    def _refuse_same_object(self, req: TransferRequest, buckets: np.ndarray, keys: np.ndarray) -> None:
         """Two WRITE rows naming one object (a key repeated in the key table) would race: refuse them."""
         names = keys.astype(str)
         if np.unique(names).shape[0] == names.shape[0]:
             return
-        buckets = {r: req.registrations[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
-        pairs = np.array([f"{buckets[r]}/{k}" for r, k in zip(req.remote_regions.tolist(), names.tolist())])
+        pairs = np.char.add(np.char.add(buckets.astype(str), "/"), names)
         _, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
         seen = first[inverse.reshape(-1)]
         dup = seen != np.arange(names.shape[0])
         if dup.any():
             row = int(np.flatnonzero(dup)[0])
             raise OverlappingDestination(
-                f"writes object {pairs[row]!r} that descriptor {req.caller_index(int(seen[row]))} writes too",
+                f"writes object s3://{pairs[row]} that descriptor {req.caller_index(int(seen[row]))} writes too",
                 index=req.caller_index(row),
                 backend=self.name,
             )
-
-    def _part_size(self, size: int) -> int:
-        part = int(self.params["part_size"])
-        return max(part, math.ceil(size / _MAX_PARTS))
 
     # -- execution -----------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:
