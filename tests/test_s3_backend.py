@@ -306,7 +306,7 @@ def test_throttling_retried(server):
 def test_server_frozen_mid_upload():
     """SIGSTOP mid multipart upload: typed error within the timeouts; after SIGCONT no partial object exists."""
     with S3Server(bucket="frozen") as srv:
-        params = {"part_size": P, "multipart_threshold": P, "concurrency": 2, "read_timeout": 1.0}
+        params = {"part_size": P, "multipart_threshold": P, "concurrency": 2, "read_timeout": 1.0, "max_attempts": 1}
         with make_agent(srv, **params) as agent:
             first_part = threading.Event()
             agent.backend("s3").client.meta.events.register("after-call.s3.UploadPart", lambda **_: first_part.set())
