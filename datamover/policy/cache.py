@@ -151,7 +151,9 @@ class TieredCache:
     # -- setup ---------------------------------------------------------------
     def _backend_params(self) -> dict[str, dict]:
         l4 = self.config.l4_pool
-        params: dict[str, dict] = {"memcpy": {}, "posix": {}}
+        # gather_max_block 0: memcpy's numpy gather from scattered slots of a large arena into a contiguous
+        # destination copies the whole source region first (np.take on a strided view); plain memmoves instead.
+        params: dict[str, dict] = {"memcpy": {"gather_max_block": 0}, "posix": {}}
         if backend_status("cuda")[0]:
             params["cuda"] = {}
         if l4.enabled:
@@ -418,35 +420,33 @@ class TieredCache:
             self._account(src, dst, kept, time.perf_counter() - start, backend)
 
     def _execute(self, plan: list[Move], user: Prepared | None) -> None:
-        """Run a plan in waves: moves join the current wave's batches unless they touch a slot it writes."""
-        pending: dict[tuple[int, int], list[Move]] = defaultdict(list)
-        reads: set[tuple[int, int]] = set()
-        writes: set[tuple[int, int]] = set()
+        """Run a plan level by level: a move's level is one more than that of any earlier move whose slot it
+        reads, writes or overwrites, so moves of one level are independent and each (source, destination)
+        pair of a level is one batch."""
+        written: dict[tuple[int, int], int] = {}
+        read: dict[tuple[int, int], int] = {}
+        levels: list[dict[tuple[int, int], list[Move]]] = []
+        for m in plan:
+            r, w = (m.src, m.src_slot), (m.dst, m.dst_slot)
+            level = max(written.get(r, -1), written.get(w, -1), read.get(w, -1)) + 1
+            read[r] = max(read.get(r, -1), level)
+            written[w] = level
+            if level == len(levels):
+                levels.append(defaultdict(list))
+            levels[level][m.src, m.dst].append(m)
         l3 = self.names.index("l3_nvme") if "l3_nvme" in self.names else None
-
-        def flush() -> None:
-            for (src, dst), moves in pending.items():
+        for groups in levels:
+            for (src, dst), moves in groups.items():
                 live = [m for m in moves if m.key not in self._invalid]
-                if live:
-                    self._run_group(src, dst, live, user)
+                if not live:
+                    continue
+                self._run_group(src, dst, live, user)
                 if dst == l3:
                     self._pending_log += [
                         ["put", m.dst_slot, self.crc.get(m.key, 0), list(m.key)]
                         for m in live
                         if m.key not in self._invalid
                     ]
-            pending.clear()
-            reads.clear()
-            writes.clear()
-
-        for m in plan:
-            r, w = (m.src, m.src_slot), (m.dst, m.dst_slot)
-            if r in writes or w in reads or w in writes:
-                flush()
-            pending[m.src, m.dst].append(m)
-            reads.add(r)
-            writes.add(w)
-        flush()
         if l3 is not None:
             self._sync_log()
 
@@ -530,6 +530,8 @@ class TieredCache:
     def put(self, keys: Sequence[ChunkKey], src: Any) -> int:
         """Store chunks (chunk i of `src` under keys[i]); chunks already cached only count as used. Returns how
         many were newly stored in some tier."""
+        if not keys:
+            return 0
         with self._lock:
             user, reg = self._user(src, len(keys))
             eng = self.engine

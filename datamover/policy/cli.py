@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from .config import ConfigError, load_config
+from .data_replay import run_with_data
 from .policies import policy_names
 from .replay import (
     DEFAULT_SWEEP,
@@ -43,6 +44,13 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--plot", help="with --sweep: write hit rate and effective cost against capacity to this PNG")
     p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.add_argument(
+        "--with-data",
+        action="store_true",
+        help="also move real bytes: the first --requests requests "
+        "through a TieredCache on the configured tiers (4 KiB chunks), checking every hit's content",
+    )
+    p.add_argument("--requests", type=int, default=1000, help="requests replayed by --with-data (default 1000)")
     p.set_defaults(func=cmd_replay)
 
 
@@ -63,6 +71,7 @@ def report_dict(report: ReplayReport) -> dict:
             "effective_ns_per_access": r.effective_ns(report.cost),
             "effective_ns_per_token": r.effective_ns(report.cost) / report.block_tokens,
             "replay_s": r.elapsed_s,
+            "replay_cpu_s": r.cpu_s,
         }
 
     return {
@@ -98,8 +107,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print("datamover replay: --plot needs --sweep", file=sys.stderr)
         return 2
     report = run_replay(args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit)
-    print(json.dumps(report_dict(report), indent=2) if args.json else format_report(report))
-    return 0
+    data = run_with_data(args.trace, config, args.requests) if args.with_data else None
+    if args.json:
+        out = report_dict(report)
+        if data is not None:
+            out["with_data"] = asdict(data)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(report))
+        if data is not None:
+            print(data.format())
+    return 1 if data is not None and (data.wrong_chunks or data.stats["checksum_failures"]) else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
@@ -185,7 +185,7 @@ class ScoredTier(TierPolicy):
     """Evicts the lowest score first, never a chunk in its cooldown while another can go, admits by score.
 
     A chunk placed or used less than `cooldown_s` ago waits in a FIFO and joins the score heap when its
-    cooldown ends, so eviction never scans over cooling chunks. Heap entries are invalidated lazily.
+    cooldown ends, so eviction never scans over cooling chunks. Stale heap and FIFO entries are skipped lazily.
     """
 
     def __init__(self, capacity: int, book: ScoreBook, settings: PolicySettings) -> None:
@@ -194,16 +194,26 @@ class ScoredTier(TierPolicy):
         self.cooldown = settings.cooldown_s
         self.admission = settings.admission
         self._key: dict[Key, float] = {}  # every resident chunk -> its log key
-        self._cooling: OrderedDict[Key, float] = OrderedDict()  # chunk -> when its cooldown started
+        self._cooling: dict[Key, float] = {}  # chunk in its cooldown -> when it started
+        self._fifo: deque[tuple[float, Key]] = deque()  # (start, chunk), oldest first; stale if restarted
         self._live: dict[Key, int] = {}  # chunk in the heap -> sequence number of its valid entry
         self._heap: list[tuple[float, int, Key]] = []
         self._seq = 0
+        self._cooled_at = -math.inf
+
+    def _to_heap(self, key: Key) -> None:
+        self._seq += 1
+        self._live[key] = self._seq
+        heapq.heappush(self._heap, (self._key[key], self._seq, key))
 
     def _place(self, key: Key, now: float) -> None:
         self._key[key] = self.book.key(key, now)
-        self._live.pop(key, None)
-        self._cooling[key] = now
-        self._cooling.move_to_end(key)
+        if self.cooldown > 0:
+            self._live.pop(key, None)
+            self._cooling[key] = now
+            self._fifo.append((now, key))
+        else:
+            self._to_heap(key)
 
     def insert(self, key: Key, now: float, ref: int = -1) -> None:
         self._place(key, now)
@@ -217,18 +227,18 @@ class ScoredTier(TierPolicy):
         self._live.pop(key, None)
 
     def _cool_down(self, now: float) -> None:
-        """Move chunks whose cooldown has ended from the FIFO into the heap."""
-        cooling, heap = self._cooling, self._heap
-        while cooling:
-            key, since = next(iter(cooling.items()))
-            if now - since < self.cooldown:
-                break
-            del cooling[key]
-            self._seq += 1
-            self._live[key] = self._seq
-            heapq.heappush(heap, (self._key[key], self._seq, key))
-        if len(heap) > 2 * len(self._live) + 64:  # drop stale entries
-            self._heap = [e for e in heap if self._live.get(e[2]) == e[1]]
+        """Move chunks whose cooldown has ended from the FIFO into the heap (nothing new ends at the same now)."""
+        if now == self._cooled_at:
+            return
+        self._cooled_at = now
+        fifo, cooling, limit = self._fifo, self._cooling, now - self.cooldown
+        while fifo and fifo[0][0] <= limit:
+            since, key = fifo.popleft()
+            if cooling.get(key) == since:
+                del cooling[key]
+                self._to_heap(key)
+        if len(self._heap) > 2 * len(self._live) + 64:  # drop stale entries
+            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
 
     def _valid_top(self) -> tuple[float, int, Key] | None:
@@ -239,6 +249,10 @@ class ScoredTier(TierPolicy):
             heapq.heappop(heap)
         return None
 
+    def _cooling_order(self) -> list[Key]:
+        """Chunks still cooling down, the longest-cooling first."""
+        return [k for since, k in self._fifo if self._cooling.get(k) == since]
+
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
         if not self.admission:
             return True
@@ -246,7 +260,8 @@ class ScoredTier(TierPolicy):
         top = self._valid_top()
         if top is not None:
             return self.book.key(key, now) >= top[0]
-        return not self._cooling or self.book.key(key, now) >= self._key[next(iter(self._cooling))]
+        cooling = self._cooling_order()
+        return not cooling or self.book.key(key, now) >= self._key[cooling[0]]
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         self._cool_down(now)
@@ -261,7 +276,7 @@ class ScoredTier(TierPolicy):
         for entry in held:
             heapq.heappush(self._heap, entry)
         if len(out) < count:  # last resort: chunks still cooling down, the longest-cooling first
-            out += [k for k in self._cooling if k not in pinned][: count - len(out)]
+            out += [k for k in self._cooling_order() if k not in pinned][: count - len(out)]
         for key in out:
             self.remove(key)
         return out

@@ -11,6 +11,7 @@ import pytest
 from datamover.policy.cli import main as replay_main
 from datamover.policy.config import TierConfig, with_overrides
 from datamover.policy.cost import CostModel
+from datamover.policy.data_replay import run_with_data
 from datamover.policy.keys import chunk_keys
 from datamover.policy.policies import belady_hits, make_policy
 from datamover.policy.replay import (
@@ -132,7 +133,7 @@ def test_report_sweep_plot_and_cli(tmp_path, capsys):
 @pytest.mark.skipif(not SHARED_TRACE.exists(), reason=f"{SHARED_TRACE} not present")
 def test_targets_on_the_shared_trace():
     """Single tier at 1/5/10 % of distinct blocks: LRU at about 21/53/76 % of Belady, the default policy above
-    LRU everywhere and at >= 40 % of Belady at 1 %, every replay of the 288,500 references under 10 s."""
+    LRU everywhere and at >= 40 % of Belady at 1 %, every replay of the 288,500 references under 10 s (CPU)."""
     trace = load_trace(SHARED_TRACE)
     assert (len(trace.keys), trace.distinct) == (288_500, 182_790)
     for fraction, lru_share in ((0.01, 0.21), (0.05, 0.53), (0.10, 0.76)):
@@ -143,5 +144,26 @@ def test_targets_on_the_shared_trace():
         assert results["default"].hit_rate > results["lru"].hit_rate
         if fraction == 0.01:
             assert results["default"].hit_rate / bound >= 0.40
-        for r in results.values():
-            assert r.elapsed_s < 10.0, (r.policy, fraction, r.elapsed_s)
+        for r in results.values():  # CPU time: other work on the machine must not fail this
+            assert r.cpu_s < 10.0, (r.policy, fraction, r.cpu_s)
+
+
+def test_with_data_checks_every_hit(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    requests = [[0, *rng.integers(1, 60, size=5).tolist()] for _ in range(80)]
+    path = write_trace(tmp_path / "t.jsonl", requests)
+    config = with_overrides(
+        TierConfig(),
+        l1_hbm={"block_pool_size": 8},
+        l2_dram={"pinned_pool_gb": 16 * 65536 / 2**30, "hysteresis_cooldown_s": 0.0},
+        l3_nvme={"enabled": True, "capacity_gb": 64 * 65536 / 2**30, "fsync_mode": "none"},
+    )
+    report = run_with_data(path, config, requests=80)
+    assert report.wrong_chunks == 0 and report.stats["checksum_failures"] == 0
+    assert report.requests == 80 and report.refs == 480
+    hits = report.stats["hits"]
+    assert hits["l1_hbm"] > 0 and hits["l3_nvme"] > 0  # the small upper tiers spill to L3 and are read back
+    assert sum(hits.values()) + report.stats["misses"] == 480
+    assert "0 wrong" in report.format()
+    assert replay_main([str(path), "--with-data", "--requests", "40", "--policy", "lru"]) == 0
+    assert "with data: 40 requests" in capsys.readouterr().out
