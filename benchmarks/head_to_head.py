@@ -57,7 +57,7 @@ RUNS: dict[str, tuple[str, str]] = {
 def run(name: str, out: str, extra: list[str]) -> dict:
     title, args = RUNS[name]
     base = os.path.join(out, name)
-    cmd = ["datamover", "bench", *shlex.split(args), *SWEEP, *extra]
+    cmd = ["datamover", "bench", *SWEEP, *shlex.split(args), *extra]  # later flags win
     cmd += ["--json", base + ".json", "--csv", base + ".csv", "--plot", base + ".png"]
     shown = " ".join(shlex.quote(c) for c in cmd)
     print(f"== {name}: {shown}", flush=True)
