@@ -397,6 +397,8 @@ class UcxBackend(Backend):
                     last = now
                     continue
                 if now - last < spin or self._cmds:
+                    # spinning: let the caller's threads take the GIL now rather than at the next switch interval
+                    time.sleep(0)
                     continue
                 if not worker.arm():
                     continue
