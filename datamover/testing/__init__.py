@@ -1,6 +1,6 @@
 """The backend conformance kit, importable by third-party backends' test suites."""
 
-from .buffers import FileBuffer, HostBuffer, TestBuffer
+from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer
 from .conformance import BackendConformance, random_bytes
 
-__all__ = ["BackendConformance", "FileBuffer", "HostBuffer", "TestBuffer", "random_bytes"]
+__all__ = ["BackendConformance", "FileBuffer", "HostBuffer", "TestBuffer", "VramBuffer", "random_bytes"]

@@ -45,6 +45,34 @@ class HostBuffer:
         self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
 
+class VramBuffer:
+    """Registered GPU memory (a torch CUDA tensor), read and written by the test with torch copies."""
+
+    def __init__(self, agent: Agent, nbytes: int, *, device: int = 0, shift: int = 0) -> None:
+        import torch
+
+        self.device = device
+        self.nbytes = nbytes
+        self.tensor = torch.zeros(nbytes + shift, dtype=torch.uint8, device=f"cuda:{device}")[shift:]
+        self.registration = agent.register_memory(self.tensor)
+
+    def descs(self, offsets: Any, lengths: Any) -> DescList:
+        return DescList.from_columns(self.tensor.data_ptr() + np.asarray(offsets), lengths, self.device, "VRAM")
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        return self.tensor[offset : offset + nbytes].cpu().numpy().tobytes()
+
+    def write(self, offset: int, data: bytes) -> None:
+        import torch
+
+        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.tensor[offset : offset + len(data)].copy_(src)
+        torch.cuda.synchronize(self.device)
+
+
 class FileBuffer:
     """A registered file, read and written with plain buffered I/O by the test."""
 

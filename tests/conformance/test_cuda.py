@@ -5,14 +5,11 @@ Skipped, with the backend's own reason, where there is no usable GPU.
 
 from __future__ import annotations
 
-from typing import Any
-
-import numpy as np
 import pytest
 
-from datamover import Agent, DescList
+from datamover import Agent
 from datamover.backends import backend_status
-from datamover.testing import BackendConformance, HostBuffer
+from datamover.testing import BackendConformance, HostBuffer, VramBuffer
 
 
 def gpu_skip_reason(backend: str) -> str | None:
@@ -31,34 +28,6 @@ def gpu_skip_reason(backend: str) -> str | None:
 
 SKIP = gpu_skip_reason("cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
-
-
-class VramBuffer:
-    """Registered GPU memory (a torch CUDA tensor), read and written by the test with torch copies."""
-
-    def __init__(self, agent: Agent, nbytes: int, *, device: int = 0, shift: int = 0) -> None:
-        import torch
-
-        self.device = device
-        self.nbytes = nbytes
-        self.tensor = torch.zeros(nbytes + shift, dtype=torch.uint8, device=f"cuda:{device}")[shift:]
-        self.registration = agent.register_memory(self.tensor)
-
-    def descs(self, offsets: Any, lengths: Any) -> DescList:
-        return DescList.from_columns(self.tensor.data_ptr() + np.asarray(offsets), lengths, self.device, "VRAM")
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        return self.tensor[offset : offset + nbytes].cpu().numpy().tobytes()
-
-    def write(self, offset: int, data: bytes) -> None:
-        import torch
-
-        src = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self.tensor[offset : offset + len(data)].copy_(src)
-        torch.cuda.synchronize(self.device)
 
 
 def last_device() -> int:

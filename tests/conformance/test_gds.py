@@ -8,10 +8,10 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_cuda import VramBuffer, gpu_skip_reason
+from test_cuda import gpu_skip_reason
 
 from datamover import Agent
-from datamover.testing import BackendConformance, FileBuffer, HostBuffer
+from datamover.testing import BackendConformance, FileBuffer, HostBuffer, VramBuffer
 
 SKIP = gpu_skip_reason("gds")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
