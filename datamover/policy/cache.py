@@ -30,7 +30,7 @@ import numpy as np
 from ..agents import Agent, Prepared
 from ..backends import backend_status
 from ..descriptors import DescList, MemType, aligned_empty
-from ..errors import DatamoverError, NotRegistered, UnsupportedTransfer
+from ..errors import BackendUnavailable, DatamoverError, NotRegistered, UnsupportedTransfer
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
 from .config import TIER_NAMES, TierConfig
@@ -122,6 +122,8 @@ class TieredCache:
     ) -> None:
         self.config = config
         self.page = config.l1_hbm.page_size_bytes
+        on_gpu = config.l1_hbm.enabled and config.l1_hbm.device != "dram" and self._gpu_reason() is None
+        config.check_fits(gpu_bytes=self._gpu_bytes() if on_gpu else None)
         self.clock = clock
         self.metrics = metrics
         self.spans = SpanRecorder.from_config(config.observability)
@@ -138,15 +140,21 @@ class TieredCache:
         self._invalid: set[ChunkKey] = set()
         self._index_file = None
         self._pending_log: list[list] = []
-        self.tiers = [self._make_tier(name) for name in config.enabled_tiers()]
-        self.engine = _Engine(self, config)
-        self.names = self.engine.names
-        stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
-        self._stage = self._host_tier("stage", stage_pages)
-        remote = (MemType.FILE, MemType.OBJ)
-        self._check_crc = config.l3_nvme.crc32c_check and any(t.mem in remote for t in self.tiers)
-        if "l3_nvme" in self.names:
-            self._load_l3_index()
+        try:
+            self.tiers = [self._make_tier(name) for name in config.enabled_tiers()]
+            self.engine = _Engine(self, config)
+            self.names = self.engine.names
+            stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
+            self._stage = self._host_tier("stage", stage_pages)
+            remote = (MemType.FILE, MemType.OBJ)
+            self._check_crc = config.l3_nvme.crc32c_check and any(t.mem in remote for t in self.tiers)
+            if "l3_nvme" in self.names:
+                self._load_l3_index()
+        except BaseException:  # a tier that cannot be built: release what was
+            self._prefetcher.shutdown()
+            if self._own_agent:
+                self.agent.close()
+            raise
 
     # -- setup ---------------------------------------------------------------
     def _backend_params(self) -> dict[str, dict]:
@@ -170,6 +178,12 @@ class TieredCache:
         except ImportError:
             return "torch is not installed"
         return None if torch.cuda.is_available() else "torch sees no CUDA device"
+
+    @staticmethod
+    def _gpu_bytes() -> int:
+        import torch
+
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
     def _host_tier(self, name: str, capacity: int, pinned: bool = False) -> _Tier:
         arena = None
@@ -197,7 +211,9 @@ class TieredCache:
                 self.notes.append(f"l1_hbm: {cap} chunks on {torch.cuda.get_device_name()}")
                 return _Tier(name, MemType.VRAM, cap, prepared, None, arena)
             if self.config.l1_hbm.device == "cuda":
-                raise DatamoverError(f"l1_hbm.device is cuda but L1 cannot live on a GPU here: {why}")
+                raise BackendUnavailable(
+                    f"l1_hbm.device is cuda but L1 cannot live on a GPU here: {why}", backend="cuda"
+                )
             self.notes.append(f"l1_hbm: a host DRAM arena of {cap} chunks stands in for HBM ({why})")
             return self._host_tier(name, cap)
         if name == "l2_dram":

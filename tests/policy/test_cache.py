@@ -11,14 +11,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent
+from datamover.backends import backend_status
+from datamover.errors import BackendUnavailable
 from datamover.policy.cache import DATA_FILE, TieredCache
-from datamover.policy.config import TierConfig, with_overrides
+from datamover.policy.config import ConfigError, TierConfig, with_overrides
 from datamover.policy.keys import ChunkKey, chunk_keys
 from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
 
 PAGE = 4096
 GB = 1 << 30
+
+
+def torch_cuda() -> bool:
+    """Whether L1 can live on a GPU here (the cuda backend and torch both see one)."""
+    if not backend_status("cuda")[0]:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def tiers(tmp: Path, l1: int = 3, l2: int = 5, l3: int | None = 8, **sections) -> TierConfig:
@@ -228,3 +239,27 @@ def test_l4_object_pool_round_trip(tmp_path):
             srv.client().delete_object(Bucket="kv-cache", Key=first)  # a lost replica: the other one serves
             assert check_get(cache, keys) == 6
         agent.close()
+
+
+def test_capacity_that_does_not_fit_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        TieredCache(tiers(tmp_path, l3=None, l2_dram={"pinned_pool_gb": 1e7}))
+    assert err.value.path == "kv_cache_tiered.l2_dram.pinned_pool_gb"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch_cuda(), reason="needs a CUDA GPU with the cuda backend usable")
+def test_l1_on_the_gpu(tmp_path):
+    with TieredCache(tiers(tmp_path, l1_hbm={"device": "cuda"})) as cache:
+        assert cache.tiers[0].mem.name == "VRAM" and "stands in" not in " ".join(cache.notes)
+        keys = chunk_keys(range(12), "m", "t")
+        cache.put(keys, chunks(keys))
+        assert cache.lookup(keys)[1].count("l1_hbm") == 3
+        assert check_get(cache, keys) == 12
+        assert check_get(cache, keys[:3]) == 3
+
+
+@pytest.mark.skipif(torch_cuda(), reason="checks the refusal on a machine without a GPU")
+def test_l1_on_cuda_without_a_gpu_says_why(tmp_path):
+    with pytest.raises(BackendUnavailable, match="cannot live on a GPU here"):
+        TieredCache(tiers(tmp_path, l1_hbm={"device": "cuda"}))
