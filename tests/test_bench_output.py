@@ -78,7 +78,7 @@ def test_markdown_table_has_one_row_per_result() -> None:
     lines = md.splitlines()
     assert lines[0].startswith("| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | at p50 |")
     assert len(lines) == 2 + len(r)
-    assert "| memcpy | WRITE | 4 KiB | 4096 | 5.50 | 1.50 | 3.67 | - | 0.00 | 0.01 | -/FAIL |" in lines
+    assert "| memcpy | WRITE | 4 KiB | 4096 | 5.50 | 1.50 | 3.67 | - | 0.00 | 0.01 | - | -/FAIL |" in lines
     plain = output.markdown_table(r[:1]).splitlines()
     assert plain[0] == "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
     assert plain[2] == "| posix | WRITE | 64 KiB | 64 | 1.23 | 1.10 | 1.12 | 4.00 | ok |"

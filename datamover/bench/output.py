@@ -143,7 +143,7 @@ def markdown_table(results: list[Result]) -> str:
     mark = {True: "ok", False: "FAIL", None: "-"}
     if vs:
         head = "| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | at p50 "
-        head += "| ours p99 ms | NIXL p99 ms | check |"
+        head += "| ours p99 ms | NIXL p99 ms | CPU us/desc ours/NIXL | check |"
     else:
         head = "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -152,7 +152,8 @@ def markdown_table(results: list[Result]) -> str:
         if vs:
             ratio = "n/a" if r.vs_error else g(r.vs_ratio)
             check = f"{mark[r.checked]}/{mark[r.vs_checked]}"
-            cells += [g(r.vs_gbps), ratio, g(r.vs_ratio_p50), ms(r.xfer_p99_us), ms(r.vs_xfer_p99_us), check]
+            cpu = "-" if r.vs_cpu_us_per_desc is None else f"{r.cpu_us_per_desc:.1f}/{r.vs_cpu_us_per_desc:.1f}"
+            cells += [g(r.vs_gbps), ratio, g(r.vs_ratio_p50), ms(r.xfer_p99_us), ms(r.vs_xfer_p99_us), cpu, check]
         else:
             cells += [g(r.raw_gbps), g(r.ratio), ms(r.xfer_p99_us), mark[r.checked]]
         lines.append("| " + " | ".join(cells) + " |")

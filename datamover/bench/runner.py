@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import resource
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +47,8 @@ class Result:
     vs_error: str | None = None
     xfer_p50_us: float | None = None
     vs_xfer_p50_us: float | None = None
+    cpu_us_per_desc: float | None = None  # this process's CPU, all threads, per descriptor (not a remote peer's)
+    vs_cpu_us_per_desc: float | None = None
     vs_ratio_p50: float | None = None  # ours / theirs at the median transfer: robust to a noisy machine
 
     def row(self) -> dict[str, Any]:
@@ -61,6 +64,8 @@ class Samples:
     raws: list[float] = field(default_factory=list)
     vs_posts: list[float] = field(default_factory=list)
     vs_totals: list[float] = field(default_factory=list)
+    cpu: float = 0.0  # this process's CPU seconds (all threads) spent in ours, summed over the samples
+    vs_cpu: float = 0.0
 
 
 def parse_size(text: str) -> int:
@@ -75,6 +80,11 @@ def human(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def _cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def time_case(case: Case, *, min_time: float, max_iters: int, min_iters: int = 3) -> tuple[list, list, list]:
@@ -111,15 +121,19 @@ def sample_case(
     while rounds < max_iters and (rounds < min_iters or time.perf_counter() - start < len(sides) * min_time):
         for name, fn in sides if rounds % 2 == 0 else sides[::-1]:
             case.before_each()
+            c0 = _cpu_seconds()
             out = fn()
+            cpu = _cpu_seconds() - c0
             if name == "ours":
                 s.posts.append(out[0])
                 s.totals.append(out[1])
+                s.cpu += cpu
             elif name == "raw":
                 s.raws.append(out)
             else:
                 s.vs_posts.append(out[0])
                 s.vs_totals.append(out[1])
+                s.vs_cpu += cpu
         rounds += 1
     return s
 
@@ -239,6 +253,7 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
         raw_gbps=raw_gbps, ratio=(gbps / raw_gbps) if raw_gbps else None, raw=case.raw_name, checked=checked,
     )  # fmt: skip
     r.xfer_p50_us = float(np.median(s.totals) * 1e6)
+    r.cpu_us_per_desc = s.cpu * 1e6 / (len(s.totals) * batch)
     if other is not None:
         r.vs, r.vs_error, r.vs_checked = "nixl", vs_error, vs_checked
         if s.vs_totals:
@@ -248,6 +263,7 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
             r.vs_xfer_p99_us = float(np.percentile(s.vs_totals, 99) * 1e6)
             r.vs_ratio = gbps / r.vs_gbps
             r.vs_xfer_p50_us = float(np.median(s.vs_totals) * 1e6)
+            r.vs_cpu_us_per_desc = s.vs_cpu * 1e6 / (len(s.vs_totals) * batch)
             r.vs_ratio_p50 = r.vs_xfer_p50_us / r.xfer_p50_us
     return r
 
@@ -350,11 +366,17 @@ def format_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_pair(r: Result) -> str:
+    if r.cpu_us_per_desc is None or r.vs_cpu_us_per_desc is None:
+        return "-"
+    return f"{r.cpu_us_per_desc:.1f}/{r.vs_cpu_us_per_desc:.1f}"
+
+
 def format_vs_table(results: list[Result]) -> str:
     """Ours beside NIXL: both GB/s, both p99 post-to-done latencies, the ratio, and both byte checks."""
     head = (
         f"{'backend':<8} {'op':<5} {'block':>9} {'batch':>6} {'ours GB/s':>9} {'nixl GB/s':>9} {'ours/nixl':>9} "
-        f"{'p50 ratio':>9} {'ours p99 us':>11} {'nixl p99 us':>11} {'raw GB/s':>8} {'check':>9}"
+        f"{'p50 ratio':>9} {'ours p99 us':>11} {'nixl p99 us':>11} {'cpu us/desc':>13} {'raw GB/s':>8} {'check':>9}"
     )
     lines = [head, "-" * len(head)]
     notes = []
@@ -368,7 +390,7 @@ def format_vs_table(results: list[Result]) -> str:
         lines.append(
             f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 9)} "
             f"{_fmt(r.vs_gbps, '.2f', 9)} {ratio} {_fmt(r.vs_ratio_p50, '.2f', 9)} {r.xfer_p99_us:11.1f} "
-            f"{_fmt(r.vs_xfer_p99_us, '.1f', 11)} "
+            f"{_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_cpu_pair(r):>13} "
             f"{_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"
         )
     if notes:
