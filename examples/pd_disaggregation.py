@@ -7,9 +7,9 @@ Two processes, started here:
   it, publishes its metadata (etcd under a lease when an etcd server is
   available, else its TCP side channel), and for every request assigns free
   block ids and tells prefill which, in a notification;
-- prefill "computes" the request's KV (deterministic random tensors), then
-  writes it layer by layer straight into the block ids decode assigned,
-  one notification per layer and one at the end;
+- prefill "computes" the request's KV (deterministic random tensors) into
+  its own pages, then writes it layer by layer straight into the block ids
+  decode assigned, one notification per layer and one at the end;
 - decode waits for the notifications, checks every byte against what
   prefill must have computed, and reports per-request latency and GB/s.
 
@@ -118,25 +118,24 @@ def prefill_main(args, my_addr, peer_addr) -> None:
             _, req, raw = msg.split(b":", 2)
             remote_ids = np.frombuffer(raw, dtype=np.int64)
             local_ids = np.arange(remote_ids.shape[0], dtype=np.int64)
-            xfers = []
+            # the forward pass: this request's KV, layer by layer, into our own pages
             for layer in range(args.layers):
-                # "compute" this layer's KV into our own pages, then ship it while the next layer computes
-                cache[layer, : len(local_ids)] = computed_kv(int(req), layer, len(local_ids), args, torch).to(
-                    cache.device
+                kv = computed_kv(int(req), layer, len(local_ids), args, torch)
+                cache[layer, : len(local_ids)] = kv.to(cache.device)
+            if cache.is_cuda:
+                torch.cuda.synchronize()
+            # ship it layer by layer, each layer with its own notification, all in flight together
+            started = time.perf_counter()
+            xfers = [
+                agent.transfer(
+                    "WRITE",
+                    block_descs(cache, layer, local_ids),
+                    block_descs_remote(args, layer, remote_ids, agent),
+                    agent="decode-0",
+                    notify=f"req-{req.decode()}:layer-{layer}".encode(),
                 )
-                if cache.is_cuda:
-                    torch.cuda.synchronize()
-                if not xfers:
-                    started = time.perf_counter()
-                xfers.append(
-                    agent.transfer(
-                        "WRITE",
-                        block_descs(cache, layer, local_ids),
-                        block_descs_remote(args, layer, remote_ids, agent),
-                        agent="decode-0",
-                        notify=f"req-{req.decode()}:layer-{layer}".encode(),
-                    )
-                )
+                for layer in range(args.layers)
+            ]
             for x in xfers:
                 x.wait()
                 x.release()
