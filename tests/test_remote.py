@@ -294,3 +294,74 @@ def test_hostile_control_frames_are_dropped(agent, target, garbage):
             got += chunk
         assert b"challenge" in got
     test_agent_still_serves_its_other_peer_after_a_kill(agent, target)
+
+
+def test_refused_read_leaves_both_sides_usable(agent, target):
+    """A refused READ: our receives were posted first and are completed locally; nothing lands."""
+    local = HostBuffer(agent, 3 * 4096)
+    buf = RemoteBuffer(target, 2 * 4096)
+    agent.refresh_remote("decode-0")
+    real = agent.remote_metadata("decode-0")
+    try:
+        regions = [(m, d, s, (n + 4096 if s == buf.addr else n), r) for m, d, s, n, r in real.regions]
+        agent.add_remote(encode_metadata("decode-0", real.backends, regions))
+        local.write(0, bytes(3 * 4096))
+        xfer = agent.transfer("READ", local.descs([0], [3 * 4096]), buf.descs([0], [3 * 4096]), agent="decode-0")
+        with pytest.raises(RemoteRefused) as info:
+            xfer.wait()
+        assert info.value.index == 0
+        assert local.read(0, 3 * 4096) == bytes(3 * 4096), "a refused READ wrote into local memory"
+        agent.add_remote(target.metadata())
+        data = random_bytes(2 * 4096, 21)
+        buf.write(0, data)
+        xfer = agent.transfer("READ", local.descs([0], [2 * 4096]), buf.descs([0], [2 * 4096]), agent="decode-0")
+        assert xfer.wait() == XferState.DONE and local.read(0, 2 * 4096) == data
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
+
+
+def test_many_concurrent_transfers_and_notifications(agent, target):
+    """Threads post WRITEs and READs with notifications at once; every byte and notification arrives."""
+    import threading
+
+    k, part = 8, 64 << 10
+    local = HostBuffer(agent, 2 * k * part)
+    buf = RemoteBuffer(target, k * part)
+    agent.refresh_remote("decode-0")
+    try:
+        data = random_bytes(k * part, 31)
+        local.write(0, data)
+        errors = []
+
+        def one(i):
+            try:
+                for rep in range(5):
+                    x = agent.transfer(
+                        "WRITE", local.descs([i * part], [part]), buf.descs([i * part], [part]), "decode-0",
+                        notify=f"w{i}-{rep}".encode(),
+                    )  # fmt: skip
+                    x.wait()
+                    y = agent.transfer(
+                        "READ", local.descs([(k + i) * part], [part]), buf.descs([i * part], [part]), "decode-0"
+                    )
+                    y.wait()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert local.read(k * part, k * part) == data
+        got = set()
+        for _ in range(5 * k):
+            got.add(target.call("wait_notification", b"w", 10.0)[1])
+        assert got == {f"w{i}-{rep}".encode() for i in range(k) for rep in range(5)}
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.refresh_remote("decode-0")
