@@ -40,7 +40,8 @@ def read_json(path: str) -> tuple[list[Result], dict]:
     """Results and the rest of the report from a file written by ``write_json``."""
     with open(path) as f:
         payload = json.load(f)
-    return [Result(**row) for row in payload["results"]], payload
+    known = set(RESULT_FIELDS)  # fields a newer datamover added are ignored
+    return [Result(**{k: v for k, v in row.items() if k in known}) for row in payload["results"]], payload
 
 
 def write_csv(path: str, payload: dict) -> None:
@@ -75,7 +76,7 @@ def read_csv(path: str) -> tuple[list[Result], dict]:
     types = {f.name: f.type for f in fields(Result)}
     results = []
     for row in csv.DictReader(body):
-        results.append(Result(**{k: _parse(types[k], v) for k, v in row.items()}))
+        results.append(Result(**{k: _parse(types[k], v) for k, v in row.items() if k in types}))
     return results, meta
 
 
