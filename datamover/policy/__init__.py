@@ -1,7 +1,9 @@
 """Where each KV chunk should live: tier config, chunk keys, eviction policies, trace replay and the cost model."""
 
+from .cache import TieredCache
 from .config import ConfigError, TierConfig, default_config_yaml, load_config, parse_config
 from .cost import CostModel
+from .data_replay import run_with_data
 from .keys import ChunkKey, chunk_keys
 from .policies import Policy, PolicySettings, TierPolicy, make_policy, policy_names, register_policy
 from .replay import ReplayReport, ReplayResult, format_report, load_trace, run_replay, simulate
@@ -16,6 +18,7 @@ __all__ = [
     "ReplayResult",
     "TierConfig",
     "TierPolicy",
+    "TieredCache",
     "chunk_keys",
     "default_config_yaml",
     "format_report",
@@ -26,5 +29,6 @@ __all__ = [
     "policy_names",
     "register_policy",
     "run_replay",
+    "run_with_data",
     "simulate",
 ]

@@ -18,22 +18,11 @@ from typing import Any
 
 import yaml
 
+from ..telemetry.spans import SPAN_FIELD_ALIASES, SPAN_FIELDS
+
 GIB = 1 << 30
 ROOT = "kv_cache_tiered"
 TIER_NAMES = ("l1_hbm", "l2_dram", "l3_nvme", "l4_pool")
-SPAN_FIELDS = (
-    "layer_id",
-    "head_id",
-    "token_range",
-    "from_tier",
-    "to_tier",
-    "size_bytes",
-    "latency_us",
-    "prefix_hash",
-    "hit_or_miss",
-)
-# The seed template spells the tier fields `from_layer` / `to_layer`; accept them as the same fields.
-SPAN_FIELD_ALIASES = {"from_layer": "from_tier", "to_layer": "to_tier"}
 _DURATION = re.compile(r"^(\d+)(s|m|h|d)$")
 _MILLIS = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s)?$")
 

@@ -133,7 +133,7 @@ class LRUPolicy(Policy):
     name = "lru"
 
     def __init__(self, settings: PolicySettings | None = None) -> None:
-        pass
+        """LRU takes no settings; the argument keeps every policy constructible the same way."""
 
     def tier(self, capacity: int) -> TierPolicy:
         return LRUTier(capacity)
@@ -410,7 +410,15 @@ def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
     return _REGISTRY[name](settings or PolicySettings())
 
 
+_plugins_loaded = False
+
+
 def _load_plugins() -> None:
+    """Register the `datamover.policies` entry points once (built-in and explicit registrations win)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
     for ep in entry_points(group="datamover.policies"):
         if ep.name not in _REGISTRY:
             _REGISTRY[ep.name] = ep.load()
