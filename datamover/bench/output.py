@@ -113,7 +113,8 @@ def plot(path: str, results: list[Result], title: str = "") -> None:
             (line,) = ax.plot(x, [r.gbps for r in rows], marker="o", label=f"datamover {backend} x{batch}")
             vs = [(r.block, r.vs_gbps) for r in rows if r.vs_gbps is not None]
             if vs:
-                ax.plot(*zip(*vs), marker="s", linestyle="--", color=line.get_color(), label=f"nixl x{batch}")
+                label = f"nixl ({backend} pair) x{batch}"
+                ax.plot(*zip(*vs), marker="s", linestyle="--", color=line.get_color(), label=label)
         ax.set_xscale("log", base=2)
         ticks = sorted({r.block for r in results if r.op == op})
         ax.set_xticks(ticks, [human(t).replace(" ", "") for t in ticks], rotation=45)
