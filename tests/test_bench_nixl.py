@@ -129,3 +129,13 @@ def test_nixl_remote_pair_moves_and_checks_bytes_across_processes(op) -> None:
     finally:
         side.close()
     assert side.peer.proc.poll() == 0
+
+
+@needs_nixl
+def test_peer_that_cannot_start_is_a_typed_error(monkeypatch) -> None:
+    from datamover.bench import nixl_peer
+    from datamover.bench.nixl import NixlError
+
+    monkeypatch.setattr(nixl_peer.sys, "executable", "/bin/false")
+    with pytest.raises(NixlError, match="did not start"):
+        nixl_peer.NixlPeer(4096, NixlSettings(timeout=10))

@@ -36,12 +36,13 @@ class NixlPeer:
         env = dict(os.environ, UCX_TLS=settings.ucx_tls)
         cmd = [sys.executable, "-m", "datamover.bench.nixl_peer", name, str(nbytes), settings.ucx_err_mode, str(poll_s)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        line = self._reply(timeout=settings.timeout)
         try:
+            line = self._reply(timeout=settings.timeout)
             meta, addr = line.split()
-        except ValueError:
-            self.close()
-            raise NixlError(f"the NIXL target process did not start: {line!r}", backend="nixl") from None
+        except (NixlError, ValueError) as exc:
+            self.proc.kill()
+            self.proc.wait()
+            raise NixlError(f"the NIXL target process did not start: {exc}", backend="nixl") from None
         self.metadata = base64.b64decode(meta)
         self.addr = int(addr)
         self.nbytes = nbytes
