@@ -69,7 +69,8 @@ class S3Workload(Workload):
             self.bucket = self.server.bucket
             params = self.server.config(**{**LOCAL_TUNING, **params})
         try:
-            self.agent = Agent("bench-s3", {"backends": {"s3": params}})
+            # thousands of objects through a local Python server take longer than the default 30 s
+            self.agent = Agent("bench-s3", {"backends": {"s3": params}, "timeout_s": 900})
             self.client = self._raw_client(params)
             self.mem = aligned_empty(max_bytes)
             fill_random(self.mem)
