@@ -420,3 +420,40 @@ def test_bounded_concurrency(server):
         events.register("after-call.s3.PutObject", leave)
         write(agent, server.bucket, [f"conc/{i}" for i in range(60)], [2000] * 60, seed=90)
     assert 2 <= state["max"] <= 3, state
+
+
+def test_server_without_native_checksums(server):
+    """A server refusing x-amz-checksum-crc32c (400): the backend drops the header, CRC32C stays in metadata."""
+    from botocore.awsrequest import AWSResponse
+
+    class Raw:
+        def stream(self, **_):
+            yield b"<Error><Code>InvalidArgument</Code><Message>x-amz-checksum-crc32c is not supported"
+            yield b"</Message></Error>"
+
+    refused = []
+
+    def refuse(request, **_):
+        if "x-amz-checksum-crc32c" in request.headers or "x-amz-checksum-algorithm" in request.headers:
+            refused.append(request.url)
+            return AWSResponse(request.url, 400, {}, Raw())
+        return None
+
+    client = server.client()
+    with make_agent(server, part_size=P, multipart_threshold=P) as agent:
+        events = agent.backend("s3").client.meta.events
+        for op in ("PutObject", "CreateMultipartUpload", "UploadPart"):
+            events.register(f"before-send.s3.{op}", refuse)
+        write(agent, server.bucket, ["plain/a"], [1000], seed=94)
+        assert len(refused) == 1
+        keys = ["plain/a", "plain/b", "plain/big"]
+        buf, offs, datas = write(agent, server.bucket, keys, [1000, 2000, P + 10], seed=95)
+        assert len(refused) == 1, "the header was sent again after the server refused it"
+        for key, data in zip(keys, datas):
+            got = client.get_object(Bucket=server.bucket, Key=key, ChecksumMode="ENABLED")
+            assert got["Body"].read() == data and got["Metadata"][CRC_META] == crc32c_b64(data)
+            assert "ChecksumCRC32C" not in got
+        buf.array[:] = 0
+        src = objects(agent, server.bucket, keys, [1000, 2000, P + 10])
+        assert agent.transfer("READ", buf.descs(offs, [1000, 2000, P + 10]), src, backends="s3").wait() == "DONE"
+        assert [buf.read(int(o), len(d)) for o, d in zip(offs, datas)] == datas
