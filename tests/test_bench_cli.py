@@ -55,3 +55,10 @@ def test_model_run_caps_batch_to_max_bytes(tmp_path, capsys) -> None:
 def test_unknown_model_is_an_error() -> None:
     with pytest.raises(SystemExit, match="unknown model"):
         main(["bench", "--model", "gpt-17", *TINY])
+
+
+def test_list_models(capsys) -> None:
+    assert main(["bench", "--list-models", "--isl", "8192", "--tp", "1", "--layout", "block"]) == 0
+    out = capsys.readouterr().out
+    # 70B, tp 1, a 16-token page of all 80 layers' K and V: 5 MiB; 512 pages; 2.5 GiB per request
+    assert "llama-3.1-70b    80 layers, 8 KV heads x 128    bf16  ->     512 blocks of    5 MiB (2560 MiB)" in out

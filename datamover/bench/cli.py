@@ -111,9 +111,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.list_models:
         from .models import MODELS, kv_plan
 
-        for name, shape in MODELS.items():
-            p = kv_plan(shape, args.isl, args.page_tokens, args.tp, args.layout)
-            print(f"{name:<16} {shape}  ->  {p.blocks} x {p.block_bytes} B")
+        print(f"per request of {args.isl} tokens, pages of {args.page_tokens}, tp={args.tp}, layout={args.layout}:")
+        for name, m in MODELS.items():
+            p = kv_plan(m, args.isl, args.page_tokens, args.tp, args.layout)
+            kv = f"MLA latent {m.mla_dim}" if m.mla_dim else f"{m.kv_heads} KV heads x {m.head_dim}"
+            print(
+                f"  {name:<15} {m.layers:>3} layers, {kv:<19} {m.dtype:<5} -> {p.blocks:>7} blocks of "
+                f"{human(p.block_bytes):>8} ({p.total_bytes / (1 << 20):.0f} MiB)"
+            )
         return 0
     max_bytes = parse_size(args.max_bytes)
     points = labels = None
