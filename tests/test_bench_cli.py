@@ -62,3 +62,15 @@ def test_list_models(capsys) -> None:
     out = capsys.readouterr().out
     # 70B, tp 1, a 16-token page of all 80 layers' K and V: 5 MiB; 512 pages; 2.5 GiB per request
     assert "llama-3.1-70b    80 layers, 8 KV heads x 128    bf16  ->     512 blocks of    5 MiB (2560 MiB)" in out
+
+
+def test_param_reaches_our_backend(tmp_path, monkeypatch) -> None:
+    from datamover.backends.aio import AioContext
+
+    monkeypatch.setattr(AioContext, "start", lambda *a, **k: pytest.fail("aio used although posix.aio=false"))
+    js = tmp_path / "p.json"
+    argv = ["bench", "--backend", "posix", "--param", "posix.aio=false", "--param", "posix.threads=2", *TINY]
+    assert main([*argv, "--check", "--dir", str(tmp_path), "--json", str(js)]) == 0
+    assert all(r["checked"] for r in json.loads(js.read_text())["results"])
+    with pytest.raises(SystemExit, match=r"BACKEND\.KEY=VALUE"):
+        main(["bench", "--param", "aio=false", *TINY])

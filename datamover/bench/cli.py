@@ -34,6 +34,13 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--csv", metavar="PATH", help="write results as CSV (machine, versions, settings in # lines)")
     p.add_argument("--plot", metavar="PNG", help="draw GB/s against block size per backend (and per library)")
     p.add_argument("--dir", help="directory for benchmark files (posix); default the temp dir")
+    p.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="BACKEND.KEY=VALUE",
+        help="a backend parameter for our side, e.g. posix.aio=false or posix.threads=8 (repeatable)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     vs = p.add_argument_group("head to head (--vs nixl)")
     vs.add_argument("--vs", choices=["nixl"], help="also run every case through NIXL on the same memory and files")
@@ -62,6 +69,17 @@ def add_bench_parser(sub) -> None:
     m.add_argument("--layout", choices=["block", "layer"], default="layer", help="one block per page, or per layer")
     m.add_argument("--list-models", action="store_true", help="print the built-in model shapes and exit")
     p.set_defaults(func=cmd_bench)
+
+
+def parse_param(text: str) -> tuple[str, str, object]:
+    """'posix.aio=false' -> ('posix', 'aio', False); values are read as YAML scalars (numbers, booleans)."""
+    import yaml
+
+    name, sep, value = text.partition("=")
+    backend, dot, key = name.partition(".")
+    if not (sep and dot and backend and key):
+        raise SystemExit(f"datamover bench: --param wants BACKEND.KEY=VALUE, got {text!r}")
+    return backend.strip(), key.strip(), yaml.safe_load(value)
 
 
 def selected_backends(spec: str) -> tuple[list[str], list[str]]:
@@ -133,7 +151,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     blocks = [parse_size(s) for s in args.block_sizes.split(",")]
     batches = [int(s) for s in args.batch_sizes.split(",")]
     ops = [o.strip().upper() for o in args.op.split(",")] if args.op else None
-    options = {"posix": {"dir": args.dir}} if args.dir else {}
+    options: dict = {"posix": {"dir": args.dir}} if args.dir else {}
+    for backend, key, value in (parse_param(text) for text in args.param):
+        options.setdefault(backend, {}).setdefault(backend, {})[key] = value
     settings = None
     if args.vs == "nixl":
         from .nixl import NixlSettings, nixl_status, nixl_versions
