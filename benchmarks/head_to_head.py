@@ -31,6 +31,10 @@ RUNS: dict[str, tuple[str, str]] = {
         "DRAM <-> FILE: our posix (O_DIRECT, native AIO) vs NIXL POSIX (libaio), same fd, cold cache for reads",
         "--backend posix --vs nixl --block-sizes 4K,64K,256K,1M,4M,16M --batch-sizes 16,256,4096",
     ),
+    "posix-threads": (
+        "DRAM <-> FILE before native AIO: our posix on its thread pool (posix.aio=false) vs NIXL POSIX",
+        "--backend posix --vs nixl --param posix.aio=false --block-sizes 4K,64K,1M,16M --batch-sizes 16,256",
+    ),
     "memcpy": (
         "DRAM -> DRAM in one process: our memcpy vs NIXL UCX in loopback",
         "--backend memcpy --vs nixl --block-sizes 4K,64K,1M,16M --batch-sizes 16,256,4096",
