@@ -365,3 +365,26 @@ def test_many_concurrent_transfers_and_notifications(agent, target):
         agent.deregister_memory(local.registration)
         buf.free()
         agent.refresh_remote("decode-0")
+
+
+def test_deregister_waits_for_posted_operations(agent, target):
+    """The peer reads our memory directly (cma): deregistering must wait until it has finished."""
+    size, bs = 256 << 20, 1 << 20
+    local = HostBuffer(agent, size)
+    data = random_bytes(size, 41)
+    local.write(0, data)
+    buf = RemoteBuffer(target, size)
+    agent.refresh_remote("decode-0")
+    try:
+        n = size // bs
+        xfer = agent.transfer(
+            "WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(np.arange(n)[::-1] * bs, bs), "decode-0"
+        )
+        agent.deregister_memory(local.registration)
+        local.array[:] = 0  # had the peer still been reading, it would now read zeros
+        assert xfer.wait() == XferState.DONE
+        got = np.frombuffer(buf.read(0, size), np.uint8).reshape(n, bs)
+        assert np.array_equal(got[::-1], np.frombuffer(data, np.uint8).reshape(n, bs))
+    finally:
+        buf.free()
+        agent.refresh_remote("decode-0")

@@ -46,6 +46,7 @@ from ..errors import (
     AuthenticationError,
     DatamoverError,
     InvalidMetadata,
+    NotRegistered,
     RemoteDisconnected,
     RemoteRefused,
     TransferTimeout,
@@ -178,7 +179,8 @@ class _Inbound:
         self.nonce = new_nonce()
         self.name = ""
         self.ep: Any = None
-        self.ops: dict[int, tuple[_Requests, str, bytes, int, int]] = {}
+        # op id -> (requests, op, notify, first tag, ids of the registered regions it touches)
+        self.ops: dict[int, tuple[_Requests, str, bytes, int, frozenset[int]]] = {}
 
 
 class UcxBackend(Backend):
@@ -203,6 +205,9 @@ class UcxBackend(Backend):
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
         "connect_timeout_s": 5.0,
+        # a request with less than this left of its timeout is not started: it could not finish, and once
+        # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
+        "launch_margin_s": 0.001,
     }
 
     def __init__(self, agent, params=None) -> None:
@@ -307,10 +312,39 @@ class UcxBackend(Backend):
             self._drop_peer(name, RemoteDisconnected(f"agent {name!r} came back with new metadata", backend=self.name))
         self._peers[name] = _Peer(name, info)
 
+    def deregister(self, reg: Any, handle: Any) -> None:
+        """Wait until no posted UCX operation still reads or writes ``reg``: peers read our memory directly."""
+        if threading.current_thread() is self._thread or self._stop:
+            return
+        deadline = time.monotonic() + float(self.agent.config.timeout_s)
+        box: list[bool] = []
+
+        def probe() -> None:
+            box.append(self._in_use(reg.id))
+
+        while True:
+            box.clear()
+            self._call(probe)
+            if not box[0]:
+                return
+            if time.monotonic() > deadline:
+                log.warning("deregistering region %d while UCX operations on it are still pending", reg.id)
+                return
+            time.sleep(0.001)
+
+    def _in_use(self, rid: int) -> bool:
+        if any(rid in op.req.plan["regions"] for op in self._active_out.values()):
+            return True
+        for peer in self._peers.values():  # requests waiting for the handshake will post soon
+            if any(rid in op.req.plan["regions"] for op in peer.ops.values() if op.reqs is None and not op.abandoned):
+                return True
+        return any(rid in entry[4] for inbound in self._inbound.values() for entry in inbound.ops.values())
+
     # -- transfers -------------------------------------------------------------
     def plan(self, req: TransferRequest) -> None:
         p = req.plan
         p["views"] = _views(req.registrations, req.local_regions, req.local.addr, req.local.length, self._Array)
+        p["regions"] = frozenset(np.unique(req.local_regions).tolist())
         p["msg"] = {
             "t": "req",
             "op": req.op,
@@ -364,7 +398,9 @@ class UcxBackend(Backend):
             ev.set()
 
         self._submit(run)
-        ev.wait()
+        while not ev.wait(1.0):
+            if not self._thread.is_alive():
+                raise RemoteDisconnected("the ucx service thread is not running", backend=self.name)
         if box:
             raise box[0]
 
@@ -579,8 +615,12 @@ class UcxBackend(Backend):
         READ posts its receives before the request leaves, so the target's
         sends always find them; WRITE posts its sends right after the request.
         """
-        if op.completion.cancelled or time.monotonic() > op.deadline:
+        if op.completion.cancelled or time.monotonic() > op.deadline - float(self.params["launch_margin_s"]):
             self._end(op, op.completion.error or self._late(op))
+            return
+        gone = op.req.plan["regions"] - self.agent._regs.keys()
+        if gone:
+            self._end(op, NotRegistered(f"local region(s) {sorted(gone)} were deregistered", backend=self.name))
             return
         n = len(op.req.local)
         if op.req.op == "WRITE":
@@ -832,7 +872,7 @@ class UcxBackend(Backend):
         except Exception as exc:
             inbound.conn.send({"t": "fail", "id": op_id, "reason": f"posting failed: {exc}"})
             return
-        inbound.ops[op_id] = (_Requests(reqs), op, bytes(msg.get("notify") or b""), tag0, len(views))
+        inbound.ops[op_id] = (_Requests(reqs), op, bytes(msg.get("notify") or b""), tag0, frozenset(rids.tolist()))
         self._active_in[(inbound.conn_id, op_id)] = inbound
 
     def _validate(self, msg: dict[str, Any]) -> tuple[DescList, np.ndarray]:
