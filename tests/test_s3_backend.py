@@ -127,15 +127,20 @@ def test_corrupted_object_caught(server):
         assert middle == b"\xee" * sizes[1], "bytes that failed the CRC32C reached the destination"
 
 
-def test_corrupted_large_object_zeroed(server):
-    """A split read (parallel ranged GETs) lands first; on a CRC32C mismatch the destination is zeroed."""
+@pytest.mark.parametrize("read_part_size", [4 * MiB, 16 * MiB], ids=["split-ranged-gets", "one-get"])
+def test_corrupted_large_object_zeroed(server, read_part_size):
+    """Large reads land first (parallel ranges, or chunk by chunk); on a CRC32C mismatch the destination is zeroed."""
     client = server.client()
     size = 12 * MiB
-    with make_agent(server, part_size=P, multipart_threshold=P, read_part_size=4 * MiB) as agent:
-        buf, _, _ = write(agent, server.bucket, ["rot/big"], [size], seed=30)
-        corrupt(client, server.bucket, "rot/big", size - 3)
+    key = f"rot/big-{read_part_size}"
+    with make_agent(server, part_size=P, multipart_threshold=P, read_part_size=read_part_size) as agent:
+        buf, _, _ = write(agent, server.bucket, [key], [size], seed=30)
+        buf.array[:] = 0
+        src = objects(agent, server.bucket, [key], [size])
+        assert agent.transfer("READ", buf.descs([0], [size]), src, backends="s3").wait() == XferState.DONE
+        assert buf.read(0, size) == random_bytes(size, 30), "an intact object did not read back"
+        corrupt(client, server.bucket, key, size - 3)
         buf.array[:] = 1
-        src = objects(agent, server.bucket, ["rot/big"], [size])
         err = wait_error(agent.transfer("READ", buf.descs([0], [size]), src, backends="s3"), 30)
         assert isinstance(err, ChecksumMismatch) and err.index == 0
         assert not buf.array.any(), "unverified bytes were left in the destination"

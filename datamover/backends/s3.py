@@ -59,6 +59,7 @@ _MAX_PARTS = 10_000
 
 #: whole objects up to this size are verified before they touch the destination; larger ones land, then are checked
 _VERIFY_BEFORE_COPY = 1 * MiB
+_READ_CHUNK = 1 * MiB
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
@@ -68,7 +69,11 @@ def crc32c_b64(data: Any) -> str:
     """CRC32C of ``data`` as S3 writes it: base64 of the 4 big-endian bytes."""
     import crc32c
 
-    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+    return _b64(crc32c.crc32c(data))
+
+
+def _b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 @dataclass
@@ -380,9 +385,9 @@ class S3Backend(Backend):
                 dst[:] = np.frombuffer(data, dtype=np.uint8)
             else:
                 try:
-                    _read_into(body, dst)
+                    crc = _read_into(body, dst, crc=True)  # CRC32C of each chunk while the next one arrives
                     body.read()
-                    self._verify(req, row, dst, resp, meta)
+                    self._verify(req, row, crc, resp, meta)
                 except Exception:
                     dst[:] = 0  # never leave unverified bytes behind
                     raise
@@ -395,7 +400,7 @@ class S3Backend(Backend):
         return {"etag": resp.get("ETag"), "crc": meta, "total": total}
 
     def _verify(self, req: TransferRequest, row: int, data: Any, resp: dict | None, stored: str | None) -> None:
-        """Check a whole object's bytes: our CRC32C metadata, else S3's own full-object CRC32C.
+        """Check a whole object's bytes (or their CRC32C, a str): our metadata, else S3's own full-object CRC32C.
 
         S3's CRC32 and SHA checksums, when an object carries one instead, were
         checked by botocore while the body was read to its end.
@@ -418,7 +423,7 @@ class S3Backend(Backend):
                 err.bucket, err.key = bucket, key
                 raise err
             return
-        got = crc32c_b64(data)
+        got = data if isinstance(data, str) else crc32c_b64(data)
         if got != stored:
             err = ChecksumMismatch(
                 f"s3://{bucket}/{key}: CRC32C of the bytes read is {got}, the object was written with {stored}",
@@ -599,14 +604,20 @@ class _Cancelled(DatamoverError):
         super().__init__("cancelled", backend="s3")
 
 
-def _read_into(body: Any, dst: np.ndarray) -> None:
+def _read_into(body: Any, dst: np.ndarray, crc: bool = False) -> str | None:
+    """Fill ``dst`` from a response body, a chunk at a time; with ``crc``, return the CRC32C of what was read."""
+    import crc32c
+
     mv = memoryview(dst).cast("B")
-    got = 0
+    got, value = 0, 0
     while got < mv.nbytes:
-        n = body.readinto(mv[got:])
+        n = body.readinto(mv[got : got + _READ_CHUNK])
         if not n:
             raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")
+        if crc:
+            value = crc32c.crc32c(mv[got : got + n], value)
         got += n
+    return _b64(value) if crc else None
 
 
 def _total_size(resp: dict, fallback: int) -> int:
