@@ -134,6 +134,9 @@ class S3Backend(Backend):
         if p["addressing_style"] not in ("auto", "path", "virtual"):
             style = p["addressing_style"]
             raise ValueError(f"backend 's3': addressing_style must be auto, path or virtual, got {style!r}")
+        if p["native_checksum"] not in (True, False, "auto"):
+            native = p["native_checksum"]
+            raise ValueError(f"backend 's3': native_checksum must be True, False or 'auto', got {native!r}")
         self._native = p["native_checksum"]
         self._client = self._make_client()
         self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
@@ -271,7 +274,6 @@ class S3Backend(Backend):
         nbytes = np.concatenate([g_count, ln[small_rows]])
         p["tasks"] = list(zip(rows.tolist(), parts.tolist(), starts.tolist(), nbytes.tolist()))
         p["groups"] = dict(zip(big_rows.tolist(), counts.tolist()))
-        p["total"] = int(ln.sum()) if n else 0
 
     def _refuse_same_object(self, req: TransferRequest, buckets: np.ndarray, keys: np.ndarray) -> None:
         """Two WRITE rows naming one object (a key repeated in the key table) would race: refuse them."""
