@@ -462,3 +462,33 @@ def test_server_without_native_checksums(server):
         src = objects(agent, server.bucket, keys, [1000, 2000, P + 10])
         assert agent.transfer("READ", buf.descs(offs, [1000, 2000, P + 10]), src, backends="s3").wait() == "DONE"
         assert [buf.read(int(o), len(d)) for o, d in zip(offs, datas)] == datas
+
+
+@pytest.mark.parametrize("style", ["path", "virtual"])
+def test_addressing_style(server, style):
+    """Path-style requests name the bucket in the path; virtual-hosted ones in the host name."""
+    from urllib.parse import urlsplit
+
+    seen = []
+
+    def resolve(request, **_):
+        # no DNS for <bucket>.localhost here: send to 127.0.0.1, keep the Host header (what DNS would do)
+        url = urlsplit(request.url)
+        seen.append((url.netloc, url.path))
+        request.headers["Host"] = url.netloc
+        request.url = request.url.replace(url.hostname, "127.0.0.1", 1)
+
+    endpoint = server.endpoint_url.replace("127.0.0.1", "localhost")
+    with make_agent(server, endpoint_url=endpoint, addressing_style=style) as agent:
+        agent.backend("s3").client.meta.events.register("before-send.s3", resolve)
+        buf, _, (data,) = write(agent, server.bucket, ["style/x"], [3000], seed=99)
+        buf.array[:] = 0
+        src = objects(agent, server.bucket, ["style/x"], [3000])
+        assert agent.transfer("READ", buf.descs([0], [3000]), src, backends="s3").wait() == XferState.DONE
+        assert buf.read(0, 3000) == data
+    port = server.port
+    if style == "virtual":
+        assert seen == [(f"{server.bucket}.localhost:{port}", "/style/x")] * 2
+    else:
+        assert seen == [(f"localhost:{port}", f"/{server.bucket}/style/x")] * 2
+    assert server.client().get_object(Bucket=server.bucket, Key="style/x")["Body"].read() == data
