@@ -167,7 +167,30 @@ def test_bad_connection_info_changes_nothing(agent):
         assert agent.remote_metadata("decode-0") is meta
 
 
-def test_sigkill_mid_transfer_then_peer_comes_back(agent):
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op):
+    """A peer posting into our memory dies: we must not die with it (UCX reads a dead process's memory)."""
+    size, bs = 1 << 30, 1 << 20
+    n = size // bs
+    mine = HostBuffer(agent, size)
+    killer = RemotePeer("killer", UCX)
+    try:
+        theirs = RemoteBuffer(killer, size)
+        killer.call("fetch_remote", *agent.listen_address)
+        addrs = mine.array.ctypes.data + np.arange(n) * bs
+        xid = killer.call("start_transfer", op, theirs.handle, "prefill-0", addrs, np.full(n, bs))
+        time.sleep(0.05)
+        assert killer.call("transfer_state", xid) == "PROC", "the transfer finished before the kill; make it bigger"
+        killer.kill()
+        time.sleep(0.5)
+    finally:
+        killer.close()
+    agent.deregister_memory(mine.registration)
+    test_agent_still_serves_its_other_peer_after_a_kill(agent, target)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_sigkill_mid_transfer_then_peer_comes_back(agent, op):
     size, bs = 1 << 30, 1 << 20
     local = HostBuffer(agent, size)
     local.array[:] = 7
@@ -177,7 +200,7 @@ def test_sigkill_mid_transfer_then_peer_comes_back(agent):
         agent.add_remote(victim.metadata())
         descs_l = local.descs(np.arange(size // bs) * bs, bs)
         descs_r = rbuf.descs(np.arange(size // bs)[::-1] * bs, bs)
-        xfer = agent.transfer("WRITE", descs_l, descs_r, agent="victim", timeout=30)
+        xfer = agent.transfer(op, descs_l, descs_r, agent="victim", timeout=30)
         time.sleep(0.05)
         assert xfer.state == XferState.PROC, "the transfer finished before the kill; make it bigger"
         t0 = time.monotonic()

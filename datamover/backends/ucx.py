@@ -200,6 +200,9 @@ class UcxBackend(Backend):
         "port": 0,
         # UCX settings passed to the context, e.g. {"TLS": "tcp"}
         "ucx_config": {},
+        # cma lets UCX read a peer's memory with process_vm_readv; when that peer dies mid-transfer UCX
+        # (error handling off) aborts the survivor, so unless this is on, TLS defaults to everything but cma
+        "cma": False,
         # UCX endpoint error handling: on forces transports that report peer failure (tcp, much slower)
         "error_handling": False,
         # keep polling UCX this long after the last activity before sleeping in epoll
@@ -214,7 +217,7 @@ class UcxBackend(Backend):
         super().__init__(agent, params)
         ucx_api, Array = _import_ucxx()
         self._ucx, self._Array = ucx_api, Array
-        config = {str(k): str(v) for k, v in dict(self.params["ucx_config"]).items()}
+        config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
@@ -264,7 +267,7 @@ class UcxBackend(Backend):
         """UCX version and the transports this machine offers (the data path picks among them)."""
         try:
             ucx_api, _ = _import_ucxx()
-            ctx = ucx_api.UCXContext({}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+            ctx = ucx_api.UCXContext(ucx_config({}, False), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {
@@ -938,6 +941,14 @@ class UcxBackend(Backend):
             os.close(fd)
 
 
+def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
+    """UCX context settings: the user's, plus TLS without cma unless cma is allowed or TLS is set already."""
+    config = {str(k): str(v) for k, v in dict(user).items()}
+    if not cma and "TLS" not in config and "UCX_TLS" not in os.environ:
+        config["TLS"] = "^cma"
+    return config
+
+
 def _ucx_error(exc: BaseException, peer: str, index: int, backend: str) -> DatamoverError:
     """A UCX request error as a typed one: a peer-side failure means the peer is gone."""
     name = type(exc).__name__
@@ -996,6 +1007,7 @@ for n in (64, 1 << 20):
 def probe_transports(timeout: float = 30.0) -> list[str]:
     """Which transports UCX picks for tag messages between two workers on this host (a subprocess probe)."""
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    env.setdefault("UCX_TLS", ucx_config({}, False).get("TLS", "all"))
     try:
         res = subprocess.run(
             [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout, check=False

@@ -29,11 +29,15 @@ _ACK_TAG = 1 << 61
 TARGET = "bench-ucx-target"
 
 
-def _raw_worker():
-    from ..backends.ucx import _import_ucxx
+def _raw_worker(params: dict[str, Any]):
+    """A plain ucxx worker with the same UCX settings as the backend's, so both use the same transports."""
+    from ..backends.ucx import UcxBackend, _import_ucxx, ucx_config
 
     ucx_api, Array = _import_ucxx()
-    ctx = ucx_api.UCXContext({}, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+    p = {**UcxBackend.default_params, **params}
+    ctx = ucx_api.UCXContext(
+        ucx_config(p["ucx_config"], bool(p["cma"])), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+    )
     worker = ucx_api.UCXWorker(ctx)
     worker.init_blocking_progress_mode()
     return ucx_api, Array, ctx, worker
@@ -71,16 +75,16 @@ def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int,
         it += 1
 
 
-def _target_main(conn, nbytes: int, log_path: str) -> None:
+def _target_main(conn, nbytes: int, log_path: str, params: dict[str, Any]) -> None:
     """The target process: an Agent with registered memory plus a raw ucxx worker, driven over a pipe."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for std in (1, 2):  # UCX logs (and the UCX_PROTO_INFO tables) go here: the header reads them
         os.dup2(fd, std)
-    agent = Agent(TARGET, {"backends": {"ucx": {}}})
+    agent = Agent(TARGET, {"backends": {"ucx": dict(params)}})
     buf = aligned_empty(nbytes)
     fill_random(buf, seed=2)
     agent.register_memory(buf)
-    ucx_api, Array, _ctx, worker = _raw_worker()
+    ucx_api, Array, _ctx, worker = _raw_worker(params)
     conn.send((agent.metadata(), int(buf.ctypes.data), worker.address.tobytes()))
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(conn.recv()), False)
     server: tuple[threading.Thread, threading.Event] | None = None
@@ -120,13 +124,16 @@ class UcxWorkload(Workload):
 
     def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(max_bytes, options)
+        self._params = dict(self.options.get("ucx", {}))  # backend params, e.g. {"cma": True}
         self._log = tempfile.NamedTemporaryFile(prefix="datamover-ucx-bench-", suffix=".log", delete=False).name
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         env_before = os.environ.get("UCX_PROTO_INFO")
         os.environ["UCX_PROTO_INFO"] = "y"  # inherited by the spawned target only
         try:
-            self.process = ctx.Process(target=_target_main, args=(child, max_bytes, self._log), daemon=True)
+            self.process = ctx.Process(
+                target=_target_main, args=(child, max_bytes, self._log, self._params), daemon=True
+            )
             self.process.start()
         finally:
             if env_before is None:
@@ -135,12 +142,12 @@ class UcxWorkload(Workload):
                 os.environ["UCX_PROTO_INFO"] = env_before
         child.close()
         blob, self.remote_addr, raw_address = self._conn.recv()
-        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": dict(self.options.get("ucx", {}))}})
+        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": dict(self._params)}})
         self.mem = aligned_empty(max_bytes)
         fill_random(self.mem, seed=1)
         self.agent.register_memory(self.mem)
         self.agent.add_remote(blob)
-        self.ucx_api, self.Array, self._raw_ctx, self.worker = _raw_worker()
+        self.ucx_api, self.Array, self._raw_ctx, self.worker = _raw_worker(self._params)
         self._conn.send(self.worker.address.tobytes())
         self.ep = self.worker.create_endpoint_from_worker_address(
             self.ucx_api.UCXAddress.create_from_buffer(raw_address), False

@@ -52,7 +52,27 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
         got = agent.wait_notification(prefix, timeout)
         return got, read(handle, offset, nbytes)
 
+    xfers: dict[int, Any] = {}
+
+    def start_transfer(op: str, handle: int, peer: str, remote_addrs: Any, lengths: Any) -> int:
+        """Post ``op`` between this peer's buffer (packed from offset 0) and ``peer``'s addresses."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        base = int(bufs[handle][0].ctypes.data)
+        local = DescList.from_columns(base + np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths, 0, "DRAM")
+        remote = DescList.from_columns(np.asarray(remote_addrs, dtype=np.int64), lengths, 0, "DRAM")
+        xfers[len(xfers)] = agent.transfer(op, local, remote, agent=peer)
+        return len(xfers) - 1
+
+    def wait_transfer(xid: int) -> str:
+        return str(xfers[xid].wait())
+
+    def transfer_state(xid: int) -> str:
+        return str(xfers[xid].state)
+
     commands = {
+        "start_transfer": start_transfer,
+        "wait_transfer": wait_transfer,
+        "transfer_state": transfer_state,
         "ping": lambda: os.getpid(),
         "attr": lambda name: getattr(agent, name),
         "notified_then_read": notified_then_read,
