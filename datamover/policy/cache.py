@@ -140,6 +140,7 @@ class TieredCache:
         self._invalid: set[ChunkKey] = set()
         self._index_file = None
         self._pending_log: list[list] = []
+        self._gone: set[ChunkKey] = set()
         try:
             self.tiers = [self._make_tier(name) for name in config.enabled_tiers()]
             self.engine = _Engine(self, config)
@@ -289,8 +290,7 @@ class TieredCache:
         """The engine freed `key`'s slot in tier j."""
         if self.names[j] == "l3_nvme":
             self._pending_log.append(["del", slot])
-        if self.engine.where(key) < 0:
-            self.crc.pop(key, None)
+        self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
 
     # -- moving bytes ----------------------------------------------------------
     def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
@@ -465,6 +465,11 @@ class TieredCache:
                     ]
         if l3 is not None:
             self._sync_log()
+        where = self.engine.where
+        for key in self._gone:
+            if where(key) < 0:
+                self.crc.pop(key, None)
+        self._gone.clear()
 
     # -- user buffers ------------------------------------------------------------
     def _user(self, buf: Any, n: int) -> tuple[Prepared, Any]:
@@ -516,6 +521,7 @@ class TieredCache:
             user, reg = self._user(dst, n) if n else (None, None)
             eng = self.engine
             before = list(eng.evictions)
+            self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
                 for key in prefix:
@@ -525,12 +531,13 @@ class TieredCache:
                 plan = []
                 for i, key in enumerate(prefix):
                     j = eng.where(key)
-                    if j < 0:  # dropped while promoting (corrupt, or evicted from the last tier)
+                    if j < 0:  # dropped while promoting: its bytes failed their CRC32C
                         break
                     plan.append(Move(key, j, eng.slots[j][key], USER, i))
                 self._execute(plan, user)
                 delivered = next((i for i, k in enumerate(prefix) if k in self._invalid or eng.where(k) < 0), n)
             finally:
+                self.unpin(prefix)
                 self._invalid.clear()
                 self._release(reg)
             served = Counter(tiers[:delivered])
@@ -553,8 +560,7 @@ class TieredCache:
             eng = self.engine
             before = list(eng.evictions)
             try:
-                if self._check_crc:
-                    self.crc.update(zip(keys, self._crc_of(src, len(keys)), strict=True))
+                fresh = dict(zip(keys, self._crc_of(src, len(keys)), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
                 now = self.clock()
                 stored = 0
@@ -565,14 +571,13 @@ class TieredCache:
                         eng.orders[j].touch(key, now)
                     else:
                         stored += eng.place(0, key, now, -1, PREFILL)
+                # after planning: placing one chunk may have dropped another of these keys (and its old CRC)
+                self.crc.update((k, c) for k, c in fresh.items() if eng.where(k) >= 0)
                 self._execute(eng.take_plan(), user)
             finally:
                 eng.user_index = {}
                 self._invalid.clear()
                 self._release(reg)
-            for key in keys:
-                if eng.where(key) < 0:
-                    self.crc.pop(key, None)
             self._op_done(before)
             return stored
 

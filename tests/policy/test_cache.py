@@ -67,21 +67,43 @@ def check_get(cache: TieredCache, keys) -> int:
     return n
 
 
+def check_consistent(cache: TieredCache) -> None:
+    """Every tier's residents, policy order and slots agree, and no slot is lost or shared."""
+    eng = cache.engine
+    for j, spec in enumerate(eng.specs):
+        assert len(eng.orders[j]) == len(eng.resident[j]) == len(eng.slots[j])
+        assert set(eng.slots[j]) == eng.resident[j]
+        assert len(set(eng.slots[j].values())) == len(eng.slots[j])
+        assert sorted([*eng.free[j], *eng.slots[j].values()]) == list(range(spec.capacity))
+
+
 ops = st.lists(
-    st.tuples(st.sampled_from(["put", "get", "prefetch"]), st.lists(st.integers(0, 30), min_size=1, max_size=6)),
+    st.tuples(
+        st.sampled_from(["put", "get", "prefetch"]),
+        st.lists(st.integers(0, 25), min_size=1, max_size=6),
+        st.sampled_from([0.0, 0.5, 3.0, 50.0, 1000.0]),  # seconds since the previous operation
+    ),
     min_size=1,
-    max_size=25,
+    max_size=40,
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=ops, write_through=st.booleans(), policy=st.sampled_from(["default", "lru"]))
-def test_random_operations_deliver_exactly_what_was_put(tmp_path_factory, ops, write_through, policy):
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    ops=ops,
+    write_through=st.booleans(),
+    policy=st.sampled_from(["default", "lru"]),
+    cooldown=st.sampled_from([0.0, 5.0]),
+)
+def test_random_operations_deliver_exactly_what_was_put(tmp_path_factory, ops, write_through, policy, cooldown):
     tmp = tmp_path_factory.mktemp("cache")
     mode = "write_through" if write_through else "write_back"
-    config = tiers(tmp, policy={"write_mode": mode, "name": policy})
-    with TieredCache(config) as cache:
-        for op, ids in ops:
+    config = tiers(tmp, policy={"write_mode": mode, "name": policy}, l2_dram={"hysteresis_cooldown_s": cooldown})
+    now = [0.0]
+    with TieredCache(config, clock=lambda: now[0]) as cache:
+        for op, ids, step in ops:
+            check_consistent(cache)
+            now[0] += step
             keys = chunk_keys(dict.fromkeys(ids), "m1", "t1")
             if op == "put":
                 cache.put(keys, chunks(keys))
@@ -90,9 +112,83 @@ def test_random_operations_deliver_exactly_what_was_put(tmp_path_factory, ops, w
                 assert check_get(cache, keys) == expected
             else:
                 cache.prefetch(keys).result()
+            assert cache.stats()["checksum_failures"] == 0
+        check_consistent(cache)
         resident = cache.stats()["resident"]
         assert resident["l1_hbm"] <= 3 and resident["l2_dram"] <= 5 and resident["l3_nvme"] <= 8
-        assert cache.stats()["checksum_failures"] == 0
+
+
+# Sequences that once lost a chunk's CRC: a chunk demoted from L1 was dropped from L3 in the same operation
+# (so it sat in no tier for a moment) and its CRC went with it; the next L3 read of it failed.
+REGRESSIONS = [
+    (
+        "write_through",
+        [
+            ("put", [1]),
+            ("put", [24]),
+            ("put", [10, 7]),
+            ("put", [8, 5, 10, 12]),
+            ("put", [14, 15, 1]),
+            ("get", [12]),
+            ("get", [7, 8, 5, 10]),
+            ("prefetch", [1, 15]),
+        ],
+    ),
+    (
+        "write_back",
+        [
+            ("put", [22, 12, 15]),
+            ("put", [16, 9, 18, 7, 22]),
+            ("put", [2, 13, 8, 3]),
+            ("put", [4, 0, 11]),
+            ("prefetch", [12, 7, 15, 1]),
+            ("put", [18, 24, 6, 21, 16]),
+            ("get", [0, 4]),
+            ("get", [12, 5, 17]),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("mode", "sequence"), REGRESSIONS)
+def test_chunk_dropped_mid_demotion_keeps_its_crc(tmp_path, mode, sequence):
+    config = tiers(tmp_path, policy={"name": "lru", "write_mode": mode})
+    with TieredCache(config) as cache:
+        for op, ids in sequence:
+            keys = chunk_keys(ids, "m", "t")
+            if op == "put":
+                cache.put(keys, chunks(keys))
+            elif op == "get":
+                check_get(cache, keys)
+            else:
+                cache.prefetch(keys).result()
+        assert cache.checksum_failures == 0
+        check_consistent(cache)
+
+
+def test_seeded_operation_mixes(tmp_path):
+    """Longer seeded runs (60 operations, clock jumps, every policy and write mode): bytes and CRCs stay right."""
+    for seed in range(16):
+        rng = np.random.default_rng(seed)
+        now = [0.0]
+        config = tiers(
+            tmp_path / str(seed),
+            policy={"name": ["default", "lru"][seed % 2], "write_mode": ["write_back", "write_through"][seed // 2 % 2]},
+            l2_dram={"hysteresis_cooldown_s": float(rng.choice([0.0, 5.0]))},
+        )
+        with TieredCache(config, clock=lambda now=now: now[0]) as cache:
+            for _ in range(60):
+                now[0] += float(rng.choice([0, 0.5, 3, 50, 1000]))
+                keys = chunk_keys(dict.fromkeys(rng.integers(0, 25, rng.integers(1, 6)).tolist()), "m", "t")
+                op = rng.choice(["put", "get", "prefetch"])
+                if op == "put":
+                    cache.put(keys, chunks(keys))
+                elif op == "get":
+                    check_get(cache, keys)
+                else:
+                    cache.prefetch(keys).result()
+                assert cache.checksum_failures == 0, seed
+            check_consistent(cache)
 
 
 def test_tiers_fill_in_order_and_promote_on_hit(tmp_path):
@@ -194,6 +290,7 @@ def test_spans_and_metrics(tmp_path):
         l1=2,
         l2=4,
         l3=None,
+        policy={"name": "lru"},  # LRU admits everything: the second put demotes
         observability={
             "spans": True,
             "span_path": str(spans),
@@ -205,10 +302,12 @@ def test_spans_and_metrics(tmp_path):
         keys = chunk_keys(range(4), "m", "t")
         cache.put(keys, chunks(keys))
         assert check_get(cache, keys + chunk_keys([77], "m", "t")) == 4
+        more = chunk_keys(range(4, 8), "m", "t")
+        cache.put(more, chunks(more))  # demotes the chunks put before from L1 to L2
     rows = [json.loads(line) for line in spans.read_text().splitlines()]
     assert all(set(r) == {"from_tier", "to_tier", "prefix_hash", "hit_or_miss", "token_range"} for r in rows)
     puts = [r for r in rows if r["from_tier"] == "caller"]  # chunks demoted in the same put come from the caller
-    assert sorted(r["prefix_hash"] for r in puts if r["to_tier"] == "l1_hbm") == [0, 1, 2, 3]
+    assert sorted(r["prefix_hash"] for r in puts if r["to_tier"] == "l1_hbm") == list(range(8))
     assert {r["hit_or_miss"] for r in puts} == {"miss"}
     assert [r["token_range"] for r in puts if r["prefix_hash"] == 3] == [[48, 64]]  # chunk 3 of 16 tokens
     assert {"evict", "hit"} <= {r["hit_or_miss"] for r in rows}
@@ -216,6 +315,7 @@ def test_spans_and_metrics(tmp_path):
     assert "datamover_cache_misses_total 1.0" in text
     assert 'datamover_cache_hits_total{tier="l2_dram"} 2.0' in text
     assert 'datamover_tier_resident_chunks{tier="l1_hbm"} 2.0' in text
+    assert 'datamover_cache_evictions_total{tier="l1_hbm"}' in text
 
 
 @pytest.mark.skipif(not S3Server.available()[0], reason=S3Server.available()[1])
@@ -263,3 +363,39 @@ def test_l1_on_the_gpu(tmp_path):
 def test_l1_on_cuda_without_a_gpu_says_why(tmp_path):
     with pytest.raises(BackendUnavailable, match="cannot live on a GPU here"):
         TieredCache(tiers(tmp_path, l1_hbm={"device": "cuda"}))
+
+
+def test_lists_of_buffers_and_torch_tensors(tmp_path):
+    torch = pytest.importorskip("torch")
+    with TieredCache(tiers(tmp_path)) as cache:
+        keys = chunk_keys(range(5), "m", "t")
+        src = [torch.from_numpy(content(k).copy()) for k in keys]  # one CPU tensor per chunk
+        assert cache.put(keys, src) == 5
+        out = [bytearray(PAGE) for _ in keys]
+        assert cache.get(keys, out) == 5
+        assert all(bytes(o) == content(k).tobytes() for o, k in zip(out, keys, strict=True))
+        with pytest.raises(ValueError, match="chunk"):
+            cache.get(keys, np.zeros(PAGE, np.uint8))  # room for one chunk, five asked
+
+
+def test_concurrent_callers_see_consistent_chunks(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with TieredCache(tiers(tmp_path)) as cache:
+
+        def worker(seed: int) -> int:
+            rng = np.random.default_rng(seed)
+            delivered = 0
+            for _ in range(30):
+                keys = chunk_keys(dict.fromkeys(rng.integers(0, 25, 4).tolist()), "m", "t")
+                if rng.random() < 0.5:
+                    cache.put(keys, chunks(keys))
+                else:
+                    delivered += check_get(cache, keys)
+                    cache.prefetch(keys)
+            return delivered
+
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(worker, range(4)))
+        assert sum(results) > 0
+        assert cache.stats()["checksum_failures"] == 0
