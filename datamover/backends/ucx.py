@@ -441,7 +441,8 @@ class UcxBackend(Backend):
                     continue
                 if not worker.arm():
                     continue
-                if self._poll(0.05):
+                # with requests in flight wake often: ucxx can finish a request without a UCX event firing
+                if self._poll(0.001 if self._active_out or self._active_in else 0.05):
                     last = time.monotonic()
         except BaseException:
             log.exception("ucx service thread of %s died", self.agent.name)

@@ -59,10 +59,14 @@ def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int,
     it = 0
     while not stop.is_set():
         r = worker.tag_recv(Array(go), ucx_api.UCXXTag(_GO_TAG | it))
-        while not r.completed:  # idle between iterations: sleep in epoll, leave the CPU to the agent
+        spin_until = time.monotonic() + 0.002
+        while not r.completed:  # spin briefly, then sleep in epoll (1 ms at most): the backend's policy
             if stop.is_set():
                 return
-            worker.progress_worker_event(100)
+            if time.monotonic() < spin_until:
+                worker.progress()
+            else:
+                worker.progress_worker_event(1)
         r.check_error()
         if int(go[0]) == 0:
             return
