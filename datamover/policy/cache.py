@@ -235,13 +235,20 @@ class TieredCache:
         j = self.names.index("l3_nvme")
         path = Path(self.config.l3_nvme.path) / INDEX_FILE
         entries: dict[int, tuple[ChunkKey, int]] = {}
+        slot_of: dict[ChunkKey, int] = {}
         if path.exists():
             with open(path, "rb") as f:
-                for record in msgpack.Unpacker(f, raw=False):  # a torn last record ends the stream
-                    if record[0] == "put" and record[1] < self.tiers[j].capacity:
-                        entries[record[1]] = (ChunkKey(*record[3]), record[2])
-                    elif record[0] == "del":
-                        entries.pop(record[1], None)
+                try:
+                    for record in msgpack.Unpacker(f, raw=False):  # a torn last record ends the stream
+                        if record[0] == "put" and record[1] < self.tiers[j].capacity:
+                            key = ChunkKey(*record[3])
+                            entries.pop(slot_of.get(key, -1), None)  # a key lives in one slot: the latest
+                            entries[record[1]] = (key, record[2])
+                            slot_of[key] = record[1]
+                        elif record[0] == "del":
+                            entries.pop(record[1], None)
+                except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+                    log.warning("l3_nvme: index %s unreadable past a damaged record (%s); the rest is kept", path, exc)
         now = self.clock()
         eng = self.engine
         for slot, (key, crc) in entries.items():

@@ -399,3 +399,17 @@ def test_concurrent_callers_see_consistent_chunks(tmp_path):
             results = list(pool.map(worker, range(4)))
         assert sum(results) > 0
         assert cache.stats()["checksum_failures"] == 0
+
+
+def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    config = tiers(tmp_path, l1=1, l2=0, l3=10)
+    with TieredCache(config) as cache:
+        cache.put(keys, chunks(keys))
+    index = tmp_path / "l3" / "index.log"
+    with open(index, "ab") as f:
+        f.write(b"\x94\xa3put\x07")  # a record cut off by a crash
+    with TieredCache(config) as cache:
+        assert cache.lookup(keys)[0] == 5  # the five chunks L1 had demoted
+        assert check_get(cache, keys[:5]) == 5
+        check_consistent(cache)
