@@ -170,7 +170,7 @@ def test_bad_connection_info_changes_nothing(agent):
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op):
     """A peer posting into our memory dies: we must not die with it (UCX reads a dead process's memory)."""
-    size, bs = 1 << 30, 1 << 20
+    size, bs = 512 << 20, 1 << 20
     n = size // bs
     mine = HostBuffer(agent, size)
     killer = RemotePeer("killer", UCX)
@@ -191,7 +191,7 @@ def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_sigkill_mid_transfer_then_peer_comes_back(agent, op):
-    size, bs = 1 << 30, 1 << 20
+    size, bs = 512 << 20, 1 << 20
     local = HostBuffer(agent, size)
     local.array[:] = 7
     victim = RemotePeer("victim", UCX)
