@@ -93,7 +93,9 @@ class S3Server:
             if self.auth:
                 self._create_user()
                 self._post("/moto-api/reset-auth", b"0")
-            self.client().create_bucket(Bucket=self.bucket)
+            where = {"LocationConstraint": self.region}
+            kw = {} if self.region == "us-east-1" else {"CreateBucketConfiguration": where}
+            self.client().create_bucket(Bucket=self.bucket, **kw)
         except BaseException:
             self.stop()
             raise
