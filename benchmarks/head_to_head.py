@@ -24,6 +24,7 @@ import time
 
 from datamover.bench.output import markdown_table, read_json
 
+BEGIN, END = "<!-- tables:begin (benchmarks/head_to_head.py --update) -->", "<!-- tables:end -->"
 SWEEP = ["--min-time", "0.3", "--max-iters", "30", "--check", "--quiet"]
 #: name -> (title, `datamover bench` arguments)
 RUNS: dict[str, tuple[str, str]] = {
@@ -112,6 +113,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results", help="where results go (default benchmarks/results)")
     ap.add_argument("--only", help=f"comma-separated runs (default all: {', '.join(RUNS)})")
     ap.add_argument("--render-only", action="store_true", help="only rebuild tables.md from earlier results")
+    ap.add_argument("--update", metavar="MD", help="also replace the tables between the markers in this file")
     ap.add_argument("extra", nargs="*", help="more `datamover bench` arguments, after --")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(RUNS)
@@ -119,9 +121,20 @@ def main() -> int:
     if not args.render_only:
         for name in names:
             run(name, args.out, args.extra)
+    tables = render(args.out, names)
     with open(os.path.join(args.out, "tables.md"), "w") as f:
-        f.write(render(args.out, names))
+        f.write(tables)
     print(f"tables: {os.path.join(args.out, 'tables.md')}")
+    if args.update:
+        with open(args.update) as f:
+            text = f.read()
+        head, sep, rest = text.partition(BEGIN)
+        _, sep2, tail = rest.partition(END)
+        if not (sep and sep2):
+            raise SystemExit(f"{args.update}: no {BEGIN} ... {END} markers")
+        with open(args.update, "w") as f:
+            f.write(f"{head}{BEGIN}\n{tables}\n{END}{tail}")
+        print(f"updated {args.update}")
     return 0
 
 
