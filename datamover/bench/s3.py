@@ -29,7 +29,7 @@ import io
 import json
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -47,6 +47,12 @@ class S3Workload(Workload):
 
     backend = "s3"
     raw_name = "boto3 put_object/get_object loop; upload_fileobj for large writes"
+    #: the (block, batch) points this workload suggests for a default sweep: against a local Python server
+    #: a 4096-object batch takes about a minute per side and iteration, so batches stop at 256 objects
+    default_points: ClassVar[list[tuple[int, int]]] = [
+        (4 << 10, 1), (4 << 10, 64), (256 << 10, 1), (256 << 10, 64), (256 << 10, 256),
+        (1 * MiB, 64), (8 * MiB, 1), (16 * MiB, 1), (64 * MiB, 1),
+    ]  # fmt: skip
 
     def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(max_bytes, options)
