@@ -126,6 +126,7 @@ class IocbBatch:
         self.iocbs["offset"] = np.asarray(offsets)[starts] if rows else 0
         base = self.iocbs.ctypes.data if n else 0
         self.ptrs = (base + np.arange(n, dtype=np.uint64) * np.uint64(IOCB.itemsize)).astype(np.uint64)
+        self.ptrs_addr = int(self.ptrs.ctypes.data)  # looked up once: ndarray.ctypes costs microseconds
         self.expect = np.add.reduceat(np.asarray(lengths, dtype=np.int64), starts) if rows else np.zeros(0, np.int64)
         self.write = write
 
@@ -144,6 +145,8 @@ class AioContext:
         self._ctx = ctypes.c_ulong(0)
         _syscall("io_setup", ctypes.c_uint(self.depth), ctypes.byref(self._ctx))
         self._events = np.zeros(self.depth, dtype=IO_EVENT)
+        self._events_ptr = ctypes.c_void_p(self._events.ctypes.data)
+        self._min_nr, self._max_nr = ctypes.c_long(1), ctypes.c_long(self.depth)
         self._lock = threading.Lock()  # one batch at a time per context
 
     def run(
@@ -193,7 +196,7 @@ class AioRun:
         self.ctx, self.batch, self.first, self.stop = ctx, batch, first, stop
         self.res = np.full(stop - first, -errno_mod.ECANCELED, dtype=np.int64)
         self.nxt, self.inflight = first, 0
-        self._ptr0 = int(batch.ptrs.ctypes.data)
+        self._ptr0 = batch.ptrs_addr
 
     def submit(self, cancelled: Callable[[], bool]) -> None:
         """Submit rows until ``depth`` are in flight or none are left."""
@@ -218,8 +221,8 @@ class AioRun:
     def finish(self, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
         """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context."""
         ctx = self.ctx
-        events, depth = ctx._events, ctx.depth
-        ev_ptr = ctypes.c_void_p(events.ctypes.data)
+        events = ctx._events
+        ev_ptr = ctx._events_ptr
         try:
             while True:
                 self.submit(cancelled)
@@ -228,7 +231,7 @@ class AioRun:
                         return self.res
                     continue
                 try:
-                    n = _syscall("io_getevents", ctx._ctx, ctypes.c_long(1), ctypes.c_long(depth), ev_ptr, None)
+                    n = _syscall("io_getevents", ctx._ctx, ctx._min_nr, ctx._max_nr, ev_ptr, None)
                 except OSError as exc:
                     if exc.errno == errno_mod.EINTR:
                         continue
