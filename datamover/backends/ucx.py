@@ -418,7 +418,10 @@ class UcxBackend(Backend):
                 busy = False
                 while self._cmds:
                     busy = True
-                    self._cmds.popleft()()
+                    try:
+                        self._cmds.popleft()()
+                    except Exception:  # a bug in one command must not stop the service for every peer
+                        log.exception("ucx command failed")
                 n = 0
                 while worker.progress_once() and n < 64:
                     n += 1
@@ -502,6 +505,10 @@ class UcxBackend(Backend):
                 return
             except (KeyError, TypeError, ValueError) as exc:
                 self._lost(owner, InvalidMetadata(f"malformed control message {msg.get('t')!r}: {exc}"))
+                return
+            except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
+                log.exception("handling control message %r failed", msg.get("t"))
+                self._lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
                 return
         if conn.closed:
             self._lost(owner, None)
@@ -590,8 +597,9 @@ class UcxBackend(Backend):
     def _start(self, req: TransferRequest, completion: Completion, deadline: float) -> None:
         try:
             peer = self._peer(req.remote_agent)  # type: ignore[arg-type]
-        except DatamoverError as exc:
-            completion.finish_part(exc)
+        except Exception as exc:
+            err = exc if isinstance(exc, DatamoverError) else DatamoverError(f"{exc}", backend=self.name)
+            completion.finish_part(err)
             return
         op = _OutOp(self._next_op, peer, req, completion, deadline)
         self._next_op += 1
