@@ -167,3 +167,38 @@ def test_with_data_checks_every_hit(tmp_path, capsys):
     assert "0 wrong" in report.format()
     assert replay_main([str(path), "--with-data", "--requests", "40", "--policy", "lru"]) == 0
     assert "with data: 40 requests" in capsys.readouterr().out
+
+
+def conversation_trace(path: Path, requests: int = 300) -> Path:
+    """Multi-turn conversations: each turn re-reads its conversation so far and adds new blocks."""
+    rng = np.random.default_rng(0)
+    conversations: list[list[int]] = []
+    fresh, stamp = 1, 0
+    rows: list[tuple[int, list[int]]] = []
+    for _ in range(requests):
+        stamp += int(rng.integers(0, 3000))
+        if conversations and rng.random() < 0.6:
+            conv = conversations[int(rng.integers(len(conversations)))]
+        else:
+            conv = [0]
+            conversations.append(conv)
+        grow = int(rng.integers(1, 4))
+        conv.extend(range(fresh, fresh + grow))
+        fresh += grow
+        rows.append((stamp, list(conv)))
+    with open(path, "w") as f:
+        for stamp, ids in rows:
+            f.write(json.dumps({"timestamp": stamp, "hash_ids": ids}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("policy", ["default", "lru"])
+def test_the_cache_makes_the_simulators_decisions(tmp_path, policy):
+    """One tier, a prefix-structured trace: moving real bytes gives exactly the simulated hits and misses."""
+    path = conversation_trace(tmp_path / "conv.jsonl")
+    config = with_overrides(single_tier(TierConfig(), 20), policy={"name": policy})
+    simulated = simulate(load_trace(path), policy, config)
+    real = run_with_data(path, config, requests=300)
+    assert real.wrong_chunks == 0
+    assert [real.stats["hits"]["l1_hbm"]] == simulated.hits and simulated.hits[0] > 100
+    assert real.stats["misses"] == simulated.misses
