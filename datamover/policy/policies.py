@@ -265,20 +265,26 @@ class ScoredTier(TierPolicy):
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         self._cool_down(now)
+        heap, live, keys = self._heap, self._live, self._key
         out: list[Key] = []
         held: list[tuple[float, int, Key]] = []
-        while len(out) < count and self._valid_top() is not None:
-            entry = heapq.heappop(self._heap)
-            if entry[2] in pinned:
+        while len(out) < count and heap:
+            entry = heapq.heappop(heap)
+            key = entry[2]
+            if live.get(key) != entry[1]:  # stale
+                continue
+            if key in pinned:
                 held.append(entry)
-            else:
-                out.append(entry[2])
+                continue
+            out.append(key)
+            del live[key], keys[key]
         for entry in held:
-            heapq.heappush(self._heap, entry)
+            heapq.heappush(heap, entry)
         if len(out) < count:  # last resort: chunks still cooling down, the longest-cooling first
-            out += [k for k in self._cooling_order() if k not in pinned][: count - len(out)]
-        for key in out:
-            self.remove(key)
+            cooling = [k for k in self._cooling_order() if k not in pinned][: count - len(out)]
+            for key in cooling:
+                self.remove(key)
+            out += cooling
         return out
 
     def __len__(self) -> int:

@@ -168,7 +168,7 @@ def test_chunk_dropped_mid_demotion_keeps_its_crc(tmp_path, mode, sequence):
 
 def test_seeded_operation_mixes(tmp_path):
     """Longer seeded runs (60 operations, clock jumps, every policy and write mode): bytes and CRCs stay right."""
-    for seed in range(16):
+    for seed in range(8):
         rng = np.random.default_rng(seed)
         now = [0.0]
         config = tiers(
