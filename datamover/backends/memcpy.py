@@ -107,10 +107,11 @@ class MemcpyBackend(Backend):
                 s0 = int(src_off[a])
                 drows[dst_off[a:b]] = sarr[s0 : s0 + (b - a) * block].reshape(b - a, block)
             elif p["dst_run"]:
+                # np.take would first copy the whole overlapping strided source; fancy indexing gathers
+                # only the rows asked for, into a temporary of at most gather_chunk_bytes
                 d0 = int(dst_off[a])
-                np.take(srows, src_off[a:b], axis=0, out=darr[d0 : d0 + (b - a) * block].reshape(b - a, block))
+                darr[d0 : d0 + (b - a) * block].reshape(b - a, block)[...] = srows[src_off[a:b]]
             else:
-                # both sides scattered: numpy gathers into a temporary of at most gather_chunk_bytes
                 drows[dst_off[a:b]] = srows[src_off[a:b]]
 
     @staticmethod

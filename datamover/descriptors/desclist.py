@@ -133,8 +133,9 @@ class DescList:
             keys = registration.extra.get("keys")
             if not keys:
                 raise InvalidDescriptor("the registration names no keys; pass keys=")
-        keys = [str(k) for k in keys]
-        return cls.from_columns(offsets, lengths, np.arange(len(keys)), MemType.OBJ, keys=keys)
+        # a repeated key gets one table entry, so overlap checks see two rows naming the same object
+        table, dev = np.unique(np.array([str(k) for k in keys], dtype=object), return_inverse=True)
+        return cls.from_columns(offsets, lengths, dev, MemType.OBJ, keys=table.tolist())
 
     # -- columns ---------------------------------------------------------
     @property

@@ -160,9 +160,7 @@ class TieredCache:
     # -- setup ---------------------------------------------------------------
     def _backend_params(self) -> dict[str, dict]:
         l4 = self.config.l4_pool
-        # gather_max_block 0: memcpy's numpy gather from scattered slots of a large arena into a contiguous
-        # destination copies the whole source region first (np.take on a strided view); plain memmoves instead.
-        params: dict[str, dict] = {"memcpy": {"gather_max_block": 0}, "posix": {}}
+        params: dict[str, dict] = {"memcpy": {}, "posix": {}}
         if backend_status("cuda")[0]:
             params["cuda"] = {}
         if l4.enabled:
