@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -56,7 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    # these need the policy extra (pyyaml); their parsers load only when they run
+    _delegate(sub, "replay", "datamover.policy.cli", "replay a Mooncake-format trace through the tier policy")
+    _delegate(sub, "alerts", "datamover.telemetry.alerts", "write Prometheus alerting rules from a tier config")
     return parser
+
+
+def _delegate(sub, name: str, module: str, help_text: str) -> None:
+    """A subcommand whose own parser lives in ``module.main(argv)``, imported only when it runs."""
+    p = sub.add_parser(name, help=help_text, add_help=False, prefix_chars="\0")
+    p.add_argument("argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda args: importlib.import_module(module).main(args.argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

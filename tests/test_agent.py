@@ -197,3 +197,12 @@ def test_info_cli_reports_every_backend():
     for name in ("memcpy", "posix", "cuda", "gds", "ucx", "s3"):
         assert name in out.stdout
     assert "usable: yes" in out.stdout
+
+
+def test_cli_subcommands_have_working_help():
+    for cmd in ("info", "bench", "replay", "alerts"):
+        out = subprocess.run(
+            [sys.executable, "-m", "datamover.cli", cmd, "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert "usage:" in out.stdout

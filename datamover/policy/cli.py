@@ -40,7 +40,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--sweep",
         action="store_true",
-        help="also vary L1 capacity over " + ", ".join(f"{f:.1%}" for f in DEFAULT_SWEEP) + " of distinct chunks",
+        help="also vary L1 capacity over "
+        + ", ".join(f"{f:.1%}".replace("%", "%%") for f in DEFAULT_SWEEP)
+        + " of distinct chunks",
     )
     p.add_argument("--plot", help="with --sweep: write hit rate and effective cost against capacity to this PNG")
     p.add_argument("--json", action="store_true", help="machine-readable report")
