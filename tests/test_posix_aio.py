@@ -201,3 +201,22 @@ def test_release_while_aio_in_flight_reaps_everything(agent_file) -> None:
     contexts = backend._aio_all
     assert contexts and all(not c._lock.locked() for c in contexts)
     assert backend._aio_free.qsize() == len(contexts)
+
+
+@pytest.mark.parametrize("spin_us", [0, 50_000])
+def test_spinning_and_sleeping_reap_the_same_bytes(direct_file, spin_us) -> None:
+    fd, _ = direct_file
+    n = 48
+    src = _random(n * B, 11)
+    ctx = AioContext(8, spin_us)  # 48 rows through 8 slots: refills, then the last ones polled or slept on
+    try:
+        perm = np.random.default_rng(6).permutation(n)
+        assert (
+            ctx.run(IocbBatch(np.full(n, fd), perm * B, src.ctypes.data + np.arange(n) * B, np.full(n, B), True)) == B
+        ).all()
+        dst = aligned_empty(n * B)
+        dst[:] = 0
+        res = ctx.run(IocbBatch(np.full(n, fd), perm * B, dst.ctypes.data + np.arange(n) * B, np.full(n, B), False))
+        assert (res == B).all() and np.array_equal(dst, src)
+    finally:
+        ctx.close()

@@ -17,6 +17,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -137,16 +138,18 @@ class IocbBatch:
 class AioContext:
     """One kernel AIO context with room for ``depth`` I/Os in flight; runs a batch to completion."""
 
-    def __init__(self, depth: int = 128) -> None:
+    def __init__(self, depth: int = 128, spin_us: float = 0.0) -> None:
         ok, reason = aio_available()
         if not ok:
             raise BackendUnavailable(reason, backend="posix")
         self.depth = int(depth)
+        self.spin_s = float(spin_us) * 1e-6
+        self._no_wait = _Timespec(0, 0)
         self._ctx = ctypes.c_ulong(0)
         _syscall("io_setup", ctypes.c_uint(self.depth), ctypes.byref(self._ctx))
         self._events = np.zeros(self.depth, dtype=IO_EVENT)
         self._events_ptr = ctypes.c_void_p(self._events.ctypes.data)
-        self._min_nr, self._max_nr = ctypes.c_long(1), ctypes.c_long(self.depth)
+        self._max_nr = ctypes.c_long(self.depth)
         self._lock = threading.Lock()  # one batch at a time per context
 
     def run(
@@ -219,10 +222,17 @@ class AioRun:
                 return
 
     def finish(self, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
-        """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context."""
+        """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context.
+
+        Each wait asks for a quarter of the queue (or all that is in flight
+        once nothing is left to submit), so a batch costs a few wake-ups,
+        not one per I/O. With ``spin_us``, the last ones are first polled for
+        that long (a thread woken from sleep is late by tens of microseconds).
+        """
         ctx = self.ctx
         events = ctx._events
         ev_ptr = ctx._events_ptr
+        spin_until = None
         try:
             while True:
                 self.submit(cancelled)
@@ -230,8 +240,16 @@ class AioRun:
                     if self.nxt >= self.stop or cancelled():
                         return self.res
                     continue
+                # one wake-up per quarter queue, or for everything once nothing is left to submit
+                refill = self.nxt < self.stop and not cancelled()
+                min_nr = max(1, min(self.inflight, ctx.depth // 4)) if refill else self.inflight
+                timeout = None
+                if not refill and ctx.spin_s and spin_until is None:
+                    spin_until = time.perf_counter() + ctx.spin_s
+                if spin_until is not None and time.perf_counter() < spin_until:
+                    min_nr, timeout = 0, ctypes.byref(ctx._no_wait)  # poll: a sleeping thread wakes late
                 try:
-                    n = _syscall("io_getevents", ctx._ctx, ctx._min_nr, ctx._max_nr, ev_ptr, None)
+                    n = _syscall("io_getevents", ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ev_ptr, timeout)
                 except OSError as exc:
                     if exc.errno == errno_mod.EINTR:
                         continue

@@ -89,6 +89,7 @@ class PosixBackend(Backend):
         "min_part_bytes": 1 << 20,
         "aio": True,  # O_DIRECT batches go through Linux native AIO (many I/Os per syscall) where it works
         "aio_depth": 256,  # I/Os in flight per AIO context
+        "aio_spin_us": 100,  # poll this long for the last completions before sleeping in io_getevents
     }
 
     def __init__(self, agent, params=None) -> None:
@@ -210,7 +211,7 @@ class PosixBackend(Backend):
         try:
             ctx = self._aio_free.get_nowait()
         except queue.Empty:
-            ctx = AioContext(int(self.params["aio_depth"]))
+            ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
             self._aio_all.append(ctx)
         try:
             run = ctx.start(p["aio"])
