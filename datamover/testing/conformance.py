@@ -1,13 +1,14 @@
 """BackendConformance: the pytest suite every backend passes, in the manner of zarr's StoreTests.
 
-A backend's test module subclasses it and supplies fixtures:
+A backend's test module subclasses it, names ``backend`` and supplies
+``make_remote(nbytes)``: a factory of ``TestBuffer`` objects (a registered
+file, objects, a peer's memory) whose ``read``/``write`` bypass the backend
+under test. Defaults it may override:
 
-- ``agent``: the initiating Agent, configured to use the backend under test;
-- ``peer``: the remote agent's name, or None when the backend moves bytes
+- ``agent``: an Agent running only the backend under test, with ``params``;
+- ``peer``: the remote agent's name; None when the backend moves bytes
   within one agent;
-- ``make_local(nbytes)`` and ``make_remote(nbytes)``: factories of
-  ``TestBuffer`` objects (registered memory, file, objects, a peer's memory)
-  whose ``read``/``write`` bypass the backend under test.
+- ``make_local(nbytes)``: registered host memory (``HostBuffer``).
 
 Class attributes tune sizes for slow media; what needs absent hardware is
 skipped by the subclass's fixtures, with the reason.
@@ -31,6 +32,7 @@ from ..errors import (
     TransferStateError,
     TransferTimeout,
 )
+from .buffers import HostBuffer
 
 
 def random_bytes(nbytes: int, seed: int) -> bytes:
@@ -48,6 +50,25 @@ class BackendConformance:
     batch_count: ClassVar[int] = 4096
     concurrent_threads: ClassVar[int] = 4
     big: ClassVar[int] = 64 << 20
+    params: ClassVar[dict] = {}
+
+    # -- fixtures a subclass may override -------------------------------------
+    @pytest.fixture
+    def agent(self):
+        with Agent(f"{self.backend}-conformance", {"backends": {self.backend: dict(self.params)}}) as agent:
+            yield agent
+
+    @pytest.fixture
+    def peer(self):
+        return None
+
+    @pytest.fixture
+    def make_local(self, agent):
+        return lambda n: HostBuffer(agent, n)
+
+    @pytest.fixture
+    def make_remote(self, agent):
+        raise NotImplementedError(f"{type(self).__name__} must define the make_remote fixture")
 
     # -- helpers -------------------------------------------------------------
     def roundtrip(self, agent: Agent, peer, local, remote, offset: int, size: int, seed: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from datamover import Agent
 from datamover.backends import backend_status
 from datamover.testing import BackendConformance, HostBuffer, VramBuffer
 
@@ -40,16 +39,6 @@ class TestCudaVramToDram(BackendConformance):
     """Local GPU memory, host memory as the other side (WRITE = D2H, READ = H2D)."""
 
     backend = "cuda"
-    params: dict = {}
-
-    @pytest.fixture
-    def agent(self):
-        with Agent("cuda-test", {"backends": {"cuda": dict(self.params)}}) as agent:
-            yield agent
-
-    @pytest.fixture
-    def peer(self):
-        return None
 
     @pytest.fixture
     def make_local(self, agent):

@@ -10,7 +10,6 @@ import itertools
 import pytest
 from test_cuda import gpu_skip_reason
 
-from datamover import Agent
 from datamover.testing import BackendConformance, FileBuffer, HostBuffer, VramBuffer
 
 SKIP = gpu_skip_reason("gds")
@@ -23,15 +22,6 @@ class TestGdsVram(BackendConformance):
     """GPU memory to and from a registered file."""
 
     backend = "gds"
-
-    @pytest.fixture
-    def agent(self):
-        with Agent("gds-test", {"backends": {"gds": {}}}) as agent:
-            yield agent
-
-    @pytest.fixture
-    def peer(self):
-        return None
 
     @pytest.fixture
     def make_local(self, agent):

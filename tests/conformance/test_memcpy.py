@@ -1,26 +1,14 @@
 """memcpy passes the conformance kit: DRAM <-> DRAM within one agent."""
 
+import numpy as np
 import pytest
 
-from datamover import Agent
+from datamover import Agent, DescList
 from datamover.testing import BackendConformance, HostBuffer
 
 
 class TestMemcpy(BackendConformance):
     backend = "memcpy"
-
-    @pytest.fixture
-    def agent(self):
-        with Agent("memcpy-test", {"backends": {"memcpy": {}}}) as agent:
-            yield agent
-
-    @pytest.fixture
-    def peer(self):
-        return None
-
-    @pytest.fixture
-    def make_local(self, agent):
-        return lambda n: HostBuffer(agent, n)
 
     @pytest.fixture
     def make_remote(self, agent):
@@ -29,10 +17,6 @@ class TestMemcpy(BackendConformance):
 
 def test_gather_into_contiguous_destination_from_large_region():
     """A contiguous destination gathered from a few blocks of a big source copies only those blocks."""
-    import numpy as np
-
-    from datamover import DescList
-
     with Agent("gather", {"backends": {"memcpy": {}}}) as agent:
         src = np.frombuffer(np.random.default_rng(0).bytes(64 << 20), np.uint8).copy()
         dst = np.zeros(3 << 12, np.uint8)

@@ -1,11 +1,10 @@
-"""posix passes the conformance kit: DRAM <-> FILE, O_DIRECT and buffered."""
+"""posix passes the conformance kit: DRAM <-> FILE, O_DIRECT (native AIO and thread pool) and buffered."""
 
 import itertools
 
 import pytest
 
-from datamover import Agent
-from datamover.testing import BackendConformance, FileBuffer, HostBuffer
+from datamover.testing import BackendConformance, FileBuffer
 
 _names = itertools.count()
 
@@ -15,21 +14,12 @@ class TestPosixDirect(BackendConformance):
     direct = True
 
     @pytest.fixture
-    def agent(self):
-        with Agent("posix-test", {"backends": {"posix": {}}}) as agent:
-            yield agent
-
-    @pytest.fixture
-    def peer(self):
-        return None
-
-    @pytest.fixture
-    def make_local(self, agent):
-        return lambda n: HostBuffer(agent, n)
-
-    @pytest.fixture
     def make_remote(self, agent, tmp_path):
         return lambda n: FileBuffer(agent, tmp_path / f"f{next(_names)}.bin", n, direct=self.direct)
+
+
+class TestPosixDirectThreadPool(TestPosixDirect):
+    params = {"aio": False}
 
 
 class TestPosixBuffered(TestPosixDirect):

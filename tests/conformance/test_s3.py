@@ -150,14 +150,6 @@ class TestS3(BackendConformance):
             yield agent
 
     @pytest.fixture
-    def peer(self):
-        return None
-
-    @pytest.fixture
-    def make_local(self, agent):
-        return lambda n: HostBuffer(agent, n)
-
-    @pytest.fixture
     def make_remote(self, agent, server):
         client = server.client()
         return lambda n: ObjectBuffer(agent, client, server.bucket, n)
