@@ -108,24 +108,26 @@ class _SourceOnly:
 
 
 @needs_nixl
-@pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_nixl_remote_pair_moves_and_checks_bytes_across_processes(op) -> None:
+def test_nixl_remote_pair_moves_and_checks_bytes_across_processes() -> None:
     from datamover.bench.nixl import NixlRemoteDram
     from datamover.bench.workload import Case
 
     side = NixlRemoteDram(_SourceOnly(1 << 20), NixlSettings(timeout=30))
+    timed = side._timed
     try:
         assert side.header()["nixl backend"] == "UCX (two processes)"
-        case = Case(op, 65536, 16, lambda: (0.0, 0.0), None, lambda: True)
-        good = side.case(case)
-        post, total = good.run()
-        assert 0 <= post <= total
-        assert good.verify() is True
-        good.close()
-        side._timed = lambda agent, handle: lambda: (0.0, 0.0)  # a NIXL run that moves no bytes
-        bad = side.case(case)
-        assert bad.verify() is False
-        bad.close()
+        for op in ("WRITE", "READ"):
+            side._timed = timed
+            case = Case(op, 65536, 16, lambda: (0.0, 0.0), None, lambda: True)
+            good = side.case(case)
+            post, total = good.run()
+            assert 0 <= post <= total
+            assert good.verify() is True
+            good.close()
+            side._timed = lambda agent, handle: lambda: (0.0, 0.0)  # a NIXL run that moves no bytes
+            bad = side.case(case)
+            assert bad.verify() is False, op
+            bad.close()
     finally:
         side.close()
     assert side.peer.proc.poll() == 0
