@@ -411,3 +411,29 @@ def test_deregister_waits_for_posted_operations(agent, target):
     finally:
         buf.free()
         agent.refresh_remote("decode-0")
+
+
+@pytest.mark.parametrize(
+    "params, present, absent",
+    [
+        ({"error_handling": True}, "tcp", None),  # UCX's own peer-failure handling (tcp only)
+        ({"cma": True}, "cma", None),  # opt back into cma: fastest, but a dying peer aborts the survivor
+        ({}, "sysv", "cma"),  # the default
+        ({"ucx_config": {"TLS": "tcp"}}, "tcp", "sysv"),
+    ],
+)
+def test_transport_settings_pass_through(params, present, absent):
+    cfg = {"backends": {"ucx": params}}
+    with RemotePeer("t-" + present, cfg) as peer, Agent("i-" + present, cfg) as agent:
+        buf = RemoteBuffer(peer, 1 << 20)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, 1 << 20)
+        for op, seed in (("WRITE", 1), ("READ", 2)):
+            data = random_bytes(1 << 20, seed)
+            (local if op == "WRITE" else buf).write(0, data)
+            xfer = agent.transfer(op, local.descs([0], [1 << 20]), buf.descs([0], [1 << 20]), peer.name)
+            assert xfer.wait() == XferState.DONE
+            assert (buf if op == "WRITE" else local).read(0, 1 << 20) == data
+        desc = agent.backend("ucx").describe()
+        assert present in desc["transports"] and (absent is None or absent not in desc["transports"]), desc
+        assert desc["error_handling"] == bool(params.get("error_handling"))

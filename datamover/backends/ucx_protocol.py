@@ -54,8 +54,9 @@ class FrameConn:
 
     def __init__(self, sock: socket.socket, outbound: bool) -> None:
         sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _keepalive(sock)
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
         self.sock = sock
         self._in = bytearray()
         self._out = bytearray()
