@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import DescList, MemType
+from ..descriptors.desclist import _check_rows as check_rows
 from ..errors import (
     AuthenticationError,
     DatamoverError,
@@ -899,8 +900,11 @@ class UcxBackend(Backend):
         cols = [msg["addr"], msg["len"], msg["dev"]]
         if not all(isinstance(c, bytes) and len(c) % 8 == 0 for c in cols) or len({len(c) for c in cols}) != 1:
             raise InvalidDescriptor("descriptor columns must be equal-length int64 arrays")
-        addr, length, dev = (np.frombuffer(c, dtype="<i8") for c in cols)
-        descs = DescList.from_columns(addr, length, dev, mem)
+        rows = np.empty((len(cols[0]) // 8, 3), dtype=np.int64, order="F")
+        for k, c in enumerate(cols):
+            rows[:, k] = np.frombuffer(c, dtype="<i8")
+        check_rows(rows)  # negative fields, address overflow; the same checks DescList makes, without its overhead
+        descs = DescList._wrap(rows, mem, None, ())
         rids = self.agent._table.lookup(descs, owner=f"agent {self.agent.name!r}", backend=self.name)
         return descs, rids
 
