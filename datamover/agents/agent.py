@@ -105,7 +105,9 @@ class Agent:
             from .side_channel import MetadataServer
 
             host = str(cfg.extra.get("listen_host", "127.0.0.1"))
-            self._side = MetadataServer(self.metadata, host=host, port=int(cfg.listen_port))
+            self._side = MetadataServer(
+                self.metadata, host=host, port=int(cfg.listen_port), on_push=self.add_remote, on_drop=self._dropped
+            )
 
     # -- backends ----------------------------------------------------------
     def enabled_backends(self) -> list[str]:
@@ -484,6 +486,27 @@ class Agent:
                 client, namespace, name, on_change=self._remote_changed, on_delete=lambda: self._remote_expired(name)
             )
         return name
+
+    def send_metadata(self, host: str, port: int, timeout: float = 5.0) -> None:
+        """Push this agent's metadata to a peer's side channel, which loads it as if it had fetched it."""
+        from .side_channel import PUSH, send_request
+
+        send_request(host, port, PUSH, self.metadata(), timeout=timeout)
+
+    def invalidate_at(self, host: str, port: int, timeout: float = 5.0) -> None:
+        """Ask the peer listening at (host, port) to forget this agent (signed when a secret is set)."""
+        from .side_channel import DROP, send_request
+
+        name = self.name.encode()
+        send_request(host, port, DROP, sign_metadata(name, self.config.secret) if self.config.secret else name,
+                     timeout=timeout)  # fmt: skip
+
+    def _dropped(self, payload: bytes) -> None:
+        name = open_metadata(payload, self.config.secret).decode(errors="replace")
+        with self._lock:
+            if name in self._remotes:
+                log.info("agent %r asked to be forgotten", name)
+                self.remove_remote(name)
 
     def refresh_remote(self, name: str) -> str:
         """Fetch peer ``name``'s metadata again from where it came (side channel or etcd)."""

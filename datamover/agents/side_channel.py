@@ -1,8 +1,11 @@
-"""The TCP side channel: an agent serves its current metadata blob to whoever connects.
+"""The TCP side channel: peers fetch an agent's metadata, push theirs, or ask it to forget them.
 
-Wire format: the server writes ``DMMD`` + a 4-byte big-endian length + the
-blob, then closes. The blob is produced at request time, so memory registered
-since a peer's last fetch is included when it fetches again (refresh).
+Wire format: the client opens with a 4-byte verb. ``GET `` is answered with
+``DMMD`` + a 4-byte big-endian length + the current blob. ``PUSH`` and
+``DROP`` carry ``length + payload`` (a metadata blob; an agent's name, signed
+like a blob when a secret is set) and are answered with ``OK``+``\\0\\0`` or
+``ERR `` + length + reason. The blob is produced at request time, so memory
+registered since a peer's last fetch is included when it fetches again.
 """
 
 from __future__ import annotations
@@ -13,20 +16,34 @@ import struct
 import threading
 from collections.abc import Callable
 
-from ..errors import InvalidMetadata, RemoteDisconnected
+from ..errors import DatamoverError, InvalidMetadata, RemoteDisconnected, RemoteRefused
 from .metadata import MAX_BLOB_BYTES
 
 log = logging.getLogger("datamover.side_channel")
 
 MAGIC = b"DMMD"
+GET, PUSH, DROP = b"GET ", b"PUSH", b"DROP"
+OK, ERR = b"OK\0\0", b"ERR "
 _HEAD = struct.Struct("!4sI")
 
 
 class MetadataServer:
-    """Answers every TCP connection on (host, port) with ``provider()``; port 0 picks a free one."""
+    """Serves ``provider()`` on (host, port); ``on_push(blob)`` and ``on_drop(payload)`` take the other verbs.
 
-    def __init__(self, provider: Callable[[], bytes], host: str = "127.0.0.1", port: int = 0) -> None:
+    Port 0 picks a free one. Without a handler, that verb is refused.
+    """
+
+    def __init__(
+        self,
+        provider: Callable[[], bytes],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        on_push: Callable[[bytes], object] | None = None,
+        on_drop: Callable[[bytes], object] | None = None,
+    ) -> None:
         self._provider = provider
+        self._handlers = {PUSH: on_push, DROP: on_drop}
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, int(port)))
@@ -51,12 +68,31 @@ class MetadataServer:
                 return
             try:
                 conn.settimeout(5.0)
-                blob = self._provider()
-                conn.sendall(_HEAD.pack(MAGIC, len(blob)) + blob)
+                self._answer(conn)
             except Exception as exc:  # one failed client must not stop the server
-                log.warning("serving metadata failed: %s", exc)
+                log.warning("side channel request failed: %s", exc)
             finally:
                 conn.close()
+
+    def _answer(self, conn: socket.socket) -> None:
+        verb = _recv_exact(conn, 4)
+        if verb == GET:
+            blob = self._provider()
+            conn.sendall(_HEAD.pack(MAGIC, len(blob)) + blob)
+            return
+        handler = self._handlers.get(verb)
+        if verb not in self._handlers:
+            raise InvalidMetadata(f"unknown side channel verb {verb!r}")
+        payload = _recv_sized(conn, "request")
+        try:
+            if handler is None:
+                raise RemoteRefused(f"this agent does not accept {verb.decode().strip()} requests")
+            handler(payload)
+        except DatamoverError as exc:
+            reason = str(exc).encode()
+            conn.sendall(_HEAD.pack(ERR, len(reason)) + reason)
+            return
+        conn.sendall(OK)
 
     def close(self) -> None:
         self._stop.set()
@@ -68,8 +104,8 @@ def fetch_metadata(host: str, port: int, timeout: float = 5.0) -> bytes:
     """Read a peer's blob from its side channel; RemoteDisconnected if unreachable, InvalidMetadata if garbled."""
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
-            head = _recv_exact(sock, _HEAD.size)
-            magic, n = _HEAD.unpack(head)
+            sock.sendall(GET)
+            magic, n = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
             if magic != MAGIC:
                 raise InvalidMetadata(f"{host}:{port} is not a datamover metadata side channel")
             if n > MAX_BLOB_BYTES:
@@ -77,6 +113,29 @@ def fetch_metadata(host: str, port: int, timeout: float = 5.0) -> bytes:
             return _recv_exact(sock, n)
     except OSError as exc:
         raise RemoteDisconnected(f"cannot fetch metadata from {host}:{port}: {exc.strerror or exc}") from None
+
+
+def send_request(host: str, port: int, verb: bytes, payload: bytes, timeout: float = 5.0) -> None:
+    """Send a PUSH or DROP to a peer's side channel; RemoteRefused carries the peer's reason."""
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+            sock.sendall(verb + struct.pack("!I", len(payload)) + payload)
+            status = _recv_exact(sock, 4)
+            if status == OK:
+                return
+            if status != ERR:
+                raise InvalidMetadata(f"{host}:{port} answered {status!r}: not a datamover side channel")
+            reason = _recv_sized(sock, "reply").decode(errors="replace")
+    except OSError as exc:
+        raise RemoteDisconnected(f"cannot reach the side channel at {host}:{port}: {exc.strerror or exc}") from None
+    raise RemoteRefused(f"{host}:{port} refused {verb.decode().strip()}: {reason}")
+
+
+def _recv_sized(sock: socket.socket, what: str) -> bytes:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    if n > MAX_BLOB_BYTES:
+        raise InvalidMetadata(f"side channel {what} of {n} bytes; at most {MAX_BLOB_BYTES} accepted")
+    return _recv_exact(sock, n)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
