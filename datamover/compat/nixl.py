@@ -1237,17 +1237,11 @@ class nixl_agent:
         return endpoints, namespace
 
     def send_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        """Publish this agent's metadata to etcd (no ``ip_addr``, NIXL_ETCD_ENDPOINTS set).
-
-        Pushing to one peer's listener (``ip_addr``) raises nixlNotSupportedError:
-        datamover's side channel only serves metadata, so the peer fetches it
-        with ``fetch_remote_metadata(name, ip, port)`` instead.
-        """
+        """Push this agent's metadata to a peer's listener (``ip_addr``, ``port``), or publish it to etcd."""
         if ip_addr:
-            raise nixlNotSupportedError(
-                "datamover's metadata side channel only serves metadata; the peer must "
-                f"fetch_remote_metadata({self.name!r}, <this host>, {self.listen_port or '<listen port>'})"
-            )
+            with _nixl_errors():
+                self.agent.send_metadata(ip_addr, int(port))
+            return
         endpoints, namespace = self._etcd()
         with _nixl_errors():
             self.agent.publish(endpoints, namespace)
@@ -1285,16 +1279,11 @@ class nixl_agent:
             raise nixlMismatchError(f"{ip_addr}:{port} serves the metadata of {got!r}, not {name!r}")
 
     def invalidate_local_metadata(self, ip_addr: str = "", port: int = DEFAULT_COMM_PORT) -> None:
-        """Withdraw this agent's metadata from etcd (no ``ip_addr``); peers watching it drop this agent.
-
-        Invalidating at one peer's listener (``ip_addr``) raises
-        nixlNotSupportedError, as ``send_local_metadata`` does.
-        """
+        """Tell the peer listening at (``ip_addr``, ``port``) to drop this agent, or withdraw it from etcd."""
         if ip_addr:
-            raise nixlNotSupportedError(
-                "datamover's metadata side channel cannot tell a peer to drop this agent; "
-                f"the peer calls remove_remote_agent({self.name!r})"
-            )
+            with _nixl_errors():
+                self.agent.invalidate_at(ip_addr, int(port))
+            return
         self._etcd()
         with _nixl_errors():
             self.agent.unpublish()

@@ -130,14 +130,19 @@ def test_etcd_fetch_of_an_absent_agent_raises(etcd_env, monkeypatch):
         agent.close()
 
 
-def test_peer_push_is_not_supported_and_needs_an_address_or_etcd(monkeypatch):
+def test_push_and_invalidate_at_a_listener_and_the_etcd_route_needs_endpoints(monkeypatch):
     monkeypatch.delenv("NIXL_ETCD_ENDPOINTS", raising=False)
     agent = nixl_agent("pusher", nixl_agent_config(backends=[]))
+    listener = nixl_agent("listener", nixl_agent_config(True, True, 0, backends=[]))
     try:
-        with pytest.raises(nx.nixlNotSupportedError):
-            agent.send_local_metadata(HOST, 5555)
-        with pytest.raises(nx.nixlNotSupportedError):
-            agent.invalidate_local_metadata(HOST, 5555)
+        port = listener.agent.listen_address[1]
+        agent.send_local_metadata(HOST, port)
+        assert listener.check_remote_metadata("pusher")
+        agent.invalidate_local_metadata(HOST, port)
+        assert not listener.check_remote_metadata("pusher")
+        listener.close()
+        with pytest.raises(nx.nixlRemoteDisconnectError):
+            agent.send_local_metadata(HOST, port)
         with pytest.raises(nx.nixlInvalidParamError):
             agent.send_local_metadata()
         with pytest.raises(nx.nixlInvalidParamError):

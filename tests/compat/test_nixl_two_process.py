@@ -56,9 +56,7 @@ def target_process(target_port: int, initiator_port: int, errors) -> None:
         target_descs = reg_descs.trim()
         target_desc_str = agent.get_serialized_descs(target_descs)
 
-        # NIXL's initiator pushes its metadata with send_local_metadata(ip, port); datamover's
-        # side channel only serves, so the target fetches the initiator's from its listener
-        agent.fetch_remote_metadata("initiator", HOST, initiator_port)
+        # the initiator pushes its metadata to this listener with send_local_metadata(ip, port)
         _until(lambda: agent.check_remote_metadata("initiator"), "the initiator's metadata")
         agent.send_notif("initiator", target_desc_str)
 
@@ -68,6 +66,7 @@ def target_process(target_port: int, initiator_port: int, errors) -> None:
         for i, b in enumerate(bufs):
             assert (b == i + 1).all(), f"target buffer {i} changed"
         _until(lambda: agent.check_remote_xfer_done("initiator", b"BYE"), "the initiator's goodbye")
+        _until(lambda: not agent.check_remote_metadata("initiator"), "the initiator's invalidation")
         agent.deregister_memory(reg_descs)
         agent.close()
     except BaseException:
@@ -87,6 +86,7 @@ def initiator_process(target_port: int, initiator_port: int, errors) -> None:
         reg_descs = agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM")
 
         agent.fetch_remote_metadata("target", HOST, target_port)
+        agent.send_local_metadata(HOST, target_port)
         notifs = _until(lambda: agent.get_new_notifs(), "the target's descriptors")
         target_descs = agent.deserialize_descs(notifs["target"][0])
         initiator_descs = reg_descs.trim()
@@ -121,6 +121,7 @@ def initiator_process(target_port: int, initiator_port: int, errors) -> None:
         assert backend == "UCX", backend
 
         agent.send_notif("target", b"BYE")
+        agent.invalidate_local_metadata(HOST, target_port)
         agent.remove_remote_agent("target")
         agent.release_xfer_handle(xfer_handle)
         agent.release_xfer_handle(xfer_handle_2)
