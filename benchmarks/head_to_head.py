@@ -44,6 +44,10 @@ RUNS: dict[str, tuple[str, str]] = {
         "DRAM -> remote DRAM, two processes over loopback: our ucx vs NIXL UCX",
         "--backend ucx --vs nixl --block-sizes 4K,64K,1M,4M,16M --batch-sizes 16,256,4096",
     ),
+    "ucx-nocma": (
+        "DRAM -> remote DRAM with the ucx backend's default transports (no cma), same for NIXL, whose peer then polls",
+        "--backend ucx --vs nixl --ucx-tls ^cma --block-sizes 64K,1M,4M,16M --batch-sizes 16,256",
+    ),
     "s3": (
         "DRAM <-> OBJ on the local S3 server (moto): our s3 vs NIXL OBJ",
         "--backend s3 --vs nixl --block-sizes 64K,1M,8M --batch-sizes 1,8 --max-iters 3",

@@ -141,3 +141,13 @@ def test_peer_that_cannot_start_is_a_typed_error(monkeypatch) -> None:
     monkeypatch.setattr(nixl_peer.sys, "executable", "/bin/false")
     with pytest.raises(NixlError, match="did not start"):
         nixl_peer.NixlPeer(4096, NixlSettings(timeout=10))
+
+
+def test_when_the_nixl_peer_must_progress() -> None:
+    from datamover.bench.nixl_peer import needs_progress, tls_allows_cma
+
+    assert tls_allows_cma("self,sm,tcp") and tls_allows_cma("") and tls_allows_cma("all") and tls_allows_cma("^tcp")
+    assert not tls_allows_cma("^cma") and not tls_allows_cma("tcp,self") and not tls_allows_cma("^cma,tcp")
+    assert not needs_progress(NixlSettings(ucx_tls="self,sm,tcp"))
+    assert needs_progress(NixlSettings(ucx_tls="self,sm,tcp", ucx_err_mode="peer"))
+    assert needs_progress(NixlSettings(ucx_tls="^cma"))

@@ -398,7 +398,7 @@ class NixlRemoteDram(NixlSide):
             "nixl backend": "UCX (two processes)",
             "ucx": self.agent.get_backend_params("UCX"),
             "peer pid": self.peer.proc.pid,
-            "peer progress": "none between commands" if self.settings.ucx_err_mode == "none" else "polled",
+            "peer progress": f"polled every {self.peer.poll_s * 1e6:.0f} us" if self.peer.polls else "none (one-sided)",
         }
 
     def case(self, case: Case) -> NixlCase:

@@ -5,8 +5,9 @@ one DRAM buffer with NIXL's UCX backend and prints its agent metadata and the
 buffer's address. It then waits on its stdin for one-line commands (zero,
 fill, digest, quit), so the initiator can prepare the target's bytes and
 check them after a transfer. Between commands it does not touch UCX at all
-when the error-handling mode is ``none`` (RMA over shared memory needs no
-target progress, the way NIXL is meant to be used); in ``peer`` mode UCX
+when RMA can complete without it: error-handling mode ``none`` and cma
+allowed by UCX_TLS (the initiator then copies into the target itself, the
+way NIXL is meant to be used). Otherwise (``peer`` mode, or no cma) UCX
 needs the target to progress, so it polls NIXL every ``poll_s`` seconds.
 """
 
@@ -25,6 +26,21 @@ import numpy as np
 from .nixl import NixlError, NixlSettings, make_agent, ucx_params
 
 
+def tls_allows_cma(tls: str) -> bool:
+    """Whether a UCX_TLS value lets UCX use cma ('^a,b' excludes; 'all', 'sm', 'shm', 'cma' include)."""
+    names = [t.strip() for t in tls.lstrip("^").split(",") if t.strip()]
+    if not tls.strip():
+        return True  # unset: UCX's default is everything
+    if tls.startswith("^"):
+        return "cma" not in names
+    return bool({"all", "sm", "shm", "cma"} & set(names))
+
+
+def needs_progress(settings: NixlSettings) -> bool:
+    """Whether the target must progress UCX for a one-sided transfer to complete."""
+    return settings.ucx_err_mode == "peer" or not tls_allows_cma(settings.ucx_tls)
+
+
 def digest(arr: np.ndarray) -> str:
     return hashlib.blake2b(memoryview(arr), digest_size=16).hexdigest()
 
@@ -34,7 +50,10 @@ class NixlPeer:
 
     def __init__(self, nbytes: int, settings: NixlSettings, name: str = "bench-nixl-target", poll_s: float = 1e-4):
         env = dict(os.environ, UCX_TLS=settings.ucx_tls)
-        cmd = [sys.executable, "-m", "datamover.bench.nixl_peer", name, str(nbytes), settings.ucx_err_mode, str(poll_s)]
+        self.polls = needs_progress(settings)
+        self.poll_s = poll_s
+        poll = str(poll_s if self.polls else 0)
+        cmd = [sys.executable, "-m", "datamover.bench.nixl_peer", name, str(nbytes), settings.ucx_err_mode, poll]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             line = self._reply(timeout=settings.timeout)
@@ -96,11 +115,11 @@ def serve(name: str, nbytes: int, err_mode: str, poll_s: float) -> None:
     buf[:] = 0
     reg = agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
     print(base64.b64encode(agent.get_agent_metadata()).decode(), int(buf.ctypes.data), file=out, flush=True)
-    timeout = poll_s if err_mode == "peer" else None
+    timeout = poll_s or None
     try:
         while True:
             ready, _, _ = select.select([sys.stdin], [], [], timeout)
-            if err_mode == "peer":
+            if poll_s:
                 agent.get_new_notifs()  # progresses the UCX worker
             if not ready:
                 continue
