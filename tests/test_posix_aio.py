@@ -220,3 +220,32 @@ def test_spinning_and_sleeping_reap_the_same_bytes(direct_file, spin_us) -> None
         assert (res == B).all() and np.array_equal(dst, src)
     finally:
         ctx.close()
+
+
+def test_rows_tiling_a_file_range_become_one_vectored_io(agent_file, monkeypatch) -> None:
+    agent, mem, reg, path = agent_file
+    batches = []
+    real = AioContext.start
+    monkeypatch.setattr(AioContext, "start", lambda self, b, *a, **k: batches.append(b) or real(self, b, *a, **k))
+    n = 64
+    src = _random(n * B, 12)
+    mem[: n * B] = src
+    perm = np.random.default_rng(8).permutation(n)  # memory block i -> file slot perm[i]: slots 0..63 tiled
+    agent.transfer("WRITE", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
+    assert len(batches[-1]) == 1 and batches[-1].expect.tolist() == [n * B]  # one PWRITEV of 64 iovecs
+    disk = np.frombuffer(path.read_bytes(), np.uint8)[: n * B].reshape(n, B)
+    assert np.array_equal(disk[perm], src.reshape(n, B))
+    mem[:] = 0
+    agent.transfer("READ", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
+    assert np.array_equal(mem[: n * B], src)
+
+
+def test_reads_of_the_same_offsets_twice(agent_file) -> None:
+    agent, mem, reg, _ = agent_file
+    data = _random(2 * B, 13)
+    mem[: 2 * B] = data
+    agent.transfer("WRITE", DescList.blocks(mem[: 2 * B], B), DescList.file(reg, [0, B], B)).wait()
+    mem[:] = 0
+    # rows 0,1 and rows 2,3 read the same two blocks: sorted, the groups differ from descriptor order
+    agent.transfer("READ", DescList.blocks(mem[: 4 * B], B), DescList.file(reg, [0, B, 0, B], B)).wait()
+    assert np.array_equal(mem[: 2 * B], data) and np.array_equal(mem[2 * B : 4 * B], data)

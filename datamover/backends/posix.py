@@ -190,8 +190,19 @@ class PosixBackend(Backend):
         p["inline"] = total <= self.params["inline_bytes"]
         p["aio"] = None
         if n and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
-            p["aio"] = IocbBatch(fds, off, addr, ln, req.op == "WRITE", starts)
-            p["ranges"] = [(0, len(p["groups"]))]
+            # in file order, rows that tile a file range become one vectored I/O whatever their memory
+            # order; reordering is safe because the Agent refuses overlapping destinations
+            order = np.lexsort((off, fds))
+            sf, so, sl = fds[order], off[order], ln[order]
+            cut = np.ones(n, dtype=bool)
+            cut[1:] = (sf[1:] != sf[:-1]) | (so[1:] != so[:-1] + sl[:-1])
+            runs = np.flatnonzero(cut)
+            sizes = np.diff(np.append(runs, n))
+            if (sizes > IOV_MAX).any():
+                extra = [np.arange(s + IOV_MAX, s + z, IOV_MAX) for s, z in zip(runs, sizes) if z > IOV_MAX]
+                runs = np.unique(np.concatenate([runs, *extra]))
+            p["aio"] = IocbBatch(sf, so, addr[order], sl, req.op == "WRITE", runs)
+            p["ranges"] = [(0, len(p["aio"]))]
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
@@ -220,7 +231,6 @@ class PosixBackend(Backend):
             raise
 
         completion = Completion(1)
-        groups = len(p["groups"])
 
         def reap() -> None:
             # always runs, even once cancelled: I/O submitted above must be reaped before buffers are released
@@ -231,7 +241,7 @@ class PosixBackend(Backend):
                 finally:
                     self._aio_free.put(ctx)
                 if not completion.cancelled:
-                    self._aio_done(req, p, res, 0, groups, write, completion)
+                    self._aio_done(req, p, res, write, completion)
             except DatamoverError as exc:
                 err = exc
             except BaseException as exc:
@@ -248,16 +258,16 @@ class PosixBackend(Backend):
                 reap()
         return completion
 
-    def _aio_done(self, req, p, res, first: int, last: int, write: bool, completion: Completion) -> None:
-        """Groups that came back short or failed are redone synchronously; then fsync if asked."""
-        for g in (np.flatnonzero(res != p["aio"].expect[first:last]) + first).tolist():
-            self._run_groups(req, p, g, g + 1, write, completion)
+    def _aio_done(self, req, p, res, write: bool, completion: Completion) -> None:
+        """If any I/O came back short or failed, the transfer is redone synchronously; then fsync if asked."""
+        if (res != p["aio"].expect).any():
+            self._run_groups(req, p, 0, len(p["groups"]), write, completion)
         if write and self.params["fsync"]:
             for h in p["handles"].values():
                 try:
                     os.fdatasync(h.fd)
                 except OSError as exc:
-                    raise self._error(req, first, h, exc, write) from exc
+                    raise self._error(req, 0, h, exc, write) from exc
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
