@@ -244,6 +244,8 @@ class UcxBackend(Backend):
         self._graveyard: list[tuple[float, Any]] = []
         self._self_ep: Any = None
         self._draining: list[tuple[float, list, Any]] = []
+        self._old_workers: list[tuple] = []  # kept alive: their endpoints and requests still point at them
+        self.resets = 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
@@ -285,6 +287,7 @@ class UcxBackend(Backend):
             "UCX_TLS": self._ctx.config.get("TLS", "?"),
             "error_handling": bool(self.params["error_handling"]),
             "control": f"{self.params['host']}:{self._port}",
+            "worker resets": self.resets,
         }
 
     # -- metadata and peers ---------------------------------------------------
@@ -410,12 +413,12 @@ class UcxBackend(Backend):
 
     # -- service thread ---------------------------------------------------------
     def _run(self) -> None:
-        worker = self._worker
         spin = float(self.params["spin_us"]) * 1e-6
         last = time.monotonic()
         last_scan = 0.0
         try:
             while not self._stop:
+                worker = self._worker
                 busy = False
                 while self._cmds:
                     busy = True
@@ -516,15 +519,38 @@ class UcxBackend(Backend):
 
     def _lost(self, owner: _Peer | _Inbound, why: BaseException | None) -> None:
         if isinstance(owner, _Peer):
+            receiving = any(op.req.op == "READ" and op.reqs is not None for op in owner.ops.values())
             if why is None:
                 why = RemoteDisconnected(
                     f"agent {owner.name!r} disconnected (control connection closed)", backend=self.name
                 )
             self._disconnect_peer(owner, why)
         else:
+            receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
             if why is not None:
                 log.warning("dropping connection from %r: %s", owner.name or "?", why)
             self._drop_inbound(owner)
+        if receiving:
+            # a peer that died while sending to us can leave our shared-memory receive queue blocked for
+            # every sender; only a fresh worker gets past it
+            self._reset_worker(f"agent {owner.name!r} died while sending to this agent")
+
+    def _reset_worker(self, reason: str) -> None:
+        """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use."""
+        log.warning("resetting the UCX worker of %s: %s", self.agent.name, reason)
+        why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
+        for peer in list(self._peers.values()):
+            self._disconnect_peer(peer, why)
+        for inbound in list(self._inbound.values()):
+            self._drop_inbound(inbound)
+        self._sel.unregister(self._worker.epoll_file_descriptor)
+        self._old_workers.append((self._worker, self._self_ep, self._graveyard, self._draining))
+        self._graveyard, self._draining, self._self_ep = [], [], None
+        self._worker = self._ucx.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._address = self._worker.address.tobytes()
+        self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self.resets += 1
 
     def _bury(self) -> None:
         """Let closed endpoints go once their cancelled requests had time to finish."""
@@ -562,13 +588,6 @@ class UcxBackend(Backend):
         peer.nonce = new_nonce()
         peer.state = "connecting"
         self._sel.register(sock, selectors.EVENT_READ, peer)
-        try:
-            address = self._ucx.UCXAddress.create_from_buffer(peer.info["address"])
-            peer.ep = self._worker.create_endpoint_from_worker_address(address, bool(self.params["error_handling"]))
-        except Exception as exc:
-            err = RemoteDisconnected(f"UCX cannot reach agent {peer.name!r}: {exc}", backend=self.name)
-            self._disconnect_peer(peer, err)
-            raise err from None
 
     def _disconnect_peer(self, peer: _Peer, why: BaseException) -> None:
         for op in list(peer.ops.values()):
@@ -696,13 +715,18 @@ class UcxBackend(Backend):
         )
 
     def _welcome(self, peer: _Peer, msg: dict[str, Any]) -> None:
-        conn_id = int(msg["conn_id"])
+        conn_id, address = int(msg["conn_id"]), bytes(msg["address"])
         nonce_t = peer.nonce_t
         if self._secret:
-            want = handshake_mac(self._secret, b"welcome", nonce_t, peer.nonce, conn_id.to_bytes(8, "big"))
+            want = handshake_mac(self._secret, b"welcome", nonce_t, peer.nonce, conn_id.to_bytes(8, "big") + address)
             if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
                 raise AuthenticationError(f"agent {peer.name!r} does not know the shared secret")
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
+        try:  # the target's current worker (it may have been reset since its metadata was published)
+            ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
+            peer.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
+        except Exception as exc:
+            raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id
         peer.state = "ready"
         queue, peer.queue = peer.queue, []
@@ -860,8 +884,9 @@ class UcxBackend(Backend):
         inbound.name = name
         mac = b""
         if self._secret:
-            mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, inbound.conn_id.to_bytes(8, "big"))
-        inbound.conn.send({"t": "welcome", "conn_id": inbound.conn_id, "mac": mac})
+            body = inbound.conn_id.to_bytes(8, "big") + self._address
+            mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
+        inbound.conn.send({"t": "welcome", "conn_id": inbound.conn_id, "address": self._address, "mac": mac})
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
 
