@@ -12,11 +12,15 @@ memory is never touched. A WRITE completes when the target reports every row
 landed; notifications ride the control connection after the data.
 
 Data endpoints are created from worker addresses with UCX error handling
-off, which lets UCX pick shared memory and cma on one host (several GB/s,
-against ~0.8 GB/s over tcp with error handling on). A dead peer is noticed
-through the control connection instead: the kernel closes a killed
-process's sockets, TCP keepalive covers a vanished host, and every request
-to that peer ends in ERR with RemoteDisconnected.
+off, which lets UCX pick shared memory on one host (GB/s, against ~0.8 GB/s
+over tcp with error handling on). A dead peer is noticed through the
+control connection instead: the kernel closes a killed process's sockets,
+TCP keepalive covers a vanished host, and every request to that peer ends
+in ERR with RemoteDisconnected. Two things keep the survivor alive: cma is
+off by default (UCX aborts a process whose process_vm_readv hits a dead
+peer), and when a peer dies while sending to us the worker is replaced
+(its shared-memory receive queue can stay blocked); the target's welcome
+carries its current worker address, so peers reconnect transparently.
 
 One service thread owns the UCX worker and every socket: it spins on UCX
 progress while requests are in flight and sleeps in epoll otherwise.
