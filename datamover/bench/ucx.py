@@ -1,11 +1,12 @@
 """ucx workload: initiator here, target in a second process, over loopback; raw ucxx tag send/recv beside it.
 
 Both sides move the same bytes between the same two buffers, one message per
-block. Raw ucxx runs on its own workers (endpoints from worker addresses,
-error handling off: the same fast path the backend uses) with the smallest
-protocol that is still correct: the initiator sends an 8-byte "go" per
-iteration, both sides post one tag send/recv per block, and for WRITE the
-target acknowledges once every block has landed, as the backend does.
+block. Raw ucxx runs on its own workers with the backend's UCX settings
+(endpoints from worker addresses, error handling off, same transports) and
+the smallest protocol that is still correct: the initiator says "go" over a
+socket (the backend's requests travel over TCP too), both sides post one tag
+send/recv per block, and for WRITE the target acknowledges over UCX once
+every block has landed, as the backend does.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from ..backends.ucx import transports_in_use
 from ..descriptors import DescList, aligned_empty
 from .workload import Case, Workload, fill_random, timed_transfer
 
-_GO_TAG = 1 << 62
 _ACK_TAG = 1 << 61
 TARGET = "bench-ucx-target"
 
@@ -50,26 +50,14 @@ def _wait(worker, reqs: list) -> None:
         r.check_error()
 
 
-def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int, slots: np.ndarray, stop) -> None:
-    """Target side of raw ucxx: per iteration wait for go, post one recv/send per block, ack a WRITE."""
+def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int, slots: np.ndarray, go) -> None:
+    """Target side of raw ucxx: per iteration wait for go (a socket, as the backend's control is), post one
+    recv/send per block, ack a WRITE over UCX."""
     mv = memoryview(buf)
     views = [Array(mv[s * block : (s + 1) * block]) for s in slots.tolist()]
-    go = np.zeros(1, dtype=np.uint64)
     ack = Array(np.ones(1, dtype=np.uint64))
     it = 0
-    while not stop.is_set():
-        r = worker.tag_recv(Array(go), ucx_api.UCXXTag(_GO_TAG | it))
-        spin_until = time.monotonic() + 0.002
-        while not r.completed:  # spin briefly, then sleep in epoll (1 ms at most): the backend's policy
-            if stop.is_set():
-                return
-            if time.monotonic() < spin_until:
-                worker.progress()
-            else:
-                worker.progress_worker_event(1)
-        r.check_error()
-        if int(go[0]) == 0:
-            return
+    while go.recv_bytes() == b"1":
         base = it << 32
         if op == "WRITE":
             _wait(worker, [worker.tag_recv(v, ucx_api.UCXXTag(base | i)) for i, v in enumerate(views)])
@@ -79,7 +67,7 @@ def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int,
         it += 1
 
 
-def _target_main(conn, nbytes: int, log_path: str, params: dict[str, Any]) -> None:
+def _target_main(conn, go, nbytes: int, log_path: str, params: dict[str, Any]) -> None:
     """The target process: an Agent with registered memory plus a raw ucxx worker, driven over a pipe."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for std in (1, 2):  # UCX logs (and the UCX_PROTO_INFO tables) go here: the header reads them
@@ -91,21 +79,17 @@ def _target_main(conn, nbytes: int, log_path: str, params: dict[str, Any]) -> No
     ucx_api, Array, _ctx, worker = _raw_worker(params)
     conn.send((agent.metadata(), int(buf.ctypes.data), worker.address.tobytes()))
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(conn.recv()), False)
-    server: tuple[threading.Thread, threading.Event] | None = None
+    server: threading.Thread | None = None
     while True:
         cmd, args = conn.recv()
         if cmd == "raw":
-            stop = threading.Event()
-            t = threading.Thread(target=_raw_serve, args=(ucx_api, Array, worker, ep, buf, *args, stop), daemon=True)
+            t = threading.Thread(target=_raw_serve, args=(ucx_api, Array, worker, ep, buf, *args, go), daemon=True)
             t.start()
-            server = (t, stop)
+            server = t
             conn.send(None)
         elif cmd == "raw_end":
             if server is not None:
-                server[0].join(10)
-                if server[0].is_alive():
-                    server[1].set()
-                    server[0].join(10)
+                server.join(10)
                 server = None
             conn.send(None)
         elif cmd == "read":
@@ -132,11 +116,12 @@ class UcxWorkload(Workload):
         self._log = tempfile.NamedTemporaryFile(prefix="datamover-ucx-bench-", suffix=".log", delete=False).name
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._go, go_child = ctx.Pipe()
         env_before = os.environ.get("UCX_PROTO_INFO")
         os.environ["UCX_PROTO_INFO"] = "y"  # inherited by the spawned target only
         try:
             self.process = ctx.Process(
-                target=_target_main, args=(child, max_bytes, self._log, self._params), daemon=True
+                target=_target_main, args=(child, go_child, max_bytes, self._log, self._params), daemon=True
             )
             self.process.start()
         finally:
@@ -188,7 +173,6 @@ class UcxWorkload(Workload):
         views = [self.Array(mv[i * block : (i + 1) * block]) for i in range(batch)]
         self._call("raw", op, block, perm)
         ucx_api, worker, ep = self.ucx_api, self.worker, self.ep
-        go = self.Array(np.ones(1, dtype=np.uint64))
         ack = self.Array(np.zeros(1, dtype=np.uint64))
         Tag = ucx_api.UCXXTag
 
@@ -197,7 +181,8 @@ class UcxWorkload(Workload):
             self._iter += 1
             base = it << 32
             t0 = time.perf_counter()
-            reqs = [ep.tag_send(go, Tag(_GO_TAG | it))]
+            self._go.send_bytes(b"1")
+            reqs = []
             if op == "WRITE":
                 reqs += [ep.tag_send(v, Tag(base | i)) for i, v in enumerate(views)]
                 reqs.append(worker.tag_recv(ack, Tag(_ACK_TAG | it)))
@@ -221,9 +206,7 @@ class UcxWorkload(Workload):
 
         def close() -> None:
             xfer.release()
-            it = self._iter
-            self._iter += 1
-            _wait(worker, [ep.tag_send(self.Array(np.zeros(1, dtype=np.uint64)), Tag(_GO_TAG | it))])
+            self._go.send_bytes(b"0")
             self._call("raw_end")
             self._iter = 0
 
