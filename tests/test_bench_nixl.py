@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -16,10 +17,12 @@ TINY = ["--block-sizes", "4K,64K", "--batch-sizes", "4", "--min-time", "0.01", "
 
 
 @needs_nixl
-def test_tiny_comparison_checks_both_libraries(tmp_path, capsys) -> None:
+def test_tiny_comparison_checks_both_libraries(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "^cma")
     js = tmp_path / "vs.json"
     argv = ["bench", "--vs", "nixl", "--backend", "memcpy,posix", "--check", "--dir", str(tmp_path), *TINY]
-    assert main([*argv, "--json", str(js)]) == 0
+    assert main([*argv, "--ucx-tls", "self,sm,tcp", "--json", str(js)]) == 0
+    assert os.environ["UCX_TLS"] == "^cma"  # pinned for the run only: later UCX contexts see the caller's value
     out = capsys.readouterr().out
     assert "ours/nixl" in out and "UCX_TLS=" in out and "ucx_error_handling_mode=none" in out
     rows = json.loads(js.read_text())["results"]

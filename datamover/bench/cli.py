@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -165,7 +166,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings = NixlSettings(
             ucx_tls=args.ucx_tls, ucx_err_mode=args.nixl_ucx_err_mode, posix_queue=args.nixl_posix_queue
         )
-        settings.apply_env()
     headers: dict[str, dict] = {}
     info = machine_info()
     print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs ({info['cpu_model']}), python {info['python']}")
@@ -178,23 +178,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(line)
     for line in skipped:
         print(f"  skipped {line}")
-    results = run_sweep(
-        backends,
-        ops,
-        blocks,
-        batches,
-        max_bytes=max_bytes,
-        min_time=args.min_time,
-        max_iters=args.max_iters,
-        check=args.check,
-        options=options,
-        progress=not args.quiet,
-        headers=headers,
-        points=points,
-        labels=labels,
-        vs=args.vs,
-        vs_settings=settings,
-    )
+    with settings.pinned_env() if settings is not None else contextlib.nullcontext():
+        results = run_sweep(
+            backends,
+            ops,
+            blocks,
+            batches,
+            max_bytes=max_bytes,
+            min_time=args.min_time,
+            max_iters=args.max_iters,
+            check=args.check,
+            options=options,
+            progress=not args.quiet,
+            headers=headers,
+            points=points,
+            labels=labels,
+            vs=args.vs,
+            vs_settings=settings,
+        )
     for name, head in headers.items():
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
     print(format_table(results))

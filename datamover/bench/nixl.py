@@ -11,12 +11,13 @@ would be taken from whichever library runs next).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -50,9 +51,18 @@ class NixlSettings:
         if self.posix_queue not in POSIX_QUEUES:
             raise ValueError(f"posix_queue must be one of {tuple(POSIX_QUEUES)}, got {self.posix_queue!r}")
 
-    def apply_env(self) -> None:
-        """Pin UCX_TLS for every UCX context created after this call (NIXL's and ucxx's alike)."""
+    @contextlib.contextmanager
+    def pinned_env(self) -> Iterator[None]:
+        """UCX_TLS pinned for every UCX context created inside (NIXL's and ucxx's alike), restored after."""
+        before = os.environ.get("UCX_TLS")
         os.environ["UCX_TLS"] = self.ucx_tls
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop("UCX_TLS", None)
+            else:
+                os.environ["UCX_TLS"] = before
 
     def header(self) -> dict[str, Any]:
         return asdict(self) | {"UCX_TLS (env)": os.environ.get("UCX_TLS", "")}
