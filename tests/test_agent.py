@@ -206,3 +206,26 @@ def test_cli_subcommands_have_working_help():
         )
         assert out.returncode == 0, out.stderr
         assert "usage:" in out.stdout
+
+
+def test_completion_assist_runs_once_in_the_waiter():
+    ran = []
+    c = Completion(1)
+    c.set_assist(lambda: (ran.append(1), c.finish_part()))
+    assert not c.wait(0.01)  # a plain timed wait never runs the backend's work
+    assert ran == []
+    assert c.wait(None, assist=True) and ran == [1]
+    assert c.wait(None, assist=True) and ran == [1]
+
+
+def test_run_parts_parts_run_exactly_once_with_a_waiter_racing_the_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datamover.backends.base import run_parts
+
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(50):
+            seen = []
+            c = run_parts(pool, [(0, 1), (1, 2), (2, 3)], lambda a, b, comp, seen=seen: seen.append(a), backend="t")
+            assert c.wait(5, assist=True)
+            assert sorted(seen) == [0, 1, 2]

@@ -134,7 +134,8 @@ class Transfer:
             )
         remaining = self._deadline - time.perf_counter()
         limit = remaining if timeout is None else min(timeout, remaining)
-        c.wait(max(0.0, limit))
+        # waiting without a timeout may run the backend's remaining work here instead of sleeping on it
+        c.wait(max(0.0, limit), assist=timeout is None)
         state = self.state
         if state == XferState.ERR:
             raise self.error  # type: ignore[misc]

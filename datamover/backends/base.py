@@ -37,7 +37,7 @@ class Completion:
     latch lock (cheap to create: posting stays a few microseconds).
     """
 
-    __slots__ = ("_callbacks", "_latch", "_lock", "_remaining", "cancelled", "error", "finished_at")
+    __slots__ = ("_assist", "_callbacks", "_latch", "_lock", "_remaining", "cancelled", "error", "finished_at")
 
     def __init__(self, parts: int = 1) -> None:
         self._lock = _thread.allocate_lock()
@@ -47,6 +47,7 @@ class Completion:
         self.cancelled = False
         self.finished_at: float | None = None
         self._callbacks: list[Callable[[Completion], None]] | None = None
+        self._assist: Callable[[], None] | None = None
         if parts == 0:
             self.finished_at = time.perf_counter()
         else:
@@ -76,10 +77,26 @@ class Completion:
     def done(self) -> bool:
         return self.finished_at is not None
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until done or ``timeout`` seconds pass; True when done."""
+    def set_assist(self, fn: Callable[[], None]) -> None:
+        """Let the first waiter run ``fn`` (the rest of the work) itself rather than sleep until a pool thread wakes.
+
+        ``fn`` must be safe to call from two threads: the backend's worker and
+        the waiter race for it, and the loser must return at once.
+        """
+        self._assist = fn
+
+    def wait(self, timeout: float | None = None, assist: bool = False) -> bool:
+        """Block until done or ``timeout`` seconds pass; True when done.
+
+        With ``assist``, a waiter first runs the work the backend left for it
+        (see ``set_assist``), which can take longer than ``timeout``.
+        """
         if self.finished_at is not None:
             return True
+        if assist:
+            fn, self._assist = self._assist, None
+            if fn is not None:
+                fn()
         if self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._latch.release()
         return self.finished_at is not None
@@ -277,6 +294,14 @@ def run_parts(
         for start, stop in ranges:
             one(start, stop)
         return completion
-    for start, stop in ranges:
-        executor.submit(one, start, stop)
+    claims = [_thread.allocate_lock() for _ in ranges]
+
+    def claim(i: int) -> None:
+        # a pool thread and a waiting caller race for each part; whoever takes it runs it
+        if claims[i].acquire(blocking=False):
+            one(*ranges[i])
+
+    for i in range(len(ranges)):
+        executor.submit(claim, i)
+    completion.set_assist(lambda: [claim(i) for i in reversed(range(len(ranges)))])
     return completion

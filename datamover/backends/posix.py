@@ -14,6 +14,7 @@ once and shown in ``describe()``.
 
 from __future__ import annotations
 
+import _thread
 import errno as errno_mod
 import logging
 import os
@@ -189,7 +190,7 @@ class PosixBackend(Backend):
         p["ranges"] = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
         p["inline"] = total <= self.params["inline_bytes"]
         p["aio"] = None
-        if n and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
+        if len(starts) > 1 and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
             # in file order, rows that tile a file range become one vectored I/O whatever their memory
             # order; reordering is safe because the Agent refuses overlapping destinations
             order = np.lexsort((off, fds))
@@ -251,11 +252,19 @@ class PosixBackend(Backend):
 
         if p["inline"]:
             reap()
-        else:
-            try:
-                self._pool.submit(reap)
-            except RuntimeError:  # the pool is shut down (backend closing): finish here
+            return completion
+        claim = _thread.allocate_lock()
+
+        def reap_once() -> None:
+            # the pool thread and a caller waiting in Transfer.wait race to reap; a waiter that wins saves a wake-up
+            if claim.acquire(blocking=False):
                 reap()
+
+        completion.set_assist(reap_once)
+        try:
+            self._pool.submit(reap_once)
+        except RuntimeError:  # the pool is shut down (backend closing): finish here
+            reap_once()
         return completion
 
     def _aio_done(self, req, p, res, write: bool, completion: Completion) -> None:
