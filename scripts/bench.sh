@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The main job from a fresh clone: installs what it needs, then runs the throughput benchmark
 # over every backend usable here (local files, a loopback UCX peer, a local S3-compatible server),
-# with a byte check, and writes bench-results/bench.json. Extra arguments go to `datamover bench`.
+# with a byte check, and writes bench-results/bench.json. Extra arguments go to `datamover bench`
+# (e.g. --vs nixl, --backend posix, --model llama-3.1-70b --isl 8192 --tp 8).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
+# NIXL for `--vs nixl` (no deps: its meta packages would pull CUDA builds of torch); optional
+python -m pip install -q --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1" \
+  || echo "bench: NIXL not installable here; --vs nixl will say why"
 mkdir -p bench-results
 datamover info
 datamover bench --check --json bench-results/bench.json "$@"
