@@ -119,7 +119,8 @@ def test_fallback_when_filesystem_refuses_direct(tmp_path, monkeypatch, caplog):
         mem[:] = 7
         agent.register_memory(mem)
         reg = agent.register_file(tmp_path / "x.bin", size=8192)
-        handle = agent.backend("posix").register(reg)
+        agent.backend("posix")  # starting the backend opens the file
+        handle = reg.handles["posix"]
         assert not handle.direct and "refuses O_DIRECT" in handle.note
         agent.transfer("WRITE", DescList.from_buffers(mem), DescList.file(reg, [0], [8192])).wait()
         assert "refuses O_DIRECT" in agent.backend("posix").describe()["files"][str(tmp_path / "x.bin")]

@@ -83,17 +83,9 @@ class PosixWorkload(Workload):
         fill_random(self.mem)
         self.agent.register_memory(self.mem)
         self.file = self.agent.register_file(self.path, size=max_bytes)
-        self.handle = self.file.handles.get("posix") or self.agent.backend("posix").register(self.file)
-        self.file.handles["posix"] = self.handle
-        self.agent.transfer(
-            "WRITE",
-            DescList.blocks(self.mem, 64 << 20),
-            DescList.file(
-                self.file,
-                np.arange(0, max_bytes, 64 << 20),
-                np.minimum(64 << 20, max_bytes - np.arange(0, max_bytes, 64 << 20)),
-            ),
-        ).wait()
+        self.agent.backend("posix")  # starting the backend opens every registered file
+        self.handle = self.file.handles["posix"]
+        self.agent.transfer("WRITE", DescList.blocks(self.mem, 64 << 20), self.file.blocks(64 << 20)).wait()
 
     def header(self):
         return {"file": self.path, "io": self.handle.note, "threads": self.agent.backend("posix").params["threads"]}
