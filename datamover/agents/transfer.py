@@ -13,6 +13,8 @@ from ..telemetry.transfer import TransferTelemetry
 if TYPE_CHECKING:
     from .agent import Agent
 
+_now = time.perf_counter
+
 
 class XferState(str, Enum):
     """States of a transfer; the strings are NIXL's."""
@@ -70,22 +72,26 @@ class Transfer:
         return self.request.op
 
     def post(self) -> Transfer:
-        """Start the transfer; returns self. Posting one still in flight is an error."""
+        """Start the transfer; returns self. Posting one still in flight is an error.
+
+        A request small enough for its backend (``inline_bytes``) runs right
+        here and comes back DONE or ERR, without a thread hop.
+        """
         if self._released:
             raise TransferStateError("transfer was released", backend=self.backend.name)
-        if self._completion is not None and self.state == XferState.PROC:
+        c = self._completion
+        if c is not None and c.finished_at is None and self._state(False) == XferState.PROC:
             raise TransferStateError(
                 "transfer is still in flight; wait for it before posting again", backend=self.backend.name
             )
         self._error = None
         self._posted_wall = time.time()
-        t0 = time.perf_counter()
-        self._posted_at = t0
+        self._posted_at = t0 = _now()
         self._deadline = t0 + self.request.timeout
-        self._completion = self.backend.post(self.request)
+        self._completion = c = self.backend.post(self.request)
         if self.request.notify and self.request.remote_agent is None:
-            self._completion.add_done_callback(self._notify_self)
-        self._post_duration = time.perf_counter() - t0
+            c.add_done_callback(self._notify_self)
+        self._post_duration = _now() - t0
         return self
 
     def _notify_self(self, completion: Completion) -> None:
@@ -94,20 +100,29 @@ class Transfer:
 
     @property
     def state(self) -> XferState:
-        """INIT, PROC, DONE, ERR or RELEASED; a PROC past its deadline turns ERR (TransferTimeout)."""
+        """INIT, PROC, DONE, ERR or RELEASED; a PROC past its deadline turns ERR (TransferTimeout).
+
+        Polling a transfer in PROC runs a part of it that no backend thread has
+        started yet (as ``wait()`` does), so a polling loop does the work
+        instead of spinning while a woken thread waits for the GIL.
+        """
+        return self._state(True)
+
+    def _state(self, assist: bool) -> XferState:
         if self._released:
             return XferState.RELEASED
         c = self._completion
         if c is None:
             return XferState.INIT
-        if c.finished_at is not None:
-            return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
-        if self._error is not None:
-            return XferState.ERR
-        if time.perf_counter() > self._deadline:
-            self._time_out(c)
-            return XferState.ERR
-        return XferState.PROC
+        if c.finished_at is None:
+            if self._error is not None:
+                return XferState.ERR
+            if _now() > self._deadline:
+                self._time_out(c)
+                return XferState.ERR
+            if not assist or not c.assist():
+                return XferState.PROC
+        return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
 
     def _time_out(self, c: Completion) -> None:
         self._error = TransferTimeout(
@@ -119,7 +134,7 @@ class Transfer:
     @property
     def error(self) -> BaseException | None:
         """Why the transfer failed (None unless state is ERR)."""
-        if self.state != XferState.ERR:
+        if self._state(False) != XferState.ERR:
             return None
         if self._error is not None:
             return self._error
@@ -132,11 +147,15 @@ class Transfer:
             raise TransferStateError(
                 "transfer was never posted" if c is None else "transfer was released", backend=self.backend.name
             )
-        remaining = self._deadline - time.perf_counter()
-        limit = remaining if timeout is None else min(timeout, remaining)
-        # waiting without a timeout may run the backend's remaining work here instead of sleeping on it
-        c.wait(max(0.0, limit), assist=timeout is None)
-        state = self.state
+        if c.finished_at is None:
+            limit = self._deadline - _now()
+            if timeout is not None and timeout < limit:
+                limit = timeout
+            # waiting without a timeout may run the backend's remaining work here instead of sleeping on it
+            c.wait(limit if limit > 0.0 else 0.0, assist=timeout is None)
+        elif c.error is None and self._error is None:
+            return XferState.DONE  # the common case after an inline post: nothing to wait for
+        state = self._state(False)
         if state == XferState.ERR:
             raise self.error  # type: ignore[misc]
         return state
@@ -174,5 +193,5 @@ class Transfer:
     def __repr__(self) -> str:
         return (
             f"Transfer({self.op}, {self.descriptors} descriptors, {self.nbytes} bytes, "
-            f"backend={self.backend.name}, state={self.state.value})"
+            f"backend={self.backend.name}, state={self._state(False).value})"
         )

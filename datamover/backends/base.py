@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from ..agents.registration import Registration
 
 
+#: the locks of every completion run inline (``run_inline``): it is finished before anyone can wait on it, so its
+#: latch is never taken, and its state lock is only held for an instant by ``cancel``/``add_done_callback``
+_INLINE_LOCK = _thread.allocate_lock()
+
+
 class Completion:
     """One posted request's outcome, finished once from whichever thread ends last.
 
@@ -84,6 +89,13 @@ class Completion:
         the waiter race for it, and the loser must return at once.
         """
         self._assist = fn
+
+    def assist(self) -> bool:
+        """Run the work the backend left for a waiter (``set_assist``), if no one took it yet; True if done after."""
+        fn, self._assist = self._assist, None
+        if fn is not None:
+            fn()
+        return self.finished_at is not None
 
     def wait(self, timeout: float | None = None, assist: bool = False) -> bool:
         """Block until done or ``timeout`` seconds pass; True when done.
@@ -244,6 +256,14 @@ class Backend(ABC):
         """Release threads, connections and handles."""
 
 
+def size_text(n: int) -> str:
+    """4096 -> '4 KiB', 1048576 -> '1 MiB': thresholds as ``datamover info`` shows them."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
 def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:
     """Cut rows into at most ``parts`` contiguous ranges of roughly equal bytes.
 
@@ -264,6 +284,34 @@ def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tupl
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *args: Any, backend: str) -> Completion:
+    """Run ``work(*args, start, stop, completion)`` for each range here, in order; returns the finished completion.
+
+    For requests too small to be worth a thread hop: no pool, no latch, no
+    wake-up, so ``Transfer.post`` returns DONE (or ERR). The first error stops
+    the remaining ranges; anything not a DatamoverError is wrapped, as in
+    ``run_parts``.
+    """
+    c = _new_completion(Completion)
+    c._lock = c._latch = _INLINE_LOCK
+    c._remaining = 0
+    c.error = c.finished_at = c._callbacks = c._assist = None
+    c.cancelled = False
+    try:
+        for start, stop in ranges:
+            work(*args, start, stop, c)
+    except DatamoverError as exc:
+        c.error = exc
+    except BaseException as exc:
+        c.error = DatamoverError(f"{type(exc).__name__}: {exc}", backend=backend)
+        c.error.__cause__ = exc
+    c.finished_at = time.perf_counter()
+    return c
+
+
+_new_completion = object.__new__
+
+
 def run_parts(
     executor: Executor | None,
     ranges: Sequence[tuple[int, int]],
@@ -271,11 +319,13 @@ def run_parts(
     *,
     backend: str,
 ) -> Completion:
-    """Run ``work(start, stop, completion)`` for each range; inline when there is one and no executor.
+    """Run ``work(start, stop, completion)`` for each range on ``executor``; inline (``run_inline``) when it is None.
 
     Errors raised by ``work`` finish its part with that error; anything not a
     DatamoverError is wrapped so the caller always sees a typed error.
     """
+    if executor is None:
+        return run_inline(ranges, work, backend=backend)
     completion = Completion(len(ranges))
 
     def one(start: int, stop: int) -> None:
@@ -290,10 +340,6 @@ def run_parts(
             err.__cause__ = exc
         completion.finish_part(err)
 
-    if executor is None:
-        for start, stop in ranges:
-            one(start, stop)
-        return completion
     claims = [_thread.allocate_lock() for _ in ranges]
 
     def claim(i: int) -> None:

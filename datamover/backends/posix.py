@@ -29,7 +29,7 @@ import numpy as np
 from ..descriptors import MemType, aligned_empty
 from ..errors import DatamoverError, TransferIOError
 from .aio import AioContext, IocbBatch, aio_available
-from .base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
+from .base import Backend, Completion, TransferRequest, run_inline, run_parts, size_text, split_by_bytes
 
 log = logging.getLogger("datamover.posix")
 
@@ -86,7 +86,12 @@ class PosixBackend(Backend):
         "mem_alignment": 512,  # O_DIRECT granularity for buffer addresses
         "bounce_bytes": 8 << 20,  # per thread; threads x bounce stays within the 64 MiB budget
         "fsync": False,  # fdatasync every written file before a WRITE completes
-        "inline_bytes": 256 << 10,  # smaller requests run inside post()
+        # post() runs a request itself, on the caller's thread, when it is one syscall (one file-contiguous run or
+        # one unaligned row) or one AIO batch of at most inline_bytes, or several synchronous syscalls (buffered
+        # files, unaligned rows, no AIO) of at most inline_batch_bytes: post() then blocks about as long as the
+        # device takes to move that much, and saves the two thread wake-ups a pool hop costs
+        "inline_bytes": 1 << 20,
+        "inline_batch_bytes": 256 << 10,
         "min_part_bytes": 1 << 20,
         "aio": True,  # O_DIRECT batches go through Linux native AIO (many I/Os per syscall) where it works
         "aio_depth": 256,  # I/Os in flight per AIO context
@@ -114,6 +119,12 @@ class PosixBackend(Backend):
         for directory in dict.fromkeys([os.getcwd(), tempfile.gettempdir()]):
             _, why = probe_direct(directory)
             here[f"O_DIRECT in {directory}"] = why
+        d = cls.default_params
+        here["inline"] = (
+            f"post() runs one syscall or one AIO batch of <= {size_text(d['inline_bytes'])} (param inline_bytes), "
+            f"or several synchronous syscalls of <= {size_text(d['inline_batch_bytes'])} (inline_batch_bytes), "
+            "on the caller's thread; larger requests go to the pool"
+        )
         return here
 
     # -- registration ------------------------------------------------------
@@ -186,9 +197,11 @@ class PosixBackend(Backend):
         p["handles"] = {h.fd: h for h in handles}
         total = int(ln.sum()) if n else 0
         group_bytes = np.add.reduceat(ln, starts) if n else np.zeros(0, dtype=np.int64)
-        threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
+        p["inline"] = total <= self.params["inline_batch_bytes"] or (
+            total <= self.params["inline_bytes"] and len(starts) <= 1
+        )
+        threads = 1 if p["inline"] else int(self.params["threads"])
         p["ranges"] = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
-        p["inline"] = total <= self.params["inline_bytes"]
         p["aio"] = None
         if len(starts) > 1 and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
             # in file order, rows that tile a file range become one vectored I/O whatever their memory
@@ -204,6 +217,7 @@ class PosixBackend(Backend):
                 runs = np.unique(np.concatenate([runs, *extra]))
             p["aio"] = IocbBatch(sf, so, addr[order], sl, req.op == "WRITE", runs)
             p["ranges"] = [(0, len(p["aio"]))]
+            p["inline"] = total <= self.params["inline_bytes"]  # one io_submit: the I/Os overlap in the device
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
@@ -211,11 +225,14 @@ class PosixBackend(Backend):
 
         if p["aio"] is not None:
             return self._post_aio(req, p, write)
+        if p["inline"]:
+            # no thread hop: post() returns DONE or ERR
+            return run_inline(p["ranges"], self._run_groups, req, p, write, backend=self.name)
 
         def work(a: int, b: int, completion: Completion) -> None:
-            self._run_groups(req, p, a, b, write, completion)
+            self._run_groups(req, p, write, a, b, completion)
 
-        return run_parts(None if p["inline"] else self._pool, p["ranges"], work, backend=self.name)
+        return run_parts(self._pool, p["ranges"], work, backend=self.name)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:
@@ -270,7 +287,7 @@ class PosixBackend(Backend):
     def _aio_done(self, req, p, res, write: bool, completion: Completion) -> None:
         """If any I/O came back short or failed, the transfer is redone synchronously; then fsync if asked."""
         if (res != p["aio"].expect).any():
-            self._run_groups(req, p, 0, len(p["groups"]), write, completion)
+            self._run_groups(req, p, write, 0, len(p["groups"]), completion)
         if write and self.params["fsync"]:
             for h in p["handles"].values():
                 try:
@@ -279,7 +296,7 @@ class PosixBackend(Backend):
                     raise self._error(req, 0, h, exc, write) from exc
 
     # -- execution -----------------------------------------------------------
-    def _run_groups(self, req, p, first: int, last: int, write: bool, completion: Completion) -> None:
+    def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
         fds, offs, views, groups = p["fds"], p["offs"], p["views"], p["groups"]
         touched = set()
         for g in range(first, last):
