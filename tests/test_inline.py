@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, aligned_empty
+from datamover.agents import transfer as transfer_mod
 from datamover.agents.transfer import XferState
 from datamover.backends.base import run_inline
 from datamover.errors import DatamoverError, TransferIOError, TransferStateError
@@ -219,7 +220,7 @@ def test_posix_inline_error_is_typed_and_post_does_not_raise(file_agent):
 
 
 # -- polling assists -----------------------------------------------------------
-def test_state_poll_runs_parts_no_pool_thread_started(mem_agent):
+def test_state_poll_runs_parts_no_pool_thread_started(mem_agent, monkeypatch):
     agent, src, dst = mem_agent
     backend = agent.backend("memcpy")
     gate, started = threading.Event(), threading.Barrier(3)
@@ -233,8 +234,12 @@ def test_state_poll_runs_parts_no_pool_thread_started(mem_agent):
     try:
         x = agent.make_transfer("WRITE", agent.prepare(src), None, agent.prepare(dst), None).post()
         assert repr(x).endswith("state=PROC)")  # repr only looks
+        monkeypatch.setattr(transfer_mod, "POLL_ASSIST_AFTER_S", 1e9)
+        assert all(x.state == XferState.PROC for _ in range(100))  # a poll soon after post only looks
         assert not dst.any()
-        assert x.state == XferState.DONE  # the poll ran the queued parts itself
+        # with both pool threads held, only a poll running the queued parts itself can finish the transfer
+        monkeypatch.setattr(transfer_mod, "POLL_ASSIST_AFTER_S", 0.0)
+        assert x.state == XferState.DONE
         assert np.array_equal(dst, src)
     finally:
         gate.set()

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 
 _now = time.perf_counter
 
+#: a poll of ``state`` runs work no backend thread has started this long after ``post``: long enough that a
+#: state check right after posting (NIXL's ``transfer()`` returns one) never blocks, short enough that a
+#: polling loop, which holds the GIL a pool thread needs, takes the work over instead of spinning on it
+POLL_ASSIST_AFTER_S = 200e-6
+
 
 class XferState(str, Enum):
     """States of a transfer; the strings are NIXL's."""
@@ -102,9 +107,10 @@ class Transfer:
     def state(self) -> XferState:
         """INIT, PROC, DONE, ERR or RELEASED; a PROC past its deadline turns ERR (TransferTimeout).
 
-        Polling a transfer in PROC runs a part of it that no backend thread has
-        started yet (as ``wait()`` does), so a polling loop does the work
-        instead of spinning while a woken thread waits for the GIL.
+        Polling a transfer still in PROC ``POLL_ASSIST_AFTER_S`` after its post
+        runs a part of it that no backend thread has started yet (as ``wait()``
+        does), so a polling loop does the work instead of spinning while a
+        woken thread waits for the GIL; that poll returns once the part is done.
         """
         return self._state(True)
 
@@ -117,10 +123,11 @@ class Transfer:
         if c.finished_at is None:
             if self._error is not None:
                 return XferState.ERR
-            if _now() > self._deadline:
+            now = _now()
+            if now > self._deadline:
                 self._time_out(c)
                 return XferState.ERR
-            if not assist or not c.assist():
+            if not assist or now - self._posted_at < POLL_ASSIST_AFTER_S or not c.assist():
                 return XferState.PROC
         return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
 
