@@ -1,9 +1,12 @@
 """memcpy: DRAM <-> DRAM within one agent, on threads that release the GIL.
 
-Two paths, picked per request: many equal small blocks between two regions
-go through one numpy gather/scatter (about 0.6 us a block); everything else
-is a ``ctypes.memmove`` per coalesced run (about 1.7 us of call overhead, and
-GIL-free while copying). Large requests are split by bytes across threads.
+Three paths, picked per request: many equal small blocks between two regions
+go through one numpy gather/scatter (about 0.6 us a block); a single
+coalesced run is one numpy copy between views of the two regions; everything
+else is a ``ctypes.memmove`` per coalesced run (about 1.7 us of call
+overhead). All copy with the GIL released. A one-part request of at most
+``inline_bytes`` is copied inside ``post()``, on the caller's thread; larger
+requests are split by bytes across threads.
 """
 
 from __future__ import annotations
