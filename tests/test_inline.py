@@ -308,3 +308,11 @@ def test_posix_inline_syscall_error_is_typed_with_its_errno(file_agent, monkeypa
     monkeypatch.undo()
     assert x.post().state == XferState.DONE
     assert read_file(path, 0, MiB) == mem[:MiB].tobytes()
+
+
+def test_memcpy_single_run_overlapping_its_source_copies_like_memmove(mem_agent):
+    agent, src, _ = mem_agent
+    before = src[:8192].copy()
+    x = agent.transfer("WRITE", src[:8192], src[4096 : 4096 + 8192])  # destination overlaps the source
+    assert x.request.plan["mode"] == "row" and x.state == XferState.DONE
+    assert np.array_equal(src[4096 : 4096 + 8192], before)
