@@ -1,0 +1,193 @@
+"""UCP one-sided put/get through ctypes, on the context, worker and endpoint handles ucxx already owns.
+
+ucxx's Python layer exposes tag, stream and active-message operations but not
+RMA. The libucp it loads exports ``ucp_mem_map``, ``ucp_rkey_pack``,
+``ucp_ep_rkey_unpack``, ``ucp_put_nbx``/``ucp_get_nbx`` and
+``ucp_ep_flush_nbx``; this module binds exactly those (the same library
+object ucxx uses, so the handles are valid here) and nothing else.
+Requests are polled with ``ucp_request_check_status``: no callbacks into
+Python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Any
+
+from ..errors import DatamoverError
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+_ERR_LAST = -100
+_MEMORY_TYPE = {"host": 0, "cuda": 1}
+_FIELD_ADDRESS, _FIELD_LENGTH, _FIELD_MEMORY_TYPE = 1 << 0, 1 << 1, 1 << 4
+
+
+class _MemMapParams(ctypes.Structure):
+    # ucp_mem_map_params_t up to memory_type; the tail is padding for fields this code never sets
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("_tail", ctypes.c_uint8 * 64),
+    ]
+
+
+class UcpError(DatamoverError):
+    """A UCP call returned an error status (``status``, a negative ucs_status_t)."""
+
+    def __init__(self, reason: str, *, status: int = 0, index: int | None = None, backend: str | None = "ucx"):
+        self.status = status
+        super().__init__(reason, index=index, backend=backend)
+
+
+def _loaded(stem: str) -> str:
+    """The path this process already mapped ``stem`` (e.g. 'libucp') from.
+
+    Opening the same file under another name (libucp.so.0 against ucxx's
+    libucp.so) gives a second, separate UCX in one process: its handles then
+    point into a library whose global state (async thread, event sets) was
+    never set up, and transfers hang or the process crashes at exit.
+    """
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.rsplit(None, 1)[-1]
+            if os.path.basename(path).startswith(stem + ".so"):
+                return path
+    raise UcpError(f"{stem} is not loaded; import ucxx first")
+
+
+@functools.lru_cache(maxsize=1)
+def ucp() -> Any:
+    """The libucp that ucxx loaded (the very same library object), with argument and result types declared."""
+    from ucxx._lib import libucxx  # noqa: F401  (loads libucp)
+
+    lib = ctypes.CDLL(_loaded("libucp"))
+    ucs = ctypes.CDLL(_loaded("libucs"))
+    vp, sz, u64, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+    sig = {
+        "ucp_mem_map": ([vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)], st),
+        "ucp_mem_unmap": ([vp, vp], st),
+        "ucp_rkey_pack": ([vp, vp, ctypes.POINTER(vp), ctypes.POINTER(sz)], st),
+        "ucp_rkey_buffer_release": ([vp], None),
+        "ucp_ep_rkey_unpack": ([vp, ctypes.c_char_p, ctypes.POINTER(vp)], st),
+        "ucp_rkey_destroy": ([vp], None),
+        "ucp_put_nbx": ([vp, vp, sz, u64, vp, vp], ctypes.c_ssize_t),
+        "ucp_get_nbx": ([vp, vp, sz, u64, vp, vp], ctypes.c_ssize_t),
+        "ucp_ep_flush_nbx": ([vp, vp], ctypes.c_ssize_t),
+        "ucp_request_check_status": ([vp], st),
+        "ucp_request_free": ([vp], None),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    ucs.ucs_status_string.argtypes, ucs.ucs_status_string.restype = [st], ctypes.c_char_p
+    lib.status_string = ucs.ucs_status_string
+    return lib
+
+
+# an all-zero ucp_request_param_t: no callback, host or auto-detected memory, the request is ours to free
+_NO_PARAM = ctypes.create_string_buffer(128)
+NO_PARAM = ctypes.addressof(_NO_PARAM)
+
+
+def status_text(status: int) -> str:
+    return ucp().status_string(status).decode(errors="replace")
+
+
+def _check(status: int, what: str) -> None:
+    if status != UCS_OK:
+        raise UcpError(f"{what} failed: {status_text(status)}", status=status)
+
+
+def mem_map(context: int, addr: int, length: int, cuda: bool = False) -> int:
+    """Register ``[addr, addr+length)`` with UCP for remote access; returns the memory handle."""
+    params = _MemMapParams(
+        field_mask=_FIELD_ADDRESS | _FIELD_LENGTH | _FIELD_MEMORY_TYPE,
+        address=addr,
+        length=length,
+        memory_type=_MEMORY_TYPE["cuda" if cuda else "host"],
+    )
+    memh = ctypes.c_void_p()
+    _check(ucp().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+    return memh.value
+
+
+def mem_unmap(context: int, memh: int) -> None:
+    _check(ucp().ucp_mem_unmap(context, memh), "ucp_mem_unmap")
+
+
+def rkey_pack(context: int, memh: int) -> bytes:
+    """The packed remote key a peer unpacks to reach the mapped memory."""
+    lib = ucp()
+    buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+    _check(lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size)), "ucp_rkey_pack")
+    try:
+        return ctypes.string_at(buf, size.value)
+    finally:
+        lib.ucp_rkey_buffer_release(buf)
+
+
+def rkey_unpack(ep: int, packed: bytes) -> int:
+    """A peer's packed key, usable for put/get on ``ep`` until ``rkey_destroy``."""
+    rkey = ctypes.c_void_p()
+    _check(ucp().ucp_ep_rkey_unpack(ep, packed, ctypes.byref(rkey)), "ucp_ep_rkey_unpack")
+    return rkey.value
+
+
+def rkey_destroy(rkey: int) -> None:
+    ucp().ucp_rkey_destroy(rkey)
+
+
+def is_error(ptr: int) -> bool:
+    """Whether a ``ucs_status_ptr_t`` (as a signed int) carries an error status."""
+    return _ERR_LAST <= ptr < 0
+
+
+class Flush:
+    """Remote completion of every put/get posted on one endpoint before it: one request, polled."""
+
+    __slots__ = ("req", "status")
+
+    def __init__(self, ep: int) -> None:
+        ptr = ucp().ucp_ep_flush_nbx(ep, NO_PARAM)
+        self.req = ptr if ptr > 0 else 0
+        self.status = UCS_INPROGRESS if ptr > 0 else ptr
+
+    def poll(self) -> int:
+        """UCS_INPROGRESS until the flush ends, then its status (UCS_OK or an error)."""
+        if self.req:
+            lib = ucp()
+            status = lib.ucp_request_check_status(self.req)
+            if status == UCS_INPROGRESS:
+                return status
+            lib.ucp_request_free(self.req)
+            self.req, self.status = 0, status
+        return self.status
+
+    def abandon(self) -> None:
+        """Stop tracking: UCP frees the request when it ends."""
+        if self.req:
+            ucp().ucp_request_free(self.req)
+            self.req = 0
+
+
+def post_rows(get: bool, ep: int, rows: list[tuple[int, int, int, int]]) -> int:
+    """Post one put (or get) per (local addr, length, remote addr, rkey) row; returns UCS_OK or the first error.
+
+    The requests are freed at once: the flush that follows reports their completion.
+    """
+    lib = ucp()
+    fn, free, param = (lib.ucp_get_nbx if get else lib.ucp_put_nbx), lib.ucp_request_free, NO_PARAM
+    for laddr, n, raddr, rkey in rows:
+        ptr = fn(ep, laddr, n, raddr, rkey, param)
+        if ptr > 0:
+            free(ptr)
+        elif ptr < 0:
+            return ptr
+    return UCS_OK
