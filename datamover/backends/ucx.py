@@ -1,26 +1,36 @@
-"""ucx: one-sided WRITE/READ into a remote agent's registered DRAM/VRAM, over ucxx tag send/recv.
+"""ucx: one-sided WRITE/READ into a remote agent's registered DRAM/VRAM.
 
-ucxx's Python layer has no RMA put/get, so the target serves requests: the
-initiator sends the remote descriptors over a TCP control connection and, in
-the same breath, posts one tag send (WRITE) or receive (READ) per row from
-or into its own registered buffer, each row with its own tag. The target
-checks every descriptor against its own registrations (bounds, memory type)
-before posting the matching receives (into the registered buffer itself) or
-sends; a request that fails the check is refused, naming the descriptor, and
-the data of a refused WRITE is drained into scratch memory, so registered
-memory is never touched. A WRITE completes when the target reports every row
-landed; notifications ride the control connection after the data.
+Two data paths, one protocol around them:
 
-Data endpoints are created from worker addresses with UCX error handling
-off, which lets UCX pick shared memory on one host (GB/s, against ~0.8 GB/s
-over tcp with error handling on). A dead peer is noticed through the
-control connection instead: the kernel closes a killed process's sockets,
-TCP keepalive covers a vanished host, and every request to that peer ends
-in ERR with RemoteDisconnected. Two things keep the survivor alive: cma is
-off by default (UCX aborts a process whose process_vm_readv hits a dead
-peer), and when a peer dies while sending to us the worker is replaced
-(its shared-memory receive queue can stay blocked); the target's welcome
-carries its current worker address, so peers reconnect transparently.
+- **One-sided** (default, ``one_sided``): a target maps each registered
+  region with ``ucp_mem_map`` and hands peers its packed rkey, with the
+  region's bounds, over the authenticated control connection (in the
+  welcome, then as regions come and go). The initiator checks every row
+  against those bounds and posts one ``ucp_put_nbx``/``ucp_get_nbx`` per
+  row and one endpoint flush; the target's CPU stays out of the data path,
+  as with NIXL. ucxx's Python layer has no RMA, so ``ucx_rma`` binds these
+  calls through ctypes on ucxx's own handles. Deregistration revokes the
+  rkey and waits until every connected peer confirms its operations on the
+  region ended.
+- **Served by the owner** (rows the target did not offer, e.g. a stale or
+  forged blob, or ``one_sided: False``): the initiator sends the remote
+  descriptors over TCP and posts one tag send (WRITE) or receive (READ) per
+  row; the target checks every descriptor against its own registrations
+  before posting the matching receives or sends on the registered buffer
+  itself. A refused request names the descriptor, and the data of a refused
+  WRITE is drained into scratch memory.
+
+Notifications ride the control connection after the data (after the flush,
+one-sided). Data endpoints come from worker addresses with UCX error
+handling off, which lets UCX pick shared memory on one host. A dead peer is
+noticed through the control connection: the kernel closes a killed
+process's sockets, TCP keepalive covers a vanished host, and every request
+to that peer ends in ERR with RemoteDisconnected. Two things keep the
+survivor alive: cma is off by default (UCX aborts a process whose
+process_vm_readv/writev hits a dead peer), and when a peer dies while
+sending to us the worker is replaced (its shared-memory receive queue can
+stay blocked); the target's welcome carries its current worker address, so
+peers reconnect transparently.
 
 One service thread owns the UCX worker and every socket: it spins on UCX
 progress while requests are in flight and sleeps in epoll otherwise.
@@ -293,6 +303,8 @@ class UcxBackend(Backend):
         self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
         self._revokes: list[tuple[_Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
         self._epochs = itertools.count(1)
+        # requests this agent started one-sided / through the owner, and requests it served as the owner
+        self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -339,6 +351,7 @@ class UcxBackend(Backend):
             "data path": "one-sided put/get" if self._one_sided else "tag send/recv served by the owner",
             "control": f"{self.params['host']}:{self._port}",
             "worker resets": self.resets,
+            "requests": dict(self.counts),
         }
 
     # -- metadata and peers ---------------------------------------------------
@@ -773,6 +786,7 @@ class UcxBackend(Backend):
         if rows is not None:
             self._launch_one_sided(peer, op, rows)
             return
+        self.counts["served by the owner"] += 1
         n = len(op.req.local)
         if op.req.op == "WRITE":
             if (self._tag_ctr & _MASK40) + n > _MASK40:
@@ -905,6 +919,7 @@ class UcxBackend(Backend):
         if status != rma.UCS_OK:
             self._end(op, _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name))
             return
+        self.counts["one-sided"] += 1
         op.one_sided = True
         op.done_msg = True
         op.reqs = _FlushRequest(rma.Flush(ep))
@@ -1096,6 +1111,7 @@ class UcxBackend(Backend):
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
 
     def _serve(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
+        self.counts["served for peers"] += 1
         op_id, op = int(msg["id"]), msg["op"]
         tag0 = int(msg["tag"])
         # a prepared transfer posted again sends the same descriptors: reuse their check while the
@@ -1263,19 +1279,24 @@ def transports_of(info: str) -> list[str]:
 _ROW = re.compile(r"\|\s*([0-9KMGinf.]+)\s*\|\s*(?:\(\?\)\s*)?([^|]+?)\s*\|\s*([\w/]+)\s*\|")
 
 
+_TABLES = {
+    "tagged message by ucp_tag_send* from host memory": "tag",
+    "remote memory write by ucp_put* from host memory": "put",
+    "remote memory read by ucp_get* into host memory": "get",
+}
+
+
 def transports_in_use(log: str) -> list[str]:
-    """'<sizes>: <protocol> over <transport>' rows of the tag-send table in UCX_PROTO_INFO output."""
+    """'<op> <sizes>: <protocol> over <transport>' rows of the tag, put and get tables in UCX_PROTO_INFO output."""
     out: list[str] = []
-    in_tag = False
+    table = None
     for line in log.splitlines():
-        if "tagged message by ucp_tag_send* from host memory" in line:
-            in_tag = True
+        if "ucp_context" in line:
+            table = next((name for title, name in _TABLES.items() if title in line), None)
             continue
-        if in_tag and "ucp_context" in line:
-            in_tag = False
-        m = _ROW.search(line) if in_tag else None
+        m = _ROW.search(line) if table else None
         if m:
-            row = f"{m.group(1)}: {m.group(2)} over {m.group(3)}"
+            row = f"{table} {m.group(1)}: {m.group(2)} over {m.group(3)}"
             if row not in out:
                 out.append(row)
     return out
@@ -1283,15 +1304,27 @@ def transports_in_use(log: str) -> list[str]:
 
 _PROBE = """
 import numpy as np
-from datamover.backends.ucx import _import_ucxx
+from datamover.backends import ucx_rma as rma
+from datamover.backends.ucx import _features, _import_ucxx, ucx_config
 u, Array = _import_ucxx()
-ws = [u.UCXWorker(u.UCXContext({}, feature_flags=(u.Feature.TAG, u.Feature.WAKEUP, u.Feature.RMA))) for _ in range(2)]
+ctxs = [u.UCXContext(ucx_config({}, False), feature_flags=_features(u)) for _ in range(2)]
+ws = [u.UCXWorker(c) for c in ctxs]
 ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)
+def wait(done):
+    while not done():
+        ws[0].progress(); ws[1].progress()
 for n in (64, 1 << 20):
     a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
     rs = [ep.tag_send(Array(a), u.UCXXTag(n)), ws[1].tag_recv(Array(b), u.UCXXTag(n))]
-    while not all(r.completed for r in rs):
-        ws[0].progress(); ws[1].progress()
+    wait(lambda: all(r.completed for r in rs))
+    memh = rma.mem_map(ctxs[1].handle, b.ctypes.data, n)
+    rkey = rma.rkey_unpack(ep.handle, rma.rkey_pack(ctxs[1].handle, memh))
+    for get in (False, True):
+        rma.post_rows(get, ep.handle, [(a.ctypes.data, n, b.ctypes.data, rkey)])
+        flush = rma.Flush(ep.handle)
+        wait(lambda: flush.poll() != rma.UCS_INPROGRESS)
+    rma.rkey_destroy(rkey)
+    rma.mem_unmap(ctxs[1].handle, memh)
 """
 
 
@@ -1299,7 +1332,6 @@ for n in (64, 1 << 20):
 def probe_transports(timeout: float = 30.0) -> list[str]:
     """Which transports UCX picks for tag messages between two workers on this host (a subprocess probe)."""
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    env.setdefault("UCX_TLS", ucx_config({}, False).get("TLS", "all"))
     try:
         res = subprocess.run(
             [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout, check=False

@@ -75,6 +75,7 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
         "transfer_state": transfer_state,
         "ping": lambda: os.getpid(),
         "attr": lambda name: getattr(agent, name),
+        "describe": lambda backend: agent.backend(backend).describe(),
         "notified_then_read": notified_then_read,
         "alloc": alloc,
         "free": free,

@@ -1,4 +1,4 @@
-"""ucx passes the conformance kit with the two agents in separate processes.
+"""ucx passes the conformance kit with the two agents in separate processes, one-sided and owner-served.
 
 The initiator runs here; the target Agent runs in a spawned process
 (``RemotePeer``), and the test reads and writes the target's memory through
@@ -16,15 +16,20 @@ ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
 
 
+@pytest.fixture(scope="module", params=[True, False], ids=["one-sided", "served"])
+def one_sided(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def remote():
-    with RemotePeer("ucx-target", {"backends": {"ucx": {}}}) as peer:
+def remote(one_sided):
+    with RemotePeer("ucx-target", {"backends": {"ucx": {"one_sided": one_sided}}}) as peer:
         yield peer
 
 
 @pytest.fixture(scope="module")
-def initiator(remote):
-    with Agent("ucx-initiator", {"backends": {"ucx": {}}}) as agent:
+def initiator(remote, one_sided):
+    with Agent("ucx-initiator", {"backends": {"ucx": {"one_sided": one_sided}}}) as agent:
         agent.add_remote(remote.metadata())
         yield agent
 

@@ -1,0 +1,160 @@
+"""The ucx backend's one-sided path: put/get with the target idle, rkey bounds, revocation, hostile offers."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover import Agent, XferState
+from datamover.agents.metadata import encode_metadata
+from datamover.backends import backend_status
+from datamover.errors import InvalidMetadata, NotRegistered, RemoteRefused
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+UCX = {"backends": {"ucx": {}}}
+
+
+@pytest.fixture(scope="module")
+def target():
+    with RemotePeer("owner", UCX) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def agent(target):
+    with Agent("initiator", UCX) as agent:
+        agent.add_remote(target.metadata())
+        yield agent
+
+
+def counts(agent_or_peer) -> dict:
+    if isinstance(agent_or_peer, RemotePeer):
+        return agent_or_peer.call("describe", "ucx")["requests"]
+    return agent_or_peer.backend("ucx").describe()["requests"]
+
+
+def test_put_and_get_leave_the_owner_idle(agent, target):
+    """WRITE and READ (many rows, two registrations) go one-sided: the owner serves no request."""
+    n, bs = 64, 4096
+    local = HostBuffer(agent, 2 * n * bs)
+    bufs = [RemoteBuffer(target, n * bs // 2) for _ in range(2)]
+    agent.add_remote(target.metadata())
+    try:
+        before, owner_before = counts(agent), counts(target)
+        data = random_bytes(n * bs, 5)
+        local.write(0, data)
+        half = n // 2
+        perm = np.random.default_rng(1).permutation(half)
+        for op in ("WRITE", "READ"):
+            offs = perm * bs if op == "WRITE" else perm * bs + n * bs
+            for k, buf in enumerate(bufs):
+                loc = local.descs(offs + k * half * bs, bs)
+                xfer = agent.transfer(op, loc, buf.descs(np.arange(half) * bs, bs), "owner")
+                assert xfer.wait() == XferState.DONE
+        for k, buf in enumerate(bufs):
+            got = np.frombuffer(buf.read(0, half * bs), np.uint8).reshape(half, bs)
+            want = np.frombuffer(data, np.uint8).reshape(n, bs)[k * half : (k + 1) * half][perm]
+            assert np.array_equal(got, want)
+        assert local.read(n * bs, n * bs) == data, "READ brought back other bytes than were written"
+        after, owner_after = counts(agent), counts(target)
+        assert after["one-sided"] - before["one-sided"] == 4
+        assert after["served by the owner"] == before["served by the owner"]
+        assert owner_after["served for peers"] == owner_before["served for peers"]
+    finally:
+        agent.deregister_memory(local.registration)
+        for buf in bufs:
+            buf.free()
+        agent.add_remote(target.metadata())
+
+
+def test_rows_beyond_what_the_owner_mapped_go_to_the_owner_and_are_refused(agent, target):
+    """Metadata claiming a larger region than the owner mapped: the rkey bounds send it the served way."""
+    local = HostBuffer(agent, 3 * 4096)
+    buf = RemoteBuffer(target, 2 * 4096)
+    agent.add_remote(target.metadata())
+    real = agent.remote_metadata("owner")
+    try:
+        before = buf.read(0, 2 * 4096)
+        regions = [(m, d, s, (n + 4096 if s == buf.addr else n), r) for m, d, s, n, r in real.regions]
+        agent.add_remote(encode_metadata("owner", real.backends, regions))
+        local.write(0, random_bytes(3 * 4096, 9))
+        served = counts(target)["served for peers"]
+        xfer = agent.transfer("WRITE", local.descs([0], [3 * 4096]), buf.descs([0], [3 * 4096]), agent="owner")
+        with pytest.raises(RemoteRefused, match="outside every region"):
+            xfer.wait()
+        assert counts(target)["served for peers"] == served + 1
+        assert buf.read(0, 2 * 4096) == before
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.add_remote(target.metadata())
+
+
+def test_deregistration_revokes_the_rkey(agent, target):
+    """Once the owner deregisters, a peer with stale metadata can no longer reach the region one-sided."""
+    local = HostBuffer(agent, 8192)
+    buf = RemoteBuffer(target, 8192)
+    agent.add_remote(target.metadata())
+    try:
+        local.write(0, random_bytes(8192, 3))
+        assert agent.transfer("WRITE", local.descs([0], [8192]), buf.descs([0], [8192]), "owner").wait() == "DONE"
+        stale = buf.descs([0], [8192])
+        buf.free()  # returns only after the initiator confirmed it dropped the rkey
+        one_sided = counts(agent)["one-sided"]
+        with pytest.raises((RemoteRefused, NotRegistered)):
+            agent.transfer("WRITE", local.descs([0], [8192]), stale, "owner").wait()
+        assert counts(agent)["one-sided"] == one_sided, "a revoked region was still written one-sided"
+    finally:
+        agent.deregister_memory(local.registration)
+        agent.add_remote(target.metadata())
+
+
+def test_served_mode_on_either_side_keeps_the_owner_in_the_path(target):
+    """one_sided=False on the initiator: every request is served (and checked) by the owner."""
+    with Agent("served-initiator", {"backends": {"ucx": {"one_sided": False}}}) as agent:
+        buf = RemoteBuffer(target, 4096)
+        agent.add_remote(target.metadata())
+        local = HostBuffer(agent, 4096)
+        try:
+            served = counts(target)["served for peers"]
+            local.write(0, random_bytes(4096, 4))
+            assert agent.transfer("WRITE", local.descs([0], [4096]), buf.descs([0], [4096]), "owner").wait() == "DONE"
+            assert buf.read(0, 4096) == local.read(0, 4096)
+            assert counts(target)["served for peers"] == served + 1
+            assert counts(agent)["one-sided"] == 0
+        finally:
+            buf.free()
+
+
+_row = st.lists(
+    st.one_of(st.integers(-5, 1 << 64), st.binary(max_size=8), st.text(max_size=4), st.none()), min_size=0, max_size=7
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.lists(_row, max_size=4), st.integers(), st.binary(max_size=16), st.none()))
+def test_hostile_rkey_offers_raise_invalid_metadata(rows):
+    from datamover.backends.ucx import _parse_rkeys
+
+    try:
+        out = _parse_rkeys("peer", rows)
+    except InvalidMetadata:
+        return
+    for rid, (mem, dev, addr, length, key) in out.items():
+        assert rid >= 0 and dev >= 0 and addr >= 0 and length > 0 and mem in ("DRAM", "VRAM")
+        assert isinstance(key, bytes) and 0 < len(key) <= 4096
+
+
+def test_a_valid_rkey_offer_parses():
+    from datamover.backends.ucx import _parse_rkeys
+
+    out = _parse_rkeys("peer", [[3, "DRAM", 0, 4096, 8192, b"k"], [4, "VRAM", 1, 1 << 40, 1, b"x" * 4096]])
+    assert out == {3: ("DRAM", 0, 4096, 8192, b"k"), 4: ("VRAM", 1, 1 << 40, 1, b"x" * 4096)}
+    with pytest.raises(InvalidMetadata):
+        _parse_rkeys("peer", [[3, "FILE", 0, 4096, 8192, b"k"]])
+    with pytest.raises(InvalidMetadata):
+        _parse_rkeys("peer", [[3, "DRAM", 0, (1 << 63) - 10, 20, b"k"]])
