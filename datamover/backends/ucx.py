@@ -303,6 +303,9 @@ class UcxBackend(Backend):
         self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
         self._revokes: list[tuple[_Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
         self._epochs = itertools.count(1)
+        # callers post one-sided requests themselves (see _post_direct); this orders those posts against the
+        # service thread changing a peer's endpoint, rkeys or regions
+        self._rma_lock = threading.RLock()
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
@@ -485,8 +488,60 @@ class UcxBackend(Backend):
             completion.finish_part()
             return completion
         deadline = time.monotonic() + req.timeout
-        self._submit(lambda: self._start(req, completion, deadline))
+        if not (self._one_sided and self._post_direct(req, completion, deadline)):
+            self._submit(lambda: self._start(req, completion, deadline))
         return completion
+
+    def _post_direct(self, req: TransferRequest, completion: Completion, deadline: float) -> bool:
+        """Post a one-sided request from the caller's thread; False when it must go through the service thread.
+
+        The worker is thread-safe (ucxx creates it multi-threaded). Puts over
+        cma complete inside the call, so such a request is DONE when ``post``
+        returns, with no thread hop; otherwise the service thread polls its flush.
+        """
+        peer = self._peers.get(req.remote_agent)  # type: ignore[arg-type]
+        if peer is None or peer.state != "ready" or not peer.regions or req.plan["regions"] - self.agent._regs.keys():
+            return False
+        with self._rma_lock:
+            if peer.state != "ready" or peer.ep is None:
+                return False
+            rows = self._one_sided_rows(peer, req)
+            if rows is None:
+                return False
+            ep = peer.ep.handle
+            status = rma.post_rows(req.op == "READ", ep, rows)
+            flush = rma.Flush(ep) if status == rma.UCS_OK else None
+            self.counts["one-sided"] += 1
+        status = flush.poll() if flush is not None else status
+        if status == rma.UCS_INPROGRESS:
+            self._submit(lambda: self._track_direct(peer, req, completion, deadline, flush))  # type: ignore[arg-type]
+        elif status == rma.UCS_OK:
+            if req.notify:
+                self._submit(lambda: self._send_after(peer, req.notify))
+            completion.finish_part()
+        else:
+            err = rma.UcpError(rma.status_text(status), status=status)
+            completion.finish_part(_ucx_error(err, peer.name, 0, self.name))
+        return True
+
+    def _track_direct(
+        self, peer: _Peer, req: TransferRequest, completion: Completion, deadline: float, flush: rma.Flush
+    ) -> None:
+        if self._peers.get(peer.name) is not peer or peer.state != "ready":
+            flush.abandon()
+            completion.finish_part(RemoteDisconnected(f"agent {peer.name!r} disconnected", backend=self.name))
+            return
+        op = _OutOp(self._next_op, peer, req, completion, deadline)
+        self._next_op += 1
+        op.one_sided = op.done_msg = True
+        op.reqs = _FlushRequest(flush)
+        peer.ops[op.id] = op
+        self._active_out[op.id] = op
+
+    def _send_after(self, peer: _Peer, message: bytes) -> None:
+        """A notification for a request that already completed (its data has landed)."""
+        if peer.conn is not None and peer.state == "ready":
+            peer.conn.send({"t": "notif", "msg": message})
 
     def send_notification(self, remote: str, message: bytes) -> None:
         done = Completion(1)
@@ -717,11 +772,13 @@ class UcxBackend(Backend):
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
             self._revokes.remove(entry)
-        for rkey in peer.rkeys.values():
-            rma.rkey_destroy(rkey)
-        peer.rkeys.clear()
-        peer.regions = {}
-        peer.epoch = next(self._epochs)
+        with self._rma_lock:
+            peer.state = "closing"
+            for rkey in peer.rkeys.values():
+                rma.rkey_destroy(rkey)
+            peer.rkeys.clear()
+            peer.regions = {}
+            peer.epoch = next(self._epochs)
         for kind, item in peer.queue:
             if kind == "notify":
                 item[1].finish_part(why)
@@ -821,8 +878,10 @@ class UcxBackend(Backend):
             return
         if t == "rkeys":
             if self._one_sided:
-                peer.regions.update(_parse_rkeys(peer.name, msg["add"]))
-                peer.epoch = next(self._epochs)
+                offered = _parse_rkeys(peer.name, msg["add"])
+                with self._rma_lock:
+                    peer.regions = {**peer.regions, **offered}
+                    peer.epoch = next(self._epochs)
             return
         if t == "revoke":
             self._forget_region(peer, int(msg["id"]))
@@ -870,8 +929,10 @@ class UcxBackend(Backend):
         except Exception as exc:
             raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id
-        peer.epoch = next(self._epochs)
-        peer.regions = _parse_rkeys(peer.name, msgpack.unpackb(rkeys) if rkeys else []) if self._one_sided else {}
+        regions = _parse_rkeys(peer.name, msgpack.unpackb(rkeys) if rkeys else []) if self._one_sided else {}
+        with self._rma_lock:
+            peer.epoch = next(self._epochs)
+            peer.regions = regions
         self._ready(peer)
 
     def _ready(self, peer: _Peer) -> None:
@@ -891,9 +952,15 @@ class UcxBackend(Backend):
         its rkeys (not only against its metadata), so a stale or forged blob
         falls back to the served path, where the owner refuses it.
         """
-        cached = req.plan.get("one_sided")
-        if cached is not None and cached[0] == peer.epoch:
-            return cached[1]
+        with self._rma_lock:
+            cached = req.plan.get("one_sided")
+            if cached is not None and cached[0] == peer.epoch:
+                return cached[1]
+            rows = self._check_rows(peer, req)
+            req.plan["one_sided"] = (peer.epoch, rows)
+            return rows
+
+    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[tuple[int, int, int, int]] | None:
         rows = None
         uniq, inv = np.unique(req.remote_regions, return_inverse=True)
         entries = [peer.regions.get(r) for r in uniq.tolist()]
@@ -903,7 +970,6 @@ class UcxBackend(Backend):
             if ((addr >= start) & (addr + n <= start + length) & (req.remote.dev == dev)).all():
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
                 rows = list(zip(req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist()))
-        req.plan["one_sided"] = (peer.epoch, rows)
         return rows
 
     def _rkey(self, peer: _Peer, rid: int) -> int:
@@ -914,24 +980,31 @@ class UcxBackend(Backend):
 
     def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[tuple[int, int, int, int]]) -> None:
         """Post every row's put (WRITE) or get (READ), then one flush: done when the flush ends."""
-        ep = peer.ep.handle
-        status = rma.post_rows(op.req.op == "READ", ep, rows)
-        if status != rma.UCS_OK:
+        with self._rma_lock:
+            ep = peer.ep.handle
+            status = rma.post_rows(op.req.op == "READ", ep, rows)
+            flush = rma.Flush(ep) if status == rma.UCS_OK else None
+            self.counts["one-sided"] += 1
+        if flush is None:
             self._end(op, _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name))
             return
-        self.counts["one-sided"] += 1
         op.one_sided = True
         op.done_msg = True
-        op.reqs = _FlushRequest(rma.Flush(ep))
+        op.reqs = _FlushRequest(flush)
         self._active_out[op.id] = op
 
     def _forget_region(self, peer: _Peer, rid: int) -> None:
         """The target deregistered ``rid``: stop using its rkey, confirm once our operations on it ended."""
-        if peer.regions.pop(rid, None) is None and rid not in peer.rkeys:
+        with self._rma_lock:
+            known = rid in peer.regions or rid in peer.rkeys
+            if known:
+                peer.regions = {k: v for k, v in peer.regions.items() if k != rid}
+                peer.epoch = next(self._epochs)
+                flush = rma.Flush(peer.ep.handle)  # covers every put/get posted before it, from any thread
+        if not known:
             peer.conn.send({"t": "revoked", "id": rid})  # type: ignore[union-attr]
             return
-        peer.epoch = next(self._epochs)
-        self._revokes.append((peer, rid, rma.Flush(peer.ep.handle)))
+        self._revokes.append((peer, rid, flush))
         self._check_revokes()
 
     def _check_revokes(self) -> None:
@@ -940,9 +1013,10 @@ class UcxBackend(Backend):
             if flush.poll() == rma.UCS_INPROGRESS:
                 continue
             self._revokes.remove(entry)
-            rkey = peer.rkeys.pop(rid, None)
-            if rkey is not None:
-                rma.rkey_destroy(rkey)
+            with self._rma_lock:
+                rkey = peer.rkeys.pop(rid, None)
+                if rkey is not None:
+                    rma.rkey_destroy(rkey)
             if peer.conn is not None:
                 peer.conn.send({"t": "revoked", "id": rid})
 
