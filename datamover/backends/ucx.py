@@ -175,6 +175,24 @@ class _FlushRequest:
         return []
 
 
+class _Direct:
+    """A one-sided request a caller posted itself, until its flush ends; finished once, by whoever sees it end."""
+
+    __slots__ = ("completion", "deadline", "done", "flush", "lock", "notify", "peer", "regions")
+
+    def __init__(
+        self, peer: _Peer, req: TransferRequest, completion: Completion, flush: rma.Flush, deadline: float
+    ) -> None:
+        self.peer = peer
+        self.deadline = deadline
+        self.completion = completion
+        self.flush = flush
+        self.notify = req.notify
+        self.regions = req.plan["regions"]
+        self.lock = threading.Lock()
+        self.done = False
+
+
 class _OutOp:
     """A request this agent initiated, from post to completion."""
 
@@ -306,6 +324,7 @@ class UcxBackend(Backend):
         # callers post one-sided requests themselves (see _post_direct); this orders those posts against the
         # service thread changing a peer's endpoint, rkeys or regions
         self._rma_lock = threading.RLock()
+        self._directs: list[_Direct] = []
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
@@ -462,6 +481,8 @@ class UcxBackend(Backend):
     def _in_use(self, rid: int) -> bool:
         if any(rid in op.req.plan["regions"] for op in self._active_out.values()):
             return True
+        if any(rid in d.regions for d in self._directs if not d.done):
+            return True
         for peer in self._peers.values():  # requests waiting for the handshake will post soon
             if any(rid in op.req.plan["regions"] for op in peer.ops.values() if op.reqs is None and not op.abandoned):
                 return True
@@ -512,31 +533,54 @@ class UcxBackend(Backend):
             status = rma.post_rows(req.op == "READ", ep, rows)
             flush = rma.Flush(ep) if status == rma.UCS_OK else None
             self.counts["one-sided"] += 1
-        status = flush.poll() if flush is not None else status
-        if status == rma.UCS_INPROGRESS:
-            self._submit(lambda: self._track_direct(peer, req, completion, deadline, flush))  # type: ignore[arg-type]
-        elif status == rma.UCS_OK:
-            if req.notify:
-                self._submit(lambda: self._send_after(peer, req.notify))
-            completion.finish_part()
-        else:
+        if flush is None:
             err = rma.UcpError(rma.status_text(status), status=status)
             completion.finish_part(_ucx_error(err, peer.name, 0, self.name))
+            return True
+        direct = _Direct(peer, req, completion, flush, deadline)
+        if not self._finish_direct(direct):
+            # the waiter progresses UCX itself (no thread hop); the service thread picks it up at its next
+            # turn for callers that never wait
+            self._directs.append(direct)
+            completion.set_assist(lambda: self._drive(direct))
         return True
 
-    def _track_direct(
-        self, peer: _Peer, req: TransferRequest, completion: Completion, deadline: float, flush: rma.Flush
-    ) -> None:
-        if self._peers.get(peer.name) is not peer or peer.state != "ready":
-            flush.abandon()
-            completion.finish_part(RemoteDisconnected(f"agent {peer.name!r} disconnected", backend=self.name))
-            return
-        op = _OutOp(self._next_op, peer, req, completion, deadline)
-        self._next_op += 1
-        op.one_sided = op.done_msg = True
-        op.reqs = _FlushRequest(flush)
-        peer.ops[op.id] = op
-        self._active_out[op.id] = op
+    def _finish_direct(self, direct: _Direct, why: BaseException | None = None) -> bool:
+        """Finish ``direct`` if its flush ended (or with ``why``); True once it is finished."""
+        with direct.lock:
+            if direct.done:
+                return True
+            status = rma.UCS_INPROGRESS if why is not None else direct.flush.poll()
+            if why is None and status == rma.UCS_INPROGRESS:
+                return False
+            if why is not None:
+                direct.flush.abandon()
+            direct.done = True
+        if why is None and status == rma.UCS_OK:
+            if direct.notify:
+                self._submit(lambda: self._send_after(direct.peer, direct.notify))
+            direct.completion.finish_part()
+        else:
+            failed = rma.UcpError(rma.status_text(status), status=status)
+            direct.completion.finish_part(why or _ucx_error(failed, direct.peer.name, 0, self.name))
+        return True
+
+    def _drive(self, direct: _Direct) -> None:
+        """A waiter's assist: progress UCX until the flush ends, or leave it to the service thread.
+
+        It stops at the request's deadline, so the waiter can report the timeout.
+        """
+        worker, deadline, clock = self._worker, direct.deadline, time.monotonic
+        while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
+            worker.progress_once()
+            if clock() > deadline:
+                return
+
+    def _check_directs(self) -> bool:
+        done = [d for d in list(self._directs) if self._finish_direct(d)]
+        for d in done:
+            self._directs.remove(d)
+        return bool(done)
 
     def _send_after(self, peer: _Peer, message: bytes) -> None:
         """A notification for a request that already completed (its data has landed)."""
@@ -604,6 +648,8 @@ class UcxBackend(Backend):
                 busy |= n > 0
                 if self._active_out or self._active_in or self._revokes:
                     busy |= self._check_requests()
+                if self._directs:
+                    busy |= self._check_directs()
                 now = time.monotonic()
                 if now - last_scan > 0.005:
                     last_scan = now
@@ -621,7 +667,7 @@ class UcxBackend(Backend):
                 if not worker.arm():
                     continue
                 # with requests in flight wake often: ucxx can finish a request without a UCX event firing
-                in_flight = self._active_out or self._active_in or self._revokes
+                in_flight = self._active_out or self._active_in or self._revokes or self._directs
                 if self._poll(0.001 if in_flight else 0.05):
                     last = time.monotonic()
         except BaseException:
@@ -769,6 +815,9 @@ class UcxBackend(Backend):
                 op.reqs.flush.abandon()
             op.finish(why)
         peer.ops.clear()
+        for direct in [d for d in self._directs if d.peer is peer]:
+            self._finish_direct(direct, why)
+            self._directs.remove(direct)
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
             self._revokes.remove(entry)
