@@ -80,6 +80,8 @@ _MAX_ADDRESS = 1 << 16
 _DRAIN_MAX = 64 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
 _DRAIN_ROWS = 1 << 20
 _MAX_RKEYS = 1 << 16
+# a caller's own request is left to its waiter this long before the service thread progresses it
+_DIRECT_GRACE_S = 0.002
 _MAX_RKEY_BYTES = 4096
 
 
@@ -178,7 +180,7 @@ class _FlushRequest:
 class _Direct:
     """A one-sided request a caller posted itself, until its flush ends; finished once, by whoever sees it end."""
 
-    __slots__ = ("completion", "deadline", "done", "flush", "lock", "notify", "peer", "regions")
+    __slots__ = ("completion", "deadline", "done", "driven", "flush", "lock", "notify", "peer", "regions", "since")
 
     def __init__(
         self, peer: _Peer, req: TransferRequest, completion: Completion, flush: rma.Flush, deadline: float
@@ -191,6 +193,8 @@ class _Direct:
         self.regions = req.plan["regions"]
         self.lock = threading.Lock()
         self.done = False
+        self.driven = False  # a waiter progresses UCX for it: the service thread keeps out of its way
+        self.since = time.monotonic()
 
 
 class _OutOp:
@@ -571,16 +575,23 @@ class UcxBackend(Backend):
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock = self._worker, direct.deadline, time.monotonic
-        while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
-            worker.progress_once()
-            if clock() > deadline:
-                return
+        direct.driven = True
+        try:
+            while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
+                worker.progress_once()
+                if clock() > deadline:
+                    return
+        finally:
+            direct.driven = False
 
-    def _check_directs(self) -> bool:
-        done = [d for d in list(self._directs) if self._finish_direct(d)]
+    def _check_directs(self) -> None:
+        """Finish callers' requests nobody drives; those a waiter drives are left alone, except to clear them."""
+        late = time.monotonic() - _DIRECT_GRACE_S
+        done = [
+            d for d in list(self._directs) if d.done or (not d.driven and d.since < late and self._finish_direct(d))
+        ]
         for d in done:
             self._directs.remove(d)
-        return bool(done)
 
     def _send_after(self, peer: _Peer, message: bytes) -> None:
         """A notification for a request that already completed (its data has landed)."""
@@ -649,7 +660,7 @@ class UcxBackend(Backend):
                 if self._active_out or self._active_in or self._revokes:
                     busy |= self._check_requests()
                 if self._directs:
-                    busy |= self._check_directs()
+                    self._check_directs()
                 now = time.monotonic()
                 if now - last_scan > 0.005:
                     last_scan = now
