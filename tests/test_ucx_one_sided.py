@@ -158,3 +158,22 @@ def test_a_valid_rkey_offer_parses():
         _parse_rkeys("peer", [[3, "FILE", 0, 4096, 8192, b"k"]])
     with pytest.raises(InvalidMetadata):
         _parse_rkeys("peer", [[3, "DRAM", 0, (1 << 63) - 10, 20, b"k"]])
+
+
+def test_large_requests_go_to_the_owner_when_put_is_only_emulated(target):
+    """Without cma or RDMA, UCX emulates put/get; requests above emulated_max_bytes use the owner's rendezvous."""
+    with Agent("emulated", {"backends": {"ucx": {"emulated_max_bytes": 8192}}}) as agent:
+        if agent.backend("ucx")._rma_native:
+            pytest.skip("this UCX has native RMA (cma or RDMA) here: nothing is emulated")
+        buf = RemoteBuffer(target, 4 * 8192)
+        agent.add_remote(target.metadata())
+        local = HostBuffer(agent, 4 * 8192)
+        try:
+            local.write(0, random_bytes(4 * 8192, 8))
+            for n, path in ((8192, "one-sided"), (4 * 8192, "served by the owner")):
+                before = counts(agent)[path]
+                assert agent.transfer("WRITE", local.descs([0], [n]), buf.descs([0], [n]), "owner").wait() == "DONE"
+                assert counts(agent)[path] == before + 1, path
+            assert buf.read(0, 4 * 8192) == local.read(0, 4 * 8192)
+        finally:
+            buf.free()

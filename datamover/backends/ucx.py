@@ -80,6 +80,8 @@ _MAX_ADDRESS = 1 << 16
 _DRAIN_MAX = 64 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
 _DRAIN_ROWS = 1 << 20
 _MAX_RKEYS = 1 << 16
+# UCX transports that move put/get without the target's CPU (others emulate them over active messages)
+_NATIVE_RMA = frozenset({"cma", "knem", "xpmem", "rc_verbs", "rc_mlx5", "dc_mlx5", "cuda_ipc", "gdr_copy"})
 # a caller's own request is left to its waiter this long before the service thread progresses it
 _DIRECT_GRACE_S = 0.002
 _MAX_RKEY_BYTES = 4096
@@ -280,6 +282,9 @@ class UcxBackend(Backend):
         # the owner's CPU stays out of the data path) and do the same to peers that allow it; off, every
         # request is checked and served by the owner over tag send/recv
         "one_sided": True,
+        # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
+        # requests larger than this go through the owner, whose tag rendezvous streams large messages faster
+        "emulated_max_bytes": 16 << 20,
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
         "connect_timeout_s": 5.0,
@@ -321,6 +326,8 @@ class UcxBackend(Backend):
         self._checked: dict[tuple, tuple] = {}  # request descriptors -> (region table, views, region ids)
         self._old_workers: list[tuple] = []  # kept alive: their endpoints and requests still point at them
         self._one_sided = bool(self.params["one_sided"])
+        self._emulated_max = int(self.params["emulated_max_bytes"])
+        self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
         self._mapped: dict[int, tuple[int, list]] = {}  # region id -> (memh, [id, mem, dev, addr, length, rkey])
         self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
         self._revokes: list[tuple[_Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
@@ -374,7 +381,16 @@ class UcxBackend(Backend):
             "transports": ", ".join(transports_of(self._ctx.info)),
             "UCX_TLS": self._ctx.config.get("TLS", "?"),
             "error_handling": bool(self.params["error_handling"]),
-            "data path": "one-sided put/get" if self._one_sided else "tag send/recv served by the owner",
+            "data path": (
+                (
+                    "one-sided put/get"
+                    if self._rma_native
+                    else f"one-sided put/get (emulated by UCX) up to "
+                    f"{self._emulated_max} B per request, served by the owner above"
+                )
+                if self._one_sided
+                else "tag send/recv served by the owner"
+            ),
             "control": f"{self.params['host']}:{self._port}",
             "worker resets": self.resets,
             "requests": dict(self.counts),
@@ -1021,6 +1037,8 @@ class UcxBackend(Backend):
             return rows
 
     def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[tuple[int, int, int, int]] | None:
+        if not self._rma_native and req.local.nbytes > self._emulated_max:
+            return None
         rows = None
         uniq, inv = np.unique(req.remote_regions, return_inverse=True)
         entries = [peer.regions.get(r) for r in uniq.tolist()]
