@@ -127,28 +127,61 @@ def test_posix_uses_aio_for_aligned_direct_batches(agent_file, monkeypatch) -> N
     assert len(runs) == 2
 
 
-def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch) -> None:
+@pytest.mark.parametrize("loss", [512, B + errno.EAGAIN])  # one group short by 512 bytes; one failed (-EAGAIN)
+def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch, loss) -> None:
     agent, mem, reg, _ = agent_file
-    real = AioRun.finish
-    lossy_runs = []
+    backend = agent.backend("posix")
+    real, real_groups = AioRun.finish, type(backend)._run_groups
+    lossy_runs, redone = [], []
 
-    def lossy(self, cancelled=lambda: False):
+    def lossy(self, cancelled=None):
         res = real(self, cancelled)
-        res[::3] = np.minimum(res[::3], 512)  # claim every third group came back short
-        res[1::5] = -errno.EAGAIN
-        lossy_runs.append(1)
+        self.moved -= loss  # as if the kernel had reported one group short or failed
+        lossy_runs.append(self.ok)
         return res
 
+    def spy(self, req, p, write, first, last, completion):
+        redone.append((first, last))
+        return real_groups(self, req, p, write, first, last, completion)
+
     monkeypatch.setattr(AioRun, "finish", lossy)
-    n = 30
-    src = _random(n * B, 9)
-    mem[: n * B] = src
-    perm = np.random.default_rng(4).permutation(n)
-    agent.transfer("WRITE", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
-    mem[:] = 0
-    agent.transfer("READ", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
-    assert np.array_equal(mem[: n * B], src)
-    assert len(lossy_runs) == 2
+    monkeypatch.setattr(type(backend), "_run_groups", spy)
+    monkeypatch.setitem(backend.params, "inline_bytes", 128 * B)
+    for n in (30, 200):  # 30 x 4 KiB is inline (reaped in post), 200 x 4 KiB goes to the pool
+        src = _random(n * B, 9)
+        mem[: n * B] = src
+        perm = np.random.default_rng(4).permutation(n)
+        x = agent.transfer("WRITE", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B))
+        assert x.request.plan["inline"] == (n == 30)
+        x.wait()
+        mem[:] = 0
+        agent.transfer("READ", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()
+        assert np.array_equal(mem[: n * B], src)
+    assert lossy_runs == [False] * 4
+    assert len(redone) == 4 and all(first == 0 and last >= 1 for first, last in redone)
+
+
+def test_run_ok_only_when_every_row_moved_all_its_bytes(direct_file) -> None:
+    fd, _ = direct_file
+    buf = _random(4 * B, 3)
+    ctx = AioContext(2)
+    try:
+        full = IocbBatch(np.full(4, fd), np.arange(4) * B, buf.ctypes.data + np.arange(4) * B, np.full(4, B), True)
+        run = ctx.start(full, rows=False)
+        assert run.finish() is None and run.ok and run.moved == 4 * B == full.total
+        # a read running past the end of the 64-block file moves 1 of its 2 blocks: not ok, by B bytes
+        short = IocbBatch(np.full(2, fd), np.array([0, 63 * B]), buf.ctypes.data + np.array([0, B]),
+                          np.array([B, 2 * B]), False)  # fmt: skip
+        run = ctx.start(short, rows=False)
+        run.finish()
+        assert not run.ok and run.moved == 2 * B and short.total == 3 * B
+        bad = IocbBatch(np.array([987654]), np.array([0]), np.array([buf.ctypes.data]), np.array([B]), False)
+        run = ctx.start(bad, rows=False)
+        run.finish()
+        assert not run.ok and run.refused
+        assert not ctx._lock.locked()
+    finally:
+        ctx.close()
 
 
 def test_aio_read_past_end_is_an_error(agent_file) -> None:

@@ -61,6 +61,9 @@ _nr: dict[str, int] = {}
 _status: tuple[bool, str] | None = None
 
 
+_NR_SUBMIT = _NR_GETEVENTS = -1  # set by aio_available(): the hot paths call libc's syscall() with them directly
+
+
 def _syscall(name: str, *args) -> int:
     ret = _libc.syscall(_nr[name], *args)
     if ret < 0:
@@ -71,7 +74,7 @@ def _syscall(name: str, *args) -> int:
 
 def aio_available() -> tuple[bool, str]:
     """Whether native AIO works here (the syscalls exist and a context can be created), and why not."""
-    global _libc, _status
+    global _libc, _status, _NR_SUBMIT, _NR_GETEVENTS
     if _status is not None:
         return _status
     arch = platform.machine()
@@ -81,6 +84,7 @@ def aio_available() -> tuple[bool, str]:
     _libc = ctypes.CDLL(None, use_errno=True)
     _libc.syscall.restype = ctypes.c_long
     _nr.update(_SYSCALLS[arch])
+    _NR_SUBMIT, _NR_GETEVENTS = _nr["io_submit"], _nr["io_getevents"]
     ctx = ctypes.c_ulong(0)
     try:
         _syscall("io_setup", ctypes.c_uint(1), ctypes.byref(ctx))
@@ -129,10 +133,14 @@ class IocbBatch:
         self.ptrs = (base + np.arange(n, dtype=np.uint64) * np.uint64(IOCB.itemsize)).astype(np.uint64)
         self.ptrs_addr = int(self.ptrs.ctypes.data)  # looked up once: ndarray.ctypes costs microseconds
         self.expect = np.add.reduceat(np.asarray(lengths, dtype=np.int64), starts) if rows else np.zeros(0, np.int64)
+        self.total = int(self.expect.sum())  # bytes the whole batch moves when every I/O completes in full
         self.write = write
+        # the io_submit arguments for "all of it", built once: ctypes objects cost microseconds per post
+        self.c_count, self.c_ptrs = ctypes.c_long(n), ctypes.c_void_p(self.ptrs_addr)
+        self.n = n
 
     def __len__(self) -> int:
-        return int(self.expect.shape[0])
+        return self.n
 
 
 class AioContext:
@@ -145,10 +153,13 @@ class AioContext:
         self.depth = int(depth)
         self.spin_s = float(spin_us) * 1e-6
         self._no_wait = _Timespec(0, 0)
+        self._no_wait_ref = ctypes.byref(self._no_wait)
         self._ctx = ctypes.c_ulong(0)
         _syscall("io_setup", ctypes.c_uint(self.depth), ctypes.byref(self._ctx))
         self._events = np.zeros(self.depth, dtype=IO_EVENT)
         self._events_ptr = ctypes.c_void_p(self._events.ctypes.data)
+        # the events as int64 words (4 per event, res is word 2): summing res over a memoryview needs no numpy call
+        self._words = memoryview(self._events).cast("B").cast("q")
         self._max_nr = ctypes.c_long(self.depth)
         self._lock = threading.Lock()  # one batch at a time per context
 
@@ -164,16 +175,31 @@ class AioContext:
         return self.start(batch, first, last, cancelled).finish(cancelled)
 
     def start(
-        self, batch: IocbBatch, first: int = 0, last: int | None = None, cancelled: Callable[[], bool] = lambda: False
+        self,
+        batch: IocbBatch,
+        first: int = 0,
+        last: int | None = None,
+        cancelled: Callable[[], bool] | None = None,
+        rows: bool = True,
     ) -> AioRun:
         """Submit the first ``depth`` rows now (io_submit does not wait for O_DIRECT I/O); finish() does the rest.
 
-        The context is busy until ``finish`` returns, which may happen on another thread.
+        The context is busy until ``finish`` returns, which may happen on another thread. With ``rows=False``
+        the run keeps no per-row results, only whether every row moved all its bytes (``AioRun.ok``): what a
+        caller that redoes the whole batch on any failure needs, without numpy work per completion.
         """
         self._lock.acquire()
-        run = AioRun(self, batch, first, len(batch) if last is None else last)
         try:
-            run.submit(cancelled)
+            run = AioRun(self, batch, first, batch.n if last is None else last, rows)
+            if cancelled is None and first == 0 and run.stop == batch.n and batch.n <= self.depth:
+                # the common case, all of it in one io_submit, with nothing built per call
+                got = _libc.syscall(_NR_SUBMIT, self._ctx, batch.c_count, batch.c_ptrs)
+                if got == batch.n:
+                    run.nxt = run.inflight = got
+                    return run
+                if got > 0:
+                    run.nxt = run.inflight = got
+            run.submit(cancelled)  # the rest, or all of it again after a refusal (errno recorded per iocb)
         except BaseException:
             self._lock.release()
             raise
@@ -193,27 +219,46 @@ class AioContext:
 
 
 class AioRun:
-    """One batch in flight on an AioContext: ``submit`` tops up the queue, ``finish`` reaps until all are done."""
+    """One batch in flight on an AioContext: ``submit`` tops up the queue, ``finish`` reaps until all are done.
 
-    def __init__(self, ctx: AioContext, batch: IocbBatch, first: int, stop: int) -> None:
+    ``moved`` sums every completion's result (bytes, or -errno). The kernel
+    never reports more bytes than an I/O asked for, so ``moved`` equals the
+    batch's expected bytes only if every I/O moved all of its bytes: ``ok``.
+    """
+
+    __slots__ = ("batch", "ctx", "expected", "first", "inflight", "moved", "nxt", "refused", "res", "stop")
+
+    def __init__(self, ctx: AioContext, batch: IocbBatch, first: int, stop: int, rows: bool = True) -> None:
         self.ctx, self.batch, self.first, self.stop = ctx, batch, first, stop
-        self.res = np.full(stop - first, -errno_mod.ECANCELED, dtype=np.int64)
-        self.nxt, self.inflight = first, 0
-        self._ptr0 = batch.ptrs_addr
+        self.res = np.full(stop - first, -errno_mod.ECANCELED, dtype=np.int64) if rows else None
+        self.nxt, self.inflight, self.moved, self.refused = first, 0, 0, False
+        self.expected = batch.total if first == 0 and stop == batch.n else int(batch.expect[first:stop].sum())
 
-    def submit(self, cancelled: Callable[[], bool]) -> None:
+    @property
+    def ok(self) -> bool:
+        """Every row of the run was submitted and moved all of its bytes."""
+        return not self.refused and self.nxt >= self.stop and not self.inflight and self.moved == self.expected
+
+    def submit(self, cancelled: Callable[[], bool] | None = None) -> None:
         """Submit rows until ``depth`` are in flight or none are left."""
-        depth = self.ctx.depth
-        while self.nxt < self.stop and self.inflight < depth and not cancelled():
+        ctx = self.ctx
+        depth = ctx.depth
+        batch = self.batch
+        while self.nxt < self.stop and self.inflight < depth and (cancelled is None or not cancelled()):
             want = min(depth - self.inflight, self.stop - self.nxt)
-            ptr = ctypes.c_void_p(self._ptr0 + self.nxt * 8)
-            try:
-                got = _syscall("io_submit", self.ctx._ctx, ctypes.c_long(want), ptr)
-            except OSError as exc:
-                if exc.errno == errno_mod.EINTR or (exc.errno == errno_mod.EAGAIN and self.inflight):
+            if self.nxt == 0 and want == batch.c_count.value:
+                count, ptr = batch.c_count, batch.c_ptrs  # the whole batch at once: the common case
+            else:
+                count, ptr = ctypes.c_long(want), ctypes.c_void_p(batch.ptrs_addr + self.nxt * 8)
+            got = _libc.syscall(_NR_SUBMIT, ctx._ctx, count, ptr)
+            if got < 0:
+                err = ctypes.get_errno()
+                if err == errno_mod.EINTR or (err == errno_mod.EAGAIN and self.inflight):
                     return
                 # the kernel refused this iocb (EINVAL, EBADF, ...): record it, go on with the next
-                self.res[self.nxt - self.first] = -(exc.errno or errno_mod.EIO)
+                if self.res is not None:
+                    self.res[self.nxt - self.first] = -(err or errno_mod.EIO)
+                self.refused = True
                 self.nxt += 1
                 continue
             self.nxt += got
@@ -221,41 +266,46 @@ class AioRun:
             if got < want:
                 return
 
-    def finish(self, cancelled: Callable[[], bool] = lambda: False) -> np.ndarray:
+    def finish(self, cancelled: Callable[[], bool] | None = None) -> np.ndarray | None:
         """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context.
 
+        Returns the per-row results (None for a run started with ``rows=False``; see ``ok``).
         Each wait asks for a quarter of the queue (or all that is in flight
         once nothing is left to submit), so a batch costs a few wake-ups,
         not one per I/O. With ``spin_us``, the last ones are first polled for
         that long (a thread woken from sleep is late by tens of microseconds).
         """
         ctx = self.ctx
-        events = ctx._events
-        ev_ptr = ctx._events_ptr
+        words = ctx._words
         spin_until = None
         try:
             while True:
-                self.submit(cancelled)
+                if self.nxt < self.stop:
+                    self.submit(cancelled)
                 if not self.inflight:
-                    if self.nxt >= self.stop or cancelled():
+                    if self.nxt >= self.stop or (cancelled is not None and cancelled()):
                         return self.res
                     continue
                 # one wake-up per quarter queue, or for everything once nothing is left to submit
-                refill = self.nxt < self.stop and not cancelled()
+                refill = self.nxt < self.stop and (cancelled is None or not cancelled())
                 min_nr = max(1, min(self.inflight, ctx.depth // 4)) if refill else self.inflight
                 timeout = None
-                if not refill and ctx.spin_s and spin_until is None:
-                    spin_until = time.perf_counter() + ctx.spin_s
-                if spin_until is not None and time.perf_counter() < spin_until:
-                    min_nr, timeout = 0, ctypes.byref(ctx._no_wait)  # poll: a sleeping thread wakes late
-                try:
-                    n = _syscall("io_getevents", ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ev_ptr, timeout)
-                except OSError as exc:
-                    if exc.errno == errno_mod.EINTR:
+                if ctx.spin_s:
+                    if not refill and spin_until is None:
+                        spin_until = time.perf_counter() + ctx.spin_s
+                    if spin_until is not None and time.perf_counter() < spin_until:
+                        min_nr, timeout = 0, ctx._no_wait_ref  # poll: a sleeping thread wakes late
+                n = _libc.syscall(_NR_GETEVENTS, ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ctx._events_ptr, timeout)
+                if n < 0:
+                    err = ctypes.get_errno()
+                    if err == errno_mod.EINTR:
                         continue
-                    raise
-                done = events[:n]
-                self.res[done["data"].astype(np.int64) - self.first] = done["res"]
-                self.inflight -= n
+                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
+                if n:
+                    self.moved += sum(words[2 : 4 * n : 4])
+                    if self.res is not None:
+                        done = ctx._events[:n]
+                        self.res[done["data"].astype(np.int64) - self.first] = done["res"]
+                    self.inflight -= n
         finally:
             ctx._lock.release()
