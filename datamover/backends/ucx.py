@@ -336,6 +336,7 @@ class UcxBackend(Backend):
         # service thread changing a peer's endpoint, rkeys or regions
         self._rma_lock = threading.RLock()
         self._directs: list[_Direct] = []
+        self._drivers: set[_Direct] = set()  # requests a waiter is progressing UCX for right now
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
@@ -592,6 +593,7 @@ class UcxBackend(Backend):
         """
         worker, deadline, clock = self._worker, direct.deadline, time.monotonic
         direct.driven = True
+        self._drivers.add(direct)
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
                 worker.progress_once()
@@ -599,6 +601,7 @@ class UcxBackend(Backend):
                     return
         finally:
             direct.driven = False
+            self._drivers.discard(direct)
 
     def _check_directs(self) -> None:
         """Finish callers' requests nobody drives; those a waiter drives are left alone, except to clear them."""
@@ -670,7 +673,9 @@ class UcxBackend(Backend):
                     except Exception:  # a bug in one command must not stop the service for every peer
                         log.exception("ucx command failed")
                 n = 0
-                while worker.progress_once() and n < 64:
+                # a waiter progressing the same worker does this thread's UCX work too; two threads
+                # progressing one worker only contend for its lock (and the GIL)
+                while not self._drivers and worker.progress_once() and n < 64:
                     n += 1
                 busy |= n > 0
                 if self._active_out or self._active_in or self._revokes:
@@ -684,6 +689,12 @@ class UcxBackend(Backend):
                     self._bury()
                 if busy:
                     last = now
+                if self._drivers:
+                    # a waiter progresses UCX: mind sockets and commands without spinning (UCX's event fd
+                    # stays readable while nobody arms the worker, so epoll cannot be the wait here)
+                    self._poll(0.0)
+                    time.sleep(0.0005)
+                    continue
                 if self._poll(0.0):
                     last = now
                     continue
