@@ -337,6 +337,7 @@ class UcxBackend(Backend):
         self._rma_lock = threading.RLock()
         self._directs: list[_Direct] = []
         self._drivers: set[_Direct] = set()  # requests a waiter is progressing UCX for right now
+        self._params: dict[int, rma.RequestParam] = {}  # region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
@@ -442,6 +443,7 @@ class UcxBackend(Backend):
             rma.mem_unmap(self._ctx.handle, memh)
             raise
         self._mapped[reg.id] = (memh, entry)
+        self._params[reg.id] = rma.memh_param(memh, cuda=reg.mem_type == MemType.VRAM)
         for inbound in self._inbound.values():
             if inbound.name:
                 inbound.conn.send({"t": "rkeys", "add": [entry]})
@@ -481,6 +483,7 @@ class UcxBackend(Backend):
 
     def _revoke(self, rid: int) -> None:
         self._mapped.pop(rid, None)
+        self._params.pop(rid, None)
         waiting = set()
         for inbound in self._inbound.values():
             if inbound.name:
@@ -1032,7 +1035,7 @@ class UcxBackend(Backend):
                 peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
                 item[1].finish_part()
 
-    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> list[tuple[int, int, int, int]] | None:
+    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | None:
         """(local addr, length, remote addr, rkey) per row when the target opened every row to put/get, else None.
 
         The rows are checked against the bounds the target itself sent with
@@ -1047,7 +1050,7 @@ class UcxBackend(Backend):
             req.plan["one_sided"] = (peer.epoch, rows)
             return rows
 
-    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[tuple[int, int, int, int]] | None:
+    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | None:
         if not self._rma_native and req.local.nbytes > self._emulated_max:
             return None
         rows = None
@@ -1058,7 +1061,9 @@ class UcxBackend(Backend):
             addr, n = req.remote.addr, req.remote.length
             if ((addr >= start) & (addr + n <= start + length) & (req.remote.dev == dev)).all():
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
-                rows = list(zip(req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist()))
+                params = [self._params.get(r) for r in req.local_regions.tolist()]
+                cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
+                rows = list(map(rma.make_row, *cols))
         return rows
 
     def _rkey(self, peer: _Peer, rid: int) -> int:
@@ -1067,7 +1072,7 @@ class UcxBackend(Backend):
             rkey = peer.rkeys[rid] = rma.rkey_unpack(peer.ep.handle, peer.regions[rid][4])
         return rkey
 
-    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[tuple[int, int, int, int]]) -> None:
+    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row]) -> None:
         """Post every row's put (WRITE) or get (READ), then one flush: done when the flush ends."""
         with self._rma_lock:
             ep = peer.ep.handle
@@ -1483,7 +1488,7 @@ for n in (64, 1 << 20):
     memh = rma.mem_map(ctxs[1].handle, b.ctypes.data, n)
     rkey = rma.rkey_unpack(ep.handle, rma.rkey_pack(ctxs[1].handle, memh))
     for get in (False, True):
-        rma.post_rows(get, ep.handle, [(a.ctypes.data, n, b.ctypes.data, rkey)])
+        rma.post_rows(get, ep.handle, [rma.make_row(a.ctypes.data, n, b.ctypes.data, rkey, None)])
         flush = rma.Flush(ep.handle)
         wait(lambda: flush.poll() != rma.UCS_INPROGRESS)
     rma.rkey_destroy(rkey)

@@ -91,9 +91,35 @@ def ucp() -> Any:
     return lib
 
 
-# an all-zero ucp_request_param_t: no callback, host or auto-detected memory, the request is ours to free
-_NO_PARAM = ctypes.create_string_buffer(128)
+class RequestParam(ctypes.Structure):
+    """ucp_request_param_t: only op_attr_mask, memory_type and memh are ever set here."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+        ("_tail", ctypes.c_uint8 * 64),
+    ]
+
+
+_OP_ATTR_MEMORY_TYPE, _OP_ATTR_MEMH = 1 << 6, 1 << 8
+
+# an all-zero ucp_request_param_t: no callback, auto-detected memory, the request is ours to free
+_NO_PARAM = RequestParam()
 NO_PARAM = ctypes.addressof(_NO_PARAM)
+
+
+def memh_param(memh: int, cuda: bool = False) -> RequestParam:
+    """Request parameters naming the local buffer's memory handle and type, so UCP skips looking them up."""
+    mem_type = _MEMORY_TYPE["cuda" if cuda else "host"]
+    return RequestParam(op_attr_mask=_OP_ATTR_MEMH | _OP_ATTR_MEMORY_TYPE, memh=memh, memory_type=mem_type)
 
 
 def status_text(status: int) -> str:
@@ -177,17 +203,41 @@ class Flush:
             self.req = 0
 
 
-def post_rows(get: bool, ep: int, rows: list[tuple[int, int, int, int]]) -> int:
-    """Post one put (or get) per (local addr, length, remote addr, rkey) row; returns UCS_OK or the first error.
+Row = tuple  # (local addr, length, remote addr, rkey, request param), as ctypes values ready to pass
+
+
+def make_row(laddr: int, n: int, raddr: int, rkey: int, param: RequestParam | None) -> Row:
+    """One put/get's arguments converted once, so posting it again costs no conversions."""
+    return (
+        ctypes.c_void_p(laddr),
+        ctypes.c_size_t(n),
+        ctypes.c_uint64(raddr),
+        ctypes.c_void_p(rkey),
+        ctypes.byref(param) if param is not None else ctypes.c_void_p(NO_PARAM),
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _raw() -> tuple[Any, Any, Any]:
+    """put, get and request_free without argtypes: the rows carry ctypes values already."""
+    lib = ctypes.CDLL(_loaded("libucp"))
+    put, get, free = lib.ucp_put_nbx, lib.ucp_get_nbx, lib.ucp_request_free
+    put.restype = get.restype = ctypes.c_ssize_t
+    free.restype = None
+    return put, get, free
+
+
+def post_rows(get: bool, ep: int, rows: list[Row]) -> int:
+    """Post one put (or get) per row (see ``make_row``); returns UCS_OK or the first error.
 
     The requests are freed at once: the flush that follows reports their completion.
     """
-    lib = ucp()
-    fn, free, param = (lib.ucp_get_nbx if get else lib.ucp_put_nbx), lib.ucp_request_free, NO_PARAM
-    for laddr, n, raddr, rkey in rows:
-        ptr = fn(ep, laddr, n, raddr, rkey, param)
+    put_fn, get_fn, free = _raw()
+    fn, ep_arg = (get_fn if get else put_fn), ctypes.c_void_p(ep)
+    for laddr, n, raddr, rkey, param in rows:
+        ptr = fn(ep_arg, laddr, n, raddr, rkey, param)
         if ptr > 0:
-            free(ptr)
+            free(ctypes.c_void_p(ptr))
         elif ptr < 0:
             return ptr
     return UCS_OK
