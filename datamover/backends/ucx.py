@@ -599,7 +599,8 @@ class UcxBackend(Backend):
         self._drivers.add(direct)
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
-                worker.progress_once()
+                while worker.progress_once():  # drain what UCX can do before looking at the flush again
+                    pass
                 if clock() > deadline:
                     return
         finally:
