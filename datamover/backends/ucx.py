@@ -284,7 +284,7 @@ class UcxBackend(Backend):
         "one_sided": True,
         # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
         # requests larger than this go through the owner, whose tag rendezvous streams large messages faster
-        "emulated_max_bytes": 16 << 20,
+        "emulated_max_bytes": 8 << 20,
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
         "connect_timeout_s": 5.0,
