@@ -134,8 +134,8 @@ def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch, loss) ->
     real, real_groups = AioRun.finish, type(backend)._run_groups
     lossy_runs, redone = [], []
 
-    def lossy(self, cancelled=None):
-        res = real(self, cancelled)
+    def lossy(self, cancelled=None, spin=True):
+        res = real(self, cancelled, spin)
         self.moved -= loss  # as if the kernel had reported one group short or failed
         lossy_runs.append(self.ok)
         return res

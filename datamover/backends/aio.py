@@ -266,18 +266,19 @@ class AioRun:
             if got < want:
                 return
 
-    def finish(self, cancelled: Callable[[], bool] | None = None) -> np.ndarray | None:
+    def finish(self, cancelled: Callable[[], bool] | None = None, spin: bool = True) -> np.ndarray | None:
         """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context.
 
         Returns the per-row results (None for a run started with ``rows=False``; see ``ok``).
         Each wait asks for a quarter of the queue (or all that is in flight
         once nothing is left to submit), so a batch costs a few wake-ups,
-        not one per I/O. With ``spin_us``, the last ones are first polled for
+        not one per I/O. With ``spin_us`` (and ``spin``), the last ones are first polled for
         that long (a thread woken from sleep is late by tens of microseconds).
         """
         ctx = self.ctx
         words = ctx._words
         spin_until = None
+        spin_s = ctx.spin_s if spin else 0.0
         try:
             while True:
                 if self.nxt < self.stop:
@@ -290,9 +291,9 @@ class AioRun:
                 refill = self.nxt < self.stop and (cancelled is None or not cancelled())
                 min_nr = max(1, min(self.inflight, ctx.depth // 4)) if refill else self.inflight
                 timeout = None
-                if ctx.spin_s:
+                if spin_s:
                     if not refill and spin_until is None:
-                        spin_until = time.perf_counter() + ctx.spin_s
+                        spin_until = time.perf_counter() + spin_s
                     if spin_until is not None and time.perf_counter() < spin_until:
                         min_nr, timeout = 0, ctx._no_wait_ref  # poll: a sleeping thread wakes late
                 n = _libc.syscall(_NR_GETEVENTS, ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ctx._events_ptr, timeout)

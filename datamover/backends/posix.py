@@ -123,10 +123,14 @@ class _AioReap:
         err: BaseException | None = None
         try:
             # always runs, even once cancelled: I/O already submitted must be reaped before buffers are released
+            run = self.run
             try:
-                self.run.finish(self.cancelled)
+                # no polling when all of it went out in post(): a batch too big to run inline takes far longer
+                # than the spin, and a poll loop only trades the GIL back and forth with the woken pool thread
+                run.finish(self.cancelled, run.nxt < run.stop)
             finally:
-                backend._aio_free.put(self.run.ctx)
+                if not run.ctx._lock.locked():  # a context still busy (finish never ran) is not handed out again
+                    backend._aio_free.put(run.ctx)
             if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
                 backend._aio_done(self.req, self.p, self.run, self.write, 0, 1, completion)
         except DatamoverError as exc:
