@@ -282,3 +282,17 @@ def test_reads_of_the_same_offsets_twice(agent_file) -> None:
     # rows 0,1 and rows 2,3 read the same two blocks: sorted, the groups differ from descriptor order
     agent.transfer("READ", DescList.blocks(mem[: 4 * B], B), DescList.file(reg, [0, B, 0, B], B)).wait()
     assert np.array_equal(mem[: 2 * B], data) and np.array_equal(mem[2 * B : 4 * B], data)
+
+
+def test_close_does_not_hang_on_a_run_that_was_never_finished(direct_file, caplog) -> None:
+    """A started run whose reaper never came (a bug elsewhere) must not hang the agent's close forever."""
+    fd, _ = direct_file
+    buf = aligned_empty(B)
+    ctx = AioContext(4)
+    run = ctx.start(IocbBatch(np.array([fd]), np.array([0]), np.array([buf.ctypes.data]), np.array([B]), False))
+    ctx.close(timeout=0.05)
+    assert ctx._ctx.value, "a context with I/O possibly in flight was destroyed"
+    assert "still busy" in caplog.text
+    assert list(run.finish()) == [B]
+    ctx.close()
+    assert not ctx._ctx.value

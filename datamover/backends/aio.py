@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import errno as errno_mod
+import logging
 import os
 import platform
 import sys
@@ -50,6 +51,8 @@ IOCB = np.dtype(
 #: struct io_event (32 bytes)
 IO_EVENT = np.dtype([("data", "<u8"), ("obj", "<u8"), ("res", "<i8"), ("res2", "<i8")])
 assert IOCB.itemsize == 64 and IO_EVENT.itemsize == 32
+
+log = logging.getLogger("datamover.posix")
 
 
 class _Timespec(ctypes.Structure):
@@ -205,15 +208,22 @@ class AioContext:
             raise
         return run
 
-    def close(self) -> None:
-        with self._lock:
+    def close(self, timeout: float = 10.0) -> None:
+        """Destroy the kernel context once no run holds it; one still held after ``timeout`` s is left alone."""
+        if not self._lock.acquire(timeout=timeout):
+            # a run that was started and never finished: its reaper may still call io_getevents on this context
+            log.warning("AIO context still busy after %.0f s at close; leaving it to the process exit", timeout)
+            return
+        try:
             if self._ctx.value:
                 _syscall("io_destroy", self._ctx)
                 self._ctx = ctypes.c_ulong(0)
+        finally:
+            self._lock.release()
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(timeout=0)
         except Exception:
             pass
 
