@@ -283,7 +283,8 @@ class UcxBackend(Backend):
         # request is checked and served by the owner over tag send/recv
         "one_sided": True,
         # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
-        # requests larger than this go through the owner, whose tag rendezvous streams large messages faster
+        # requests with a row larger than this go through the owner, whose tag rendezvous streams large
+        # messages faster
         "emulated_max_bytes": 8 << 20,
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
@@ -388,7 +389,7 @@ class UcxBackend(Backend):
                     "one-sided put/get"
                     if self._rma_native
                     else f"one-sided put/get (emulated by UCX) up to "
-                    f"{self._emulated_max} B per request, served by the owner above"
+                    f"{self._emulated_max} B rows, served by the owner above"
                 )
                 if self._one_sided
                 else "tag send/recv served by the owner"
@@ -1052,7 +1053,7 @@ class UcxBackend(Backend):
             return rows
 
     def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | None:
-        if not self._rma_native and req.local.nbytes > self._emulated_max:
+        if not self._rma_native and len(req.local) and int(req.local.length.max()) > self._emulated_max:
             return None
         rows = None
         uniq, inv = np.unique(req.remote_regions, return_inverse=True)
