@@ -554,13 +554,9 @@ class UcxBackend(Backend):
             rows = self._one_sided_rows(peer, req)
             if rows is None:
                 return False
-            ep = peer.ep.handle
-            status = rma.post_rows(req.op == "READ", ep, rows)
-            flush = rma.Flush(ep) if status == rma.UCS_OK else None
-            self.counts["one-sided"] += 1
+            flush, status = self._post_one_sided(peer, req.op, rows)
         if flush is None:
-            err = rma.UcpError(rma.status_text(status), status=status)
-            completion.finish_part(_ucx_error(err, peer.name, 0, self.name))
+            completion.finish_part(self._status_error(status, peer))
             return True
         direct = _Direct(peer, req, completion, flush, deadline)
         if not self._finish_direct(direct):
@@ -586,8 +582,7 @@ class UcxBackend(Backend):
                 self._submit(lambda: self._send_after(direct.peer, direct.notify))
             direct.completion.finish_part()
         else:
-            failed = rma.UcpError(rma.status_text(status), status=status)
-            direct.completion.finish_part(why or _ucx_error(failed, direct.peer.name, 0, self.name))
+            direct.completion.finish_part(why or self._status_error(status, direct.peer))
         return True
 
     def _drive(self, direct: _Direct) -> None:
@@ -1074,15 +1069,22 @@ class UcxBackend(Backend):
             rkey = peer.rkeys[rid] = rma.rkey_unpack(peer.ep.handle, peer.regions[rid][4])
         return rkey
 
-    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row]) -> None:
-        """Post every row's put (WRITE) or get (READ), then one flush: done when the flush ends."""
+    def _post_one_sided(self, peer: _Peer, op: str, rows: list[rma.Row]) -> tuple[rma.Flush | None, int]:
+        """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self._rma_lock:
             ep = peer.ep.handle
-            status = rma.post_rows(op.req.op == "READ", ep, rows)
-            flush = rma.Flush(ep) if status == rma.UCS_OK else None
+            status = rma.post_rows(op == "READ", ep, rows)
             self.counts["one-sided"] += 1
+            return (rma.Flush(ep) if status == rma.UCS_OK else None), status
+
+    def _status_error(self, status: int, peer: _Peer) -> DatamoverError:
+        return _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name)
+
+    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row]) -> None:
+        """A queued request's one-sided posts: done when the flush ends."""
+        flush, status = self._post_one_sided(peer, op.req.op, rows)
         if flush is None:
-            self._end(op, _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name))
+            self._end(op, self._status_error(status, peer))
             return
         op.one_sided = True
         op.done_msg = True
@@ -1133,8 +1135,8 @@ class UcxBackend(Backend):
 
     def _maybe_done(self, op: _OutOp) -> None:
         if op.done_msg and op.reqs is not None and op.reqs.k >= len(op.reqs.reqs):
-            if op.one_sided and op.req.notify and op.peer.conn is not None:
-                op.peer.conn.send({"t": "notif", "msg": op.req.notify})  # the flush ended: every row has landed
+            if op.one_sided and op.req.notify:
+                self._send_after(op.peer, op.req.notify)  # the flush ended: every row has landed
             self._end(op, None)
 
     def _end(self, op: _OutOp, error: BaseException | None) -> None:

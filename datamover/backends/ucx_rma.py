@@ -20,7 +20,6 @@ from ..errors import DatamoverError
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
-_ERR_LAST = -100
 _MEMORY_TYPE = {"host": 0, "cuda": 1}
 _FIELD_ADDRESS, _FIELD_LENGTH, _FIELD_MEMORY_TYPE = 1 << 0, 1 << 1, 1 << 4
 
@@ -69,7 +68,7 @@ def ucp() -> Any:
 
     lib = ctypes.CDLL(_loaded("libucp"))
     ucs = ctypes.CDLL(_loaded("libucs"))
-    vp, sz, u64, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+    vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
     sig = {
         "ucp_mem_map": ([vp, ctypes.POINTER(_MemMapParams), ctypes.POINTER(vp)], st),
         "ucp_mem_unmap": ([vp, vp], st),
@@ -77,8 +76,6 @@ def ucp() -> Any:
         "ucp_rkey_buffer_release": ([vp], None),
         "ucp_ep_rkey_unpack": ([vp, ctypes.c_char_p, ctypes.POINTER(vp)], st),
         "ucp_rkey_destroy": ([vp], None),
-        "ucp_put_nbx": ([vp, vp, sz, u64, vp, vp], ctypes.c_ssize_t),
-        "ucp_get_nbx": ([vp, vp, sz, u64, vp, vp], ctypes.c_ssize_t),
         "ucp_ep_flush_nbx": ([vp, vp], ctypes.c_ssize_t),
         "ucp_request_check_status": ([vp], st),
         "ucp_request_free": ([vp], None),
@@ -168,11 +165,6 @@ def rkey_unpack(ep: int, packed: bytes) -> int:
 
 def rkey_destroy(rkey: int) -> None:
     ucp().ucp_rkey_destroy(rkey)
-
-
-def is_error(ptr: int) -> bool:
-    """Whether a ``ucs_status_ptr_t`` (as a signed int) carries an error status."""
-    return _ERR_LAST <= ptr < 0
 
 
 class Flush:
