@@ -23,6 +23,7 @@ import sys
 import time
 
 from datamover.bench.output import markdown_table, read_json
+from datamover.bench.runner import verdict_summary
 
 BEGIN, END = "<!-- tables:begin (benchmarks/head_to_head.py --update) -->", "<!-- tables:end -->"
 SWEEP = ["--min-time", "0.3", "--max-iters", "30", "--check", "--quiet"]
@@ -108,6 +109,9 @@ def render(out: str, names: list[str]) -> str:
         if labels:
             parts.append(f"- sized from: {', '.join(labels)}")
         parts.append("\n" + markdown_table(results) + "\n")
+        summary = verdict_summary(results)
+        if summary:
+            parts.append(summary[0].upper() + summary[1:] + ".\n")
         parts.append(f"![{name}]({os.path.relpath(base + '.png')})\n")
     return "\n".join(parts)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 from datamover.bench import output
-from datamover.bench.runner import Result, machine_info, sample_case
+from datamover.bench.runner import Result, format_vs_table, machine_info, paired_ratio_ci, sample_case, verdict
 from datamover.bench.workload import Case
 
 
@@ -76,9 +78,33 @@ def test_markdown_table_has_one_row_per_result() -> None:
     r = _results()
     md = output.markdown_table(r)
     lines = md.splitlines()
-    assert lines[0].startswith("| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | at p50 |")
+    assert lines[0].startswith("| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | 95% CI | at p50 |")
     assert len(lines) == 2 + len(r)
-    assert "| memcpy | WRITE | 4 KiB | 4096 | 5.50 | 1.50 | 3.67 | - | 0.00 | 0.01 | - | -/FAIL |" in lines
+    assert "| memcpy | WRITE | 4 KiB | 4096 | 5.50 | 1.50 | 3.67 | - | - | 0.00 | 0.01 | - | -/FAIL |" in lines
+    r[1].vs_ratio_lo, r[1].vs_ratio_hi = 3.5, 3.8
+    assert "| 3.67 | 3.50-3.80 | - |" in output.markdown_table(r)
     plain = output.markdown_table(r[:1]).splitlines()
     assert plain[0] == "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
     assert plain[2] == "| posix | WRITE | 64 KiB | 64 | 1.23 | 1.10 | 1.12 | 4.00 | ok |"
+
+
+def test_paired_ratio_interval_brackets_the_ratio_and_narrows_with_pairing() -> None:
+    rng = np.random.default_rng(1)
+    drift = rng.uniform(0.5, 2.0, 40)  # the machine slows both sides of a round alike
+    ours = drift * rng.normal(1.0, 0.01, 40)
+    theirs = 1.1 * drift * rng.normal(1.0, 0.01, 40)
+    lo, hi = paired_ratio_ci(list(ours), list(theirs))
+    assert lo < theirs.sum() / ours.sum() < hi
+    assert 1.0 < lo and hi - lo < 0.02  # unpaired resampling of this much drift would span 1.0
+    assert paired_ratio_ci([1.0] * 4, [1.0] * 4) == (None, None)
+
+
+def test_verdict_reads_the_interval_and_the_table_counts_it() -> None:
+    base = _results()[1]
+    rows = []
+    for lo, hi in ((1.02, 1.3), (0.95, 1.04), (0.7, 0.9), (None, None)):
+        rows.append(Result(**(base.row() | {"vs_ratio_lo": lo, "vs_ratio_hi": hi})))
+    assert [verdict(r) for r in rows] == ["ahead", "tie", "behind", "-"]
+    text = format_vs_table(rows)
+    assert "0.95-1.04" in text
+    assert "1 ahead, 1 tied (the interval spans 1.0), 1 behind" in text

@@ -8,7 +8,7 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from .runner import Result, human
+from .runner import Result, human, ratio_ci
 
 RESULT_FIELDS = [f.name for f in fields(Result)]
 
@@ -144,7 +144,7 @@ def markdown_table(results: list[Result]) -> str:
 
     mark = {True: "ok", False: "FAIL", None: "-"}
     if vs:
-        head = "| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | at p50 "
+        head = "| backend | op | block | batch | ours GB/s | NIXL GB/s | ours/NIXL | 95% CI | at p50 "
         head += "| ours p99 ms | NIXL p99 ms | CPU us/desc ours/NIXL | check |"
     else:
         head = "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
@@ -155,7 +155,8 @@ def markdown_table(results: list[Result]) -> str:
             ratio = "n/a" if r.vs_error else g(r.vs_ratio)
             check = f"{mark[r.checked]}/{mark[r.vs_checked]}"
             cpu = "-" if r.vs_cpu_us_per_desc is None else f"{r.cpu_us_per_desc:.1f}/{r.vs_cpu_us_per_desc:.1f}"
-            cells += [g(r.vs_gbps), ratio, g(r.vs_ratio_p50), ms(r.xfer_p99_us), ms(r.vs_xfer_p99_us), cpu, check]
+            cells += [g(r.vs_gbps), ratio, ratio_ci(r), g(r.vs_ratio_p50), ms(r.xfer_p99_us), ms(r.vs_xfer_p99_us)]
+            cells += [cpu, check]
         else:
             cells += [g(r.raw_gbps), g(r.ratio), ms(r.xfer_p99_us), mark[r.checked]]
         lines.append("| " + " | ".join(cells) + " |")

@@ -50,6 +50,8 @@ class Result:
     cpu_us_per_desc: float | None = None  # this process's CPU, all threads, per descriptor (not a remote peer's)
     vs_cpu_us_per_desc: float | None = None
     vs_ratio_p50: float | None = None  # ours / theirs at the median transfer: robust to a noisy machine
+    vs_ratio_lo: float | None = None  # 95% confidence interval of vs_ratio (paired bootstrap over rounds)
+    vs_ratio_hi: float | None = None
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -265,7 +267,38 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
             r.vs_xfer_p50_us = float(np.median(s.vs_totals) * 1e6)
             r.vs_cpu_us_per_desc = s.vs_cpu * 1e6 / (len(s.vs_totals) * batch)
             r.vs_ratio_p50 = r.vs_xfer_p50_us / r.xfer_p50_us
+            r.vs_ratio_lo, r.vs_ratio_hi = paired_ratio_ci(s.totals, s.vs_totals)
     return r
+
+
+def paired_ratio_ci(
+    ours: list[float], theirs: list[float], level: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float | None, float | None]:
+    """Confidence interval of sum(theirs) / sum(ours), i.e. our GB/s over theirs, by a paired bootstrap.
+
+    Sample i of each side ran in the same round (``sample_case`` alternates
+    them), so rounds are resampled as pairs: drift that slows both sides of a
+    round does not widen the interval, a stall that hits one side does.
+    (None, None) with fewer than 5 rounds.
+    """
+    n = min(len(ours), len(theirs))
+    if n < 5:
+        return None, None
+    a, b = np.asarray(ours[:n]), np.asarray(theirs[:n])
+    idx = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
+    ratios = b[idx].sum(axis=1) / a[idx].sum(axis=1)
+    tail = (1.0 - level) / 2 * 100
+    lo, hi = np.percentile(ratios, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def verdict(r: Result) -> str:
+    """'ahead', 'tie' or 'behind' the compared library: the ratio's interval lies above 1, spans it, or lies below."""
+    if r.vs_ratio_lo is None or r.vs_ratio_hi is None:
+        return "-"
+    if r.vs_ratio_lo > 1.0:
+        return "ahead"
+    return "behind" if r.vs_ratio_hi < 1.0 else "tie"
 
 
 class _NoBar:
@@ -376,7 +409,8 @@ def format_vs_table(results: list[Result]) -> str:
     """Ours beside NIXL: both GB/s, both p99 post-to-done latencies, the ratio, and both byte checks."""
     head = (
         f"{'backend':<8} {'op':<5} {'block':>9} {'batch':>6} {'ours GB/s':>9} {'nixl GB/s':>9} {'ours/nixl':>9} "
-        f"{'p50 ratio':>9} {'ours p99 us':>11} {'nixl p99 us':>11} {'cpu us/desc':>13} {'raw GB/s':>8} {'check':>9}"
+        f"{'95% CI':>11} {'p50 ratio':>9} {'ours p99 us':>11} {'nixl p99 us':>11} {'cpu us/desc':>13} "
+        f"{'raw GB/s':>8} {'check':>9}"
     )
     lines = [head, "-" * len(head)]
     notes = []
@@ -389,10 +423,35 @@ def format_vs_table(results: list[Result]) -> str:
             ratio = f"{'n/a':>9}"
         lines.append(
             f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 9)} "
-            f"{_fmt(r.vs_gbps, '.2f', 9)} {ratio} {_fmt(r.vs_ratio_p50, '.2f', 9)} {r.xfer_p99_us:11.1f} "
-            f"{_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_cpu_pair(r):>13} "
+            f"{_fmt(r.vs_gbps, '.2f', 9)} {ratio} {ratio_ci(r):>11} {_fmt(r.vs_ratio_p50, '.2f', 9)} "
+            f"{r.xfer_p99_us:11.1f} {_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_cpu_pair(r):>13} "
             f"{_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"
         )
+    summary = verdict_summary(results)
+    if summary:
+        lines += ["", summary]
     if notes:
         lines += ["", "NIXL did not run these cases:", *dict.fromkeys(notes)]
     return "\n".join(lines)
+
+
+def ratio_ci(r: Result) -> str:
+    """The ratio's 95% interval as 'lo-hi', or '-' when there were too few rounds."""
+    if r.vs_ratio_lo is None or r.vs_ratio_hi is None:
+        return "-"
+    return f"{r.vs_ratio_lo:.2f}-{r.vs_ratio_hi:.2f}"
+
+
+def verdict_summary(results: list[Result]) -> str:
+    """One line counting rows whose 95% interval lies above 1 (ahead), spans it (tie) or lies below (behind)."""
+    counts = {"ahead": 0, "tie": 0, "behind": 0}
+    for r in results:
+        v = verdict(r)
+        if v in counts:
+            counts[v] += 1
+    if not any(counts.values()):
+        return ""
+    return (
+        f"ours vs nixl, by the 95% interval of the GB/s ratio: {counts['ahead']} ahead, {counts['tie']} tied "
+        f"(the interval spans 1.0), {counts['behind']} behind"
+    )
