@@ -338,7 +338,7 @@ class UcxBackend(Backend):
         self._rma_lock = threading.RLock()
         self._directs: list[_Direct] = []
         self._drivers: set[_Direct] = set()  # requests a waiter is progressing UCX for right now
-        self._params: dict[int, rma.RequestParam] = {}  # region id -> put/get parameters naming its memh
+        self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
         self.resets = 0
@@ -444,7 +444,8 @@ class UcxBackend(Backend):
             rma.mem_unmap(self._ctx.handle, memh)
             raise
         self._mapped[reg.id] = (memh, entry)
-        self._params[reg.id] = rma.memh_param(memh, cuda=reg.mem_type == MemType.VRAM)
+        if reg.mem_type == MemType.VRAM:
+            self._params[reg.id] = rma.memh_param(memh)
         for inbound in self._inbound.values():
             if inbound.name:
                 inbound.conn.send({"t": "rkeys", "add": [entry]})

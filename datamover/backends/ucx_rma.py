@@ -113,10 +113,9 @@ _NO_PARAM = RequestParam()
 NO_PARAM = ctypes.addressof(_NO_PARAM)
 
 
-def memh_param(memh: int, cuda: bool = False) -> RequestParam:
-    """Request parameters naming the local buffer's memory handle and type, so UCP skips looking them up."""
-    mem_type = _MEMORY_TYPE["cuda" if cuda else "host"]
-    return RequestParam(op_attr_mask=_OP_ATTR_MEMH | _OP_ATTR_MEMORY_TYPE, memh=memh, memory_type=mem_type)
+def memh_param(memh: int) -> RequestParam:
+    """Request parameters naming a device buffer's memory handle and type, so UCP skips detecting them."""
+    return RequestParam(op_attr_mask=_OP_ATTR_MEMH | _OP_ATTR_MEMORY_TYPE, memh=memh, memory_type=_MEMORY_TYPE["cuda"])
 
 
 def status_text(status: int) -> str:
@@ -195,39 +194,53 @@ class Flush:
             self.req = 0
 
 
-Row = tuple  # (local addr, length, remote addr, rkey, request param), as ctypes values ready to pass
+Row = tuple  # (local addr, length, remote addr, rkey, request param or None), as ctypes values ready to pass
 
 
 def make_row(laddr: int, n: int, raddr: int, rkey: int, param: RequestParam | None) -> Row:
-    """One put/get's arguments converted once, so posting it again costs no conversions."""
+    """One put/get's arguments converted once, so posting it again costs no conversions.
+
+    A row without ``param`` (host memory) is posted with ``ucp_put_nbi``/``ucp_get_nbi``; one with it (the
+    memh and memory type of device memory) with ``ucp_put_nbx``/``ucp_get_nbx``.
+    """
     return (
         ctypes.c_void_p(laddr),
         ctypes.c_size_t(n),
         ctypes.c_uint64(raddr),
         ctypes.c_void_p(rkey),
-        ctypes.byref(param) if param is not None else ctypes.c_void_p(NO_PARAM),
+        ctypes.byref(param) if param is not None else None,
     )
 
 
 @functools.lru_cache(maxsize=1)
-def _raw() -> tuple[Any, Any, Any]:
-    """put, get and request_free without argtypes: the rows carry ctypes values already."""
+def _raw() -> tuple[Any, Any, Any, Any, Any]:
+    """put/get nbi, put/get nbx and request_free without argtypes: the rows carry ctypes values already."""
     lib = ctypes.CDLL(_loaded("libucp"))
-    put, get, free = lib.ucp_put_nbx, lib.ucp_get_nbx, lib.ucp_request_free
-    put.restype = get.restype = ctypes.c_ssize_t
+    put_nbi, get_nbi = lib.ucp_put_nbi, lib.ucp_get_nbi
+    put_nbx, get_nbx, free = lib.ucp_put_nbx, lib.ucp_get_nbx, lib.ucp_request_free
+    put_nbi.restype = get_nbi.restype = ctypes.c_int
+    put_nbx.restype = get_nbx.restype = ctypes.c_ssize_t
     free.restype = None
-    return put, get, free
+    return put_nbi, get_nbi, put_nbx, get_nbx, free
 
 
 def post_rows(get: bool, ep: int, rows: list[Row]) -> int:
     """Post one put (or get) per row (see ``make_row``); returns UCS_OK or the first error.
 
-    The requests are freed at once: the flush that follows reports their completion.
+    Completion is left to the endpoint flush that follows. The implicit
+    (nbi) calls hand back no request, which halves the foreign calls per
+    row: measured 6.1 against 8.4 us per 4 KiB row over cma on the 2-vCPU VM.
+    The nbx requests device rows get are freed at once.
     """
-    put_fn, get_fn, free = _raw()
-    fn, ep_arg = (get_fn if get else put_fn), ctypes.c_void_p(ep)
+    put_nbi, get_nbi, put_nbx, get_nbx, free = _raw()
+    nbi, nbx, ep_arg = (get_nbi, get_nbx, ctypes.c_void_p(ep)) if get else (put_nbi, put_nbx, ctypes.c_void_p(ep))
     for laddr, n, raddr, rkey, param in rows:
-        ptr = fn(ep_arg, laddr, n, raddr, rkey, param)
+        if param is None:
+            status = nbi(ep_arg, laddr, n, raddr, rkey)
+            if status < 0:
+                return status
+            continue
+        ptr = nbx(ep_arg, laddr, n, raddr, rkey, param)
         if ptr > 0:
             free(ctypes.c_void_p(ptr))
         elif ptr < 0:
