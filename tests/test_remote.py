@@ -437,3 +437,17 @@ def test_transport_settings_pass_through(params, present, absent):
         desc = agent.backend("ucx").describe()
         assert present in desc["transports"] and (absent is None or absent not in desc["transports"]), desc
         assert desc["error_handling"] == bool(params.get("error_handling"))
+
+
+def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
+    from datamover.backends.ucx import ucx_config
+
+    for var in ("UCX_TLS", "UCX_TCP_PUT_ENABLE", "UCX_CMA_TX_QUOTA"):
+        monkeypatch.delenv(var, raising=False)
+    assert ucx_config({}, cma=False) == {"TLS": "^cma", "TCP_PUT_ENABLE": "n", "CMA_TX_QUOTA": "64"}
+    assert "TLS" not in ucx_config({}, cma=True)
+    mine = ucx_config({"CMA_TX_QUOTA": 4, "TCP_PUT_ENABLE": "y"}, cma=True)
+    assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y"}
+    monkeypatch.setenv("UCX_CMA_TX_QUOTA", "2")
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n"}  # UCX reads the environment's values itself

@@ -1412,7 +1412,10 @@ def _parse_rkeys(peer: str, rows: Any) -> dict[int, tuple[str, int, int, int, by
 
 
 def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
-    """UCX context settings: the user's, plus TLS without cma unless cma is allowed or TLS is set already."""
+    """UCX context settings: the user's, plus our defaults for what neither they nor the environment set.
+
+    TLS without cma unless cma is allowed, tcp's own put off, and cma's copies per progress call raised.
+    """
     config = {str(k): str(v) for k, v in dict(user).items()}
     if not cma and "TLS" not in config and "UCX_TLS" not in os.environ:
         config["TLS"] = "^cma"
@@ -1420,6 +1423,10 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
         # with tcp's own put, UCX carries puts between two processes of one host over loopback TCP
         # (measured 0.8-1.1 GB/s for 1-16 MiB); without it, UCX emulates put over shared memory (2.8-4 GB/s)
         config["TCP_PUT_ENABLE"] = "n"
+    if "CMA_TX_QUOTA" not in config and "UCX_CMA_TX_QUOTA" not in os.environ:
+        # cma copies a queued put/get per worker progress call by default (quota 1): one Python-level progress
+        # per row; 64 per call measured 8-16% faster for 4-64 KiB rows, and equal for 1 MiB ones
+        config["CMA_TX_QUOTA"] = "64"
     return config
 
 
