@@ -162,7 +162,7 @@ def test_a_valid_rkey_offer_parses():
 
 def test_large_requests_go_to_the_owner_when_put_is_only_emulated(target):
     """Without cma or RDMA, UCX emulates put/get; requests above emulated_max_bytes use the owner's rendezvous."""
-    with Agent("emulated", {"backends": {"ucx": {"emulated_max_bytes": 8192}}}) as agent:
+    with Agent("emulated", {"backends": {"ucx": {"emulated_max_bytes": 8192, "direct_cma": False}}}) as agent:
         if agent.backend("ucx")._rma_native:
             pytest.skip("this UCX has native RMA (cma or RDMA) here: nothing is emulated")
         buf = RemoteBuffer(target, 4 * 8192)
@@ -177,3 +177,54 @@ def test_large_requests_go_to_the_owner_when_put_is_only_emulated(target):
             assert buf.read(0, 4 * 8192) == local.read(0, 4 * 8192)
         finally:
             buf.free()
+
+
+@pytest.mark.parametrize("n", [16, 2048], ids=["inline", "in-parts"])
+def test_a_same_host_peer_is_copied_with_direct_cma(agent, target, n):
+    """process_vm_writev/readv, IOV_MAX rows per call: small requests inside post(), large ones in parts."""
+    desc = agent.backend("ucx").describe()["direct cma"]["owner"]
+    if not desc.startswith("pid "):
+        pytest.skip(f"direct cma unavailable here: {desc}")
+    bs = 4096
+    local, buf = HostBuffer(agent, 2 * n * bs), RemoteBuffer(target, n * bs)
+    agent.add_remote(target.metadata())
+    try:
+        data = random_bytes(n * bs, 11)
+        local.write(0, data)
+        before, owner_before = counts(agent), counts(target)
+        perm = np.random.default_rng(2).permutation(n)
+        assert (
+            agent.transfer("WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(perm * bs, bs), "owner").wait()
+            == "DONE"
+        )
+        got = np.frombuffer(buf.read(0, n * bs), np.uint8).reshape(n, bs)
+        assert np.array_equal(got[perm], np.frombuffer(data, np.uint8).reshape(n, bs))
+        back = local.descs(n * bs + np.arange(n) * bs, bs)
+        assert agent.transfer("READ", back, buf.descs(perm * bs, bs), "owner").wait() == "DONE"
+        assert local.read(n * bs, n * bs) == data
+        after = counts(agent)
+        assert after["of them direct cma"] - before["of them direct cma"] == 2
+        assert after["one-sided"] - before["one-sided"] == 2
+        assert counts(target)["served for peers"] == owner_before["served for peers"]
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+        agent.add_remote(target.metadata())
+
+
+def test_direct_cma_off_on_either_side_leaves_ucx_put_get(target):
+    """direct_cma: False on the initiator, or on the target (which then offers no token), keeps UCP put/get."""
+    with RemotePeer("no-token", {"backends": {"ucx": {"direct_cma": False}}}) as plain:
+        for peer, config in ((target, {"direct_cma": False}), (plain, {})):
+            with Agent("init-" + peer.name, {"backends": {"ucx": config}}) as init:
+                buf = RemoteBuffer(peer, 1 << 16)
+                init.add_remote(peer.metadata())
+                local = HostBuffer(init, 1 << 16)
+                local.write(0, random_bytes(1 << 16, 12))
+                assert init.transfer("WRITE", local.descs([0], [1 << 16]), buf.descs([0], [1 << 16]), peer.name).wait()
+                assert buf.read(0, 1 << 16) == local.read(0, 1 << 16)
+                c = counts(init)
+                assert c["one-sided"] == 1 and c["of them direct cma"] == 0
+                why = init.backend("ucx").describe()["direct cma"][peer.name]
+                assert why == ("direct_cma is off here" if config else "the peer offered no token")
+                buf.free()

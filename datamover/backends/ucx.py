@@ -9,7 +9,10 @@ Two data paths, one protocol around them:
   against those bounds and posts one ``ucp_put_nbx``/``ucp_get_nbx`` per
   row and one endpoint flush; the target's CPU stays out of the data path,
   as with NIXL. ucxx's Python layer has no RMA, so ``ucx_rma`` binds these
-  calls through ctypes on ucxx's own handles. Deregistration revokes the
+  calls through ctypes on ucxx's own handles. A peer on the same host that
+  the kernel lets this process attach to (``direct_cma``, see ``cma``) is
+  instead written and read with process_vm_writev/readv, ``IOV_MAX`` rows
+  per syscall, against the same rkey bounds. Deregistration revokes the
   rkey and waits until every connected peer confirms its operations on the
   region ended.
 - **Served by the owner** (rows the target did not offer, e.g. a stale or
@@ -39,6 +42,7 @@ progress while requests are in flight and sleeps in epoll otherwise.
 from __future__ import annotations
 
 import collections
+import errno as errno_mod
 import functools
 import hmac
 import itertools
@@ -66,11 +70,14 @@ from ..errors import (
     NotRegistered,
     RemoteDisconnected,
     RemoteRefused,
+    TransferIOError,
     TransferTimeout,
 )
+from . import cma
 from . import ucx_rma as rma
-from .base import Backend, Completion, TransferRequest
+from .base import Backend, Completion, TransferRequest, finished_completion, run_parts, split_by_bytes
 from .ucx_protocol import FrameConn, handshake_mac, new_nonce, session_key
+from .workers import Workers
 
 log = logging.getLogger("datamover.ucx")
 
@@ -241,6 +248,9 @@ class _Peer:
         self.regions: dict[int, tuple[str, int, int, int, bytes]] = {}
         self.rkeys: dict[int, int] = {}
         self.epoch = 0
+        self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
+        self.cma_why = "not connected"  # why not, for describe()
+        self.cma_active = 0  # direct cma requests copying in parts now; a revocation is confirmed once none are
 
 
 class _Inbound:
@@ -282,6 +292,14 @@ class UcxBackend(Backend):
         # the owner's CPU stays out of the data path) and do the same to peers that allow it; off, every
         # request is checked and served by the owner over tag send/recv
         "one_sided": True,
+        # one-sided to a peer on this host that the kernel lets this process attach to (a probe at connect time
+        # tells): DRAM rows go with process_vm_writev/readv, up to IOV_MAX rows per syscall, instead of one UCX
+        # put/get per row; a peer dying mid-copy makes the copy fail (not this process abort, as UCX's cma does)
+        "direct_cma": True,
+        # direct cma requests of up to this many bytes are copied inside post(); larger ones in parts on up to
+        # cma_threads threads (a waiting caller copies parts too), so that post() returns at once
+        "cma_inline_bytes": 1 << 20,
+        "cma_threads": 2,
         # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
         # requests with a row larger than this go through the owner, whose tag rendezvous streams large
         # messages faster
@@ -340,7 +358,11 @@ class UcxBackend(Backend):
         self._drivers: set[_Direct] = set()  # requests a waiter is progressing UCX for right now
         self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
-        self.counts = {"one-sided": 0, "served by the owner": 0, "served for peers": 0}
+        self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
+        self._cma_token = cma.Token() if self._one_sided and self.params["direct_cma"] else None
+        self._cma_pool: Workers | None = None
+        self._cma_ops: dict[int, frozenset] = {}  # id -> local regions of direct cma requests copying in parts
+        self._cma_ids = itertools.count(1)
         self.resets = 0
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -374,7 +396,8 @@ class UcxBackend(Backend):
             "transports available": ", ".join(transports_of(ctx.info)),
             "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
             "UCX_TLS": ctx.config.get("TLS", "?"),
-            "data path": "one-sided put/get (UCP RMA, rkeys over the control connection), or tag send/recv "
+            "data path": "one-sided put/get (UCP RMA, rkeys over the control connection; same-host peers "
+            "this process may attach to: process_vm_writev/readv, IOV_MAX rows per call), or tag send/recv "
             "served by the owner; endpoints from worker addresses, UCX error handling off; peer failure via "
             "control TCP",
         }
@@ -394,6 +417,9 @@ class UcxBackend(Backend):
                 if self._one_sided
                 else "tag send/recv served by the owner"
             ),
+            "direct cma": {
+                name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
+            },
             "control": f"{self.params['host']}:{self._port}",
             "worker resets": self.resets,
             "requests": dict(self.counts),
@@ -509,6 +535,8 @@ class UcxBackend(Backend):
             return True
         if any(rid in d.regions for d in self._directs if not d.done):
             return True
+        if any(rid in regions for regions in list(self._cma_ops.values())):
+            return True
         for peer in self._peers.values():  # requests waiting for the handshake will post soon
             if any(rid in op.req.plan["regions"] for op in peer.ops.values() if op.reqs is None and not op.abandoned):
                 return True
@@ -530,42 +558,100 @@ class UcxBackend(Backend):
         }
 
     def post(self, req: TransferRequest) -> Completion:
-        completion = Completion(1)
         if len(req.local) == 0:
-            completion.finish_part()
-            return completion
+            return finished_completion()
         deadline = time.monotonic() + req.timeout
-        if not (self._one_sided and self._post_direct(req, completion, deadline)):
-            self._submit(lambda: self._start(req, completion, deadline))
+        if self._one_sided:
+            completion = self._post_direct(req, deadline)
+            if completion is not None:
+                return completion
+        completion = Completion(1)
+        self._submit(lambda: self._start(req, completion, deadline))
         return completion
 
-    def _post_direct(self, req: TransferRequest, completion: Completion, deadline: float) -> bool:
-        """Post a one-sided request from the caller's thread; False when it must go through the service thread.
+    def _post_direct(self, req: TransferRequest, deadline: float) -> Completion | None:
+        """Post a one-sided request from the caller's thread; None when it must go through the service thread.
 
-        The worker is thread-safe (ucxx creates it multi-threaded). Puts over
-        cma complete inside the call, so such a request is DONE when ``post``
-        returns, with no thread hop; otherwise the service thread polls its flush.
+        The worker is thread-safe (ucxx creates it multi-threaded). A waiter
+        progresses UCX until the flush ends (no thread hop); the service thread
+        polls the flush of callers that never wait. Rows copied with direct cma
+        are done when ``post`` returns.
         """
         peer = self._peers.get(req.remote_agent)  # type: ignore[arg-type]
         if peer is None or peer.state != "ready" or not peer.regions or req.plan["regions"] - self.agent._regs.keys():
-            return False
+            return None
         with self._rma_lock:
             if peer.state != "ready" or peer.ep is None:
-                return False
+                return None
             rows = self._one_sided_rows(peer, req)
             if rows is None:
-                return False
-            flush, status = self._post_one_sided(peer, req.op, rows)
+                return None
+            in_parts = isinstance(rows, cma.CmaPlan) and rows.nbytes > int(self.params["cma_inline_bytes"])
+            if in_parts:
+                peer.cma_active += 1  # checked against the rkeys the peer holds now: revocations wait for it
+            elif isinstance(rows, cma.CmaPlan):
+                error = self._copy_cma(peer, req, rows, deadline)
+            else:
+                flush, status = self._post_one_sided(peer, req.op, rows)
+        if in_parts:
+            return self._start_cma_parts(peer, req, rows, deadline)  # type: ignore[arg-type]
+        completion = Completion(1)
+        if isinstance(rows, cma.CmaPlan):
+            if error is None and req.notify:
+                self._submit(lambda: self._send_after(peer, req.notify))
+            completion.finish_part(error)
+            return completion
         if flush is None:
             completion.finish_part(self._status_error(status, peer))
-            return True
+            return completion
         direct = _Direct(peer, req, completion, flush, deadline)
         if not self._finish_direct(direct):
             # the waiter progresses UCX itself (no thread hop); the service thread picks it up at its next
             # turn for callers that never wait
             self._directs.append(direct)
             completion.set_assist(lambda: self._drive(direct))
-        return True
+        return completion
+
+    def _start_cma_parts(self, peer: _Peer, req: TransferRequest, plan: cma.CmaPlan, deadline: float) -> Completion:
+        """Copy a large direct cma request in parts on the cma threads (and in a waiting caller).
+
+        The caller counted it in ``peer.cma_active`` while its rows were
+        checked; it stays counted until every part ended, so a revocation of
+        a region it touches is confirmed to the peer only after that.
+        """
+        if self._cma_pool is None:
+            self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.agent.name}")
+        self.counts["one-sided"] += 1
+        self.counts["of them direct cma"] += 1
+        pid, write, op_id = peer.cma_pid, req.op == "WRITE", next(self._cma_ids)
+        if plan.ranges is None:
+            sizes = np.array([c[2] for c in plan.chunks], dtype=np.int64)
+            plan.ranges = split_by_bytes(sizes, int(self.params["cma_threads"]), 4 << 20)
+
+        def part(first: int, last: int, completion: Completion) -> None:
+            for i in range(first, last):
+                if completion.cancelled:
+                    return
+                if time.monotonic() > deadline:
+                    raise self._cma_timeout(req)
+                stop = plan.run(pid, write, i, i + 1)
+                if stop is not None:
+                    raise self._cma_error(peer, req, *stop)
+
+        def done(c: Completion) -> None:
+            self._cma_ops.pop(op_id, None)
+            with self._rma_lock:
+                peer.cma_active -= 1
+                revokes = not peer.cma_active and self._revokes
+            if revokes:
+                self._submit(self._check_revokes)
+            if c.error is None and req.notify:
+                self._submit(lambda: self._send_after(peer, req.notify))
+
+        self._cma_ops[op_id] = req.plan["regions"]
+        completion = run_parts(self._cma_pool, plan.ranges, part, backend=self.name)
+        completion.add_done_callback(done)
+        return completion
 
     def _finish_direct(self, direct: _Direct, why: BaseException | None = None) -> bool:
         """Finish ``direct`` if its flush ended (or with ``why``); True once it is finished."""
@@ -1004,9 +1090,10 @@ class UcxBackend(Backend):
 
     def _welcome(self, peer: _Peer, msg: dict[str, Any]) -> None:
         conn_id, address, rkeys = int(msg["conn_id"]), bytes(msg["address"]), bytes(msg.get("rkeys") or b"")
+        local = bytes(msg.get("local") or b"")
         nonce_t = peer.nonce_t
         if self._secret:
-            body = conn_id.to_bytes(8, "big") + address + rkeys
+            body = conn_id.to_bytes(8, "big") + address + rkeys + local
             want = handshake_mac(self._secret, b"welcome", nonce_t, peer.nonce, body)
             if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
                 raise AuthenticationError(f"agent {peer.name!r} does not know the shared secret")
@@ -1018,9 +1105,17 @@ class UcxBackend(Backend):
             raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id
         regions = _parse_rkeys(peer.name, msgpack.unpackb(rkeys) if rkeys else []) if self._one_sided else {}
+        pid, why = 0, "direct_cma is off here" if self._cma_token is None else "the peer offered no token"
+        if self._cma_token is not None and local:
+            try:
+                offer = msgpack.unpackb(local)
+            except Exception:
+                offer = None
+            pid, why = cma.probe(offer if isinstance(offer, dict) else None)
         with self._rma_lock:
             peer.epoch = next(self._epochs)
             peer.regions = regions
+            peer.cma_pid, peer.cma_why = pid, why
         self._ready(peer)
 
     def _ready(self, peer: _Peer) -> None:
@@ -1033,8 +1128,10 @@ class UcxBackend(Backend):
                 peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
                 item[1].finish_part()
 
-    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | None:
+    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
         """(local addr, length, remote addr, rkey) per row when the target opened every row to put/get, else None.
+
+        For a peer this process may attach to (``direct_cma``), DRAM rows come as one ``cma.CmaPlan`` instead.
 
         The rows are checked against the bounds the target itself sent with
         its rkeys (not only against its metadata), so a stale or forged blob
@@ -1048,8 +1145,9 @@ class UcxBackend(Backend):
             req.plan["one_sided"] = (peer.epoch, rows)
             return rows
 
-    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | None:
-        if not self._rma_native and len(req.local) and int(req.local.length.max()) > self._emulated_max:
+    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
+        direct = bool(peer.cma_pid) and req.local.mem_type == MemType.DRAM and req.remote.mem_type == MemType.DRAM
+        if not direct and not self._rma_native and len(req.local) and int(req.local.length.max()) > self._emulated_max:
             return None
         rows = None
         uniq, inv = np.unique(req.remote_regions, return_inverse=True)
@@ -1058,6 +1156,8 @@ class UcxBackend(Backend):
             dev, start, length = (np.array([e[k] for e in entries], dtype=np.int64)[inv] for k in (1, 2, 3))  # type: ignore[index]
             addr, n = req.remote.addr, req.remote.length
             if ((addr >= start) & (addr + n <= start + length) & (req.remote.dev == dev)).all():
+                if direct:
+                    return cma.CmaPlan(req.local.addr, addr, n)
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
                 params = [self._params.get(r) for r in req.local_regions.tolist()]
                 cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
@@ -1078,11 +1178,46 @@ class UcxBackend(Backend):
             self.counts["one-sided"] += 1
             return (rma.Flush(ep) if status == rma.UCS_OK else None), status
 
+    def _copy_cma(self, peer: _Peer, req: TransferRequest, plan: cma.CmaPlan, deadline: float) -> DatamoverError | None:
+        """Copy every row of ``plan`` to (WRITE) or from (READ) the peer now, locked; the typed error if one failed."""
+        self.counts["one-sided"] += 1
+        self.counts["of them direct cma"] += 1
+        write = req.op == "WRITE"
+        for i in range(len(plan.chunks)):
+            if i and time.monotonic() > deadline:
+                return self._cma_timeout(req)
+            stop = plan.run(peer.cma_pid, write, i, i + 1)
+            if stop is not None:
+                return self._cma_error(peer, req, *stop)
+        return None
+
+    def _cma_timeout(self, req: TransferRequest) -> TransferTimeout:
+        return TransferTimeout(
+            f"{req.op} of {len(req.local)} row(s) did not complete within {req.timeout:g} s", backend=self.name
+        )
+
+    def _cma_error(self, peer: _Peer, req: TransferRequest, row: int, err: int) -> DatamoverError:
+        """A failed process_vm_writev/readv as a typed error naming the caller's descriptor."""
+        call = "process_vm_writev" if req.op == "WRITE" else "process_vm_readv"
+        what = f"{call} into agent {peer.name!r} failed: {errno_mod.errorcode.get(err, err)} ({os.strerror(err)})"
+        if err == errno_mod.ESRCH or not _alive(peer.cma_pid):
+            return RemoteDisconnected(
+                f"agent {peer.name!r} went away ({what})", index=req.caller_index(row), backend=self.name
+            )
+        return TransferIOError(what, errno=err, index=req.caller_index(row), backend=self.name)
+
     def _status_error(self, status: int, peer: _Peer) -> DatamoverError:
         return _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name)
 
-    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row]) -> None:
-        """A queued request's one-sided posts: done when the flush ends."""
+    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row] | cma.CmaPlan) -> None:
+        """A queued request's one-sided posts: done when the flush ends (direct cma: at once)."""
+        if isinstance(rows, cma.CmaPlan):
+            with self._rma_lock:  # before the handshake only: copied here, whatever its size
+                error = self._copy_cma(peer, op.req, rows, op.deadline)
+            if error is None and op.req.notify:
+                self._send_after(peer, op.req.notify)
+            self._end(op, error)
+            return
         flush, status = self._post_one_sided(peer, op.req.op, rows)
         if flush is None:
             self._end(op, self._status_error(status, peer))
@@ -1109,7 +1244,7 @@ class UcxBackend(Backend):
     def _check_revokes(self) -> None:
         for entry in list(self._revokes):
             peer, rid, flush = entry
-            if flush.poll() == rma.UCS_INPROGRESS:
+            if flush.poll() == rma.UCS_INPROGRESS or peer.cma_active:
                 continue
             self._revokes.remove(entry)
             with self._rma_lock:
@@ -1273,13 +1408,15 @@ class UcxBackend(Backend):
             raise InvalidMetadata(f"agent {name!r} sent an unusable UCX address: {exc}") from None
         inbound.name = name
         rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
+        local = msgpack.packb(self._cma_token.offer()) if self._cma_token is not None else b""
         mac = b""
         if self._secret:
-            body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys
+            body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys + local
             mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
         inbound.conn.send(
-            {"t": "welcome", "conn_id": inbound.conn_id, "address": self._address, "rkeys": rkeys, "mac": mac}
-        )
+            {"t": "welcome", "conn_id": inbound.conn_id, "address": self._address, "rkeys": rkeys, "local": local,
+             "mac": mac}
+        )  # fmt: skip
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
 
@@ -1382,9 +1519,22 @@ class UcxBackend(Backend):
         except OSError:
             pass
         self._thread.join(10)
+        if self._cma_pool is not None:
+            self._cma_pool.shutdown(wait=True)
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a copy into a dying peer can fail with EFAULT before ESRCH)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _features(ucx_api: Any) -> tuple:
