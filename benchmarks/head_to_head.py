@@ -42,12 +42,15 @@ RUNS: dict[str, tuple[str, str]] = {
         "--backend memcpy --vs nixl --block-sizes 4K,64K,1M,16M --batch-sizes 16,256,4096",
     ),
     "ucx": (
-        "DRAM -> remote DRAM, two processes over loopback: our ucx vs NIXL UCX",
+        "DRAM -> remote DRAM, two processes over loopback: our ucx (direct cma: process_vm_writev/readv, IOV_MAX "
+        "rows per call) vs NIXL UCX (UCP put/get over cma)",
         "--backend ucx --vs nixl --block-sizes 4K,64K,1M,4M,16M --batch-sizes 16,256,4096",
     ),
     "ucx-nocma": (
-        "DRAM -> remote DRAM with the ucx backend's default transports (no cma), same for NIXL, whose peer then polls",
-        "--backend ucx --vs nixl --ucx-tls ^cma --block-sizes 64K,1M,4M,16M --batch-sizes 16,256",
+        "DRAM -> remote DRAM over UCX without cma for either library (ours with direct_cma off: UCP put/get emulated "
+        "over shared memory), NIXL's peer then polling",
+        "--backend ucx --vs nixl --ucx-tls ^cma --param ucx.direct_cma=false --block-sizes 64K,1M,4M,16M "
+        "--batch-sizes 16,256",
     ),
     "s3": (
         "DRAM <-> OBJ on the local S3 server (moto): our s3 vs NIXL OBJ",

@@ -159,6 +159,7 @@ class UcxWorkload(Workload):
         return {
             "transports in use": "; ".join(transports_in_use(_read(self._log))) or "unknown",
             "UCX_TLS": desc["UCX_TLS"],
+            "direct cma": desc["direct cma"].get(TARGET, "-"),
             "endpoint error handling": desc["error_handling"],
             "target": f"pid {self.process.pid}",
         }
