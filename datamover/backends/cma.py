@@ -86,11 +86,13 @@ class CmaPlan:
     row, end row, bytes).
     """
 
-    __slots__ = ("chunks", "ends", "local", "nbytes", "ranges", "remote")
+    __slots__ = ("bases", "chunks", "ends", "local", "nbytes", "ranges", "remote")
 
     def __init__(
         self, local_addr: np.ndarray, remote_addr: np.ndarray, lengths: np.ndarray, chunk_bytes: int = 8 << 20
     ) -> None:
+        if _calls() is None:
+            raise OSError(errno_mod.ENOSYS, "process_vm_readv/writev are unavailable on this platform")
         n = int(lengths.shape[0])
         lengths = np.asarray(lengths, dtype=np.int64)
         self.local = np.empty((n, 2), dtype=np.uint64)
@@ -111,13 +113,13 @@ class CmaPlan:
         nbytes = self.ends[last - 1] - starts[first] if n else np.zeros(0, dtype=np.int64)
         self.chunks = list(zip(first.tolist(), last.tolist(), nbytes.tolist()))
         self.ranges: list[tuple[int, int]] | None = None  # chunk ranges copied in parallel, set by the user
+        self.bases = (self.local.ctypes.data, self.remote.ctypes.data)  # looked up once: microseconds each
 
     def run(self, pid: int, write: bool, first: int = 0, last: int | None = None) -> tuple[int, int] | None:
         """Copy chunks [first, last) to the peer (WRITE) or from it (READ): None when done, else (row, errno)."""
-        calls = _calls()
-        fn = calls[1] if write else calls[0]  # type: ignore[index]
-        lbase, rbase = self.local.ctypes.data, self.remote.ctypes.data
-        for a, b, nbytes in self.chunks[first:last]:
+        fn = _fns[1] if write else _fns[0]  # type: ignore[index]
+        lbase, rbase = self.bases
+        for a, b, nbytes in self.chunks[first:last] if first or last is not None else self.chunks:
             got = fn(pid, lbase + a * 16, b - a, rbase + a * 16, b - a, 0)
             if got != nbytes:
                 stop = self._finish(fn, pid, a, b, max(got, 0))

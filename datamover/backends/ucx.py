@@ -595,12 +595,15 @@ class UcxBackend(Backend):
                 flush, status = self._post_one_sided(peer, req.op, rows)
         if in_parts:
             return self._start_cma_parts(peer, req, rows, deadline)  # type: ignore[arg-type]
-        completion = Completion(1)
         if isinstance(rows, cma.CmaPlan):
-            if error is None and req.notify:
-                self._submit(lambda: self._send_after(peer, req.notify))
+            if error is None:
+                if req.notify:
+                    self._submit(lambda: self._send_after(peer, req.notify))
+                return finished_completion()
+            completion = Completion(1)
             completion.finish_part(error)
             return completion
+        completion = Completion(1)
         if flush is None:
             completion.finish_part(self._status_error(status, peer))
             return completion
@@ -1183,6 +1186,9 @@ class UcxBackend(Backend):
         self.counts["one-sided"] += 1
         self.counts["of them direct cma"] += 1
         write = req.op == "WRITE"
+        if len(plan.chunks) == 1:
+            stop = plan.run(peer.cma_pid, write)
+            return None if stop is None else self._cma_error(peer, req, *stop)
         for i in range(len(plan.chunks)):
             if i and time.monotonic() > deadline:
                 return self._cma_timeout(req)
