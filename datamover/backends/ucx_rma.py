@@ -2,9 +2,10 @@
 
 ucxx's Python layer exposes tag, stream and active-message operations but not
 RMA. The libucp it loads exports ``ucp_mem_map``, ``ucp_rkey_pack``,
-``ucp_ep_rkey_unpack``, ``ucp_put_nbx``/``ucp_get_nbx`` and
-``ucp_ep_flush_nbx``; this module binds exactly those (the same library
-object ucxx uses, so the handles are valid here) and nothing else.
+``ucp_ep_rkey_unpack``, ``ucp_put_nbi``/``ucp_get_nbi`` (host rows),
+``ucp_put_nbx``/``ucp_get_nbx`` (device rows) and ``ucp_ep_flush_nbx``;
+this module binds exactly those (the same library object ucxx uses, so the
+handles are valid here) and nothing else.
 Requests are polled with ``ucp_request_check_status``: no callbacks into
 Python.
 """
