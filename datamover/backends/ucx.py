@@ -632,7 +632,7 @@ class UcxBackend(Backend):
         pid, write, op_id = peer.cma_pid, req.op == "WRITE", next(self._cma_ids)
         if plan.ranges is None:
             sizes = np.array([c[2] for c in plan.chunks], dtype=np.int64)
-            plan.ranges = split_by_bytes(sizes, int(self.params["cma_threads"]), 4 << 20)
+            plan.ranges = split_by_bytes(sizes, int(self.params["cma_threads"]), 256 << 10)
 
         def part(first: int, last: int, completion: Completion) -> None:
             for i in range(first, last):
