@@ -297,8 +297,8 @@ class UcxBackend(Backend):
         # put/get per row; a peer dying mid-copy makes the copy fail (not this process abort, as UCX's cma does)
         "direct_cma": True,
         # direct cma requests of up to this many bytes are copied inside post(); larger ones in parts on up to
-        # cma_threads threads (a waiting caller copies parts too), so that post() returns at once: measured on the
-        # 2-vCPU VM, 1 MiB requests ran 0.8x NIXL copied inline and 0.96-1.17x in parallel parts
+        # cma_threads threads (a waiting caller copies parts too), so that post() returns at once and large
+        # copies use more than one core
         "cma_inline_bytes": 256 << 10,
         "cma_threads": 2,
         # a part is a run of chunks of one syscall each: a quarter of a request per thread, 256 KiB to this
@@ -591,13 +591,17 @@ class UcxBackend(Backend):
                 return None
             in_parts = isinstance(rows, cma.CmaPlan) and rows.nbytes > int(self.params["cma_inline_bytes"])
             if in_parts:
-                peer.cma_active += 1  # checked against the rkeys the peer holds now: revocations wait for it
+                # checked against the rkeys the peer holds now: its revocations, and our deregistrations of the
+                # local regions, wait for the parts
+                peer.cma_active += 1
+                op_id = next(self._cma_ids)
+                self._cma_ops[op_id] = req.plan["regions"]
             elif isinstance(rows, cma.CmaPlan):
                 error = self._copy_cma(peer, req, rows, deadline)
             else:
                 flush, status = self._post_one_sided(peer, req.op, rows)
         if in_parts:
-            return self._start_cma_parts(peer, req, rows, deadline)  # type: ignore[arg-type]
+            return self._start_cma_parts(peer, req, rows, deadline, op_id)  # type: ignore[arg-type]
         if isinstance(rows, cma.CmaPlan):
             if error is None:
                 if req.notify:
@@ -618,18 +622,21 @@ class UcxBackend(Backend):
             completion.set_assist(lambda: self._drive(direct))
         return completion
 
-    def _start_cma_parts(self, peer: _Peer, req: TransferRequest, plan: cma.CmaPlan, deadline: float) -> Completion:
+    def _start_cma_parts(
+        self, peer: _Peer, req: TransferRequest, plan: cma.CmaPlan, deadline: float, op_id: int
+    ) -> Completion:
         """Copy a large direct cma request in parts on the cma threads (and in a waiting caller).
 
-        The caller counted it in ``peer.cma_active`` while its rows were
-        checked; it stays counted until every part ended, so a revocation of
-        a region it touches is confirmed to the peer only after that.
+        The caller counted it in ``peer.cma_active`` and ``_cma_ops`` while
+        its rows were checked; it stays counted until every part ended, so a
+        revocation of a region it touches is confirmed to the peer only after
+        that, and a local region it reads or writes is not unmapped before.
         """
         if self._cma_pool is None:
             self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.agent.name}")
         self.counts["one-sided"] += 1
         self.counts["of them direct cma"] += 1
-        pid, write, op_id = peer.cma_pid, req.op == "WRITE", next(self._cma_ids)
+        pid, write = peer.cma_pid, req.op == "WRITE"
         if plan.ranges is None:
             sizes = np.array([c[2] for c in plan.chunks], dtype=np.int64)
             plan.ranges = split_by_bytes(sizes, int(self.params["cma_threads"]), 256 << 10)
@@ -649,12 +656,14 @@ class UcxBackend(Backend):
             with self._rma_lock:
                 peer.cma_active -= 1
                 revokes = not peer.cma_active and self._revokes
-            if revokes:
-                self._submit(self._check_revokes)
-            if c.error is None and req.notify:
-                self._submit(lambda: self._send_after(peer, req.notify))
+            try:
+                if revokes:
+                    self._submit(self._check_revokes)
+                if c.error is None and req.notify:
+                    self._submit(lambda: self._send_after(peer, req.notify))
+            except RemoteDisconnected:
+                pass  # the backend closed meanwhile: there is no peer left to tell
 
-        self._cma_ops[op_id] = req.plan["regions"]
         completion = run_parts(self._cma_pool, plan.ranges, part, backend=self.name)
         completion.add_done_callback(done)
         return completion
