@@ -27,15 +27,35 @@ def _plan(src: np.ndarray, dst: np.ndarray, rows: np.ndarray, block: int, chunk_
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 5 << 20), min_size=1, max_size=3000), st.sampled_from([1 << 20, 8 << 20]))
-def test_chunks_cover_every_row_once_within_the_limits(lengths, chunk_bytes):
+def test_chunks_cover_every_byte_once_within_the_limits(lengths, chunk_bytes):
     n = np.asarray(lengths, dtype=np.int64)
-    plan = cma.CmaPlan(np.zeros(len(n), np.int64), np.zeros(len(n), np.int64), n, chunk_bytes)
-    assert plan.chunks[0][0] == 0 and plan.chunks[-1][1] == len(n)
+    local = (np.cumsum(n) - n) * 2 + (1 << 40)  # distinct, gapped addresses on both sides
+    remote = local + (1 << 44)
+    plan = cma.CmaPlan(local, remote, n, chunk_bytes)
+    pieces = plan.local[:, 1].astype(np.int64)
+    row_of = np.arange(len(n)) if plan.row_of is None else plan.row_of
+    assert (pieces <= chunk_bytes).all()
+    assert np.array_equal(np.bincount(row_of, weights=pieces, minlength=len(n)).astype(np.int64), n)
+    starts = np.concatenate(([True], row_of[1:] != row_of[:-1]))  # each row's pieces follow each other
+    lo, ro = plan.local[:, 0].astype(np.int64), plan.remote[:, 0].astype(np.int64)
+    assert np.array_equal(lo[starts], local) and np.array_equal(ro[starts], remote)
+    assert np.array_equal(lo[1:][~starts[1:]], (lo + pieces)[:-1][~starts[1:]])
+    assert np.array_equal(ro - lo, np.full(len(lo), 1 << 44))
+    assert plan.chunks[0][0] == 0 and plan.chunks[-1][1] == len(pieces)
     assert sum(c[2] for c in plan.chunks) == plan.nbytes == int(n.sum())
-    for (a, b, nbytes), nxt in zip(plan.chunks, [*plan.chunks[1:], (len(n), None, None)]):
+    for (a, b, nbytes), nxt in zip(plan.chunks, [*plan.chunks[1:], (len(pieces), None, None)]):
         assert b == nxt[0] and 0 < b - a <= cma.IOV_MAX
-        assert nbytes == int(n[a:b].sum())
-        assert nbytes <= chunk_bytes or b - a == 1 or int(n[a : b - 1].sum()) < chunk_bytes
+        assert nbytes == int(pieces[a:b].sum())
+        assert int(pieces[a : b - 1].sum()) < chunk_bytes  # all but the last start inside one chunk's span
+
+
+def test_one_large_row_is_cut_into_pieces_and_copied_whole():
+    src = np.frombuffer(os.urandom(3 << 20), dtype=np.uint8).copy()
+    dst = np.zeros(3 << 20, dtype=np.uint8)
+    plan = cma.CmaPlan(np.array([src.ctypes.data]), np.array([dst.ctypes.data]), np.array([3 << 20]), 1 << 20)
+    assert len(plan.local) == 3 and list(plan.row_of) == [0, 0, 0]
+    assert plan.run(SELF, True) is None
+    assert np.array_equal(src, dst)
 
 
 @pytest.mark.parametrize("write", [True, False])
@@ -53,7 +73,8 @@ def test_permuted_rows_over_many_chunks_land_where_they_should(write):
     assert np.array_equal(got[0], got[1][rows])
 
 
-def test_a_copy_into_unmapped_memory_names_the_row_and_moves_the_rows_before_it():
+@pytest.mark.parametrize("pieces", [False, True], ids=["rows", "rows-cut-in-pieces"])
+def test_a_copy_into_unmapped_memory_names_the_row_and_moves_the_rows_before_it(pieces):
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
@@ -68,7 +89,7 @@ def test_a_copy_into_unmapped_memory_names_the_row_and_moves_the_rows_before_it(
         local = src.ctypes.data + np.array([0, page // 4, page], dtype=np.int64)
         remote = base + np.array([0, page // 4, page // 2], dtype=np.int64)
         lengths = np.array([page // 4, page // 4, page], dtype=np.int64)
-        stop = cma.CmaPlan(local, remote, lengths).run(SELF, True)
+        stop = cma.CmaPlan(local, remote, lengths, page // 4 if pieces else 8 << 20).run(SELF, True)
         assert stop == (2, errno.EFAULT)
         landed = np.ctypeslib.as_array((ctypes.c_uint8 * page).from_address(base))
         assert np.array_equal(landed[: page // 2], src[: page // 2])

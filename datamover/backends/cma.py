@@ -82,19 +82,30 @@ class CmaPlan:
     ``local`` and ``remote`` are (rows, 2) uint64 arrays of {address,
     length}. A chunk holds at most ``IOV_MAX`` rows and, unless one row is
     larger, at most ``chunk_bytes``: the unit a caller can stop between
-    (cancel, deadline) and spread over threads. ``chunks`` lists (first
-    row, end row, bytes).
+    (cancel, deadline) and spread over threads; a row larger than
+    ``chunk_bytes`` is cut into pieces of that size first, so that one big
+    row can be copied by several threads too. ``chunks`` lists (first piece,
+    end piece, bytes); ``row_of`` maps a piece back to its row.
     """
 
-    __slots__ = ("bases", "chunks", "ends", "local", "nbytes", "ranges", "remote")
+    __slots__ = ("bases", "chunks", "ends", "local", "nbytes", "ranges", "remote", "row_of")
 
     def __init__(
         self, local_addr: np.ndarray, remote_addr: np.ndarray, lengths: np.ndarray, chunk_bytes: int = 8 << 20
     ) -> None:
         if _calls() is None:
             raise OSError(errno_mod.ENOSYS, "process_vm_readv/writev are unavailable on this platform")
-        n = int(lengths.shape[0])
         lengths = np.asarray(lengths, dtype=np.int64)
+        local_addr, remote_addr = np.asarray(local_addr, dtype=np.int64), np.asarray(remote_addr, dtype=np.int64)
+        self.row_of: np.ndarray | None = None
+        if lengths.shape[0] and int(lengths.max()) > chunk_bytes:
+            pieces = -(-lengths // chunk_bytes)
+            self.row_of = np.repeat(np.arange(lengths.shape[0]), pieces)
+            into = (np.arange(self.row_of.shape[0]) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * chunk_bytes
+            local_addr = local_addr[self.row_of] + into
+            remote_addr = remote_addr[self.row_of] + into
+            lengths = np.minimum(lengths[self.row_of] - into, chunk_bytes)
+        n = int(lengths.shape[0])
         self.local = np.empty((n, 2), dtype=np.uint64)
         self.remote = np.empty((n, 2), dtype=np.uint64)
         self.local[:, 0], self.remote[:, 0] = local_addr, remote_addr
@@ -124,7 +135,7 @@ class CmaPlan:
             if got != nbytes:
                 stop = self._finish(fn, pid, a, b, max(got, 0))
                 if stop is not None:
-                    return stop
+                    return (stop[0] if self.row_of is None else int(self.row_of[stop[0]])), stop[1]
         return None
 
     def _finish(self, fn: Any, pid: int, a: int, b: int, done: int) -> tuple[int, int] | None:
