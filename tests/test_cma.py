@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover.backends import cma
+from datamover.backends.base import IOV_MAX
 
 pytestmark = pytest.mark.skipif(cma._calls() is None, reason="process_vm_readv/writev unavailable here")
 SELF = os.getpid()  # a process may attach to itself: the copies below need no second process
@@ -44,7 +45,7 @@ def test_chunks_cover_every_byte_once_within_the_limits(lengths, chunk_bytes):
     assert plan.chunks[0][0] == 0 and plan.chunks[-1][1] == len(pieces)
     assert sum(c[2] for c in plan.chunks) == plan.nbytes == int(n.sum())
     for (a, b, nbytes), nxt in zip(plan.chunks, [*plan.chunks[1:], (len(pieces), None, None)]):
-        assert b == nxt[0] and 0 < b - a <= cma.IOV_MAX
+        assert b == nxt[0] and 0 < b - a <= IOV_MAX
         assert nbytes == int(pieces[a:b].sum())
         assert int(pieces[a : b - 1].sum()) < chunk_bytes  # all but the last start inside one chunk's span
 
@@ -60,7 +61,7 @@ def test_one_large_row_is_cut_into_pieces_and_copied_whole():
 
 @pytest.mark.parametrize("write", [True, False])
 def test_permuted_rows_over_many_chunks_land_where_they_should(write):
-    block, count = 4096, 3 * cma.IOV_MAX + 5  # several syscalls, the last one short
+    block, count = 4096, 3 * IOV_MAX + 5  # several syscalls, the last one short
     mine = np.frombuffer(os.urandom(block * count), dtype=np.uint8).copy()
     theirs = np.zeros(block * count, dtype=np.uint8)
     if not write:

@@ -11,6 +11,7 @@ backend whose library is missing.
 from __future__ import annotations
 
 import _thread
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -282,6 +283,19 @@ def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tupl
     cuts = np.searchsorted(cum, targets, side="left") + 1
     bounds = np.unique(np.concatenate(([0], np.clip(cuts, 1, n - 1), [n])))
     return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+#: the most iovecs one vectored syscall takes (preadv, process_vm_writev, ...)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def cap_runs(starts: np.ndarray, n: int, most: int = IOV_MAX) -> np.ndarray:
+    """First rows of runs over ``n`` rows, with every run longer than ``most`` rows cut every ``most`` rows."""
+    sizes = np.diff(np.append(starts, n))
+    if not (sizes > most).any():
+        return starts
+    extra = [np.arange(a + most, a + z, most) for a, z in zip(starts.tolist(), sizes.tolist()) if z > most]
+    return np.unique(np.concatenate([starts, *extra]))
 
 
 def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *args: Any, backend: str) -> Completion:

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+from .base import cap_runs
+
 _TOKEN_BYTES = 32
 
 _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
@@ -115,11 +116,7 @@ class CmaPlan:
         starts = self.ends - lengths
         cut = np.ones(n, dtype=bool)
         cut[1:] = starts[1:] // chunk_bytes != starts[:-1] // chunk_bytes
-        first = np.flatnonzero(cut)
-        sizes = np.diff(np.append(first, n))
-        if (sizes > IOV_MAX).any():
-            extra = [np.arange(a + IOV_MAX, a + z, IOV_MAX) for a, z in zip(first, sizes) if z > IOV_MAX]
-            first = np.unique(np.concatenate([first, *extra]))
+        first = cap_runs(np.flatnonzero(cut), n)
         last = np.append(first[1:], n)
         nbytes = self.ends[last - 1] - starts[first] if n else np.zeros(0, dtype=np.int64)
         self.chunks = list(zip(first.tolist(), last.tolist(), nbytes.tolist()))

@@ -34,6 +34,7 @@ from .base import (
     Backend,
     Completion,
     TransferRequest,
+    cap_runs,
     finished_completion,
     run_inline,
     run_parts,
@@ -44,7 +45,6 @@ from .workers import Workers
 
 log = logging.getLogger("datamover.posix")
 
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _warned_devices: set[int] = set()
 
 
@@ -250,11 +250,7 @@ class PosixBackend(Backend):
         if n > 1:
             brk[1:] = (fds[1:] != fds[:-1]) | (off[1:] != off[:-1] + ln[:-1]) | (aligned[1:] != aligned[:-1])
             brk[1:] |= ~aligned[1:] & direct[1:]  # bounce rows go one by one
-        starts = np.flatnonzero(brk)
-        sizes = np.diff(np.append(starts, n))
-        if (sizes > IOV_MAX).any():
-            extra = [np.arange(s + IOV_MAX, s + z, IOV_MAX) for s, z in zip(starts, sizes) if z > IOV_MAX]
-            starts = np.unique(np.concatenate([starts, *extra]))
+        starts = cap_runs(np.flatnonzero(brk), n)
         ends = np.append(starts[1:], n)
         mem_ids, mem_inv = np.unique(req.local_regions, return_inverse=True)
         arrays = [regs[int(r)].array for r in mem_ids]
@@ -285,11 +281,7 @@ class PosixBackend(Backend):
             sf, so, sl = fds[order], off[order], ln[order]
             cut = np.ones(n, dtype=bool)
             cut[1:] = (sf[1:] != sf[:-1]) | (so[1:] != so[:-1] + sl[:-1])
-            runs = np.flatnonzero(cut)
-            sizes = np.diff(np.append(runs, n))
-            if (sizes > IOV_MAX).any():
-                extra = [np.arange(s + IOV_MAX, s + z, IOV_MAX) for s, z in zip(runs, sizes) if z > IOV_MAX]
-                runs = np.unique(np.concatenate([runs, *extra]))
+            runs = cap_runs(np.flatnonzero(cut), n)
             p["aio"] = IocbBatch(sf, so, addr[order], sl, req.op == "WRITE", runs)
             p["ranges"] = [(0, len(p["aio"]))]
             p["inline"] = total <= self.params["inline_bytes"]  # one io_submit: the I/Os overlap in the device
