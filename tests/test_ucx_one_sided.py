@@ -37,6 +37,21 @@ def counts(agent_or_peer) -> dict:
     return agent_or_peer.backend("ucx").describe()["requests"]
 
 
+def require_direct_cma(agent, target) -> None:
+    """Connect (a tiny WRITE), then skip unless the probe let this process attach to the target."""
+    mine, theirs = HostBuffer(agent, 8), RemoteBuffer(target, 8)
+    agent.add_remote(target.metadata())
+    try:
+        assert agent.transfer("WRITE", mine.descs([0], [8]), theirs.descs([0], [8]), target.name).wait() == "DONE"
+    finally:
+        theirs.free()
+        agent.deregister_memory(mine.registration)
+        agent.add_remote(target.metadata())
+    state = agent.backend("ucx").describe()["direct cma"][target.name]
+    if not state.startswith("pid "):
+        pytest.skip(f"direct cma unavailable here: {state}")
+
+
 def test_put_and_get_leave_the_owner_idle(agent, target):
     """WRITE and READ (many rows, two registrations) go one-sided: the owner serves no request."""
     n, bs = 64, 4096
@@ -182,9 +197,7 @@ def test_large_requests_go_to_the_owner_when_put_is_only_emulated(target):
 @pytest.mark.parametrize("n", [16, 2048], ids=["inline", "in-parts"])
 def test_a_same_host_peer_is_copied_with_direct_cma(agent, target, n):
     """process_vm_writev/readv, IOV_MAX rows per call: small requests inside post(), large ones in parts."""
-    desc = agent.backend("ucx").describe()["direct cma"]["owner"]
-    if not desc.startswith("pid "):
-        pytest.skip(f"direct cma unavailable here: {desc}")
+    require_direct_cma(agent, target)
     bs = 4096
     local, buf = HostBuffer(agent, 2 * n * bs), RemoteBuffer(target, n * bs)
     agent.add_remote(target.metadata())
@@ -228,3 +241,23 @@ def test_direct_cma_off_on_either_side_leaves_ucx_put_get(target):
                 why = init.backend("ucx").describe()["direct cma"][peer.name]
                 assert why == ("direct_cma is off here" if config else "the peer offered no token")
                 buf.free()
+
+
+def test_a_revocation_waits_for_direct_cma_parts_in_flight(agent, target):
+    """The owner deregistering a region a large direct cma WRITE is copying into returns only after the copy."""
+    require_direct_cma(agent, target)
+    size, bs = 256 << 20, 1 << 20
+    local, buf = HostBuffer(agent, size), RemoteBuffer(target, size)
+    agent.add_remote(target.metadata())
+    try:
+        n = size // bs
+        xfer = agent.transfer(
+            "WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(np.arange(n)[::-1] * bs, bs), "owner"
+        )
+        assert xfer.wait(0) == XferState.PROC, "the copy finished inside post(); make it bigger"
+        buf.free()  # the owner unmaps only once we confirmed: after the parts ended
+        # wait(0) only looks (no help with the copy): DONE means the parts ended before the owner unmapped
+        assert xfer.wait(0) == XferState.DONE, "the region was revoked while the copy was still running"
+    finally:
+        agent.deregister_memory(local.registration)
+        agent.add_remote(target.metadata())
