@@ -121,3 +121,11 @@ def test_probe_accepts_only_the_process_that_made_the_offer():
     assert os.waitpid(pid, 0)[1] == 0
     assert cma.probe(None)[0] == 0 and "no token" in cma.probe(None)[1]
     assert cma.probe({"pid": "x"})[1] == "malformed token offer"
+
+
+def test_availability_reads_the_yama_policy(tmp_path):
+    scope = tmp_path / "ptrace_scope"
+    for value, word in (("0", "available"), ("1", "descendants"), ("2", "CAP_SYS_PTRACE"), ("3", "forbids")):
+        scope.write_text(value + "\n")
+        assert word in cma.availability(str(scope))
+    assert "no Yama" in cma.availability(str(tmp_path / "absent"))

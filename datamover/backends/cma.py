@@ -42,6 +42,22 @@ def _calls() -> tuple[Any, Any] | None:
     return _fns
 
 
+def availability(yama: str = "/proc/sys/kernel/yama/ptrace_scope") -> str:
+    """What this host allows direct cma to do, for ``datamover info`` (each peer is still probed)."""
+    if _calls() is None:
+        return "unavailable: no process_vm_readv/writev on this platform"
+    try:
+        with open(yama) as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return "available: same-user peers on this host (no Yama ptrace restriction)"
+    return {
+        0: "available: same-user peers on this host (Yama ptrace_scope=0)",
+        1: "limited: Yama ptrace_scope=1 lets a process attach only to its descendants; other peers use UCX",
+        2: "limited: Yama ptrace_scope=2 needs CAP_SYS_PTRACE; without it peers use UCX",
+    }.get(scope, f"off: Yama ptrace_scope={scope} forbids attaching; peers use UCX")
+
+
 class Token:
     """What a target offers so that same-host peers can prove they may attach to it: pid, address, bytes."""
 

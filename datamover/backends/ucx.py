@@ -399,6 +399,7 @@ class UcxBackend(Backend):
             "transports available": ", ".join(transports_of(ctx.info)),
             "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
             "UCX_TLS": ctx.config.get("TLS", "?"),
+            "direct cma": cma.availability(),
             "data path": "one-sided put/get (UCP RMA, rkeys over the control connection; same-host peers "
             "this process may attach to: process_vm_writev/readv, IOV_MAX rows per call), or tag send/recv "
             "served by the owner; endpoints from worker addresses, UCX error handling off; peer failure via "
