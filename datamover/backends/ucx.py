@@ -163,31 +163,9 @@ class _Requests:
         return [i for i in range(self.k, len(self.reqs)) if not self.reqs[i].completed]
 
 
-class _FlushRequest:
-    """A one-sided operation's puts/gets, complete when the endpoint flush that follows them ends."""
-
-    __slots__ = ("flush", "k", "reqs")
-
-    def __init__(self, flush: rma.Flush) -> None:
-        self.flush = flush
-        self.k = 0
-        self.reqs = (flush,)
-
-    def poll(self) -> BaseException | bool:
-        if self.k:
-            return True
-        status = self.flush.poll()
-        if status == rma.UCS_INPROGRESS:
-            return False
-        self.k = 1
-        return True if status == rma.UCS_OK else rma.UcpError(f"flush: {rma.status_text(status)}", status=status)
-
-    def pending(self) -> list[int]:
-        return []
-
-
 class _Direct:
-    """A one-sided request a caller posted itself, until its flush ends; finished once, by whoever sees it end."""
+    """A one-sided request's puts/gets, posted by the caller (or, queued behind the handshake, by the service
+    thread), until the endpoint flush after them ends; finished once, by whoever sees it end."""
 
     __slots__ = ("completion", "deadline", "done", "driven", "flush", "lock", "notify", "peer", "regions", "since")
 
@@ -209,7 +187,7 @@ class _Direct:
 class _OutOp:
     """A request this agent initiated, from post to completion."""
 
-    __slots__ = ("abandoned", "completion", "deadline", "done_msg", "id", "one_sided", "peer", "req", "reqs", "tag0")
+    __slots__ = ("abandoned", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
 
     def __init__(self, op_id: int, peer: _Peer, req: TransferRequest, completion: Completion, deadline: float) -> None:
         self.id = op_id
@@ -219,9 +197,8 @@ class _OutOp:
         self.completion = completion
         self.abandoned = False
         self.done_msg = req.op == "READ"
-        self.reqs: _Requests | _FlushRequest | None = None
+        self.reqs: _Requests | None = None
         self.tag0 = 0
-        self.one_sided = False
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.completion.finished_at is None and not self.abandoned:
@@ -953,8 +930,6 @@ class UcxBackend(Backend):
     def _disconnect_peer(self, peer: _Peer, why: BaseException) -> None:
         for op in list(peer.ops.values()):
             self._active_out.pop(op.id, None)
-            if isinstance(op.reqs, _FlushRequest):
-                op.reqs.flush.abandon()
             op.finish(why)
         peer.ops.clear()
         for direct in [d for d in self._directs if d.peer is peer]:
@@ -1245,10 +1220,13 @@ class UcxBackend(Backend):
         if flush is None:
             self._end(op, self._status_error(status, peer))
             return
-        op.one_sided = True
-        op.done_msg = True
-        op.reqs = _FlushRequest(flush)
-        self._active_out[op.id] = op
+        # from here it is tracked like a request its caller posted directly
+        peer.ops.pop(op.id, None)
+        direct = _Direct(peer, op.req, op.completion, flush, op.deadline)
+        direct.since = 0.0  # its caller may be asleep in wait() already: no grace before the service thread polls
+        if not self._finish_direct(direct):
+            self._directs.append(direct)
+            op.completion.set_assist(lambda: self._drive(direct))
 
     def _forget_region(self, peer: _Peer, rid: int) -> None:
         """The target deregistered ``rid``: stop using its rkey, confirm once our operations on it ended."""
@@ -1294,8 +1272,6 @@ class UcxBackend(Backend):
 
     def _maybe_done(self, op: _OutOp) -> None:
         if op.done_msg and op.reqs is not None and op.reqs.k >= len(op.reqs.reqs):
-            if op.one_sided and op.req.notify:
-                self._send_after(op.peer, op.req.notify)  # the flush ended: every row has landed
             self._end(op, None)
 
     def _end(self, op: _OutOp, error: BaseException | None) -> None:
