@@ -79,8 +79,10 @@ def probe(offer: Mapping[str, Any] | None) -> tuple[int, str]:
         pid, addr, token = int(offer["pid"]), int(offer["addr"]), bytes(offer["token"])
     except (KeyError, TypeError, ValueError):
         return 0, "malformed token offer"
-    if pid <= 0 or pid == os.getpid() or len(token) != _TOKEN_BYTES:
+    if pid <= 0 or len(token) != _TOKEN_BYTES:
         return 0, "malformed token offer"
+    if pid == os.getpid():
+        return 0, "the peer is this very process (UCX serves it)"
     got = np.zeros(_TOKEN_BYTES, dtype=np.uint8)
     local = np.array([[got.ctypes.data, _TOKEN_BYTES]], dtype=np.uint64)
     remote = np.array([[addr, _TOKEN_BYTES]], dtype=np.uint64)
