@@ -298,6 +298,15 @@ def cap_runs(starts: np.ndarray, n: int, most: int = IOV_MAX) -> np.ndarray:
     return np.unique(np.concatenate([starts, *extra]))
 
 
+def typed_error(exc: BaseException, backend: str, index: int | None = None) -> DatamoverError:
+    """``exc`` itself when it is a DatamoverError, else one wrapping it, so callers always see a typed error."""
+    if isinstance(exc, DatamoverError):
+        return exc
+    err = DatamoverError(f"{type(exc).__name__}: {exc}", index=index, backend=backend)
+    err.__cause__ = exc
+    return err
+
+
 def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *args: Any, backend: str) -> Completion:
     """Run ``work(*args, start, stop, completion)`` for each range here, in order; returns the finished completion.
 
@@ -314,11 +323,8 @@ def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *ar
     try:
         for start, stop in ranges:
             work(*args, start, stop, c)
-    except DatamoverError as exc:
-        c.error = exc
     except BaseException as exc:
-        c.error = DatamoverError(f"{type(exc).__name__}: {exc}", backend=backend)
-        c.error.__cause__ = exc
+        c.error = typed_error(exc, backend)
     c.finished_at = time.perf_counter()
     return c
 
@@ -358,11 +364,8 @@ def run_parts(
         try:
             if not completion.cancelled:
                 work(start, stop, completion)
-        except DatamoverError as exc:
-            err = exc
         except BaseException as exc:
-            err = DatamoverError(f"{type(exc).__name__}: {exc}", backend=backend)
-            err.__cause__ = exc
+            err = typed_error(exc, backend)
         completion.finish_part(err)
 
     claims = [_thread.allocate_lock() for _ in ranges]

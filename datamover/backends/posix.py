@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import MemType, aligned_empty
-from ..errors import DatamoverError, TransferIOError
+from ..errors import TransferIOError
 from .aio import AioContext, AioRun, IocbBatch, aio_available
 from .base import (
     Backend,
@@ -40,6 +40,7 @@ from .base import (
     run_parts,
     size_text,
     split_by_bytes,
+    typed_error,
 )
 from .workers import Workers
 
@@ -134,11 +135,8 @@ class _AioReap:
                     backend._aio_free.put(run.ctx)
             if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
                 backend._aio_done(self.req, self.p, self.run, self.write, 0, 1, completion)
-        except DatamoverError as exc:
-            err = exc
         except BaseException as exc:
-            err = DatamoverError(f"{type(exc).__name__}: {exc}", backend=backend.name)
-            err.__cause__ = exc
+            err = typed_error(exc, backend.name)
         completion.finish_part(err)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..descriptors import MemType
 from ..errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
-from .base import Backend, Completion, TransferRequest
+from .base import Backend, Completion, TransferRequest, typed_error
 
 log = logging.getLogger("datamover.s3")
 
@@ -477,12 +477,8 @@ class _Run:
                 row, part, start, count = tasks[i]
                 try:
                     self.one(row, part, start, count)
-                except DatamoverError as exc:
-                    c.cancel(exc)
                 except BaseException as exc:
-                    err = DatamoverError(f"{type(exc).__name__}: {exc}", index=self.req.caller_index(row), backend="s3")
-                    err.__cause__ = exc
-                    c.cancel(err)
+                    c.cancel(typed_error(exc, "s3", self.req.caller_index(row)))
         finally:
             with self.lock:
                 self.active -= 1

@@ -615,21 +615,16 @@ class UcxBackend(Backend):
             self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.agent.name}")
         self.counts["one-sided"] += 1
         self.counts["of them direct cma"] += 1
-        pid, write = peer.cma_pid, req.op == "WRITE"
+        pid = peer.cma_pid
         if plan.ranges is None:
             sizes = np.array([c[2] for c in plan.chunks], dtype=np.int64)
             # at least 2 MiB a part: on the 2-vCPU VM, 1 MiB split over two threads ran slower than on one
             plan.ranges = split_by_bytes(sizes, int(self.params["cma_threads"]), 2 << 20)
 
         def part(first: int, last: int, completion: Completion) -> None:
-            for i in range(first, last):
-                if completion.cancelled:
-                    return
-                if time.monotonic() > deadline:
-                    raise self._cma_timeout(req)
-                stop = plan.run(pid, write, i, i + 1)
-                if stop is not None:
-                    raise self._cma_error(peer, req, *stop)
+            error = self._copy_chunks(peer, pid, req, plan, first, last, deadline, completion)
+            if error is not None:
+                raise error
 
         def done(c: Completion) -> None:
             self._cma_ops.pop(op_id, None)
@@ -1178,14 +1173,34 @@ class UcxBackend(Backend):
         """Copy every row of ``plan`` to (WRITE) or from (READ) the peer now, locked; the typed error if one failed."""
         self.counts["one-sided"] += 1
         self.counts["of them direct cma"] += 1
-        write = req.op == "WRITE"
         if len(plan.chunks) == 1:
-            stop = plan.run(peer.cma_pid, write)
+            stop = plan.run(peer.cma_pid, req.op == "WRITE")
             return None if stop is None else self._cma_error(peer, req, *stop)
-        for i in range(len(plan.chunks)):
-            if i and time.monotonic() > deadline:
+        return self._copy_chunks(peer, peer.cma_pid, req, plan, 0, len(plan.chunks), deadline)
+
+    def _copy_chunks(
+        self,
+        peer: _Peer,
+        pid: int,
+        req: TransferRequest,
+        plan: cma.CmaPlan,
+        first: int,
+        last: int,
+        deadline: float,
+        completion: Completion | None = None,
+    ) -> DatamoverError | None:
+        """Copy chunks [first, last) of ``plan``; the typed error of a failed or late copy, else None.
+
+        A part (``completion`` given) stops before any chunk once cancelled or past the deadline; a copy
+        inside ``post()`` (no completion) checks the deadline from its second chunk on.
+        """
+        write = req.op == "WRITE"
+        for i in range(first, last):
+            if completion is not None and completion.cancelled:
+                return None
+            if (completion is not None or i > first) and time.monotonic() > deadline:
                 return self._cma_timeout(req)
-            stop = plan.run(peer.cma_pid, write, i, i + 1)
+            stop = plan.run(pid, write, i, i + 1)
             if stop is not None:
                 return self._cma_error(peer, req, *stop)
         return None
