@@ -1,5 +1,6 @@
 """Inline posts: small one-part requests run inside post() (no thread hop); polling state assists."""
 
+import contextlib
 import errno
 import os
 import threading
@@ -220,18 +221,28 @@ def test_posix_inline_error_is_typed_and_post_does_not_raise(file_agent):
 
 
 # -- polling assists -----------------------------------------------------------
-def test_state_poll_runs_parts_no_pool_thread_started(mem_agent, monkeypatch):
-    agent, src, dst = mem_agent
-    backend = agent.backend("memcpy")
-    gate, started = threading.Event(), threading.Barrier(3)
+@contextlib.contextmanager
+def pool_threads_held(backend, threads: int = 2):
+    """Keep every thread of ``backend``'s pool busy until the block ends, so queued parts stay unstarted."""
+    gate, started = threading.Event(), threading.Barrier(threads + 1)
 
     def occupy():
         started.wait()
         gate.wait(30)
 
-    blockers = [backend._pool.submit(occupy) for _ in range(2)]  # both pool threads busy
+    blockers = [backend._pool.submit(occupy) for _ in range(threads)]
     started.wait()
     try:
+        yield
+    finally:
+        gate.set()
+        for b in blockers:
+            b.result(30)
+
+
+def test_state_poll_runs_parts_no_pool_thread_started(mem_agent, monkeypatch):
+    agent, src, dst = mem_agent
+    with pool_threads_held(agent.backend("memcpy")):  # both pool threads busy
         x = agent.make_transfer("WRITE", agent.prepare(src), None, agent.prepare(dst), None).post()
         assert repr(x).endswith("state=PROC)")  # repr only looks
         monkeypatch.setattr(transfer_mod, "POLL_ASSIST_AFTER_S", 1e9)
@@ -241,30 +252,13 @@ def test_state_poll_runs_parts_no_pool_thread_started(mem_agent, monkeypatch):
         monkeypatch.setattr(transfer_mod, "POLL_ASSIST_AFTER_S", 0.0)
         assert x.state == XferState.DONE
         assert np.array_equal(dst, src)
-    finally:
-        gate.set()
-        for b in blockers:
-            b.result(30)
 
 
 def test_wait_with_timeout_does_not_run_queued_parts(mem_agent):
     agent, src, dst = mem_agent
-    backend = agent.backend("memcpy")
-    gate, started = threading.Event(), threading.Barrier(3)
-
-    def occupy():
-        started.wait()
-        gate.wait(30)
-
-    blockers = [backend._pool.submit(occupy) for _ in range(2)]
-    started.wait()
-    try:
+    with pool_threads_held(agent.backend("memcpy")):
         x = agent.make_transfer("WRITE", agent.prepare(src), None, agent.prepare(dst), None).post()
         assert x.wait(0.01) == XferState.PROC and not dst.any()
-    finally:
-        gate.set()
-        for b in blockers:
-            b.result(30)
     assert x.wait() == XferState.DONE and np.array_equal(dst, src)
 
 
