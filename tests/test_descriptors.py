@@ -177,3 +177,14 @@ def test_first_overlap_matches_bruteforce(rows):
         assert found is not None and found in pairs
     else:
         assert found is None
+
+
+@pytest.mark.parametrize("huge", [0, 1 << 20])
+def test_aligned_empty_starts_large_buffers_on_a_huge_page(monkeypatch, huge):
+    from datamover.descriptors import buffers
+
+    monkeypatch.setattr(buffers, "_huge_page", huge)  # a made-up 1 MiB huge page: 1 in 256 odds per buffer by chance
+    for nbytes, want in ((4096 * 3, 4096), (2 << 20, huge or 4096), (3 << 20, huge or 4096), (1 << 20, 4096)):
+        buf = buffers.aligned_empty(nbytes)
+        assert buf.nbytes == nbytes and buf.ctypes.data % want == 0 and not buf.any()
+    assert buffers.aligned_empty(2 << 20, 8192).ctypes.data % max(huge, 8192) == 0

@@ -77,12 +77,33 @@ def host_view(addr: int, nbytes: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(addr))
 
 
+def huge_page_size() -> int:
+    """The size of a transparent huge page here (2 MiB on x86_64), or 0 where the kernel does not say."""
+    global _huge_page
+    if _huge_page is None:
+        try:
+            with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as f:
+                _huge_page = int(f.read())
+        except (OSError, ValueError):
+            _huge_page = 0
+    return _huge_page
+
+
+_huge_page: int | None = None
+
+
 def aligned_empty(nbytes: int, alignment: int = 4096) -> np.ndarray:
     """A zero-filled uint8 array whose address is a multiple of ``alignment``.
 
     O_DIRECT I/O goes straight from such buffers; misaligned ones go through a
-    bounce buffer.
+    bounce buffer. Buffers of two huge pages or more start on a huge page
+    boundary, so that transparent huge pages (numpy asks for them from 4 MiB
+    up) back them from the first byte: a head of small pages made 64 KiB rows
+    copied there over cma up to 1.8x slower. The padding is never touched.
     """
+    huge = huge_page_size()
+    if huge and nbytes >= 2 * huge:
+        alignment = max(alignment, huge)
     raw = np.zeros(nbytes + alignment, dtype=np.uint8)
     shift = (-raw.ctypes.data) % alignment
     return raw[shift : shift + nbytes]
