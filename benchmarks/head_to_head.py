@@ -26,12 +26,15 @@ from datamover.bench.output import markdown_table, read_json
 from datamover.bench.runner import verdict_summary
 
 BEGIN, END = "<!-- tables:begin (benchmarks/head_to_head.py --update) -->", "<!-- tables:end -->"
-SWEEP = ["--min-time", "0.3", "--max-iters", "30", "--check", "--quiet"]
+#: every run: a second per case and side, up to 100 alternated rounds, every byte checked
+SWEEP = ["--min-time", "1.0", "--max-iters", "100", "--check", "--quiet"]
 #: name -> (title, `datamover bench` arguments)
 RUNS: dict[str, tuple[str, str]] = {
     "posix": (
         "DRAM <-> FILE: our posix (O_DIRECT, native AIO) vs NIXL POSIX (libaio), same fd, cold cache for reads",
-        "--backend posix --vs nixl --block-sizes 4K,64K,256K,1M,4M,16M --batch-sizes 16,256,4096",
+        # the disk's stalls come seconds apart: 300 rounds let both libraries meet them, 60 often let only one
+        "--backend posix --vs nixl --block-sizes 4K,64K,256K,1M,4M,16M --batch-sizes 16,256,4096 "
+        "--min-time 3 --max-iters 300",
     ),
     "posix-threads": (
         "DRAM <-> FILE before native AIO: our posix on its thread pool (posix.aio=false) vs NIXL POSIX",
@@ -54,7 +57,7 @@ RUNS: dict[str, tuple[str, str]] = {
     ),
     "s3": (
         "DRAM <-> OBJ on the local S3 server (moto): our s3 vs NIXL OBJ",
-        "--backend s3 --vs nixl --block-sizes 64K,1M,8M --batch-sizes 1,8 --max-iters 3",
+        "--backend s3 --vs nixl --block-sizes 64K,1M,8M --batch-sizes 1,8 --max-iters 6",
     ),
     "model-70b-tp8": (
         "Llama-3.1-70B, 8k-token request, TP=8, one block per layer and K/V of a 16-token page (offload and PD paths)",
