@@ -261,3 +261,50 @@ def test_a_revocation_waits_for_direct_cma_parts_in_flight(agent, target):
     finally:
         agent.deregister_memory(local.registration)
         agent.add_remote(target.metadata())
+
+
+def test_the_service_thread_leaves_ucx_to_a_driving_waiter_and_takes_it_back(target, monkeypatch):
+    """While a waiter progresses UCX, the service thread waits on its sockets only; UCX's fd is back after, and
+    it follows a worker reset."""
+    with Agent("driven", {"backends": {"ucx": {"direct_cma": False}}}) as agent:
+        backend = agent.backend("ucx")
+        mine, theirs = HostBuffer(agent, 1 << 20), RemoteBuffer(target, 1 << 20)
+        agent.add_remote(target.metadata())
+        seen = []
+        real = type(backend)._finish_direct
+
+        def spy(self, direct, why=None):
+            seen.append(self._ucx_watched)
+            return real(self, direct, why)
+
+        monkeypatch.setattr(type(backend), "_finish_direct", spy)
+        rows = np.arange(16) * 65536
+        try:
+            for _ in range(50):  # 1 MiB of emulated gets: the waiter drives UCX for a while each time
+                x = agent.transfer("READ", mine.descs(rows, 65536), theirs.descs(rows, 65536), target.name)
+                assert x.wait() == "DONE"
+                if False in seen:
+                    break
+            assert False in seen, "the service thread kept UCX's fd in its wait while a waiter drove"
+
+            def watched() -> None:
+                assert backend._ucx_watched
+                assert backend._worker.epoll_file_descriptor in backend._sel.get_map()
+
+            backend._call(lambda: None)  # a whole turn with no driver, then look
+            backend._call(watched)
+
+            old = backend._worker.epoll_file_descriptor
+
+            def reset_unwatched() -> None:
+                backend._watch_ucx(False)
+                backend._reset_worker("test")
+                assert backend._worker.epoll_file_descriptor not in backend._sel.get_map()
+                backend._watch_ucx(True)
+                assert backend._worker.epoll_file_descriptor != old
+
+            backend._call(reset_unwatched)
+            backend._call(watched)
+        finally:
+            theirs.free()
+            agent.deregister_memory(mine.registration)

@@ -349,6 +349,7 @@ class UcxBackend(Backend):
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self._ucx_watched = True  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{agent.name}", daemon=True)
         self._thread.start()
@@ -679,6 +680,8 @@ class UcxBackend(Backend):
         finally:
             direct.driven = False
             self._drivers.discard(direct)
+            if not self._drivers:
+                self._wake()  # the service thread sleeps in select while a waiter drives: UCX is its again
 
     def _check_directs(self) -> None:
         """Finish callers' requests nobody drives; those a waiter drives are left alone, except to clear them."""
@@ -707,10 +710,23 @@ class UcxBackend(Backend):
         if self._stop:
             raise RemoteDisconnected("the ucx backend is closed", backend=self.name)
         self._cmds.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the service thread from its wait in select (a full pipe already will; a closed one means stopped)."""
         try:
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
+        except OSError:
             pass
+
+    def _watch_ucx(self, on: bool) -> None:
+        """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""
+        if on != self._ucx_watched:
+            if on:
+                self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+            else:
+                self._sel.unregister(self._worker.epoll_file_descriptor)
+            self._ucx_watched = on
 
     def _call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the service thread and wait for it; its exception is re-raised here."""
@@ -767,11 +783,12 @@ class UcxBackend(Backend):
                 if busy:
                     last = now
                 if self._drivers:
-                    # a waiter progresses UCX: mind sockets and commands without spinning (UCX's event fd
-                    # stays readable while nobody arms the worker, so epoll cannot be the wait here)
-                    self._poll(0.0)
-                    time.sleep(0.0005)
+                    # a waiter progresses UCX: sleep on sockets and commands only, leaving it the GIL (UCX's
+                    # event fd stays readable while nobody arms the worker, so it is left out of the wait)
+                    self._watch_ucx(False)
+                    self._poll(0.005)
                     continue
+                self._watch_ucx(True)
                 if self._poll(0.0):
                     last = now
                     continue
@@ -877,13 +894,15 @@ class UcxBackend(Backend):
             self._disconnect_peer(peer, why)
         for inbound in list(self._inbound.values()):
             self._drop_inbound(inbound)
-        self._sel.unregister(self._worker.epoll_file_descriptor)
+        if self._ucx_watched:
+            self._sel.unregister(self._worker.epoll_file_descriptor)
         self._old_workers.append((self._worker, self._self_ep, self._graveyard, self._draining))
         self._graveyard, self._draining, self._self_ep = [], [], None
         self._worker = self._ucx.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
-        self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        if self._ucx_watched:
+            self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
         self.resets += 1
 
     def _bury(self) -> None:
@@ -1529,10 +1548,7 @@ class UcxBackend(Backend):
             return
         self._submit(lambda: None)
         self._stop = True
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
+        self._wake()
         self._thread.join(10)
         if self._cma_pool is not None:
             self._cma_pool.shutdown(wait=True)
