@@ -448,6 +448,23 @@ def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
     assert "TLS" not in ucx_config({}, cma=True)
     mine = ucx_config({"CMA_TX_QUOTA": 4, "TCP_PUT_ENABLE": "y"}, cma=True)
     assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y"}
+    # tcp's own put stays on where no shared memory transport is left to emulate puts over
+    for tls in ("tcp,self", "^sm", "^mm,cma", "rc,tcp"):
+        assert "TCP_PUT_ENABLE" not in ucx_config({"TLS": tls}, cma=False), tls
+    for tls in ("^cma", "sysv,tcp", "self,sm,tcp", "all"):
+        assert ucx_config({"TLS": tls}, cma=False)["TCP_PUT_ENABLE"] == "n", tls
     monkeypatch.setenv("UCX_CMA_TX_QUOTA", "2")
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", "posix,tcp")
     assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n"}  # UCX reads the environment's values itself
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    assert ucx_config({}, cma=False) == {}
+
+
+def test_tls_includes_reads_ucx_tls_as_ucx_does():
+    from datamover.backends.ucx import tls_includes
+
+    sm = frozenset({"sm", "shm"})
+    assert tls_includes(None, "cma", sm) and tls_includes("", "cma", sm) and tls_includes("all", "cma", sm)
+    assert tls_includes("self,sm,tcp", "cma", sm) and tls_includes("^tcp", "cma", sm)
+    assert not tls_includes("^cma", "cma", sm) and not tls_includes("^sm", "cma", sm)
+    assert not tls_includes("tcp,self", "cma", sm) and tls_includes(" cma , tcp", "cma", sm)

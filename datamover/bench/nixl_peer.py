@@ -28,12 +28,9 @@ from .nixl import NixlError, NixlSettings, make_agent, ucx_params
 
 def tls_allows_cma(tls: str) -> bool:
     """Whether a UCX_TLS value lets UCX use cma ('^a,b' excludes; 'all', 'sm', 'shm', 'cma' include)."""
-    names = [t.strip() for t in tls.lstrip("^").split(",") if t.strip()]
-    if not tls.strip():
-        return True  # unset: UCX's default is everything
-    if tls.startswith("^"):
-        return "cma" not in names
-    return bool({"all", "sm", "shm", "cma"} & set(names))
+    from ..backends.ucx import tls_includes
+
+    return tls_includes(tls, "cma", frozenset({"sm", "shm"}))
 
 
 def needs_progress(settings: NixlSettings) -> bool:
