@@ -227,7 +227,6 @@ class _Peer:
         self.epoch = 0
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()
-        self.cma_active = 0  # direct cma requests copying in parts now; a revocation is confirmed once none are
 
 
 class _Inbound:
@@ -342,7 +341,9 @@ class UcxBackend(Backend):
         self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
         self._cma_token = cma.Token() if self._one_sided and self.params["direct_cma"] else None
         self._cma_pool: Workers | None = None
-        self._cma_ops: dict[int, frozenset] = {}  # id -> local regions of direct cma requests copying in parts
+        # id -> (peer, local regions) of direct cma requests copying in parts: a revocation from that peer is
+        # confirmed, and a local region they touch unmapped, only once they ended
+        self._cma_ops: dict[int, tuple[_Peer, frozenset]] = {}
         self._cma_ids = itertools.count(1)
         self.resets = 0
         self._sel = selectors.DefaultSelector()
@@ -518,7 +519,7 @@ class UcxBackend(Backend):
             return True
         if any(rid in d.regions for d in self._directs if not d.done):
             return True
-        if any(rid in regions for regions in list(self._cma_ops.values())):
+        if any(rid in regions for _, regions in list(self._cma_ops.values())):
             return True
         for peer in self._peers.values():  # requests waiting for the handshake will post soon
             if any(rid in op.req.plan["regions"] for op in peer.ops.values() if op.reqs is None and not op.abandoned):
@@ -573,9 +574,8 @@ class UcxBackend(Backend):
             if in_parts:
                 # checked against the rkeys the peer holds now: its revocations, and our deregistrations of the
                 # local regions, wait for the parts
-                peer.cma_active += 1
                 op_id = next(self._cma_ids)
-                self._cma_ops[op_id] = req.plan["regions"]
+                self._cma_ops[op_id] = (peer, req.plan["regions"])
             elif isinstance(rows, cma.CmaPlan):
                 error = self._copy_cma(peer, req, rows, deadline)
             else:
@@ -607,10 +607,10 @@ class UcxBackend(Backend):
     ) -> Completion:
         """Copy a large direct cma request in parts on the cma threads (and in a waiting caller).
 
-        The caller counted it in ``peer.cma_active`` and ``_cma_ops`` while
-        its rows were checked; it stays counted until every part ended, so a
-        revocation of a region it touches is confirmed to the peer only after
-        that, and a local region it reads or writes is not unmapped before.
+        The caller entered it in ``_cma_ops`` while its rows were checked; it
+        stays there until every part ended, so a revocation of a region it
+        touches is confirmed to the peer only after that, and a local region it
+        reads or writes is not unmapped before.
         """
         if self._cma_pool is None:
             self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.agent.name}")
@@ -628,10 +628,9 @@ class UcxBackend(Backend):
                 raise error
 
         def done(c: Completion) -> None:
-            self._cma_ops.pop(op_id, None)
             with self._rma_lock:
-                peer.cma_active -= 1
-                revokes = not peer.cma_active and self._revokes
+                self._cma_ops.pop(op_id, None)
+                revokes = self._revokes and not self._cma_copying(peer)
             try:
                 if revokes:
                     self._submit(self._check_revokes)
@@ -643,6 +642,10 @@ class UcxBackend(Backend):
         completion = run_parts(self._cma_pool, plan.ranges, part, backend=self.name)
         completion.add_done_callback(done)
         return completion
+
+    def _cma_copying(self, peer: _Peer) -> bool:
+        """Whether a direct cma request to or from ``peer`` is still copying in parts."""
+        return any(p is peer for p, _ in list(self._cma_ops.values()))
 
     def _finish_direct(self, direct: _Direct, why: BaseException | None = None) -> bool:
         """Finish ``direct`` if its flush ended (or with ``why``); True once it is finished."""
@@ -1280,7 +1283,7 @@ class UcxBackend(Backend):
     def _check_revokes(self) -> None:
         for entry in list(self._revokes):
             peer, rid, flush = entry
-            if flush.poll() == rma.UCS_INPROGRESS or peer.cma_active:
+            if flush.poll() == rma.UCS_INPROGRESS or self._cma_copying(peer):
                 continue
             self._revokes.remove(entry)
             with self._rma_lock:
