@@ -2,5 +2,16 @@
 
 from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer
 from .conformance import BackendConformance, random_bytes
+from .hosts import Host, TestHosts, TestHostsUnavailable
 
-__all__ = ["BackendConformance", "FileBuffer", "HostBuffer", "TestBuffer", "VramBuffer", "random_bytes"]
+__all__ = [
+    "BackendConformance",
+    "FileBuffer",
+    "Host",
+    "HostBuffer",
+    "TestBuffer",
+    "TestHosts",
+    "TestHostsUnavailable",
+    "VramBuffer",
+    "random_bytes",
+]
