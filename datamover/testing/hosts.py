@@ -8,7 +8,9 @@ namespace (its end of the veth gets the address), so a test's in-process
 Agent is on host 0 and peers run on the others. Every process started on a
 host (``Host.process``, ``Host.popen``) also gets its own pid and mount
 namespace (``unshare --pid --fork --mount-proc``): nothing can attach to it
-with process_vm_readv/writev, so direct cma must fall back. Hosts other than
+with process_vm_readv/writev, so direct cma must fall back. UCX there uses
+the host's veth as its only network device (``UCX_NET_DEVICES``); an Agent in
+the calling process passes ``hosts[0].ucx_config()`` for the same. Hosts other than
 the caller's also get their own hostname, /dev/shm and boot id, which is what
 UCX tells machines apart by (its shared-memory transports then see them as
 different machines, as they would be).
@@ -185,15 +187,18 @@ class Host:
         return (["ip", "netns", "exec", self.netns] if self.netns else []) + inner
 
     def _setup_script(self) -> str:
+        # UCX's network device on a host is its veth: left to itself UCX would also open lanes on devices
+        # another host cannot reach (eth0 through the default route, lo)
+        devices = f"export UCX_NET_DEVICES={shlex.quote(self.ifname)} && "
         if not self.netns:
-            return ""
+            return devices
         boot_id = os.path.join(self._dir, f"{self.name}.boot_id")
         if not os.path.exists(boot_id):
             with open(boot_id, "w") as f:
                 f.write(str(uuid.uuid4()) + "\n")
         return (
             f"hostname {shlex.quote(self.name)} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
-            f"mount --bind {shlex.quote(boot_id)} /proc/sys/kernel/random/boot_id && "
+            f"mount --bind {shlex.quote(boot_id)} /proc/sys/kernel/random/boot_id && " + devices
         )
 
     def _write_wrapper(self) -> str:
@@ -202,6 +207,13 @@ class Host:
             f.write("#!/bin/sh\nexec " + shlex.join(self.argv([sys.executable])) + ' "$@"\n')
         os.chmod(path, 0o755)
         return path
+
+    def ucx_config(self) -> dict[str, str]:
+        """UCX settings for an Agent on this host in the calling process (host 0): its veth as the network device.
+
+        Processes started on a host get ``UCX_NET_DEVICES`` set to it already.
+        """
+        return {"NET_DEVICES": self.ifname}
 
     def popen(self, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on this host. Its pid here is the unshare parent's; SIGKILL to it kills the whole tree."""

@@ -60,9 +60,11 @@ def test_a_process_on_another_host_reaches_this_one_over_the_veth(three):
 
 
 def test_hosts_reach_each_other_and_a_process_here_is_in_its_own_pid_namespace(three):
-    out = three[2].run(["sh", "-c", "echo $$; ip -o -4 addr show"], capture_output=True, text=True, check=True)
-    pid, addrs = out.stdout.split("\n", 1)
-    assert pid == "1" and three[2].address in addrs and three[1].address not in addrs
+    cmd = "echo $$ $UCX_NET_DEVICES; ip -o -4 addr show"
+    out = three[2].run(["sh", "-c", cmd], capture_output=True, text=True, check=True)
+    first, addrs = out.stdout.split("\n", 1)
+    assert first.split() == ["1", three[2].ifname]
+    assert three[2].address in addrs and three[1].address not in addrs
     mine = three[0].run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
     assert mine == "1"  # host 0 shares this network namespace, yet its processes get their own pid namespace
     with socket.socket() as srv:
@@ -144,7 +146,8 @@ def test_ucx_between_hosts_moves_bytes_and_direct_cma_says_why_it_is_off(three):
     with RemotePeer("far", cfg, env={"UCX_TLS": "tcp,self"}, host=there) as peer:
         assert peer.pid != 1 and peer.process.is_alive()
         remote = RemoteBuffer(peer, 1 << 16)
-        with Agent("near", {"backends": {"ucx": {"host": here.address, "ucx_config": {"TLS": "tcp,self"}}}}) as agent:
+        near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
+        with Agent("near", {"backends": {"ucx": near}}) as agent:
             agent.add_remote(peer.metadata())
             mem = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
             agent.register_memory(mem)
