@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -31,12 +31,14 @@ from ..agents import Agent, Prepared
 from ..backends import backend_status
 from ..descriptors import DescList, MemType, aligned_empty
 from ..errors import BackendUnavailable, DatamoverError, NotRegistered, UnsupportedTransfer
-from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
 from .config import TIER_NAMES, TierConfig
 from .keys import ChunkKey
 from .policies import PolicySettings, make_policy
 from .replay import PREFILL, TierStack, tier_specs
+
+if TYPE_CHECKING:  # the telemetry extra (prometheus_client) is needed only by callers that pass metrics
+    from ..telemetry.metrics import CacheMetrics
 
 log = logging.getLogger("datamover.kvcache")
 
