@@ -1,6 +1,6 @@
 """The backend conformance kit, importable by third-party backends' test suites."""
 
-from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer
+from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer, gpu_skip_reason
 from .conformance import BackendConformance, random_bytes
 from .hosts import Host, TestHosts, TestHostsUnavailable
 
@@ -13,5 +13,6 @@ __all__ = [
     "TestHosts",
     "TestHostsUnavailable",
     "VramBuffer",
+    "gpu_skip_reason",
     "random_bytes",
 ]
