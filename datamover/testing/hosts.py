@@ -15,6 +15,10 @@ the caller's also get their own hostname, /dev/shm and boot id, which is what
 UCX tells machines apart by (its shared-memory transports then see them as
 different machines, as they would be).
 
+UCX reads the routing table once per process, at its first connection: make
+the hosts before that in a process that runs an Agent on host 0 (the
+``test_hosts`` fixture of this module's pytest plugin does, before any test).
+
 Everything is named ``<prefix>...`` with a prefix unique to this run, and
 removed on ``close()``; what a run killed before its cleanup left behind is
 removed by the next run that finds its owner gone. Needs root (CAP_NET_ADMIN,
@@ -349,6 +353,34 @@ def make_test_hosts(n: int = 2, **kwargs: Any) -> TestHosts:
         pytest.skip(f"test hosts unavailable: {exc}")
 
 
+# -- pytest plugin (``pytest_plugins = ["datamover.testing.hosts"]``) ---------------------------------------
+# UCX reads the routing table once per process, at its first reachability check: an interface made after that
+# is unreachable to UCX in this process. So the session's hosts are made once collection is done, before any
+# test runs, when a collected test asks for them.
+
+_session: dict[str, Any] = {}
+
+
+def pytest_collection_finish(session: Any) -> None:
+    if any("test_hosts" in getattr(item, "fixturenames", ()) for item in session.items):
+        _session_hosts()
+
+
+def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
+    hosts = _session.pop("hosts", None)
+    if hosts is not None:
+        hosts.close()
+
+
+def _session_hosts() -> TestHosts | None:
+    if "hosts" not in _session and "error" not in _session:
+        try:
+            _session["hosts"] = TestHosts(2)
+        except TestHostsUnavailable as exc:
+            _session["error"] = str(exc)
+    return _session.get("hosts")
+
+
 try:
     import pytest as _pytest
 except ImportError:  # pragma: no cover - pytest is only needed for the fixture
@@ -356,11 +388,14 @@ except ImportError:  # pragma: no cover - pytest is only needed for the fixture
 
 if _pytest is not None:
 
-    @_pytest.fixture(scope="module")
-    def test_hosts() -> Iterator[TestHosts]:
-        """Two test hosts for a test module (host 0 is the test process's own network namespace)."""
-        hosts = make_test_hosts(2)
-        try:
-            yield hosts
-        finally:
-            hosts.close()
+    @_pytest.fixture(scope="session")
+    def test_hosts() -> TestHosts:
+        """Two test hosts for the session, made before any test ran (host 0: the test process's network namespace).
+
+        An Agent in the test process is on host 0 (give it ``test_hosts[0].address`` and
+        ``test_hosts[0].ucx_config()``); ``RemotePeer(..., host=test_hosts[1])`` runs a peer on host 1.
+        """
+        hosts = _session_hosts()
+        if hosts is None:
+            _pytest.skip(f"test hosts unavailable: {_session['error']}")
+        return hosts

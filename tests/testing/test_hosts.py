@@ -140,8 +140,8 @@ ok, why = backend_status("ucx")
 
 
 @pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
-def test_ucx_between_hosts_moves_bytes_and_direct_cma_says_why_it_is_off(three):
-    here, there = three[0], three[1]
+def test_ucx_between_hosts_moves_bytes_and_direct_cma_says_why_it_is_off(test_hosts):
+    here, there = test_hosts[0], test_hosts[1]
     cfg = {"backends": {"ucx": {"host": there.address}}}
     with RemotePeer("far", cfg, env={"UCX_TLS": "tcp,self"}, host=there) as peer:
         assert peer.pid != 1 and peer.process.is_alive()
