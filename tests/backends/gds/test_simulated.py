@@ -1,120 +1,31 @@
 """The gds backend's control flow against a simulated kvikio, on machines without a GPU.
 
-``SimKvikio`` stands in for the kvikio module: ``CuFile`` opens the file
-once and serves ``pread``/``pwrite`` with ``os.preadv``/``os.pwritev`` on a
-thread pool, returning futures with ``get()``/``done()`` like kvikio's
-``IOFuture``; device buffers are read through their
-``__cuda_array_interface__`` pointer. Bytes really move, so the tests check
+``datamover.testing.kvikio_sim.SimKvikio`` stands in for the kvikio module
+(see its docstring). Bytes really move, so the tests check
 planning, file handles, futures, errors naming the descriptor, timeouts and
 release. Real cuFile/GDS behaviour and speed are tested by
-tests/conformance/test_gds.py on a GPU.
+tests/backends/gds/test_conformance.py on a GPU.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import numpy as np
 import pytest
 
 from datamover import Agent, DescList
-from datamover.backends import gds as gds_mod
+from datamover.backends.gds import backend as gds_mod
 from datamover.errors import TransferIOError
-from datamover.testing import BackendConformance, FileBuffer, HostBuffer, random_bytes
+from datamover.testing import BackendConformance, FileBuffer, HostBuffer, kvikio_sim, random_bytes
+from datamover.testing.kvikio_sim import HostAsVram, SimCuFile
 
 _names = itertools.count()
 
 
-def _view(buf: Any, size: int) -> memoryview:
-    iface = getattr(buf, "__cuda_array_interface__", None)
-    if iface is not None:
-        assert iface["typestr"] == "|u1" and iface["shape"][0] >= size and iface["version"] == 3
-        return memoryview((ctypes.c_ubyte * size).from_address(iface["data"][0])).cast("B")
-    return memoryview(buf).cast("B")[:size]
-
-
-class SimFuture:
-    def __init__(self, fut) -> None:
-        self._fut = fut
-
-    def get(self) -> int:
-        return self._fut.result()
-
-    def done(self) -> bool:
-        return self._fut.done()
-
-
-class SimCuFile:
-    opened: list[str] = []
-
-    def __init__(self, path: str, flags: str = "r") -> None:
-        assert flags == "r+", "registered files are opened for reading and writing, never truncated"
-        self.fd = os.open(path, os.O_RDWR)
-        self.path = str(path)
-        self.pool = SimKvikio.pool
-        SimCuFile.opened.append(self.path)
-
-    def pread(self, buf, size=None, file_offset=0, task_size=None) -> SimFuture:
-        view = _view(buf, size)
-        return SimFuture(self.pool.submit(os.preadv, self.fd, [view], file_offset))
-
-    def pwrite(self, buf, size=None, file_offset=0, task_size=None) -> SimFuture:
-        view = _view(buf, size)
-        return SimFuture(self.pool.submit(os.pwritev, self.fd, [view], file_offset))
-
-    def close(self) -> None:
-        os.close(self.fd)
-        SimCuFile.opened.remove(self.path)
-
-
-class SimKvikio:
-    __version__ = "sim"
-    pool = ThreadPoolExecutor(4)
-    CuFile = SimCuFile
-
-    class CompatMode:
-        ON, OFF, AUTO = "ON", "OFF", "AUTO"
-
-    class defaults:
-        settings: dict[str, Any] = {"num_threads": 1, "task_size": 4 << 20, "compat_mode": "AUTO"}
-
-        @classmethod
-        def set(cls, key, value):
-            cls.settings[key] = value
-
-        @classmethod
-        def get(cls, key):
-            return cls.settings[key]
-
-        @staticmethod
-        def is_compat_mode_preferred() -> bool:
-            return True
-
-
 @pytest.fixture
 def kv(monkeypatch):
-    monkeypatch.setattr(gds_mod, "_kvikio", lambda: SimKvikio)
-    monkeypatch.setattr(gds_mod.GdsBackend, "available", classmethod(lambda cls: (True, "simulated kvikio")))
-    SimCuFile.opened.clear()
-    return SimKvikio
-
-
-class HostAsVram(HostBuffer):
-    """Host memory registered as VRAM rows: gds hands it to (simulated) kvikio as a device buffer."""
-
-    def __init__(self, agent: Agent, nbytes: int, *, shift: int = 0) -> None:
-        from datamover.descriptors import aligned_empty
-
-        self.array = aligned_empty(nbytes + shift)[shift:]
-        self.nbytes = nbytes
-        self.registration = agent.register_memory(DescList.from_columns(self.array.ctypes.data, nbytes, 0, "VRAM"))
-
-    def descs(self, offsets: Any, lengths: Any) -> DescList:
-        return DescList.from_columns(self.array.ctypes.data + np.asarray(offsets), lengths, 0, "VRAM")
+    return kvikio_sim.install(monkeypatch)
 
 
 class TestGdsSimulatedDram(BackendConformance):

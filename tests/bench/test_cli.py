@@ -65,7 +65,7 @@ def test_list_models(capsys) -> None:
 
 
 def test_param_reaches_our_backend(tmp_path, monkeypatch) -> None:
-    from datamover.backends.aio import AioContext
+    from datamover.backends.posix.aio import AioContext
 
     monkeypatch.setattr(AioContext, "start", lambda *a, **k: pytest.fail("aio used although posix.aio=false"))
     js = tmp_path / "p.json"

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ..descriptors import MemType
-from .base import (
+from ...descriptors import MemType
+from ..base import (
     Backend,
     Completion,
     TransferRequest,

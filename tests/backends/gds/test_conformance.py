@@ -8,9 +8,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from test_cuda import gpu_skip_reason
 
-from datamover.testing import BackendConformance, FileBuffer, HostBuffer, VramBuffer
+from datamover.testing import BackendConformance, FileBuffer, HostBuffer, VramBuffer, gpu_skip_reason
 
 SKIP = gpu_skip_reason("gds")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable
+from ...errors import BackendUnavailable
 
 _SYSCALLS = {
     "x86_64": {"io_setup": 206, "io_destroy": 207, "io_getevents": 208, "io_submit": 209},

@@ -7,23 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from datamover.backends import backend_status
-from datamover.testing import BackendConformance, HostBuffer, VramBuffer
-
-
-def gpu_skip_reason(backend: str) -> str | None:
-    """Why ``backend`` cannot be tested with torch CUDA buffers here, or None when it can."""
-    ok, reason = backend_status(backend)
-    if not ok:
-        return f"{backend} backend unavailable here: {reason}"
-    try:
-        import torch
-    except ImportError:
-        return "the VRAM test buffers need torch with CUDA; torch is not installed"
-    if not torch.cuda.is_available():
-        return f"torch {torch.__version__} cannot use CUDA (torch.cuda.is_available() is False)"
-    return None
-
+from datamover.testing import BackendConformance, HostBuffer, VramBuffer, gpu_skip_reason
 
 SKIP = gpu_skip_reason("cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]

@@ -45,9 +45,9 @@ from typing import Any
 
 import numpy as np
 
-from ..descriptors import MemType
-from ..errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
-from .base import Backend, Completion, TransferRequest, typed_error
+from ...descriptors import MemType
+from ...errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
+from ..base import Backend, Completion, TransferRequest, typed_error
 
 log = logging.getLogger("datamover.s3")
 

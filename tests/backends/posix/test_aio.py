@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, aligned_empty
-from datamover.backends import aio
-from datamover.backends.aio import AioContext, AioRun, IocbBatch, aio_available
+from datamover.backends.posix import aio
+from datamover.backends.posix.aio import AioContext, AioRun, IocbBatch, aio_available
 from datamover.errors import TransferIOError
 
 OK, REASON = aio_available()

@@ -11,7 +11,7 @@ from datamover.testing.services import etcd_binary
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "pd_disaggregation.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pd_disaggregation.py"
 
 
 @pytest.mark.parametrize("exchange", ["tcp", "etcd"])

@@ -27,10 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..descriptors import MemType, aligned_empty
-from ..errors import TransferIOError
-from .aio import AioContext, AioRun, IocbBatch, aio_available
-from .base import (
+from ...descriptors import MemType, aligned_empty
+from ...errors import TransferIOError
+from ..base import (
     Backend,
     Completion,
     TransferRequest,
@@ -42,7 +41,8 @@ from .base import (
     split_by_bytes,
     typed_error,
 )
-from .workers import Workers
+from ..workers import Workers
+from .aio import AioContext, AioRun, IocbBatch, aio_available
 
 log = logging.getLogger("datamover.posix")
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
-from ..descriptors import MemType
-from ..errors import TransferIOError
-from .base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
-from .cuda import driver_missing, parse_bytes
+from ...descriptors import MemType
+from ...errors import TransferIOError
+from ..base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
+from ..cuda.backend import driver_missing, parse_bytes
 
 log = logging.getLogger("datamover.gds")
 

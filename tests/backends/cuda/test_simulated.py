@@ -1,27 +1,17 @@
 """The cuda backend's control flow against a simulated CUDA runtime, on machines without a GPU.
 
-``SimRuntime`` stands in for ``cuda.bindings.runtime``: streams are threads
-that run their copies in order with ``ctypes.memmove``, events are set when
-their stream reaches them, "device memory" is host memory the simulator
-hands out with a device id, and ``cudaHostRegister`` only records ranges.
-Bytes really move, so these tests check what the backend does with the
+``datamover.testing.cuda_sim.SimRuntime`` stands in for
+``cuda.bindings.runtime`` (see its docstring). Bytes really move, so these tests check what the backend does with the
 API: planning, batching and its fallback, per-device streams, event
 completion in stream order, pinning and the pool, errors naming the
-descriptor, timeouts, release and concurrency. The enums, the
-``cudaMemcpyAttributes`` struct and error strings are the real cuda-python
-ones, and where no driver is present every batch call is also passed to the
-real binding to check that it accepts the arguments. What only a GPU can
-show (real DMA, real pinning, speed) is tested by
-tests/conformance/test_cuda.py there.
+descriptor, timeouts, release and concurrency. What only a GPU can show
+(real DMA, real pinning, speed) is tested by
+tests/backends/cuda/test_conformance.py there.
 """
 
 from __future__ import annotations
 
-import ctypes
-import queue
 import threading
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
@@ -29,227 +19,20 @@ import pytest
 rt_real = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python (cuda.bindings) is not installed")
 
 from datamover import Agent, DescList  # noqa: E402
-from datamover.backends import cuda as cuda_mod  # noqa: E402
+from datamover.backends.cuda import backend as cuda_mod  # noqa: E402
 from datamover.errors import DatamoverError, TransferIOError, TransferTimeout  # noqa: E402
-from datamover.testing import BackendConformance, HostBuffer, random_bytes  # noqa: E402
+from datamover.testing import BackendConformance, HostBuffer, cuda_sim, random_bytes  # noqa: E402
+from datamover.testing.cuda_sim import SimRuntime, SimVram  # noqa: E402
 
 OK = rt_real.cudaError_t.cudaSuccess
 E = rt_real.cudaError_t
 
 
-class SimEvent:
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.done.set()  # a never-recorded event counts as complete, as in CUDA
-
-
-class SimStream:
-    """Runs queued operations in order on its own thread."""
-
-    def __init__(self, device: int) -> None:
-        self.device = device
-        self.ops: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            op = self.ops.get()
-            if op is None:
-                return
-            kind, *args = op
-            if kind == "copy":
-                dst, src, n = args
-                ctypes.memmove(dst, src, n)
-            elif kind == "wait":
-                args[0].wait()
-            else:
-                args[0].set()
-
-
-class SimRuntime:
-    """The parts of cuda.bindings.runtime the cuda backend calls, simulated on host memory."""
-
-    def __init__(self, devices: int = 2, batch: bool = True) -> None:
-        for name in (
-            "cudaError_t",
-            "cudaMemcpyKind",
-            "cudaMemoryType",
-            "cudaMemcpySrcAccessOrder",
-            "cudaMemcpyFlags",
-            "cudaMemcpyAttributes",
-            "cudaStreamNonBlocking",
-            "cudaEventDisableTiming",
-            "cudaEventBlockingSync",
-            "cudaHostRegisterPortable",
-            "cudaGetErrorString",
-        ):
-            setattr(self, name, getattr(rt_real, name))
-        if batch:
-            self.cudaMemcpyBatchAsync = self._batch
-        self.devices = devices
-        self.local = threading.local()
-        self.lock = threading.Lock()
-        self.device_allocs: list[tuple[int, int, int, np.ndarray]] = []
-        self.pinned: dict[int, int] = {}
-        self.streams: list[SimStream] = []
-        self.calls = {"batch": 0, "memcpy": 0, "register": 0, "unregister": 0}
-        self.fail_batch: Any = None  # an error code the next batch calls return
-        self.fail_copy_at: int | None = None  # memcpy call number that fails
-        self.real_driver_missing = cuda_mod.driver_missing() is not None
-
-    # -- memory the test hands out as "device memory" -------------------------
-    def device_buffer(self, nbytes: int, device: int) -> np.ndarray:
-        arr = np.zeros(nbytes + 64, dtype=np.uint8)[64:]
-        with self.lock:
-            self.device_allocs.append((arr.ctypes.data, arr.ctypes.data + nbytes, device, arr))
-        return arr
-
-    # -- runtime calls -----------------------------------------------------------
-    def cudaGetLastError(self):
-        return (OK,)
-
-    def cudaGetDevice(self):
-        return (OK, getattr(self.local, "dev", 0))
-
-    def cudaSetDevice(self, dev: int):
-        if not 0 <= dev < self.devices:
-            return (E.cudaErrorInvalidDevice,)
-        self.local.dev = dev
-        return (OK,)
-
-    def cudaRuntimeGetVersion(self):
-        return (OK, 12090)
-
-    def cudaDriverGetVersion(self):
-        return (OK, 12090)
-
-    def cudaStreamCreateWithFlags(self, flags: int):
-        assert flags == rt_real.cudaStreamNonBlocking, "the copy stream must not sync with the legacy stream"
-        s = SimStream(self.local.__dict__.get("dev", 0))
-        self.streams.append(s)
-        return (OK, s)
-
-    def cudaStreamSynchronize(self, stream: SimStream):
-        done = threading.Event()
-        stream.ops.put(("signal", done))
-        done.wait()
-        return (OK,)
-
-    def cudaStreamDestroy(self, stream: SimStream):
-        stream.ops.put(None)
-        stream.thread.join()
-        return (OK,)
-
-    def cudaEventCreateWithFlags(self, flags: int):
-        assert flags & rt_real.cudaEventDisableTiming
-        return (OK, SimEvent())
-
-    def cudaEventRecord(self, event: SimEvent, stream: SimStream):
-        event.done.clear()
-        stream.ops.put(("signal", event.done))
-        return (OK,)
-
-    def cudaEventSynchronize(self, event: SimEvent):
-        event.done.wait()
-        return (OK,)
-
-    def cudaEventDestroy(self, event: SimEvent):
-        return (OK,)
-
-    def cudaDeviceCanAccessPeer(self, a: int, b: int):
-        return (OK, 1)
-
-    def cudaDeviceEnablePeerAccess(self, peer: int, flags: int):
-        return (OK,)
-
-    def cudaPointerGetAttributes(self, ptr: int):
-        with self.lock:
-            for start, end, dev, _ in self.device_allocs:
-                if start <= ptr < end:
-                    return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeDevice, device=dev))
-            for start, n in self.pinned.items():
-                if start <= ptr < start + n:
-                    return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeHost, device=0))
-        return (OK, SimpleNamespace(type=rt_real.cudaMemoryType.cudaMemoryTypeUnregistered, device=-2))
-
-    def cudaHostRegister(self, ptr: int, size: int, flags: int):
-        with self.lock:
-            self.calls["register"] += 1
-            for start, n in self.pinned.items():
-                if start < ptr + size and ptr < start + n:
-                    return (E.cudaErrorHostMemoryAlreadyRegistered,)
-            self.pinned[ptr] = size
-        return (OK,)
-
-    def cudaHostUnregister(self, ptr: int):
-        with self.lock:
-            self.calls["unregister"] += 1
-            if self.pinned.pop(ptr, None) is None:
-                return (E.cudaErrorHostMemoryNotRegistered,)
-        return (OK,)
-
-    def cudaMemcpyAsync(self, dst: int, src: int, n: int, kind, stream: SimStream):
-        assert kind == rt_real.cudaMemcpyKind.cudaMemcpyDefault
-        with self.lock:
-            self.calls["memcpy"] += 1
-            k = self.calls["memcpy"]
-        if self.fail_copy_at is not None and k == self.fail_copy_at:
-            return (E.cudaErrorInvalidValue,)
-        stream.ops.put(("copy", dst, src, n))
-        return (OK,)
-
-    def _batch(self, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream: SimStream):
-        if self.real_driver_missing:
-            # the real binding must accept these argument types (it then fails for want of a driver)
-            res = rt_real.cudaMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, None)
-            assert res[0] != OK
-        self.calls["batch"] += 1
-        if self.fail_batch is not None:
-            return (self.fail_batch, None)
-        ok_args = (
-            len(dsts) == len(srcs) == len(sizes) == count > 0
-            and 1 <= num_attrs <= count
-            and list(attrs_idxs)[:1] == [0]
-            and all(isinstance(a, rt_real.cudaMemcpyAttributes) for a in attrs)
-            and all(a.srcAccessOrder != rt_real.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderInvalid for a in attrs)
-            and all(isinstance(z, int) and z > 0 for z in sizes)
-        )
-        if not ok_args:
-            return (E.cudaErrorInvalidValue, 2**64 - 1)
-        for d, s, z in zip(dsts, srcs, sizes):
-            stream.ops.put(("copy", d, s, z))
-        return (OK, 0)
-
-
-class SimVram:
-    """Simulated device memory, registered as VRAM with its device id; the test reads it directly."""
-
-    def __init__(self, sim: SimRuntime, agent: Agent, nbytes: int, device: int = 0, shift: int = 0) -> None:
-        self.array = sim.device_buffer(nbytes + shift, device)[shift:]
-        self.nbytes = nbytes
-        self.device = device
-        rows = DescList.from_columns(self.array.ctypes.data, nbytes, device, "VRAM")
-        self.registration = agent.register_memory(rows)
-
-    def descs(self, offsets: Any, lengths: Any) -> DescList:
-        return DescList.from_columns(self.array.ctypes.data + np.asarray(offsets), lengths, self.device, "VRAM")
-
-    def read(self, offset: int, nbytes: int) -> bytes:
-        return self.array[offset : offset + nbytes].tobytes()
-
-    def write(self, offset: int, data: bytes) -> None:
-        self.array[offset : offset + len(data)] = np.frombuffer(data, dtype=np.uint8)
-
-
 @pytest.fixture
 def sim(monkeypatch):
-    runtime = SimRuntime()
-    monkeypatch.setattr(cuda_mod, "_runtime", lambda: runtime)
-    monkeypatch.setattr(cuda_mod.CudaBackend, "available", classmethod(lambda cls: (True, "simulated runtime")))
+    runtime = cuda_sim.install(monkeypatch)
     yield runtime
-    for s in runtime.streams:
-        s.ops.put(None)
+    cuda_sim.stop(runtime)
 
 
 class TestCudaSimulatedVramToDram(BackendConformance):

@@ -12,10 +12,10 @@ import pytest
 
 from datamover import Agent, DescList, MemType
 from datamover.backends import BUILTIN, backend_status
-from datamover.backends import cuda as cuda_mod
-from datamover.backends import gds as gds_mod
-from datamover.backends.cuda import CudaBackend, PinnedPool, PinnedPoolExhausted, driver_missing, parse_bytes
-from datamover.backends.gds import DeviceBytes, GdsBackend
+from datamover.backends.cuda import backend as cuda_mod
+from datamover.backends.cuda.backend import CudaBackend, PinnedPool, PinnedPoolExhausted, driver_missing, parse_bytes
+from datamover.backends.gds import backend as gds_mod
+from datamover.backends.gds.backend import DeviceBytes, GdsBackend
 from datamover.bench.gpu import check_targets
 from datamover.errors import DatamoverError, NotRegistered, UnsupportedTransfer
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from ..descriptors import MemType
-from ..errors import DatamoverError, InvalidDescriptor, TransferIOError, TransferTimeout
-from .base import Backend, Completion, TransferRequest
+from ...descriptors import MemType
+from ...errors import DatamoverError, InvalidDescriptor, TransferIOError, TransferTimeout
+from ..base import Backend, Completion, TransferRequest
 
 log = logging.getLogger("datamover.cuda")
 
