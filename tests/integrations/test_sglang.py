@@ -6,7 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from engine_support import require
+
+from tests.integrations.engine_support import require
 
 require("sglang.srt.mem_cache.storage.backend_factory")
 torch = pytest.importorskip("torch")
