@@ -9,4 +9,6 @@ bash scripts/setup.sh --engines
 export DATAMOVER_ENGINE_TESTS=1  # the engines are installed: their tests must run, not skip
 ruff check .
 ruff format --check .
+# each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)
+[ -n "${DATAMOVER_SKIP_EXTRAS:-}" ] || bash scripts/check_extras.sh
 python -m pytest -q -ra "$@"
