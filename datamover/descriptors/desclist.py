@@ -52,7 +52,7 @@ class DescList:
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
             raise InvalidDescriptor("descriptor values exceed int64")
         rows64 = np.array(arr, dtype=np.int64, order="F", copy=True)
-        _check_rows(rows64)
+        check_rows(rows64)
         rows64.setflags(write=False)
         self._rows = rows64
         self.keys = tuple(keys) if keys is not None else None
@@ -209,7 +209,7 @@ class DescList:
         return DescList._wrap(np.asfortranarray(rows), self.mem_type, None, owners)
 
 
-def _check_rows(rows: np.ndarray) -> None:
+def check_rows(rows: np.ndarray) -> None:
     """Vectorized sanity checks: non-negative fields and no address overflow."""
     if rows.shape[0] == 0:
         return
