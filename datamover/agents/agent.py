@@ -171,7 +171,7 @@ class Agent:
     def register_memory(self, x: Any) -> Registration | list[Registration]:
         """Make a buffer (or each buffer of a list, or each row of a DescList) addressable."""
         if isinstance(x, DescList):
-            items = [(int(a), int(n), x.mem_type, int(d), x._owners) for a, n, d in x]
+            items = [(int(a), int(n), x.mem_type, int(d), x.owners) for a, n, d in x]
             regs = [self._register_region(*item) for item in items]
             return regs[0] if len(regs) == 1 else regs
         if isinstance(x, (list, tuple)):

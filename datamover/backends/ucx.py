@@ -103,7 +103,7 @@ _DIRECT_GRACE_S = 0.002
 _MAX_RKEY_BYTES = 4096
 
 
-def _import_ucxx():
+def import_ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     from ucxx._lib import libucxx as ucx_api
     from ucxx._lib.arr import Array
@@ -314,7 +314,7 @@ class UcxBackend(Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
-        ucx_api, Array = _import_ucxx()
+        ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
         self._ctx = ucx_api.UCXContext(config, feature_flags=_features(ucx_api))
@@ -379,7 +379,7 @@ class UcxBackend(Backend):
     @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
-            ucx_api, _ = _import_ucxx()
+            ucx_api, _ = import_ucxx()
             import ucxx
         except Exception as exc:
             return False, f"ucxx is not importable ({type(exc).__name__}: {exc}); pip install ucxx-cu12"
@@ -390,7 +390,7 @@ class UcxBackend(Backend):
     def environment(cls) -> dict[str, Any]:
         """UCX version and the transports this machine offers (the data path picks among them)."""
         try:
-            ucx_api, _ = _import_ucxx()
+            ucx_api, _ = import_ucxx()
             ctx = ucx_api.UCXContext(ucx_config({}, False), feature_flags=_features(ucx_api))
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -1529,7 +1529,7 @@ class UcxBackend(Backend):
         for k, c in enumerate(cols):
             rows[:, k] = np.frombuffer(c, dtype="<i8")
         check_rows(rows)  # negative fields, address overflow; the same checks DescList makes, without its overhead
-        descs = DescList._wrap(rows, mem, None, ())
+        descs = DescList.wrap(rows, mem, None, ())
         rids = self.host.region_table.lookup(descs, owner=f"agent {self.host.name!r}", backend=self.name)
         return descs, rids
 
@@ -1709,8 +1709,8 @@ def transports_in_use(log: str) -> list[str]:
 _PROBE = """
 import numpy as np
 from datamover.backends import ucx_rma as rma
-from datamover.backends.ucx import _features, _import_ucxx, ucx_config
-u, Array = _import_ucxx()
+from datamover.backends.ucx import _features, import_ucxx, ucx_config
+u, Array = import_ucxx()
 ctxs = [u.UCXContext(ucx_config({}, False), feature_flags=_features(u)) for _ in range(2)]
 ws = [u.UCXWorker(c) for c in ctxs]
 ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)
