@@ -306,6 +306,9 @@ class UcxBackend(Backend):
         "emulated_max_bytes": 8 << 20,
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
+        # where the native extension is built: a native thread progresses UCX (sleeping on its event fd), so a
+        # target whose transport needs it (tcp, emulated put/get) is served without a Python thread waking
+        "native_progress": True,
         "connect_timeout_s": 5.0,
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
@@ -369,8 +372,9 @@ class UcxBackend(Backend):
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
-        self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
-        self._ucx_watched = True  # UCX's event fd is in the selector (not while a waiter progresses UCX)
+        self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
+        self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
+        self._start_progress()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
@@ -400,6 +404,7 @@ class UcxBackend(Backend):
             "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
             "UCX_TLS": ctx.config.get("TLS", "?"),
             "direct cma": cma.availability(),
+            "native path": rma.data_path(),
             "data path": "one-sided put/get (UCP RMA, rkeys over the control connection; same-host peers "
             "this process may attach to: process_vm_writev/readv, IOV_MAX rows per call), or tag send/recv "
             "served by the owner; endpoints from worker addresses, UCX error handling off; peer failure via "
@@ -425,6 +430,8 @@ class UcxBackend(Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "control": f"{self.params['host']}:{self._port}",
+            "native path": rma.data_path(),
+            "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
             "worker resets": self.resets,
             "requests": dict(self.counts),
         }
@@ -695,13 +702,18 @@ class UcxBackend(Backend):
         worker, deadline, clock = self._worker, direct.deadline, time.monotonic
         direct.driven = True
         self._drivers.add(direct)
+        progress = self._progress
+        if progress is not None:
+            progress.hold()  # this waiter progresses UCX itself until the flush ends
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
-                while worker.progress_once():  # drain what UCX can do before looking at the flush again
-                    pass
+                # native: in C until the flush ends (slices of 10 ms, to see a lost peer); ctypes: one drain
+                rma.drive(worker, direct.flush, min(deadline, clock() + 0.01))
                 if clock() > deadline:
                     return
         finally:
+            if progress is not None:
+                progress.release()
             direct.driven = False
             self._drivers.discard(direct)
             if not self._drivers:
@@ -742,6 +754,17 @@ class UcxBackend(Backend):
             os.write(self._wake_w, b"x")
         except OSError:
             pass
+
+    def _start_progress(self) -> None:
+        """Hand UCX's progress to a native thread where the extension is built, else watch its fd here."""
+        lib = rma.native() if self.params["native_progress"] else None
+        if lib is not None:
+            try:
+                self._progress = lib.Progress(self._worker.handle, float(self.params["spin_us"]) * 1e-6)
+                return
+            except OSError as exc:
+                log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
+        self._watch_ucx(True)
 
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""
@@ -792,7 +815,7 @@ class UcxBackend(Backend):
                 n = 0
                 # a waiter progressing the same worker does this thread's UCX work too; two threads
                 # progressing one worker only contend for its lock (and the GIL)
-                while not self._drivers and worker.progress_once() and n < 64:
+                while not self._drivers and self._progress is None and worker.progress_once() and n < 64:
                     n += 1
                 busy |= n > 0
                 if self._active_out or self._active_in or self._revokes:
@@ -811,6 +834,16 @@ class UcxBackend(Backend):
                     # event fd stays readable while nobody arms the worker, so it is left out of the wait)
                     self._watch_ucx(False)
                     self._poll(0.005)
+                    continue
+                if self._progress is not None:
+                    # the native thread progresses UCX; it wakes this one after work while requests are in flight
+                    in_flight = self._active_out or self._active_in or self._revokes or self._directs
+                    self._progress.set_notify(self._wake_w if in_flight else -1)
+                    if in_flight:
+                        # what this thread (or a caller) posted raises no UCX event: have it progressed
+                        self._progress.kick()
+                    if self._poll(0.0 if busy else (0.001 if in_flight else 0.05)):
+                        last = time.monotonic()
                     continue
                 self._watch_ucx(True)
                 if self._poll(0.0):
@@ -920,6 +953,9 @@ class UcxBackend(Backend):
             self._drop_inbound(inbound)
         if self._ucx_watched:
             self._sel.unregister(self._worker.epoll_file_descriptor)
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
         self._old_workers.append((self._worker, self._self_ep, self._graveyard, self._draining))
         self._graveyard, self._draining, self._self_ep = [], [], None
         self._worker = self._ucx.UCXWorker(self._ctx)
@@ -927,6 +963,7 @@ class UcxBackend(Backend):
         self._address = self._worker.address.tobytes()
         if self._ucx_watched:
             self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self._start_progress()
         self.resets += 1
 
     def _bury(self) -> None:
@@ -1159,7 +1196,7 @@ class UcxBackend(Backend):
                 peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
                 item[1].finish_part()
 
-    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
+    def _one_sided_rows(self, peer: _Peer, req: TransferRequest) -> rma.Rows | cma.CmaPlan | None:
         """(local addr, length, remote addr, rkey) per row when the target opened every row to put/get, else None.
 
         For a peer this process may attach to (``direct_cma``), DRAM rows come as one ``cma.CmaPlan`` instead.
@@ -1176,7 +1213,7 @@ class UcxBackend(Backend):
             req.plan.one_sided = (peer.epoch, rows)
             return rows
 
-    def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
+    def _check_rows(self, peer: _Peer, req: TransferRequest) -> rma.Rows | cma.CmaPlan | None:
         direct = bool(peer.cma_pid) and req.local.mem_type == MemType.DRAM and req.remote.mem_type == MemType.DRAM
         if not direct and not self._rma_native and len(req.local) and int(req.local.length.max()) > self._emulated_max:
             return None
@@ -1194,8 +1231,7 @@ class UcxBackend(Backend):
                     return cma.CmaPlan(req.local.addr, addr, n, chunk)
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
                 params = [self._params.get(r) for r in req.local_regions.tolist()]
-                cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
-                rows = list(map(rma.make_row, *cols))
+                rows = rma.prepare_rows(req.local.addr, n, addr, keys, params)
         return rows
 
     def _rkey(self, peer: _Peer, rid: int) -> int:
@@ -1204,13 +1240,11 @@ class UcxBackend(Backend):
             rkey = peer.rkeys[rid] = rma.rkey_unpack(peer.ep.handle, peer.regions[rid][4])
         return rkey
 
-    def _post_one_sided(self, peer: _Peer, op: str, rows: list[rma.Row]) -> tuple[rma.Flush | None, int]:
+    def _post_one_sided(self, peer: _Peer, op: str, rows: rma.Rows) -> tuple[Any, int]:
         """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self._rma_lock:
-            ep = peer.ep.handle
-            status = rma.post_rows(op == "READ", ep, rows)
             self.counts["one-sided"] += 1
-            return (rma.Flush(ep) if status == rma.UCS_OK else None), status
+            return rma.post(op == "READ", peer.ep.handle, rows)
 
     def _copy_cma(self, peer: _Peer, req: TransferRequest, plan: cma.CmaPlan, deadline: float) -> DatamoverError | None:
         """Copy every row of ``plan`` to (WRITE) or from (READ) the peer now, locked; the typed error if one failed."""
@@ -1266,7 +1300,7 @@ class UcxBackend(Backend):
     def _status_error(self, status: int, peer: _Peer) -> DatamoverError:
         return _ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.name)
 
-    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: list[rma.Row] | cma.CmaPlan) -> None:
+    def _launch_one_sided(self, peer: _Peer, op: _OutOp, rows: rma.Rows | cma.CmaPlan) -> None:
         """A queued request's one-sided posts: done when the flush ends (direct cma: at once)."""
         if isinstance(rows, cma.CmaPlan):
             with self._rma_lock:  # before the handshake only: copied here, whatever its size
@@ -1574,6 +1608,8 @@ class UcxBackend(Backend):
         self._stop = True
         self._wake()
         self._thread.join(10)
+        if self._progress is not None:
+            self._progress.close()
         if self._cma_pool is not None:
             self._cma_pool.shutdown(wait=True)
         self._sel.close()
