@@ -374,7 +374,8 @@ class UcxBackend(Backend):
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
-        self._start_progress()
+        if not self._start_progress():
+            self._watch_ucx(True)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
@@ -755,16 +756,16 @@ class UcxBackend(Backend):
         except OSError:
             pass
 
-    def _start_progress(self) -> None:
-        """Hand UCX's progress to a native thread where the extension is built, else watch its fd here."""
+    def _start_progress(self) -> bool:
+        """Hand UCX's progress to a native thread where the extension is built; False: this thread progresses it."""
         lib = rma.native() if self.params["native_progress"] else None
         if lib is not None:
             try:
                 self._progress = lib.Progress(self._worker.handle, float(self.params["spin_us"]) * 1e-6)
-                return
+                return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
-        self._watch_ucx(True)
+        return False
 
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""

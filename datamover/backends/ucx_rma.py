@@ -261,7 +261,7 @@ def _native_state() -> tuple[Any, str]:
     try:
         ucp()  # loads libucp through ucxx
         _ucp.bind(_loaded("libucp"))
-    except (OSError, UcpError) as exc:
+    except (ImportError, OSError, UcpError) as exc:
         return None, f"ctypes: the native extension cannot bind libucp ({exc})"
     return _ucp, f"native: rows posted and UCX progressed in C with the GIL released ({_loaded('libucp')})"
 

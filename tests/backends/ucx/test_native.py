@@ -18,15 +18,7 @@ pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why
 TCP = {"ucx_config": {"TLS": "tcp,self"}, "direct_cma": False}  # put/get over tcp: the target must progress
 
 
-def _native_built() -> bool:
-    try:
-        from datamover.backends import _ucp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_native = pytest.mark.skipif(not _native_built(), reason="the native extension was not built here")
+needs_native = pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +43,7 @@ def test_info_says_which_path_is_active_and_why():
         capture_output=True, text=True, env={"DATAMOVER_UCX_NATIVE": "0", "PATH": "/usr/bin:/bin"}, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "ctypes: DATAMOVER_UCX_NATIVE=0"
-    if _native_built():
+    if ucx_rma.native() is not None:
         assert ucx_rma.data_path().startswith("native: ") and "libucp" in ucx_rma.data_path()
     from datamover.backends.ucx import UcxBackend
 
@@ -59,6 +51,7 @@ def test_info_says_which_path_is_active_and_why():
 
 
 def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatch):
+    monkeypatch.delenv("DATAMOVER_UCX_NATIVE", raising=False)
     monkeypatch.setitem(sys.modules, "datamover.backends._ucp", None)  # as if it had not been built
     lib, reason = ucx_rma._native_state.__wrapped__()
     assert lib is None and reason.startswith("ctypes: the native extension datamover.backends._ucp was not built")
