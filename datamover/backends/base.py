@@ -232,6 +232,13 @@ class TransferRequest:
     def dst_regions(self) -> np.ndarray:
         return self.remote_regions if self.op is Op.WRITE else self.local_regions
 
+    def copy(self) -> TransferRequest:
+        """The same request (sharing its arrays and plan) with its own deadline, not yet posted."""
+        new = object.__new__(TransferRequest)
+        new.__dict__.update(self.__dict__)
+        new.deadline = math.inf
+        return new
+
     def caller_index(self, row: int) -> int:
         """The caller's descriptor index for coalesced row ``row``."""
         return int(self.first_index[row])
