@@ -327,14 +327,6 @@ class Backend(ABC):
         """Release threads, connections and handles."""
 
 
-def size_text(n: int) -> str:
-    """4096 -> '4 KiB', 1048576 -> '1 MiB': thresholds as ``datamover info`` shows them."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
 def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:
     """Cut rows into at most ``parts`` contiguous ranges of roughly equal bytes.
 

@@ -23,6 +23,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...descriptors import MemType, Registration
+from ...units import size_text
 from ..base import (
     Backend,
     BackendHost,
@@ -31,7 +32,6 @@ from ..base import (
     finished_completion,
     run_inline,
     run_parts,
-    size_text,
     split_by_bytes,
 )
 
