@@ -11,6 +11,8 @@ from ..errors import InvalidDescriptor
 from .buffers import buffer_info
 from .memtype import MemType
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 class DescList:
     """A batch of descriptors: one memory type and three int64 columns.
@@ -41,7 +43,7 @@ class DescList:
             raise InvalidDescriptor(f"descriptor rows must have shape (N, 3) of (addr, length, dev), got {arr.shape}")
         if arr.dtype.kind not in "iu":
             raise InvalidDescriptor(f"descriptor rows must be integers, got dtype {arr.dtype}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
             raise InvalidDescriptor("descriptor values exceed int64")
         rows64 = np.array(arr, dtype=np.int64, order="F", copy=True)
         check_rows(rows64)
@@ -94,7 +96,7 @@ class DescList:
         if any(c.ndim == 1 and c.shape[0] == 0 for c in cols):
             n = 0
         for col, name in zip(cols, ("addr", "length", "dev")):
-            if col.dtype == np.uint64 and col.size and int(col.max()) > np.iinfo(np.int64).max:
+            if col.dtype == np.uint64 and col.size and int(col.max()) > _INT64_MAX:
                 raise InvalidDescriptor(f"{name} values exceed int64")
         rows = np.empty((n, 3), dtype=np.int64, order="F")
         if n:
@@ -239,7 +241,7 @@ def check_rows(rows: np.ndarray) -> None:
     if bad is not None:
         i = int(np.flatnonzero(bad)[0])
         raise InvalidDescriptor(f"negative field in {tuple(int(v) for v in rows[i])}", index=i)
-    limit = np.iinfo(np.int64).max
+    limit = _INT64_MAX
     over = rows[:, 0] > limit - rows[:, 1]
     if over.any():
         i = int(np.flatnonzero(over)[0])
