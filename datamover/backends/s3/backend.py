@@ -344,7 +344,7 @@ class S3Backend(Backend):
     def _use_native(self) -> bool:
         return self._native is True or self._native == "auto"
 
-    def _call(self, fn, *, req: TransferRequest, row: int, what: str, **kw) -> Any:
+    def _call(self, fn, *, req: TransferRequest, row: int, what: str, at: int = 0, **kw) -> Any:
         """One boto3 call; refusals of the native checksum in "auto" mode retry without it once."""
         try:
             return fn(**kw)
@@ -357,14 +357,14 @@ class S3Backend(Backend):
                 try:
                     return fn(**kw)
                 except Exception as exc2:
-                    raise self.error(exc2, req, row, what) from exc2
-            raise self.error(exc, req, row, what) from exc
+                    raise self.error(exc2, req, row, what, at) from exc2
+            raise self.error(exc, req, row, what, at) from exc
 
-    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str) -> DatamoverError:
-        """A typed error for a failed boto3 call on ``row``: names the key, the bucket and the HTTP status."""
+    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str, at: int = 0) -> DatamoverError:
+        """A typed error for a failed boto3 call on ``row`` (at its byte ``at``): names the key, bucket, HTTP status."""
         p = req.plan
         bucket, key = p.bucket[row], p.key[row]
-        return object_store_error(exc, bucket, key, what, index=req.caller_index(row), backend=self.name)
+        return object_store_error(exc, bucket, key, what, index=req.caller_index(row, at), backend=self.name)
 
     def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
         p = req.plan
@@ -389,7 +389,7 @@ class S3Backend(Backend):
         bucket, key = p.bucket[row], p.key[row]
         ranged = not (off == 0 and count == p.len[row])
         kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
-        resp = self._call(self._client.get_object, req=req, row=row, what="GET", Bucket=bucket, Key=key, **kw)
+        resp = self._call(self._client.get_object, req=req, row=row, what="GET", at=start, Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
         got = int(resp.get("ContentLength", count))
         total = _total_size(resp, off + count) if ranged else got
@@ -405,7 +405,7 @@ class S3Backend(Backend):
                     f"GET s3://{bucket}/{key} {why}",
                     bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
                     code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
-                    index=req.caller_index(row), backend=self.name,
+                    index=req.caller_index(row, start + got if got < count else start), backend=self.name,
                 )  # fmt: skip
             if ranged or got > count:
                 _read_into(body, dst)  # a range or a prefix: nothing to verify it against
