@@ -329,9 +329,9 @@ static void *progress_main(void *arg) {
             if (fds[2].revents) drain_fd(p->kick);
             continue;
         }
-        double idle_since = monotonic_s();
+        double idle_since = 0.0;
         int did = 0;
-        for (;;) { /* progress while there is work, and spin a little after it, before sleeping */
+        for (;;) { /* progress while there is work, and spin a little after work (only after work), then sleep */
             unsigned k = 0;
             while (ucp.progress(p->worker)) k++;
             if (k) {
@@ -339,7 +339,8 @@ static void *progress_main(void *arg) {
                 idle_since = monotonic_s();
                 int fd = __atomic_load_n(&p->notify, __ATOMIC_RELAXED);
                 notify_fd(fd);
-            } else if (p->quit || monotonic_s() - idle_since >= p->spin_s) {
+            } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s ||
+                       __atomic_load_n(&p->held, __ATOMIC_ACQUIRE) > 0) {
                 break;
             }
         }
