@@ -197,7 +197,8 @@ class TieredCache:
             self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
-                for key in prefix:
+                for i, key in enumerate(prefix):
+                    eng.policy.link(key, prefix[i - 1] if i else None)
                     eng.policy.observe(key, now)
                     eng.hit(eng.where(key), key, now)
                 self._execute(eng.take_plan(), None)
@@ -237,7 +238,8 @@ class TieredCache:
                 eng.user_index = {k: i for i, k in enumerate(keys)}
                 now = self.clock()
                 stored = 0
-                for key in keys:
+                for i, key in enumerate(keys):
+                    eng.policy.link(key, keys[i - 1] if i else None)
                     eng.policy.observe(key, now)
                     j = eng.where(key)
                     if j >= 0:

@@ -82,8 +82,10 @@ class TierStack:
                 break
         held = [k for k in keys[:n] if k not in pinned]
         pinned.update(held)
+        link = policy.link
         for i in range(n - 1, -1, -1) if leaf_first else range(n):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
+            link(key, keys[i - 1] if i else None)
             policy.observe(key, now, ref)
             j = where(key)
             if j >= 0:  # (a key repeated in one request may have gone since the lookup)
@@ -94,6 +96,7 @@ class TierStack:
         pinned.difference_update(held)
         for i in range(len(keys) - 1, n - 1, -1) if leaf_first else range(n, len(keys)):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
+            link(key, keys[i - 1] if i else None)
             policy.observe(key, now, ref)
             j = where(key)
             if j >= 0:
