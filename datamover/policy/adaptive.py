@@ -37,6 +37,7 @@ from .tinylfu import SAMPLE_FACTOR, FrequencySketch, WTinyLFUTier
 
 SHADOW_MIN = 256  # chunks a shadow holds at least (when the tier holds that many)
 LEAF_TRIES = 8  # victims with children handed back before one is taken anyway
+LEAF_DEPTH = 4096  # longest walk down to a leaf (a 2M-token prompt in 512-token chunks)
 SIGMAS = 2.0  # a challenger must lead by two standard deviations of the difference of (Poisson) hit counts
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -175,12 +176,12 @@ class AdaptiveTier(TierPolicy):
     def _leaf_under(self, key: Key, pinned: Container[Key]) -> Key | None:
         """A resident chunk with no resident children below `key` (None if none, or it is pinned)."""
         node = key
-        while True:
+        for _ in range(LEAF_DEPTH):  # keys that are not prefix hashes may link in a cycle: walk a bounded way
             kids = self.children.get(node)
             if not kids:
-                break
+                return None if node == key or node in pinned else node
             node = next(iter(kids))
-        return None if node == key or node in pinned else node
+        return None
 
     def __len__(self) -> int:
         return len(self.recency)

@@ -197,8 +197,7 @@ class TieredCache:
             self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
-                for i, key in enumerate(prefix):
-                    eng.policy.link(key, prefix[i - 1] if i else None)
+                for key in prefix:
                     eng.policy.observe(key, now)
                     eng.hit(eng.where(key), key, now)
                 self._execute(eng.take_plan(), None)
@@ -238,8 +237,7 @@ class TieredCache:
                 eng.user_index = {k: i for i, k in enumerate(keys)}
                 now = self.clock()
                 stored = 0
-                for i, key in enumerate(keys):
-                    eng.policy.link(key, keys[i - 1] if i else None)
+                for key in keys:
                     eng.policy.observe(key, now)
                     j = eng.where(key)
                     if j >= 0:
