@@ -1,0 +1,6 @@
+"""mooncake: DRAM <-> OBJ against a Mooncake Store pool, batched and zero-copy, with CRC32C on every object."""
+
+from .backend import MooncakeBackend
+from .client import MAGIC, TRAILER, PoolClient, store_import_error
+
+__all__ = ["MAGIC", "TRAILER", "MooncakeBackend", "PoolClient", "store_import_error"]
