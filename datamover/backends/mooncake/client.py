@@ -49,7 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "hard_pin": False,  # objects this client writes are never evicted
     # bounds and retries
     "max_object_bytes": 1 << 30,
-    "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
+    "read_retries": 2,
+    "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would hang)  # a get that failed in transfer (a dead holder) is asked again this many times
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
 
@@ -98,6 +99,7 @@ class PoolClient:
         except ImportError as exc:
             raise RuntimeError(f"mooncake.store does not import: {exc}") from exc
 
+        _probe_master(str(p["master_server_addr"]), float(p["connect_timeout"]))
         self._store = MooncakeDistributedStore()
         rc = self._store.setup(
             str(p["local_hostname"]), str(p["metadata_server"]), int(p["global_segment_size"]),
@@ -343,6 +345,24 @@ class PoolClient:
         for b in blocks:
             self.unregister(b.ctypes.data)
         self._store.close()
+
+
+def _probe_master(addr: str, timeout: float) -> None:
+    """Fail at once, naming the address, when no master accepts there: Mooncake's setup would wait for it."""
+    import socket
+
+    if "://" in addr:  # etcd://... (HA leader discovery): Mooncake resolves it
+        return
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"mooncake: master_server_addr must be host:port, got {addr!r}")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"mooncake: no mooncake_master answers at {addr} ({exc.strerror or exc}); start one, or set "
+            "master_server_addr (or $MOONCAKE_MASTER)"
+        ) from exc
 
 
 def _answers(res: Sequence[int], n: int) -> np.ndarray:
