@@ -49,8 +49,8 @@ DEFAULTS: dict[str, Any] = {
     "hard_pin": False,  # objects this client writes are never evicted
     # bounds and retries
     "max_object_bytes": 1 << 30,
-    "read_retries": 2,
-    "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would hang)  # a get that failed in transfer (a dead holder) is asked again this many times
+    "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
+    "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
 
