@@ -26,8 +26,8 @@ memory (datamover's tier cache stages VRAM through host memory).
 from __future__ import annotations
 
 import errno as errno_mod
-import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,14 +37,28 @@ from ...errors import (
     ChecksumMismatch,
     DatamoverError,
     InvalidDescriptor,
+    InvalidParameter,
     ObjectStoreError,
     OverlappingDestination,
     TransferTimeout,
     UnsupportedTransfer,
 )
-from ..base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
+from ..base import Backend, Completion, Op, TransferRequest, clock, run_parts, split_by_bytes
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
+
+
+@dataclass
+class MooncakePlan:
+    """One request per row: the pool key, the memory address, the length and object offset, whether the row is
+    a whole object; and the ``parts`` (row ranges) the work is cut into."""
+
+    keys: list[str]
+    addrs: list[int]
+    sizes: list[int]
+    offsets: list[int]
+    whole: list[bool]
+    parts: list[tuple[int, int]]
 
 
 class MooncakeBackend(Backend):
@@ -60,13 +74,16 @@ class MooncakeBackend(Backend):
         "part_bytes": 32 << 20,
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host, params=None) -> None:
+        super().__init__(host, params)
         p = self.params
         if p["write_mode"] not in ("replace", "keep"):
-            raise ValueError(f"backend 'mooncake': write_mode must be 'replace' or 'keep', got {p['write_mode']!r}")
-        client_params = {k: p[k] for k in DEFAULTS}
-        self.client = PoolClient(client_params)
+            mode = p["write_mode"]
+            raise InvalidParameter(f"write_mode must be 'replace' or 'keep', got {mode!r}", backend=self.name)
+        try:
+            self.client = PoolClient({k: p[k] for k in DEFAULTS})
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), backend=self.name) from exc
         self._pool = ThreadPoolExecutor(max(1, int(p["threads"])), thread_name_prefix="dm-mooncake")
 
     @classmethod
@@ -114,7 +131,7 @@ class MooncakeBackend(Backend):
             self.client.unregister(handle)
 
     # -- planning ------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> MooncakePlan:
         if req.local.mem_type != MemType.DRAM:
             raise UnsupportedTransfer(
                 f"{req.local.mem_type} <-> OBJ: this Mooncake build cannot address device memory "
@@ -122,7 +139,7 @@ class MooncakeBackend(Backend):
                 backend=self.name,
             )
         obj, n = req.remote, len(req.remote)
-        write = req.op == "WRITE"
+        write = req.op is Op.WRITE
         regs = req.registrations
         buckets = {r: regs[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
         table = obj.keys or ()
@@ -146,56 +163,56 @@ class MooncakeBackend(Backend):
                     index=req.caller_index(row),
                     backend=self.name,
                 )
-        p = req.plan
-        p["keys"] = names.tolist()
-        p["addrs"] = req.local.addr.tolist()
-        p["sizes"] = obj.length.tolist()
-        p["offsets"] = obj.addr.tolist()
-        p["whole"] = (obj.addr == 0).tolist()
         lengths = obj.length + 16
         ranges = split_by_bytes(lengths, int(self.params["threads"]), int(self.params["part_bytes"]) // 4)
         parts: list[tuple[int, int]] = []
         step_keys, step_bytes = int(self.params["batch_keys"]), int(self.params["part_bytes"])
         for a, z in ranges:
             parts += _cut(lengths[a:z], a, step_keys, step_bytes)
-        p["parts"] = parts
+        return MooncakePlan(
+            names.tolist(),
+            req.local.addr.tolist(),
+            obj.length.tolist(),
+            obj.addr.tolist(),
+            (obj.addr == 0).tolist(),
+            parts,
+        )
 
     # -- execution -----------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:
-        p = req.plan
-        work = self._write if req.op == "WRITE" else self._read
-        deadline = time.perf_counter() + req.timeout
+        p: MooncakePlan = req.plan
+        work = self._write if req.op is Op.WRITE else self._read
 
         def part(a: int, z: int, c: Completion) -> None:
             if c.cancelled:
                 return
             late = "not started"
-            if time.perf_counter() <= deadline:
+            if clock() <= req.deadline:
                 work(req, a, z, c)
                 late = "not finished"
-                if time.perf_counter() <= deadline:
+                if clock() <= req.deadline:
                     return
             raise TransferTimeout(
-                f"{req.op} of {z - a} key(s) from {p['keys'][a]!r} {late} within the {req.timeout:g} s deadline",
+                f"{req.op} of {z - a} key(s) from {p.keys[a]!r} {late} within the {req.timeout:g} s deadline",
                 index=req.caller_index(a),
                 backend=self.name,
             )
 
         # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop)
-        return run_parts(self._pool, p["parts"], part, backend=self.name)
+        return run_parts(self._pool, p.parts, part, backend=self.name)
 
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
-        p = req.plan
-        st = self.client.put(p["keys"][a:z], p["addrs"][a:z], p["sizes"][a:z], self.params["write_mode"] == "replace")
+        p: MooncakePlan = req.plan
+        st = self.client.put(p.keys[a:z], p.addrs[a:z], p.sizes[a:z], self.params["write_mode"] == "replace")
         bad = np.flatnonzero(st != 0)
         if bad.size:
             row = a + int(bad[0])
             raise self._error(req, row, int(st[bad[0]]), "put", failed=int(bad.size), of=z - a)
 
     def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
-        p = req.plan
-        keys, addrs, sizes, offsets = p["keys"], p["addrs"], p["sizes"], p["offsets"]
-        whole = [i for i in range(a, z) if p["whole"][i]]
+        p: MooncakePlan = req.plan
+        keys, addrs, sizes, offsets = p.keys, p.addrs, p.sizes, p.offsets
+        whole = [i for i in range(a, z) if p.whole[i]]
         st = np.zeros(z - a, dtype=np.int64)
         if len(whole) == z - a:
             st[:] = self.client.get(keys[a:z], addrs[a:z], sizes[a:z])
@@ -205,7 +222,7 @@ class MooncakeBackend(Backend):
             )
         # ranged reads, and whole-row reads of objects that hold more (their prefix): verified in a bounce buffer
         for i in range(a, z):
-            if not p["whole"][i] or st[i - a] == codes.SIZE_MISMATCH:
+            if not p.whole[i] or st[i - a] == codes.SIZE_MISMATCH:
                 st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i])[0]
         bad = np.flatnonzero(st != 0)
         if bad.size:
@@ -214,14 +231,14 @@ class MooncakeBackend(Backend):
 
     def _error(self, req: TransferRequest, row: int, code: int, what: str, failed: int, of: int) -> DatamoverError:
         """A typed error naming the key, Mooncake's code and how many keys of the part failed."""
-        key = req.plan["keys"][row]
+        key = req.plan.keys[row]
         bucket, _, name = key.partition("/")
         more = f" ({failed} of {of} keys in this part failed)" if failed > 1 else ""
         reason = f"{what} {key!r} failed: {codes.name(code)}{more}"
         if code == codes.SIZE_MISMATCH:
             size = self.client.size(key)
             if size is not None:
-                off, n = req.plan["offsets"][row], req.plan["sizes"][row]
+                off, n = req.plan.offsets[row], req.plan.sizes[row]
                 reason = f"{what} {key!r}: the object holds {size} bytes, [{off}, {off + n}) reads past its end"
         if code in (codes.CHECKSUM_MISMATCH, codes.NOT_DATAMOVER):
             err: DatamoverError = ChecksumMismatch(reason, index=req.caller_index(row), backend=self.name)
