@@ -8,7 +8,8 @@ segments, old keys read as misses), ``kill()`` drops it at once. ``config()`` gi
 backend parameters that reach it.
 
 ``PoolMember`` is a store client in another process that lends its memory to the pool (a "holder"): tests
-kill it to take away the replicas it holds.
+kill it to take away the replicas it holds. ``CacheInstance`` is an inference instance's TieredCache in
+another process, with L4 on the pool: tests share prefixes across instances and drain one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .services import free_port
 
@@ -107,6 +110,11 @@ class MooncakeMaster:
     def metadata_url(self) -> str:
         """What clients pass as ``metadata_server``: the HTTP endpoint, or ``P2PHANDSHAKE``."""
         return f"http://127.0.0.1:{self.http_port}/metadata" if self.http_port else "P2PHANDSHAKE"
+
+    @property
+    def admin_url(self) -> str:
+        """The master's HTTP admin endpoint (its metrics port): /get_all_keys, /get_all_segments, /query_key."""
+        return f"http://127.0.0.1:{self.metrics_port}"
 
     @property
     def log_path(self) -> str:
@@ -304,6 +312,187 @@ class PoolMember:
                 self._proc.wait()
 
     def __enter__(self) -> PoolMember:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def chunk_bytes(key: Any, page: int) -> np.ndarray:
+    """A chunk's bytes as every test instance "computes" them: its key's digest repeated, so any instance can
+    check every byte of a chunk another one put."""
+    return np.frombuffer(bytes.fromhex(key.digest()) * (page // 16), dtype=np.uint8)
+
+
+_INSTANCE = r"""
+import json, sys, threading
+import numpy as np
+from datamover.policy.cache import TieredCache
+from datamover.policy.config import GIB, TierConfig, with_overrides
+from datamover.policy.keys import chunk_keys
+from datamover.testing.mooncake import chunk_bytes
+
+opts = json.loads(sys.argv[1])
+page = opts["page"]
+config = with_overrides(
+    TierConfig(),
+    l1_hbm={"page_size_bytes": page, "block_pool_size": opts["l1_chunks"], "device": "dram"},
+    l2_dram={"pinned_pool_gb": opts["l2_chunks"] * page / GIB},
+    l4_pool={"enabled": True, "backend": "mooncake", "capacity_gb": 65536 * page / GIB, **opts["l4"]},
+)
+cache = TieredCache(config)
+print(json.dumps({"ready": cache.pool.hostname}), flush=True)
+
+def keys_of(cmd):
+    return chunk_keys(cmd["hashes"], cmd.get("model", "model@1"), cmd.get("tokenizer", "tok@1"))
+
+for line in sys.stdin:
+    cmd = json.loads(line)
+    op, out = cmd["op"], {}
+    if op == "close":
+        break
+    keys = keys_of(cmd) if "hashes" in cmd else []
+    if op == "put":
+        out["stored"] = cache.put(keys, np.stack([chunk_bytes(k, page) for k in keys]))
+    elif op == "lookup":
+        out["n"], out["tiers"] = cache.lookup(keys)
+    elif op == "get":
+        dst = np.full((len(keys), page), 0xEE, dtype=np.uint8)
+        n = cache.get(keys, dst)
+        out["delivered"] = n
+        out["wrong"] = [i for i in range(n) if not np.array_equal(dst[i], chunk_bytes(keys[i], page))]
+    elif op == "drain":
+        seen = []
+        done = threading.Event()
+        def lookups():
+            while not done.is_set():
+                seen.append(cache.lookup(keys)[0])
+        t = threading.Thread(target=lookups)
+        t.start()
+        try:
+            out["copied"] = cache.drain("l4_pool")
+        finally:
+            done.set()
+            t.join()
+        out["lookups_during"] = len(seen)
+        out["min_prefix_during"] = min(seen) if seen else None
+    elif op == "stats":
+        out = cache.stats()
+    print(json.dumps(out), flush=True)
+cache.close()
+"""
+
+
+class CacheInstance:
+    """An inference instance's TieredCache in its own process, with L4 on the shared pool of ``master``.
+
+    ``call(op, **args)`` sends one command (put / lookup / get / drain / stats with ``hashes``, ``model``,
+    ``tokenizer``) and returns its answer; chunk bytes are ``chunk_bytes(key)``, and ``get`` answers which
+    delivered chunks were not byte for byte what their key says.
+    """
+
+    def __init__(
+        self,
+        master: MooncakeMaster,
+        *,
+        page: int = 16 << 10,
+        l1_chunks: int = 64,
+        l2_chunks: int = 64,
+        segment_bytes: int = 32 << 20,
+        timeout: float = 60.0,
+        wait: bool = True,
+        **l4: Any,
+    ) -> None:
+        import json
+
+        l4 = {
+            "bucket": "kv-shared", "master_server_addr": master.master_addr,
+            "metadata_service_url": master.metadata_url, "segment_gb": segment_bytes / (1 << 30), **l4,
+        }  # fmt: skip
+        if master.admin_url:
+            l4.setdefault("master_admin_url", master.admin_url)
+        opts = {"page": page, "l1_chunks": l1_chunks, "l2_chunks": l2_chunks, "l4": l4}
+        self.timeout = timeout
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _INSTANCE, json.dumps(opts)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        self.hostname = ""
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> CacheInstance:
+        """Wait for the instance's cache to be set up (its memory lent to the pool)."""
+        try:
+            self.hostname = self._answer()["ready"]
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    @classmethod
+    def start_many(cls, master: MooncakeMaster, n: int, **kw: Any) -> list[CacheInstance]:
+        """``n`` instances started in parallel (each takes a few seconds to import and set up)."""
+        out = [cls(master, wait=False, **kw) for _ in range(n)]
+        try:
+            for inst in out:
+                inst.wait_ready()
+        except BaseException:
+            for inst in out:
+                inst.kill()
+            raise
+        return out
+
+    @staticmethod
+    def close_all(instances: list[CacheInstance]) -> None:
+        """Close several at once (Mooncake's client takes about a second to leave)."""
+        for inst in instances:
+            inst._send_close()
+        for inst in instances:
+            inst.close()
+
+    def _answer(self) -> dict:
+        import json
+        import selectors
+
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            if not sel.select(self.timeout):
+                raise TimeoutError(f"cache instance did not answer within {self.timeout:g} s")
+        line = self._proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"cache instance exited with {self._proc.wait()}")
+        return json.loads(line)
+
+    def call(self, op: str, **args: Any) -> dict:
+        import json
+
+        self._proc.stdin.write(json.dumps({"op": op, **args}) + "\n")  # type: ignore[union-attr]
+        self._proc.stdin.flush()  # type: ignore[union-attr]
+        return self._answer()
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+
+    def _send_close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write('{"op": "close"}\n')  # type: ignore[union-attr]
+                self._proc.stdin.flush()  # type: ignore[union-attr]
+            except OSError:
+                self.kill()
+
+    def close(self) -> None:
+        """Leave the pool cleanly (this instance's memory goes with it)."""
+        self._send_close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> CacheInstance:
         return self
 
     def __exit__(self, *exc: object) -> None:
