@@ -43,7 +43,7 @@ from ...errors import (
     TransferTimeout,
     UnsupportedTransfer,
 )
-from ..base import Backend, Completion, Op, TransferRequest, clock, run_parts, split_by_bytes
+from ..base import Backend, Completion, Op, TransferRequest, clock, run_inline, run_parts, split_by_bytes
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
 
@@ -59,6 +59,7 @@ class MooncakePlan:
     offsets: list[int]
     whole: list[bool]
     parts: list[tuple[int, int]]
+    inline: bool = False
 
 
 class MooncakeBackend(Backend):
@@ -71,6 +72,8 @@ class MooncakeBackend(Backend):
         "write_mode": "replace",  # or "keep": Mooncake's put (an existing key keeps its bytes)
         "threads": 2,
         "batch_keys": 1024,
+        # requests of at most this many bytes (in one part) run inside post(): one store call, no thread hop
+        "inline_bytes": 256 << 10,
         "part_bytes": 32 << 20,
     }
 
@@ -198,6 +201,8 @@ class MooncakeBackend(Backend):
                 backend=self.name,
             )
 
+        if p.inline:
+            return run_inline(p.parts, part, backend=self.name)
         # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop)
         return run_parts(self._pool, p.parts, part, backend=self.name)
 

@@ -1,23 +1,16 @@
-"""PoolClient: one Mooncake Store client (``MooncakeDistributedStore``) with datamover's object format.
+"""PoolClient: one Mooncake Store client (``MooncakeDistributedStore``) set up from datamover parameters.
 
-Every object datamover writes is the payload followed by a 16-byte trailer: magic ``DMv1``, the payload's
-CRC32C and its length (little-endian u32, u32, u64). Puts send payload and trailer as one object from two
-registered buffers (``batch_put_from_multi_buffers``), gets land the payload in the caller's buffer and the
-trailer in a registered scratch row (``batch_get_into_multi_buffers``): zero-copy both ways. A get is
-accepted only when the store answered exactly payload + trailer bytes, the trailer's magic and length are the
-ones expected and the CRC32C of what landed matches; anything else is a miss, and the destination row is
-zeroed, so a miss never leaves bytes behind. Sizes that come from the store are bounded before anything is
-allocated for them.
-
-The backend (``backend.py``) and the shared L4 pool of the tier cache both use this class; answers are one
-status per key (``codes.py``), never an exception for a key that is absent.
+It registers memory, puts and gets datamover's objects (payload and CRC32C trailer, ``objects.py``) in
+batches with one status per key (``codes.py``), never an exception for a key that is absent, retries gets
+that failed in transfer, bounds every size the store reports before allocating for it, and answers what
+the pool holds (``exists``, ``replicas``), removes, and copies objects between members (copy tasks). The
+backend (``backend.py``) and the shared L4 pool of the tier cache both use it.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,11 +18,12 @@ import numpy as np
 
 from ...descriptors import host_view
 from . import codes
+from .objects import MAGIC, TRAILER, Arena, answers, get_objects, put_objects
 
-MAGIC = 0x31764D44  # b"DMv1" little-endian
-TRAILER = 16
-TRAILER_DTYPE = np.dtype([("magic", "<u4"), ("crc", "<u4"), ("length", "<u8")])
-_SCRATCH_ROWS = 4096
+__all__ = ["DEFAULTS", "MAGIC", "TRAILER", "PoolClient", "resolve", "store_import_error"]
+
+#: the most keys in one batched call of the store
+BATCH_KEYS = 4096
 
 #: what a PoolClient takes, with defaults: Mooncake's own setup() arguments first
 DEFAULTS: dict[str, Any] = {
@@ -49,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     "hard_pin": False,  # objects this client writes are never evicted
     # bounds and retries
     "max_object_bytes": 1 << 30,
+    # how objects move: "staged" (one buffer per object through a registered arena, verified before the
+    # caller sees it) or "zero_copy" (payload and trailer as two buffers of one object, from/to the caller)
+    "transfer_mode": "staged",
+    "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
@@ -78,6 +76,8 @@ def resolve(params: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"mooncake: replica_count must be >= 1, got {p['replica_count']}")
     if int(p["max_object_bytes"]) < 1:
         raise ValueError("mooncake: max_object_bytes must be >= 1")
+    if p["transfer_mode"] not in ("staged", "zero_copy"):
+        raise ValueError(f"mooncake: transfer_mode must be 'staged' or 'zero_copy', got {p['transfer_mode']!r}")
     return p
 
 
@@ -118,9 +118,8 @@ class PoolClient:
             cfg.preferred_segment = self.hostname if seg == "local" else str(seg)
         cfg.with_hard_pin = bool(p["hard_pin"])
         self._config = cfg
-        self._lock = threading.Lock()
-        self._free_scratch: list[np.ndarray] = []
-        self._all_scratch: list[np.ndarray] = []
+        self.staged = p["transfer_mode"] == "staged"
+        self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
         self._closed = False
 
     # -- memory --------------------------------------------------------------
@@ -132,125 +131,56 @@ class PoolClient:
     def unregister(self, addr: int) -> None:
         self._store.unregister_buffer(int(addr))
 
-    def _scratch(self) -> np.ndarray:
-        """A registered array of trailer rows (``_SCRATCH_ROWS`` x 16 bytes) for one call."""
-        with self._lock:
-            if self._free_scratch:
-                return self._free_scratch.pop()
-        block = np.zeros(_SCRATCH_ROWS, dtype=TRAILER_DTYPE)
-        self.register(block.ctypes.data, block.nbytes)
-        with self._lock:
-            self._all_scratch.append(block)
-        return block
+    def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes."""
+        limit = int(self.params["staging_bytes"])
+        out, a, used = [], 0, 0
+        for i, s in enumerate(sizes):
+            if i > a and (i - a >= BATCH_KEYS or used + s + TRAILER > limit):
+                out.append((a, i))
+                a, used = i, 0
+            used += s + TRAILER
+        if a < len(sizes):
+            out.append((a, len(sizes)))
+        return out
 
-    def _give_back(self, block: np.ndarray) -> None:
-        with self._lock:
-            self._free_scratch.append(block)
-
-    # -- puts ----------------------------------------------------------------
+    # -- puts and gets -------------------------------------------------------
     def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], replace: bool = False) -> np.ndarray:
         """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
 
         Mooncake keeps the first object written under a key: a put of an existing key succeeds and leaves it
         as it was. ``replace`` removes the keys first, so what is written is what the keys hold after.
         """
-        n = len(keys)
-        out = np.zeros(n, dtype=np.int64)
-        if replace and n:
+        if replace and len(keys):
             self._store.batch_remove(list(keys), True)
-        for a in range(0, n, _SCRATCH_ROWS):
-            z = min(n, a + _SCRATCH_ROWS)
-            out[a:z] = self._put_rows(keys[a:z], addrs[a:z], sizes[a:z])
-        return out
+        out: list[int] = []
+        for a, z in self._groups(sizes):
+            out += put_objects(self._store, self._config, self._arena, keys[a:z], addrs[a:z], sizes[a:z], self.staged)
+        return np.asarray(out, dtype=np.int64)
 
-    def _put_rows(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        import crc32c
-
-        n = len(keys)
-        block = self._scratch()
-        try:
-            tr = block[:n]
-            tr["magic"] = MAGIC
-            tr["length"] = sizes
-            tr["crc"] = [crc32c.crc32c(host_view(a, s)) if s else 0 for a, s in zip(addrs, sizes)]
-            t0 = block.ctypes.data
-            ptrs = [[a, t0 + TRAILER * i] if s else [t0 + TRAILER * i] for i, (a, s) in enumerate(zip(addrs, sizes))]
-            lens = [[s, TRAILER] if s else [TRAILER] for s in sizes]
-            res = self._store.batch_put_from_multi_buffers(list(keys), ptrs, lens, self._config)
-        finally:
-            self._give_back(block)
-        return _answers(res, n)
-
-    # -- gets ----------------------------------------------------------------
     def get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
-        and verified). A row that is not 0 holds zeros after."""
+        and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
+        replica per get, so another try may reach a live holder)."""
         n = len(keys)
-        out = np.zeros(n, dtype=np.int64)
-        for a in range(0, n, _SCRATCH_ROWS):
-            z = min(n, a + _SCRATCH_ROWS)
-            out[a:z] = self._get_rows(keys[a:z], addrs[a:z], sizes[a:z])
-        return out
-
-    def _get_rows(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
-        n = len(keys)
-        status = np.full(n, codes.NO_ANSWER, dtype=np.int64)
-        todo = np.arange(n)
-        block = self._scratch()
-        try:
-            for attempt in range(1 + max(0, int(self.params["read_retries"]))):
-                sub = todo.tolist()
-                status[todo] = self._get_once(block, sub, keys, addrs, sizes)
-                retry = np.isin(status[todo], list(codes.RETRYABLE))
-                todo = todo[retry]
-                if not todo.size or attempt == int(self.params["read_retries"]):
-                    break
-        finally:
-            self._give_back(block)
-        bad = np.flatnonzero(status != 0)
-        for i in bad.tolist():
-            if sizes[i]:
-                host_view(addrs[i], sizes[i])[:] = 0
-        if bad.size:
-            self._explain_sizes(status, bad, keys, sizes)
-        return status
-
-    def _get_once(self, block: np.ndarray, rows: list[int], keys, addrs, sizes) -> np.ndarray:
-        import crc32c
-
-        t0 = block.ctypes.data
-        block[: len(rows)] = 0
-        ks = [keys[i] for i in rows]
-        ptrs = [[addrs[i], t0 + TRAILER * j] if sizes[i] else [t0 + TRAILER * j] for j, i in enumerate(rows)]
-        lens = [[sizes[i], TRAILER] if sizes[i] else [TRAILER] for i in rows]
-        got = _answers(self._store.batch_get_into_multi_buffers(ks, ptrs, lens), len(rows))
-        want = np.array([sizes[i] for i in rows], dtype=np.int64)
-        st = np.where(got < 0, got, 0)
-        landed = np.flatnonzero(got >= 0)
-        tr = block[: len(rows)]
-        short = landed[got[landed] != want[landed] + TRAILER]
-        st[short] = codes.SIZE_MISMATCH
-        landed = landed[got[landed] == want[landed] + TRAILER]
-        foreign = landed[(tr["magic"][landed] != MAGIC) | (tr["length"][landed] != want[landed])]
-        st[foreign] = codes.NOT_DATAMOVER
-        ok = np.setdiff1d(landed, foreign, assume_unique=True)
-        crcs = tr["crc"][ok].tolist()
-        for j, crc in zip(ok.tolist(), crcs):
-            i = rows[j]
-            if sizes[i] and crc32c.crc32c(host_view(addrs[i], sizes[i])) != crc:
-                st[j] = codes.CHECKSUM_MISMATCH
-            elif not sizes[i] and crc != 0:
-                st[j] = codes.CHECKSUM_MISMATCH
-        return st
-
-    def _explain_sizes(self, status: np.ndarray, bad: np.ndarray, keys, sizes) -> None:
-        """A row the store refused for its size (-600 too small a buffer, -800 a shorter object) is told so."""
-        for i in bad[np.isin(status[bad], (codes.INVALID_PARAMS, codes.TRANSFER_FAIL))].tolist():
-            size = self._size(keys[i])
+        status = [codes.NO_ANSWER] * n
+        todo = list(range(n))
+        for _ in range(1 + max(0, int(self.params["read_retries"]))):
+            ks, ad, sz = [keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
+            for a, z in self._groups(sz):
+                got = get_objects(self._store, self._arena, ks[a:z], ad[a:z], sz[a:z], self.staged)
+                for i, st in zip(todo[a:z], got):
+                    status[i] = st
+            todo = [i for i in todo if status[i] in codes.RETRYABLE]
+            if not todo:
+                break
+        for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
+            size = self._size(keys[i])  # too small a buffer (-600) or a shorter object (-800): say which
             if size >= 0 and size != sizes[i]:
                 status[i] = codes.SIZE_MISMATCH
             elif size in (codes.TOO_LARGE, codes.NOT_DATAMOVER):
                 status[i] = size
+        return np.asarray(status, dtype=np.int64)
 
     def size(self, key: str) -> int | None:
         """The payload size of ``key`` as the store reports it; None when absent, not ours, or too large."""
@@ -299,7 +229,7 @@ class PoolClient:
     def remove(self, keys: Sequence[str], force: bool = True) -> np.ndarray:
         if not keys:
             return np.zeros(0, dtype=np.int64)
-        return _answers(self._store.batch_remove(list(keys), bool(force)), len(keys))
+        return np.asarray(answers(self._store.batch_remove(list(keys), bool(force)), len(keys)), dtype=np.int64)
 
     def replicas(self, keys: Sequence[str]) -> dict[str, list[str]]:
         """The segments (host:port) holding a complete memory replica of each key."""
@@ -340,10 +270,7 @@ class PoolClient:
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            blocks, self._all_scratch, self._free_scratch = self._all_scratch, [], []
-        for b in blocks:
-            self.unregister(b.ctypes.data)
+        self._arena.close()
         self._store.close()
 
 
@@ -363,10 +290,3 @@ def _probe_master(addr: str, timeout: float) -> None:
             f"mooncake: no mooncake_master answers at {addr} ({exc.strerror or exc}); start one, or set "
             "master_server_addr (or $MOONCAKE_MASTER)"
         ) from exc
-
-
-def _answers(res: Sequence[int], n: int) -> np.ndarray:
-    """The store's per-key answers as an array; a short or missing answer is NO_ANSWER for every key."""
-    if res is None or len(res) != n:
-        return np.full(n, codes.NO_ANSWER, dtype=np.int64)
-    return np.asarray(res, dtype=np.int64)

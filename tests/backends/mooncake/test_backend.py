@@ -53,15 +53,23 @@ def write(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int) -> Non
     assert agent.transfer("WRITE", buf.descs(np.arange(len(keys)) * size, size), dst).wait() == XferState.DONE
 
 
-@pytest.fixture(scope="module")
-def agent(master):
-    """One agent for the module's plain tests: a store client takes ~1 s to close."""
-    with mooncake_agent(master) as a:
+@pytest.fixture(scope="module", params=["staged", "zero_copy"])
+def agent(master, request):
+    """One agent per transfer mode for the module's plain tests (a store client takes ~1 s to close)."""
+    with mooncake_agent(master, f"mc-{request.param}", transfer_mode=request.param) as a:
         yield a
 
 
+def after_failure(agent: Agent, before: bytes) -> bytes:
+    """What a row whose read failed holds after: untouched when staged (checked before it is copied), zeros
+    with zero-copy (the bytes landed, then failed)."""
+    staged = agent.backend("mooncake").params["transfer_mode"] == "staged"
+    return before if staged else bytes(len(before))
+
+
 def test_corrupt_object_is_a_miss(agent, raw):
-    """An object whose CRC32C does not match fails with ChecksumMismatch naming the key; the row holds zeros."""
+    """An object whose CRC32C does not match fails with ChecksumMismatch naming the key; the row never keeps its
+    bytes."""
     reg = agent.register_objects("it", prefix="crc/")
     payload = random_bytes(5000, 1)
     raw.put("it/crc/bad", pack(payload, crc=12345))
@@ -71,7 +79,7 @@ def test_corrupt_object_is_a_miss(agent, raw):
     with pytest.raises(ChecksumMismatch) as info:
         read(agent, buf, reg, ["crc/good", "crc/bad"], 5000).wait()
     assert info.value.index == 1 and "it/crc/bad" in str(info.value) and info.value.key == "crc/bad"
-    assert buf.read(5000, 5000) == bytes(5000), "bytes that failed their checksum were left behind"
+    assert buf.read(5000, 5000) == after_failure(agent, b"\xff" * 5000), "bytes that failed their checksum stayed"
 
 
 def test_foreign_objects_refused(agent, raw):
@@ -80,12 +88,13 @@ def test_foreign_objects_refused(agent, raw):
     raw.put("it/foreign/bare", random_bytes(4096 + 16, 2))  # the right size, no magic
     raw.put("it/foreign/short", random_bytes(100, 3))
     buf = HostBuffer(agent, 4096)
+    buf.write(0, b"\x05" * 4096)
     with pytest.raises(ChecksumMismatch, match="not a datamover object"):
         read(agent, buf, reg, ["foreign/bare"], 4096).wait()
     with pytest.raises(ObjectStoreError) as info:
         read(agent, buf, reg, ["foreign/short"], 4096).wait()
     assert "it/foreign/short" in str(info.value)
-    assert buf.read(0, 4096) == bytes(4096)
+    assert buf.read(0, 4096) in (after_failure(agent, b"\x05" * 4096), bytes(4096))
 
 
 def test_missing_key_is_typed(agent):
@@ -97,7 +106,7 @@ def test_missing_key_is_typed(agent):
     err = info.value
     assert err.code == "OBJECT_NOT_FOUND" and err.errno == errno.ENOENT and err.key == "miss/none"
     assert err.bucket == "it" and err.index == 0 and "2 of 2 keys" in str(err)
-    assert buf.read(0, 8192) == bytes(8192), "a miss left bytes in the destination"
+    assert buf.read(0, 8192) == after_failure(agent, b"\x07" * 8192), "a miss wrote to the destination"
 
 
 def test_write_modes(master, agent):
@@ -204,7 +213,7 @@ def test_killed_holder_reads_other_replica_or_miss(fault_master):
                     assert buf.read(i * size, size) == data[i * size : (i + 1) * size], f"{key}: wrong bytes"
                 except DatamoverError:
                     outcomes["miss"] += 1
-                    assert buf.read(i * size, size) == bytes(size), f"{key}: a failed read left bytes behind"
+                    assert buf.read(i * size, size) == after_failure(agent, b"\xee" * size), f"{key}: bytes left"
                 xfer.release()
             assert outcomes["bytes"] + outcomes["miss"] == n
 
@@ -234,7 +243,7 @@ def test_master_restart_misses_then_recovers(fault_master):
         with pytest.raises(ObjectStoreError) as info:
             read(agent, buf, reg, ["before"], 4096).wait()
         assert info.value.key == "before"
-        assert buf.read(0, 4096) == bytes(4096)
+        assert buf.read(0, 4096) == data, "a miss wrote to the destination"
 
         def writes() -> bool:
             buf.write(4096, data)

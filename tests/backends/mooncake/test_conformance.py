@@ -20,11 +20,11 @@ from .conftest import ObjectBuffer
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def shared_agent(master):
-    """One agent (one store client lending 512 MiB) for the module: setting a client up costs ~50 ms."""
-    params = master.config(global_segment_size=512 * MiB, threads=2)
-    with Agent("mooncake-test", {"backends": {"mooncake": params}}) as agent:
+@pytest.fixture(scope="module", params=["staged", "zero_copy"])
+def shared_agent(master, request):
+    """One agent (one store client lending 512 MiB) per transfer mode: a client takes ~1 s to close."""
+    params = master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=request.param)
+    with Agent(f"mooncake-{request.param}", {"backends": {"mooncake": params}}) as agent:
         yield agent
 
 
