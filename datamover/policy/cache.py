@@ -323,7 +323,10 @@ class TieredCache:
         with self._lock:
             n, tiers = self.lookup(keys)
             now = self.clock()
-            lower = [(k, t) for k, t in zip(keys[:n], tiers, strict=True) if t != self.names[0]]
+            if self.pool is not None:  # chunks other instances put: into this instance's L4 index first
+                self._adopt(keys[:n], now)
+                tiers = [self.names[self.engine.where(k)] if self.engine.where(k) >= 0 else "" for k in keys[:n]]
+            lower = [(k, t) for k, t in zip(keys[:n], tiers, strict=True) if t and t != self.names[0]]
             self.pin(keys[:n])
             before = list(self.engine.evictions)
             try:

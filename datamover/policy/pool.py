@@ -112,12 +112,14 @@ class SharedPool:
                 others.update(h for h in holders if h != self.hostname)
         return mine, others
 
-    def drain(self, known: Sequence[ChunkKey], timeout: float = 120.0) -> dict[str, int]:
+    def drain(self, known: Sequence[ChunkKey], timeout: float | None = None) -> dict[str, int]:
         """Copy every chunk held only in this instance's memory to another member; returns counts.
 
         The candidates are the chunks this instance knows (``known``) and, with ``master_admin_url``, every
-        key of this cache's namespace the master lists. The pool keeps serving every chunk meanwhile (the
-        copies are Mooncake copy tasks; the source replica stays until the instance leaves).
+        key of this cache's namespace the master lists. The pool keeps serving every chunk meanwhile: the
+        copies are Mooncake copy tasks (the members run them, 16 per client per poll second), and the source
+        replica stays until the instance leaves. Progress is read from the replicas themselves, one batched
+        call per round; ``timeout`` (default: 30 s plus 0.2 s a chunk) bounds the wait.
         """
         names = {self.pool_key(k) for k in known}
         names.update(k for k in self.admin("/get_all_keys") if k.startswith(self.prefix))
@@ -128,29 +130,25 @@ class SharedPool:
             return out
         if not targets:
             raise RuntimeError("l4_pool: drain found no other member of the pool to copy this instance's chunks to")
-        tasks = []
+        tasks = {}
         for i, key in enumerate(mine):
             task, rc = self.client.copy_to(key, [targets[i % len(targets)]])
             if rc != 0:
                 log.warning("l4_pool: drain could not start copying %s (status %d)", key, rc)
                 out["failed"] += 1
             else:
-                tasks.append((key, task))
-        deadline = time.monotonic() + timeout
-        pending = tasks
-        while pending and time.monotonic() < deadline:
-            left = []
-            for key, task in pending:
-                state = self.client.task_state(task)
-                if state == "SUCCESS":
-                    out["copied"] += 1
-                elif state in ("FAILED", "UNKNOWN"):
-                    out["failed"] += 1
-                    log.warning("l4_pool: drain copy of %s ended %s", key, state)
-                else:
-                    left.append((key, task))
+                tasks[key] = task
+        deadline = time.monotonic() + (30.0 + 0.2 * len(tasks) if timeout is None else timeout)
+        pending = sorted(tasks)
+        while pending:
+            holders = self.client.replicas(pending)
+            left = [k for k in pending if not any(h != self.hostname for h in holders.get(k, ()))]
+            out["copied"] += len(pending) - len(left)
             pending = left
-            if pending:
-                time.sleep(0.05)
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for key in pending:
+            log.warning("l4_pool: drain copy of %s ended %s", key, self.client.task_state(tasks[key]))
         out["failed"] += len(pending)
         return out
