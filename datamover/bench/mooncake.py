@@ -28,6 +28,7 @@ import numpy as np
 
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
+from ..units import size_text
 from .workload import Case, Workload, fill_random, timed_transfer
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -49,9 +50,10 @@ class MooncakeWorkload(Workload):
         opts = self.options
         self.master = self.member = None
         self.agent: Agent | None = None
-        self.budget_ms = float(opts.get("budget_ms", 1.0))
         params = dict(opts.get("mooncake", {}))
         params.update(json.loads(os.environ.get("DATAMOVER_BENCH_MOONCAKE_PARAMS") or "{}"))
+        # the lookup budget: workload option, or --param mooncake.budget_ms=...; the seed's 1 ms by default
+        self.budget_ms = float(params.pop("budget_ms", opts.get("budget_ms", 1.0)))
         addr = opts.get("master_server_addr") or os.environ.get("DATAMOVER_BENCH_MOONCAKE_MASTER")
         try:
             if addr:
@@ -165,6 +167,33 @@ class MooncakeWorkload(Workload):
 
         name = {"WRITE": "batch_put_from", "READ": "batch_get_into", "LOOKUP": "batch_is_exist"}[op]
         return Case(op, block, batch, ours, raw, verify, before_each, raw_name=name, close=close)
+
+    @staticmethod
+    def summary(results: list, header: dict[str, Any]) -> list[str]:
+        """Verdicts: ours/raw at >= 64 KiB against 0.95 (an interval reaching it is parity), and the lookups'
+        p50/p99 against the budget."""
+        lines = ["mooncake: ours / MooncakeDistributedStore (95% CI); goal >= 0.95 at >= 64 KiB values:"]
+        for r in results:
+            if r.op == "LOOKUP" or r.ratio is None:
+                continue
+            ci = f"[{r.ratio_lo:.2f}, {r.ratio_hi:.2f}]" if r.ratio_lo is not None else "[n/a]"
+            goal = ""
+            if r.block >= 64 * KiB:
+                hi = r.ratio_hi if r.ratio_hi is not None else r.ratio
+                goal = "  meets" if hi >= 0.95 else "  BELOW"
+            lines.append(f"  {r.op:<5} {size_text(r.block):>8} x {r.batch:<4} {r.ratio:5.2f} {ci}{goal}")
+        budget = header.get("lookup_budget_ms")
+        for r in results:
+            if r.op == "LOOKUP":
+                p50, p99 = r.xfer_p50_us or 0.0, r.xfer_p99_us
+                verdict = ""
+                if budget:
+                    verdict = f", {'within' if p99 <= budget * 1e3 else 'OVER'} the {budget:g} ms budget"
+                lines.append(
+                    f"  lookup of {r.batch} key(s): p50 {p50:.0f} us, p99 {p99:.0f} us "
+                    f"(ours/raw {r.ratio:.2f}){verdict}"
+                )
+        return lines
 
     def close(self) -> None:
         if self.agent is not None:
