@@ -1,15 +1,19 @@
-"""A tiny Llama that real engines load on a CPU: a config.json and seeded random weights (no download).
+"""What engine tests run on here: a tiny Llama for vLLM (no download), and a host KV pool shaped as SGLang's.
 
 vLLM's `load_format="dummy"` fills weights with values so small that every output looks alike; these weights
 (normal, std 0.05 as in a freshly initialised model) make greedy tokens depend on every token of the prompt, so a
 test can tell KV that was really used from KV that was not. Another seed gives a model of the same shape whose KV
 differs: what a "prefill weights changed" control needs.
+
+SGLang's own host pools import torchvision (which breaks the CPU torch here), so `PageFirstHostPool` offers the
+same `get_page_buffer_meta` over a buffer of the same layout, for driving a HiCache storage as SGLang does.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -28,6 +32,47 @@ TINY_LLAMA = {
     "eos_token_id": 2,
     "tie_word_embeddings": False,
 }
+
+
+# SGLang host pool geometry: one K (or V) entry of a page is 16*2*2*32*2 bytes = 4 KiB (bfloat16)
+PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 32
+
+
+class PageFirstHostPool:
+    """A host KV pool laid out as SGLang's MHA pool with layout "page_first": kv_buffer (2, size, layers, heads,
+    dim); get_page_buffer_meta gives a K then a V pointer per page, as SGLang's does."""
+
+    def __init__(self, pages: int) -> None:
+        import torch
+
+        self.page_size = PAGE
+        self.size = pages * PAGE
+        self.layout = "page_first"
+        self.dtype = torch.bfloat16
+        self.kv_buffer = torch.zeros((2, self.size, LAYERS, HEADS, DIM), dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: Any) -> tuple[list[int], list[int]]:
+        assert len(indices) % self.page_size == 0
+        item = self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = self.size * LAYERS * HEADS * DIM * item
+        ptrs = []
+        for i in indices.tolist()[:: self.page_size]:
+            k = base + i * LAYERS * HEADS * DIM * item
+            ptrs += [k, k + v_offset]
+        return ptrs, [LAYERS * item * self.page_size * HEADS * DIM] * len(ptrs)
+
+    def page(self, p: int) -> Any:
+        """Bytes of page p (K and V) as one uint8 tensor, for comparisons."""
+        import torch
+
+        rows = slice(p * PAGE, (p + 1) * PAGE)
+        return self.kv_buffer[:, rows].contiguous().view(torch.uint8).reshape(-1)
+
+    def indices(self, pages: list[int]) -> Any:
+        import torch
+
+        return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
 
 
 def write_tiny_llama(directory: str | Path, seed: int = 0, std: float = 0.05) -> Path:
@@ -65,4 +110,4 @@ def write_tiny_llama(directory: str | Path, seed: int = 0, std: float = 0.05) ->
     return out
 
 
-__all__ = ["TINY_LLAMA", "write_tiny_llama"]
+__all__ = ["DIM", "HEADS", "LAYERS", "PAGE", "TINY_LLAMA", "PageFirstHostPool", "write_tiny_llama"]
