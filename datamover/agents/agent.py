@@ -7,15 +7,17 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from ..backends import backend_names, backend_status, get_backend_class
-from ..backends.base import Backend, TransferRequest
-from ..descriptors import DescList, MemType, buffer_info
+from ..backends.base import Backend, Op, TransferRequest, clock
+from ..descriptors import DescList, MemType, RegionTable, Registration, buffer_info
 from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from ..errors import (
+    AuthenticationError,
     BackendUnavailable,
     InvalidDescriptor,
     InvalidMetadata,
@@ -25,15 +27,12 @@ from ..errors import (
     OverlappingDestination,
     UnsupportedTransfer,
 )
+from . import peer_auth
 from .config import AgentConfig
-from .metadata import AgentMetadata, decode_metadata, encode_metadata, open_metadata, sign_metadata
-from .regions import RegionTable
-from .registration import Registration
+from .metadata import AgentMetadata, agent_ident, decode_metadata, encode_metadata, open_metadata, sign_metadata
 from .transfer import Transfer
 
 log = logging.getLogger("datamover.agent")
-
-OPS = ("WRITE", "READ")
 
 
 class Prepared:
@@ -76,8 +75,13 @@ class Agent:
     """A transfer agent: owns registered memory and moves bytes through backends.
 
     ``config`` is an AgentConfig or a dict of the same shape; keyword
-    overrides (e.g. ``listen_port=0``) replace its fields.
+    overrides (e.g. ``listen_port=0``) replace its fields. The Agent is its
+    backends' ``BackendHost``: ``regions``, ``region_table``, ``secret``,
+    ``timeout_s``, ``deliver_notification`` and ``clock`` are what they see.
     """
+
+    #: the clock of every deadline (BackendHost)
+    clock = staticmethod(clock)
 
     def __init__(self, name: str, config: AgentConfig | Mapping[str, Any] | None = None, **overrides: Any) -> None:
         if not isinstance(name, str) or not name:
@@ -90,6 +94,7 @@ class Agent:
         self._lock = threading.RLock()
         self._next_id = 1
         self._regs: dict[int, Registration] = {}
+        self._regions = MappingProxyType(self._regs)
         self._table = RegionTable()
         self._backends: dict[str, Backend] = {}
         self._enabled: list[str] | None = None
@@ -101,13 +106,17 @@ class Agent:
         self._watches: dict[str, Any] = {}
         self._publisher: Any = None
         self._side: Any = None
+        self._token = os.urandom(peer_auth.TOKEN_BYTES)  # proves to peers that a PUSH or DROP comes from this agent
+        self._push_budget = peer_auth.PushBudget(**cfg.extra.get("push_budget", {}))
         if cfg.listen_port is not None:
-            from .side_channel import MetadataServer
+            from .side_channel import MetadataServer, SideChannelLimits
 
             host = str(cfg.extra.get("listen_host", "127.0.0.1"))
+            limits = SideChannelLimits(**cfg.extra.get("side_channel", {}))
             self._side = MetadataServer(
-                self.metadata, host=host, port=int(cfg.listen_port), on_push=self.add_remote, on_drop=self._dropped
-            )
+                self.metadata, host=host, port=int(cfg.listen_port), on_push=self._pushed, on_drop=self._dropped,
+                limits=limits,
+            )  # fmt: skip
 
     # -- backends ----------------------------------------------------------
     def enabled_backends(self) -> list[str]:
@@ -168,7 +177,7 @@ class Agent:
     def register_memory(self, x: Any) -> Registration | list[Registration]:
         """Make a buffer (or each buffer of a list, or each row of a DescList) addressable."""
         if isinstance(x, DescList):
-            items = [(int(a), int(n), x.mem_type, int(d), x._owners) for a, n, d in x]
+            items = [(int(a), int(n), x.mem_type, int(d), x.owners) for a, n, d in x]
             regs = [self._register_region(*item) for item in items]
             return regs[0] if len(regs) == 1 else regs
         if isinstance(x, (list, tuple)):
@@ -286,6 +295,27 @@ class Agent:
         """This agent's registrations by id (a copy)."""
         return dict(self._regs)
 
+    # -- what backends see (BackendHost) -------------------------------------
+    @property
+    def regions(self) -> Mapping[int, Registration]:
+        """This agent's registrations by id: a live, read-only view."""
+        return self._regions
+
+    @property
+    def region_table(self) -> RegionTable:
+        """The lookup table over ``regions``; a new object after each (de)registration."""
+        return self._table
+
+    @property
+    def secret(self) -> bytes | None:
+        """The shared secret of metadata and control connections (the config's), if any."""
+        return self.config.secret
+
+    @property
+    def timeout_s(self) -> float:
+        """The config's default bound on a transfer, in seconds."""
+        return float(self.config.timeout_s)
+
     # -- descriptors and transfers -----------------------------------------
     def prepare(self, descs: Any, agent: str | None = None) -> Prepared:
         """Validate descriptors once (vectorized) against their owner's registered memory."""
@@ -349,9 +379,7 @@ class Agent:
 
         ``timeout`` (seconds, default the config's ``timeout_s``) bounds each post.
         """
-        op = str(op).upper()
-        if op not in OPS:
-            raise ValueError(f"op must be 'WRITE' or 'READ', got {op!r}")
+        op = Op.parse(op)
         if local.agent is not None:
             raise InvalidDescriptor("the local list was prepared for a remote agent")
         li = _index_array(local_idx, len(local), "local")
@@ -368,7 +396,7 @@ class Agent:
                 f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
             )
         backend = self._choose_backend(ldescs.mem_type, rdescs.mem_type, remote.agent is not None, backends)
-        dst = rdescs if op == "WRITE" else ldescs
+        dst = rdescs if op is Op.WRITE else ldescs
         pair = first_overlap(dst)
         if pair is not None:
             raise OverlappingDestination(
@@ -387,7 +415,7 @@ class Agent:
             notify=bytes(notify),
             timeout=float(self.config.timeout_s if timeout is None else timeout),
         )
-        backend.plan(req)
+        req.plan = backend.plan(req)
         return Transfer(self, backend, req, descriptors=int(li.shape[0]))
 
     def transfer(
@@ -418,12 +446,14 @@ class Agent:
                 if cls.supports_remote and backend_status(name)[0]:
                     infos[name] = self.backend(name).connection_info()
             regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values()]
-            blob = encode_metadata(self.name, infos, regions)
+            blob = encode_metadata(self.name, infos, regions, ident=agent_ident(self._token))
             return sign_metadata(blob, self.config.secret) if self.config.secret else blob
 
     def add_remote(self, blob: bytes) -> str:
         """Load (or refresh) a peer from its metadata blob; returns its name. Connects lazily."""
-        meta = decode_metadata(open_metadata(blob, self.config.secret))
+        return self._load_remote(decode_metadata(open_metadata(blob, self.config.secret)))
+
+    def _load_remote(self, meta: AgentMetadata) -> str:
         if meta.name == self.name:
             raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
         with self._lock:
@@ -491,22 +521,34 @@ class Agent:
         """Push this agent's metadata to a peer's side channel, which loads it as if it had fetched it."""
         from .side_channel import PUSH, send_request
 
-        send_request(host, port, PUSH, self.metadata(), timeout=timeout)
+        send_request(host, port, PUSH, self.metadata(), timeout=timeout, proof=self._token)
 
     def invalidate_at(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Ask the peer listening at (host, port) to forget this agent (signed when a secret is set)."""
         from .side_channel import DROP, send_request
 
-        name = self.name.encode()
-        send_request(host, port, DROP, sign_metadata(name, self.config.secret) if self.config.secret else name,
+        send_request(host, port, DROP, peer_auth.drop_payload(self.name, self._token, self.config.secret),
                      timeout=timeout)  # fmt: skip
 
-    def _dropped(self, payload: bytes) -> None:
-        name = open_metadata(payload, self.config.secret).decode(errors="replace")
+    def _pushed(self, blob: bytes, proof: bytes) -> None:
+        """A peer's PUSH: within the push budget, and replacing a known peer only with its token or the secret."""
+        meta = decode_metadata(open_metadata(blob, self.config.secret), max_regions=self._push_budget.max_regions)
         with self._lock:
-            if name in self._remotes:
-                log.info("agent %r asked to be forgotten", name)
-                self.remove_remote(name)
+            peer_auth.check_replacement(self._remotes.get(meta.name), proof, signed=bool(self.config.secret))
+            self._push_budget.check(meta, set(self._remotes))
+            self._load_remote(meta)
+            self._push_budget.kept_as(meta)
+
+    def _dropped(self, payload: bytes) -> None:
+        name, token = peer_auth.parse_drop(payload, self.config.secret)
+        with self._lock:
+            known = self._remotes.get(name)
+            if known is None:
+                return
+            if token is not None and not peer_auth.proves(known, token):
+                raise AuthenticationError(f"DROP of {name!r} does not carry its identity token")
+            log.info("agent %r asked to be forgotten", name)
+            self.remove_remote(name)
 
     def refresh_remote(self, name: str) -> str:
         """Fetch peer ``name``'s metadata again from where it came (side channel or etcd)."""
@@ -565,7 +607,8 @@ class Agent:
         return self._remotes[name]
 
     # -- notifications -----------------------------------------------------
-    def _deliver_notification(self, peer: str, message: bytes) -> None:
+    def deliver_notification(self, peer: str, message: bytes) -> None:
+        """Queue ``message`` from ``peer`` for ``get_notifications``/``wait_notification`` (BackendHost)."""
         with self._notif_cond:
             self._notifs.setdefault(peer, []).append(bytes(message))
             self._notif_cond.notify_all()
@@ -607,7 +650,7 @@ class Agent:
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` without data (to itself when ``peer`` is this agent)."""
         if peer == self.name:
-            self._deliver_notification(self.name, message)
+            self.deliver_notification(self.name, message)
             return
         if peer not in self._remotes:
             raise NotRegistered(f"unknown remote agent {peer!r}; load its metadata with add_remote() first")
