@@ -232,6 +232,13 @@ class TransferRequest:
     def dst_regions(self) -> np.ndarray:
         return self.remote_regions if self.op is Op.WRITE else self.local_regions
 
+    def copy(self) -> TransferRequest:
+        """The same request (sharing its arrays and plan) with its own deadline, not yet posted."""
+        new = object.__new__(TransferRequest)
+        new.__dict__.update(self.__dict__)
+        new.deadline = math.inf
+        return new
+
     def caller_index(self, row: int) -> int:
         """The caller's descriptor index for coalesced row ``row``."""
         return int(self.first_index[row])
@@ -318,14 +325,6 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release threads, connections and handles."""
-
-
-def size_text(n: int) -> str:
-    """4096 -> '4 KiB', 1048576 -> '1 MiB': thresholds as ``datamover info`` shows them."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:

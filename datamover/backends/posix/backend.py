@@ -29,6 +29,7 @@ import numpy as np
 
 from ...descriptors import MemType, aligned_empty
 from ...errors import TransferIOError
+from ...units import size_text
 from ..base import (
     Backend,
     BackendHost,
@@ -40,7 +41,6 @@ from ..base import (
     finished_completion,
     run_inline,
     run_parts,
-    size_text,
     split_by_bytes,
     typed_error,
 )

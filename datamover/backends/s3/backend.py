@@ -55,11 +55,11 @@ from ...errors import (
     ObjectStoreError,
     OverlappingDestination,
 )
+from ...units import MiB
 from ..base import Backend, BackendHost, Completion, TransferRequest, typed_error
 
 log = logging.getLogger("datamover.s3")
 
-MiB = 1 << 20
 #: metadata key holding the whole object's CRC32C (base64 of the big-endian 4 bytes)
 CRC_META = "crc32c"
 _MIN_PART = 5 * MiB  # S3's smallest non-final multipart part
