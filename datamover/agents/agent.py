@@ -450,6 +450,7 @@ class Agent:
             remote_regions=rreg[starts],
             registrations=self._regions,
             first_index=starts,
+            caller_lengths=ldescs.length if starts.shape[0] < len(ldescs) else None,
             notify=bytes(notify),
             timeout=float(self.config.timeout_s if timeout is None else timeout),
         )

@@ -17,6 +17,10 @@ _now = clock
 POLL_ASSIST_AFTER_S = 200e-6
 
 
+#: how long ``release`` waits past a post's deadline for its backend's workers to stop
+RELEASE_GRACE_S = 10.0
+
+
 class XferState(str, Enum):
     """States of a transfer; the strings are NIXL's."""
 
@@ -181,13 +185,17 @@ class Transfer:
         return state
 
     def release(self) -> None:
-        """Abort an in-flight post (waiting for its workers to stop) and free the transfer."""
+        """Abort an in-flight post (waiting for its workers to stop) and free the transfer.
+
+        The wait lasts to the deadline, and past it (a timed-out post) up to ``RELEASE_GRACE_S`` more, so that
+        what the backend settles as it stops (an S3 upload committed or aborted) is settled when this returns.
+        """
         if self._released:
             return
         c = self._completion
         if c is not None and c.finished_at is None:
             c.cancel()
-            c.wait(max(0.0, self.request.deadline - _now()))
+            c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
         self._released = True
 
     @property

@@ -37,6 +37,21 @@ def coalesce_runs(
     return starts, lengths
 
 
+def caller_index_at(first_index: np.ndarray, lengths: np.ndarray | None, row: int, offset: int) -> int:
+    """The caller's index of the descriptor holding byte ``offset`` of coalesced row ``row``.
+
+    ``first_index`` are the runs' first rows (``coalesce_runs``), ``lengths``
+    the caller's descriptor lengths before merging (None: nothing merged).
+    Zero-length descriptors inside a run are skipped over.
+    """
+    first = int(first_index[row])
+    if lengths is None or offset <= 0:
+        return first
+    stop = int(first_index[row + 1]) if row + 1 < first_index.shape[0] else int(lengths.shape[0])
+    ends = np.cumsum(lengths[first:stop])
+    return first + min(int(np.searchsorted(ends, offset, side="right")), stop - first - 1)
+
+
 def take_runs(descs: DescList, starts: np.ndarray, lengths: np.ndarray) -> DescList:
     """The coalesced list: each run's first row with its summed length."""
     if starts.shape[0] == len(descs):
