@@ -41,9 +41,7 @@ def test_200_idle_connections_do_not_stop_a_fetch():
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(200)]
         try:
             assert _until(lambda: b._side.open_connections == 200, 10)
-            t0 = time.monotonic()
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
-            assert time.monotonic() - t0 < 3
+            assert a.fetch_remote(*b.listen_address, timeout=10) == "b"  # the old server: 200 x 5 s before it
         finally:
             for s in idle:
                 s.close()
@@ -54,7 +52,7 @@ def test_past_the_cap_the_oldest_idle_connection_makes_room():
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(8)]
         try:
             assert _until(lambda: b._side.open_connections == 8, 10)
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
+            assert a.fetch_remote(*b.listen_address, timeout=10) == "b"
             assert b._side.evicted >= 1
             assert idle[0].recv(1) == b""  # the oldest was closed for it
         finally:
@@ -67,7 +65,7 @@ def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
         slow = socket.create_connection(b.listen_address, timeout=10)
         try:
             slow.sendall(PUSH + struct.pack("!I", 1000))  # then the body a byte at a time: a slow-loris
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"  # served while the slow one dawdles
+            assert a.fetch_remote(*b.listen_address, timeout=4) == "b"  # not after it (the old server: 5 s)
             slow.settimeout(0.2)
             t0, cut = time.monotonic(), False
             while not cut and time.monotonic() - t0 < 10:
