@@ -11,6 +11,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.agents.metadata import encode_metadata
@@ -146,3 +148,35 @@ def test_an_unauthenticated_client_cannot_drop_or_replace_a_peer():
         a.invalidate_at(*b.listen_address)
         assert b.remotes == []
         assert len(fetch_metadata(*b.listen_address)) > 0
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    with _agent("a") as a, _agent("b", side_channel={"deadline_s": 0.5}) as b:
+        a.register_memory(np.zeros(4096, np.uint8))
+        a.send_metadata(*b.listen_address)
+        yield a, b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.tuples(
+            st.sampled_from([PUSH, DROP, b"GET ", b"PUS"]), st.integers(0, (1 << 32) - 1), st.binary(max_size=64)
+        ).map(lambda t: t[0] + struct.pack("!I", t[1]) + t[2]),
+    )
+)
+def test_any_bytes_leave_the_peers_and_the_server_as_they_were(fuzzed, data):
+    _, b = fuzzed
+    before = b.remote_metadata("a")
+    with socket.create_connection(b.listen_address, timeout=5) as s:
+        try:  # the server may answer and cut the client at any point: that is its right
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+    assert b.remotes == ["a"] and b.remote_metadata("a") is before
+    assert len(fetch_metadata(*b.listen_address, timeout=5)) > 0
