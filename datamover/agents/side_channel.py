@@ -303,7 +303,7 @@ class MetadataServer:
         self._thread.join(5)
         for conn in list(self._conns.values()):
             self._close(conn)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a handler may wait on the agent closing this
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()
         self._sel.close()
