@@ -50,7 +50,7 @@ def test_oversized_frame_is_refused():
 
 def test_frames_round_trip_in_order_and_split_reads():
     tx, rx = _pair()
-    msgs = [{"t": "req", "id": i, "addr": bytes(range(i % 256)) * 10} for i in range(200)]
+    msgs = [{"t": "notif", "msg": bytes(range(i % 256)) * 10} for i in range(200)]
     for m in msgs:
         tx.send(m)
     got = []

@@ -76,6 +76,7 @@ from ..errors import (
 from . import cma
 from . import ucx_rma as rma
 from .base import Backend, Completion, TransferRequest, finished_completion, run_parts, split_by_bytes
+from .ucx_address import AddressCheck
 from .ucx_protocol import FrameConn, handshake_mac, new_nonce, session_key
 from .workers import Workers
 
@@ -84,8 +85,11 @@ log = logging.getLogger("datamover.ucx")
 _MASK40 = (1 << 40) - 1
 _READ_TAG = 1 << 63
 _MAX_ADDRESS = 1 << 16
-_DRAIN_MAX = 64 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
-_DRAIN_ROWS = 1 << 20
+_CACHE_ROWS = 4096  # a served request's checked views are kept for reuse up to this many rows
+_DRAIN_MAX = 1 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
+_DRAIN_WINDOW = 256  # receives a refused WRITE's drain has posted at a time
+_DRAINS_PER_PEER = 4  # refused WRITEs being drained for one connection; a peer sending more is dropped
+_DRAIN_IDLE_S = 60.0  # a drain whose window saw nothing arrive this long is given up
 _MAX_RKEYS = 1 << 16
 # UCX transports that move put/get without the target's CPU (others emulate them over active messages)
 _NATIVE_RMA = frozenset({"cma", "knem", "xpmem", "rc_verbs", "rc_mlx5", "dc_mlx5", "cuda_ipc", "gdr_copy"})
@@ -184,6 +188,36 @@ class _Direct:
         self.since = time.monotonic()
 
 
+class _Drain:
+    """A refused WRITE's rows consumed into scratch memory, ``_DRAIN_WINDOW`` receives at a time.
+
+    Its memory stays bounded whatever row count the request claimed; it ends
+    when every row arrived, its connection dropped, or nothing came for
+    ``_DRAIN_IDLE_S``.
+    """
+
+    __slots__ = ("Tag", "inbound", "n", "next", "reqs", "since", "sink", "tag0")
+
+    def __init__(self, inbound: _Inbound, tag0: int, n: int, scratch: int, Array: Any, Tag: Any) -> None:
+        self.inbound, self.tag0, self.n, self.next, self.Tag = inbound, tag0, n, 0, Tag
+        self.sink = Array(memoryview(bytearray(scratch)))
+        self.reqs: list = []
+        self.since = time.monotonic()
+
+    def step(self, now: float) -> bool:
+        """Post the next window once the current one is in; False when the drain is over."""
+        if self.inbound.ep is None:
+            return False
+        if not all(r.completed for r in self.reqs):
+            return now - self.since < _DRAIN_IDLE_S
+        if self.next >= self.n:
+            return False
+        ep, last = self.inbound.ep, min(self.n, self.next + _DRAIN_WINDOW)
+        self.reqs = [ep.tag_recv(self.sink, self.Tag(self.tag0 + i)) for i in range(self.next, last)]
+        self.next, self.since = last, now
+        return True
+
+
 class _OutOp:
     """A request this agent initiated, from post to completion."""
 
@@ -236,6 +270,7 @@ class _Inbound:
         self.conn = conn
         self.conn_id = conn_id
         self.nonce = new_nonce()
+        self.since = time.monotonic()  # a connection that has not said hello within connect_timeout_s is dropped
         self.name = ""
         self.ep: Any = None
         # op id -> (requests, op, notify, first tag, ids of the registered regions it touches)
@@ -287,6 +322,8 @@ class UcxBackend(Backend):
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
         "connect_timeout_s": 5.0,
+        # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
+        "max_inbound": 1024,
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
         "launch_margin_s": 0.001,
@@ -301,6 +338,8 @@ class UcxBackend(Backend):
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
+        # peers' worker addresses are parsed against this worker's own before UCX unpacks them
+        self._addr_check = AddressCheck(self._address)
         self._secret: bytes | None = agent.config.secret
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -321,7 +360,7 @@ class UcxBackend(Backend):
         self._active_in: dict[tuple[int, int], _Inbound] = {}
         self._graveyard: list[tuple[float, Any]] = []
         self._self_ep: Any = None
-        self._draining: list[tuple[float, list, Any]] = []
+        self._draining: list[_Drain] = []
         self._checked: dict[tuple, tuple] = {}  # request descriptors -> (region table, views, region ids)
         self._old_workers: list[tuple] = []  # kept alive: their endpoints and requests still point at them
         self._one_sided = bool(self.params["one_sided"])
@@ -783,6 +822,7 @@ class UcxBackend(Backend):
                     last_scan = now
                     self._check_cancelled()
                     self._bury()
+                    self._drop_silent(now)
                 if busy:
                     last = now
                 if self._drivers:
@@ -912,7 +952,7 @@ class UcxBackend(Backend):
         """Let closed endpoints go once their cancelled requests had time to finish."""
         now = time.monotonic()
         self._graveyard = [(t, ep) for t, ep in self._graveyard if now - t < 10.0]
-        self._draining = [d for d in self._draining if now - d[0] < 60.0 and not all(r.completed for r in d[1])]
+        self._draining = [d for d in self._draining if d.step(now)]
 
     def _retire_ep(self, ep: Any) -> None:
         if ep is None:
@@ -1047,6 +1087,8 @@ class UcxBackend(Backend):
 
     def _on_peer_msg(self, peer: _Peer, msg: dict[str, Any]) -> None:
         t = msg["t"]
+        if (t in ("challenge", "welcome")) != (peer.state == "connecting") and t != "error":
+            raise InvalidMetadata(f"control message {t!r} out of order (connection {peer.state})")
         if t == "challenge":
             self._hello(peer, msg)
             return
@@ -1108,6 +1150,9 @@ class UcxBackend(Backend):
             if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
                 raise AuthenticationError(f"agent {peer.name!r} does not know the shared secret")
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
+        else:
+            peer.conn.open_up()  # type: ignore[union-attr]
+        self._addr_check.check(address, f"agent {peer.name!r}")
         try:  # the target's current worker (it may have been reset since its metadata was published)
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
             peer.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
@@ -1393,11 +1438,22 @@ class UcxBackend(Backend):
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
+            if len(self._inbound) >= int(self.params["max_inbound"]):
+                log.warning("refusing a control connection: %d already open", len(self._inbound))
+                sock.close()
+                continue
             inbound = _Inbound(FrameConn(sock, outbound=False), self._next_conn_id)
             self._next_conn_id = self._next_conn_id % ((1 << 22) - 1) + 1
             self._inbound[sock.fileno()] = inbound
             self._sel.register(sock, selectors.EVENT_READ, inbound)
             inbound.conn.send({"t": "challenge", "nonce": inbound.nonce})
+
+    def _drop_silent(self, now: float) -> None:
+        """Hang up on connections that never completed the handshake in time (they hold a socket and a buffer)."""
+        late = now - float(self.params["connect_timeout_s"])
+        for inbound in [i for i in self._inbound.values() if not i.name and i.since < late]:
+            log.warning("dropping a control connection that did not say hello in time")
+            self._drop_inbound(inbound)
 
     def _drop_inbound(self, inbound: _Inbound) -> None:
         for waiting in self._revoking.values():
@@ -1417,6 +1473,8 @@ class UcxBackend(Backend):
     def _on_inbound_msg(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
         t = msg["t"]
         if t == "hello":
+            if inbound.name:
+                raise InvalidMetadata("a second hello on one connection")
             self._on_hello(inbound, msg)
             return
         if not inbound.name:
@@ -1438,6 +1496,11 @@ class UcxBackend(Backend):
                 inbound.conn.send({"t": "error", "auth": True, "reason": "authentication failed (shared secret)"})
                 raise AuthenticationError(f"agent {name!r} failed authentication")
         try:
+            self._addr_check.check(address, f"agent {name!r}")
+        except InvalidMetadata as exc:
+            inbound.conn.send({"t": "error", "reason": exc.reason})
+            raise
+        try:
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
             inbound.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
         except Exception as exc:
@@ -1456,6 +1519,8 @@ class UcxBackend(Backend):
         )  # fmt: skip
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
+        else:
+            inbound.conn.open_up()
 
     def _serve(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
         self.counts["served for peers"] += 1
@@ -1477,9 +1542,10 @@ class UcxBackend(Backend):
                 return
             views = _views(self.agent._regs, rids, descs.addr, descs.length, self._Array)
             regions = frozenset(rids.tolist())
-            if len(self._checked) >= 256:
-                self._checked.pop(next(iter(self._checked)))
-            self._checked[key] = (self.agent._table, views, regions)
+            if len(views) <= _CACHE_ROWS:  # 256 entries of at most this many views each: bounded memory
+                if len(self._checked) >= 256:
+                    self._checked.pop(next(iter(self._checked)))
+                self._checked[key] = (self.agent._table, views, regions)
         ep, T = inbound.ep, self._ucx.UCXXTag
         try:
             if op == "WRITE":
@@ -1519,11 +1585,12 @@ class UcxBackend(Backend):
             longest = int(np.frombuffer(msg["len"], dtype="<i8").max()) if n else 0
         except (TypeError, ValueError):
             return
-        scratch = memoryview(bytearray(max(1, min(longest, _DRAIN_MAX))))
-        sink = self._Array(scratch)
-        ep, T = inbound.ep, self._ucx.UCXXTag
-        reqs = [ep.tag_recv(sink, T(tag0 + i)) for i in range(min(n, _DRAIN_ROWS))]
-        self._draining.append((time.monotonic(), reqs, scratch))
+        mine = [d for d in self._draining if d.inbound is inbound]
+        if len(mine) >= _DRAINS_PER_PEER:
+            raise InvalidMetadata(f"more than {_DRAINS_PER_PEER} refused WRITEs in flight")
+        drain = _Drain(inbound, tag0, n, max(1, min(longest, _DRAIN_MAX)), self._Array, self._ucx.UCXXTag)
+        if drain.step(time.monotonic()):
+            self._draining.append(drain)
 
     # -- lifetime ---------------------------------------------------------------
     def _shutdown(self) -> None:
