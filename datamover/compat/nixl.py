@@ -34,6 +34,7 @@ from ..errors import (
     DatamoverError,
     InvalidDescriptor,
     InvalidMetadata,
+    InvalidParameter,
     LengthMismatch,
     NotRegistered,
     RemoteDisconnected,
@@ -159,6 +160,7 @@ _ERROR_MAP: tuple[tuple[type[DatamoverError], type[NixlError]], ...] = (
     (LengthMismatch, nixlMismatchError),
     (InvalidMetadata, nixlInvalidParamError),
     (InvalidDescriptor, nixlInvalidParamError),
+    (InvalidParameter, nixlInvalidParamError),
     (UnsupportedTransfer, nixlNotFoundError),
     (BackendUnavailable, nixlBackendError),
     (TransferStateError, nixlNotAllowedError),
@@ -792,11 +794,8 @@ class nixl_agent:
         cfg_backends = self.agent.config.backends
         assert cfg_backends is not None
         cfg_backends[name] = {**cfg_backends.get(name, {}), **params}
-        try:
-            with _nixl_errors():
-                inst = self.agent.backend(name)
-        except ValueError as exc:
-            raise nixlInvalidParamError(str(exc)) from exc
+        with _nixl_errors():
+            inst = self.agent.backend(name)
         stale = {k: v for k, v in params.items() if inst.params.get(k) != v}
         if stale:
             raise nixlInvalidParamError(f"backend {backend!r} is already running with other parameters: {stale}")

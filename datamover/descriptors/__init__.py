@@ -1,7 +1,18 @@
-"""What to move: memory types and descriptor lists."""
+"""What to move: memory types, descriptor lists, and the registered regions they must fall in."""
 
 from .buffers import BufferInfo, aligned_empty, buffer_info, host_view
 from .desclist import DescList
 from .memtype import MemType
+from .regions import RegionTable
+from .registration import Registration
 
-__all__ = ["BufferInfo", "DescList", "MemType", "aligned_empty", "buffer_info", "host_view"]
+__all__ = [
+    "BufferInfo",
+    "DescList",
+    "MemType",
+    "RegionTable",
+    "Registration",
+    "aligned_empty",
+    "buffer_info",
+    "host_view",
+]

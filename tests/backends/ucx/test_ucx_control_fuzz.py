@@ -280,11 +280,12 @@ def test_fuzzed_welcome_addresses_never_kill_the_initiator(initiator, real_addre
 
 def test_own_addresses_parse_and_check_under_every_tls():
     """The parser walks what this UCX packs (v1 by default, v2 on request) to its last byte."""
-    from datamover.backends.ucx import _features, _import_ucxx, ucx_config
+    from datamover.backends.ucx import import_ucxx, ucx_config
 
-    u, _ = _import_ucxx()
+    u, _ = import_ucxx()
+    features = (u.Feature.TAG, u.Feature.WAKEUP, u.Feature.RMA)
     for cfg in ({}, {"TLS": "tcp,self"}, {"ADDRESS_VERSION": "v2"}, {"TLS": "tcp", "ADDRESS_VERSION": "v2"}):
-        worker = u.UCXWorker(u.UCXContext(ucx_config(cfg, False), feature_flags=_features(u)))
+        worker = u.UCXWorker(u.UCXContext(ucx_config(cfg, False), feature_flags=features))
         own = worker.address.tobytes()
         assert parse(own).transports, cfg
         AddressCheck(own).check(own, "self")
