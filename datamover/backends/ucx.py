@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import errno as errno_mod
 import functools
+import gc
 import hmac
 import itertools
 import logging
@@ -71,6 +72,7 @@ from ..errors import (
     NotRegistered,
     RemoteDisconnected,
     RemoteRefused,
+    TransferAborted,
     TransferIOError,
     TransferTimeout,
 )
@@ -94,6 +96,7 @@ log = logging.getLogger("datamover.ucx")
 _MASK40 = (1 << 40) - 1
 _READ_TAG = 1 << 63
 _MAX_ADDRESS = 1 << 16
+_FENCE_S = 10.0  # the longest a cancel waits for its request's fence (a cma chunk in progress, the service thread)
 _CACHE_ROWS = 4096  # a served request's checked views are kept for reuse up to this many rows
 _DRAIN_MAX = 1 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
 _DRAIN_WINDOW = 256  # receives a refused WRITE's drain has posted at a time
@@ -146,6 +149,27 @@ def _views(regs: Mapping[int, Any], rids: np.ndarray, addr: np.ndarray, length: 
     return out
 
 
+class _Fenced(Completion):
+    """A completion whose ``cancel`` returns only once the request's bytes can no longer touch the caller's memory.
+
+    ``Transfer`` reports ERR (timeout or release) right after cancelling, so the
+    fence runs inside ``cancel``: the backend stops, cancels or quarantines what
+    is still in flight before the caller is told.
+    """
+
+    __slots__ = ("fence",)
+
+    def __init__(self, parts: int = 1) -> None:
+        super().__init__(parts)
+        self.fence: Callable[[_Fenced], None] | None = None
+
+    def cancel(self, error: BaseException | None = None) -> None:
+        super().cancel(error)
+        fence, self.fence = self.fence, None
+        if fence is not None and self.finished_at is None:
+            fence(self)
+
+
 class _Requests:
     """UCX requests of one operation, checked for completion in posting order."""
 
@@ -191,7 +215,9 @@ class _Direct:
     """A one-sided request's puts/gets, posted by the caller (or, queued behind the handshake, by the service
     thread), until the endpoint flush after them ends; finished once, by whoever sees it end."""
 
-    __slots__ = ("completion", "deadline", "done", "driven", "flush", "lock", "notify", "peer", "regions", "since")
+    __slots__ = (
+        "completion", "deadline", "done", "driven", "flush", "lock", "notify", "op", "peer", "regions", "since",
+    )  # fmt: skip
 
     def __init__(
         self, peer: _Peer, req: TransferRequest, completion: Completion, flush: rma.Flush, deadline: float
@@ -201,6 +227,7 @@ class _Direct:
         self.completion = completion
         self.flush = flush
         self.notify = req.notify
+        self.op = req.op
         self.regions = req.plan.regions
         self.lock = threading.Lock()
         self.done = False
@@ -382,7 +409,9 @@ class UcxBackend(Backend):
         self._self_ep: Any = None
         self._draining: list[_Drain] = []
         self._checked: dict[tuple, tuple] = {}  # request descriptors -> (region table, views, region ids)
-        self._old_workers: list[tuple] = []  # kept alive: their endpoints and requests still point at them
+        # replaced workers with a cancelled READ's gets or receives still posted into a caller's memory: never
+        # progressed again (so none of those bytes can land), freed by close()
+        self._quarantined: list[tuple] = []
         self._one_sided = bool(self.params["one_sided"])
         self._emulated_max = int(self.params["emulated_max_bytes"])
         self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
@@ -609,9 +638,65 @@ class UcxBackend(Backend):
             completion = self._post_direct(req, deadline)
             if completion is not None:
                 return completion
-        completion = Completion(1)
+        completion = self._fenced()
         self._submit(lambda: self._start(req, completion, deadline))
         return completion
+
+    def _fenced(self) -> _Fenced:
+        completion = _Fenced(1)
+        completion.fence = self._fence
+        return completion
+
+    def _fence(self, completion: _Fenced) -> None:
+        """Cut off a cancelled request (timed out or released) before its caller hears of it; see ``_cut``."""
+        if self._stop:
+            return
+        try:
+            self._call(lambda: self._cut(completion))
+        except RemoteDisconnected:
+            return  # the backend closed meanwhile: its worker is gone, nothing of the request can land
+        if not completion.wait(_FENCE_S):
+            log.warning("a cancelled ucx request did not end within %g s of its fence", _FENCE_S)
+
+    def _cut(self, completion: _Fenced) -> None:
+        """On the service thread: end the request of ``completion`` so that none of its bytes lands afterwards.
+
+        A request not started yet ends here. One whose UCX operations all
+        ended ends with its error. Otherwise: a WRITE only reads the caller's
+        memory and ends now (the owner is told to drop it; its remote range is
+        undefined, as after any failed WRITE); a READ still has gets or
+        receives in flight into the caller's memory, which UCX cannot call
+        back one by one, so the worker is replaced and the old one is never
+        progressed again: the bytes of a thawed or late peer arrive at an
+        endpoint nobody reads.
+        """
+        why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
+        for direct in self._directs:
+            if direct.completion is completion:
+                if self._finish_direct(direct):  # its flush had ended: nothing left in flight
+                    return
+                if direct.op == "READ":
+                    self._reset_worker(
+                        f"a cancelled READ from agent {direct.peer.name!r} still had gets in flight", quarantine=True
+                    )
+                self._finish_direct(direct, why)
+                return
+        for peer in self._peers.values():
+            for op in list(peer.ops.values()):
+                if op.completion is not completion:
+                    continue
+                if op.reqs is None:
+                    self._end(op, why)
+                    return
+                pending = op.reqs.poll() is False
+                if peer.conn is not None and peer.state == "ready":
+                    peer.conn.send({"t": "cancel", "id": op.id})  # the owner refuses what it has not started
+                if pending and op.req.op == "READ":
+                    self._reset_worker(
+                        f"a cancelled READ from agent {peer.name!r} still had receives in flight", quarantine=True
+                    )
+                self._end(op, why)
+                return
 
     def _post_direct(self, req: TransferRequest, deadline: float) -> Completion | None:
         """Post a one-sided request from the caller's thread; None when it must go through the service thread.
@@ -650,7 +735,7 @@ class UcxBackend(Backend):
             completion = Completion(1)
             completion.finish_part(error)
             return completion
-        completion = Completion(1)
+        completion = self._fenced()
         if flush is None:
             completion.finish_part(self._status_error(status, peer))
             return completion
@@ -699,9 +784,15 @@ class UcxBackend(Backend):
             except RemoteDisconnected:
                 pass  # the backend closed meanwhile: there is no peer left to tell
 
-        completion = run_parts(self._cma_pool, plan.ranges, part, backend=self.name)
-        completion.add_done_callback(done)
-        return completion
+        inner = run_parts(self._cma_pool, plan.ranges, part, backend=self.name)
+        inner.add_done_callback(done)
+        # the caller's completion ends when every part did: cancelling it stops the parts and waits for a
+        # chunk in progress, so no byte is copied after ERR
+        outer = _Fenced(1)
+        outer.fence = lambda c: (inner.cancel(c.error), inner.wait(_FENCE_S))
+        inner.add_done_callback(lambda c: outer.finish_part(c.error))
+        outer.set_assist(inner.assist)  # a waiting caller still copies parts itself
+        return outer
 
     def _cma_copying(self, peer: _Peer) -> bool:
         """Whether a direct cma request to or from ``peer`` is still copying in parts."""
@@ -736,7 +827,8 @@ class UcxBackend(Backend):
         self._drivers.add(direct)
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self._stop:
-                while worker.progress_once():  # drain what UCX can do before looking at the flush again
+                # a replaced worker is never progressed again (it may be quarantined; see _reset_worker)
+                while self._worker is worker and worker.progress_once():
                     pass
                 if clock() > deadline:
                     return
@@ -913,7 +1005,13 @@ class UcxBackend(Backend):
         except (AuthenticationError, InvalidMetadata) as exc:
             self._lost(owner, exc)
             return
+        # a request cancelled by its initiator before this side read it is never started: its cancel comes in
+        # the same read or a later one, so look ahead
+        cancelled = {m["id"] for m in msgs if m["t"] == "cancel"} if isinstance(owner, _Inbound) else ()
         for msg in msgs:
+            if cancelled and msg["t"] == "req" and msg["id"] in cancelled:
+                log.info("not serving request %d of %r: cancelled by its initiator", msg["id"], owner.name)
+                continue
             try:
                 if isinstance(owner, _Peer):
                     self._on_peer_msg(owner, msg)
@@ -933,8 +1031,13 @@ class UcxBackend(Backend):
             self._lost(owner, None)
 
     def _lost(self, owner: _Peer | _Inbound, why: BaseException | None) -> None:
+        quarantine = False
         if isinstance(owner, _Peer):
-            receiving = any(op.req.op == "READ" and op.reqs is not None for op in owner.ops.values())
+            # our READs from it with receives or gets still posted into their callers' memory: what the peer
+            # queued before it went must not land after their ERR
+            quarantine = receiving = any(
+                op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
+            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in self._directs)
             if why is None:
                 why = RemoteDisconnected(
                     f"agent {owner.name!r} disconnected (control connection closed)", backend=self.name
@@ -948,10 +1051,16 @@ class UcxBackend(Backend):
         if receiving:
             # a peer that died while sending to us can leave our shared-memory receive queue blocked for
             # every sender; only a fresh worker gets past it
-            self._reset_worker(f"agent {owner.name!r} died while sending to this agent")
+            self._reset_worker(f"agent {owner.name!r} died while sending to this agent", quarantine=quarantine)
 
-    def _reset_worker(self, reason: str) -> None:
-        """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use."""
+    def _reset_worker(self, reason: str, quarantine: bool = False) -> None:
+        """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
+
+        The old worker is freed at once (its file descriptors and memory with
+        it) unless ``quarantine``: then a cancelled READ still has gets or
+        receives posted into its caller's memory, and the old worker is kept,
+        never progressed again, until ``close()``.
+        """
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
         for peer in list(self._peers.values()):
@@ -960,8 +1069,12 @@ class UcxBackend(Backend):
             self._drop_inbound(inbound)
         if self._ucx_watched:
             self._sel.unregister(self._worker.epoll_file_descriptor)
-        self._old_workers.append((self._worker, self._self_ep, self._graveyard, self._draining))
+        self._retire_ep(self._self_ep)  # every endpoint closed, so that freeing them does not wait on a peer
+        old = (self._worker, self._graveyard, self._draining)
+        if quarantine:
+            self._quarantined.append(old)
         self._graveyard, self._draining, self._self_ep = [], [], None
+        del old
         self._worker = self._ucx.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
@@ -1506,6 +1619,8 @@ class UcxBackend(Backend):
             self.host.deliver_notification(inbound.name, bytes(msg["msg"]))
         elif t == "revoked":
             self._revoking.get(int(msg["id"]), set()).discard(inbound.conn_id)
+        elif t == "cancel":
+            self._cancel_served(inbound, msg["id"])
 
     def _on_hello(self, inbound: _Inbound, msg: dict[str, Any]) -> None:
         name, address, nonce_i = msg["name"], bytes(msg["address"]), bytes(msg["nonce"])
@@ -1579,6 +1694,15 @@ class UcxBackend(Backend):
         inbound.ops[op_id] = (_Requests(reqs), op, bytes(msg.get("notify") or b""), tag0, regions)
         self._active_in[(inbound.conn_id, op_id)] = inbound
 
+    def _cancel_served(self, inbound: _Inbound, op_id: int) -> None:
+        """The initiator gave up on a request this side serves: it gets no done and no notification.
+
+        Its posted sends and receives touch only memory registered here for
+        the initiator to write or read, and run out on their own.
+        """
+        if inbound.ops.pop(op_id, None) is not None:
+            self._active_in.pop((inbound.conn_id, op_id), None)
+
     def _validate(self, msg: dict[str, Any]) -> tuple[DescList, np.ndarray]:
         """The request's descriptors checked against this agent's registrations; raises naming the row."""
         from ..errors import InvalidDescriptor
@@ -1646,6 +1770,15 @@ class UcxBackend(Backend):
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+        # UCX's objects go with the last reference: endpoints, then workers (their fds, shared memory, the
+        # async thread's events), then the context
+        self._peers.clear()
+        self._inbound.clear()
+        self._directs.clear()
+        self._checked.clear()
+        self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        self._worker = self._ctx = None  # type: ignore[assignment]
+        gc.collect()
 
 
 def _alive(pid: int) -> bool:

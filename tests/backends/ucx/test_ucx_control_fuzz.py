@@ -14,51 +14,25 @@ import socket
 import struct
 import threading
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent, XferState
-from datamover.agents.metadata import decode_metadata, encode_metadata
+from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
 from datamover.backends.ucx_address import AddressCheck, parse
 from datamover.errors import DatamoverError, InvalidMetadata
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
+from .control import control_of, recv, send
+
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
 
 UCX = {"backends": {"ucx": {}}}
-
-
-def _send(sock: socket.socket, msg: dict) -> None:
-    payload = msgpack.packb(msg, use_bin_type=True)
-    sock.sendall(struct.pack("!I", len(payload)) + payload)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        if not chunk:
-            return None
-        out += chunk
-    return out
-
-
-def _recv(sock: socket.socket) -> dict | None:
-    """The next frame, or None once the other side hung up."""
-    try:
-        head = _recv_exact(sock, 4)
-        if head is None:
-            return None
-        body = _recv_exact(sock, struct.unpack("!I", head)[0])
-    except (ConnectionResetError, TimeoutError):
-        return None
-    return None if body is None else msgpack.unpackb(body, raw=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,17 +54,16 @@ def real_address(agent) -> bytes:
 
 
 def _control(target) -> tuple[str, int]:
-    info = decode_metadata(target.metadata()).backends["ucx"]
-    return info["host"], info["port"]
+    return control_of(target.metadata())
 
 
 def _hello(target, address: bytes, name: str = "fuzzer") -> dict | None:
     """Say hello with ``address``; the target's answer (welcome or error), or None when it hung up."""
     with socket.create_connection(_control(target), timeout=10) as sock:
-        challenge = _recv(sock)
+        challenge = recv(sock)
         assert challenge is not None and challenge["t"] == "challenge"
-        _send(sock, {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "mac": b""})
-        return _recv(sock)
+        send(sock, {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "mac": b""})
+        return recv(sock)
 
 
 def _mutations(base: bytes):
@@ -164,12 +137,12 @@ _TYPES = ["req", "notif", "rkeys", "revoke", "revoked", "cancel", "hello", "welc
                      min_size=1, max_size=5))  # fmt: skip
 def test_random_messages_after_a_valid_hello_never_kill_the_target(target, real_address, msgs):
     with socket.create_connection(_control(target), timeout=10) as sock:
-        assert _recv(sock)["t"] == "challenge"
-        _send(sock, {"t": "hello", "name": "fuzzer", "address": real_address, "nonce": os.urandom(16), "mac": b""})
-        assert _recv(sock)["t"] == "welcome"
+        assert recv(sock)["t"] == "challenge"
+        send(sock, {"t": "hello", "name": "fuzzer", "address": real_address, "nonce": os.urandom(16), "mac": b""})
+        assert recv(sock)["t"] == "welcome"
         for m in msgs:
             try:
-                _send(sock, m)
+                send(sock, m)
             except OSError:
                 break  # the target hung up on an earlier one
     assert target.call("ping", timeout=10) == target.pid
@@ -182,7 +155,7 @@ def test_random_messages_leave_the_target_serving(agent, target):
 def test_a_large_frame_before_the_handshake_is_refused_at_its_header(target):
     """An unauthenticated connection cannot make the target buffer a big frame: it hangs up on the length."""
     with socket.create_connection(_control(target), timeout=10) as sock:
-        assert _recv(sock)["t"] == "challenge"
+        assert recv(sock)["t"] == "challenge"
         sock.sendall(struct.pack("!I", 1 << 20) + b"\x00" * 1024)
         sock.settimeout(4.0)  # under the target's 5 s handshake deadline: the hang-up must come from the header
         assert sock.recv(4096) == b"", "the target kept reading a 1 MiB frame from a connection that never said hello"
@@ -206,13 +179,13 @@ def test_refused_million_row_writes_keep_the_targets_memory(target, real_address
         for k in range(3):
             sock = socket.create_connection(_control(target), timeout=30)
             socks.append(sock)
-            assert _recv(sock)["t"] == "challenge"
-            _send(sock, {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16)})
-            assert _recv(sock)["t"] == "welcome"
+            assert recv(sock)["t"] == "challenge"
+            send(sock, {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16)})
+            assert recv(sock)["t"] == "welcome"
             req = {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols, "len": cols, "dev": cols,
                    "tag": 1 << 40, "notify": b""}  # fmt: skip
-            _send(sock, req)
-            answer = _recv(sock)
+            send(sock, req)
+            answer = recv(sock)
             assert answer is not None and answer["t"] == "refuse", answer
         assert target.call("ping", timeout=10) == target.pid
         grown = _rss(target.pid) - before
@@ -241,11 +214,11 @@ class _FakeTarget:
                 return
             with sock:
                 sock.settimeout(10)
-                _send(sock, {"t": "challenge", "nonce": os.urandom(16)})
-                if _recv(sock) is None:
+                send(sock, {"t": "challenge", "nonce": os.urandom(16)})
+                if recv(sock) is None:
                     continue
-                _send(sock, {"t": "welcome", "conn_id": 1, "address": self.address, "rkeys": b"", "local": b""})
-                while _recv(sock) is not None:  # until the initiator hangs up (remove_remote)
+                send(sock, {"t": "welcome", "conn_id": 1, "address": self.address, "rkeys": b"", "local": b""})
+                while recv(sock) is not None:  # until the initiator hangs up (remove_remote)
                     pass
 
     def close(self) -> None:
