@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from datamover.backends.ucx_protocol import MAX_FRAME, FrameConn
+from datamover.backends.ucx.protocol import MAX_FRAME, FrameConn
 from datamover.errors import AuthenticationError, InvalidMetadata
 
 

@@ -97,7 +97,8 @@ def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch):
     until the caller heard of the ERR or 2 s passed. Had ERR come first, that
     chunk would be copied into a buffer the caller already reuses.
     """
-    from datamover.backends import base, cma
+    from datamover.backends import base
+    from datamover.backends.ucx import cma
 
     cfg = {"backends": {"ucx": {}}}
     with RemotePeer("cma-peer", cfg) as peer, Agent("cma-reader", cfg) as agent:

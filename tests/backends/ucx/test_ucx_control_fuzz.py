@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from datamover import Agent, XferState
 from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
-from datamover.backends.ucx_address import AddressCheck, parse
+from datamover.backends.ucx.address import AddressCheck, parse
 from datamover.errors import DatamoverError, InvalidMetadata
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer

@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from ..errors import AuthenticationError, InvalidMetadata
+from ...errors import AuthenticationError, InvalidMetadata
 
 MAX_FRAME = 64 << 20  # after the handshake: a request of MAX_ROWS rows (24 bytes each) fits with room to spare
 MAX_HELLO_FRAME = 64 << 10  # before it: challenge, hello, welcome carry an address, a token and small keys

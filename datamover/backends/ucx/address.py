@@ -19,7 +19,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 
-from ..errors import InvalidMetadata
+from ...errors import InvalidMetadata
 
 MAX_ADDRESS = 1 << 16
 _V1, _V2 = 0, 1
