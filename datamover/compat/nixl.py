@@ -4,8 +4,8 @@ Change ``from nixl._api import nixl_agent, nixl_agent_config`` to
 ``from datamover.compat.nixl import nixl_agent, nixl_agent_config`` and a
 NIXL program runs on datamover. The facade only translates: NIXL names,
 descriptor lists and handles in, Agent calls out; every byte is moved by the
-Agent's backends. Where datamover is stricter than NIXL the differences are
-listed in ``docs/coming-from-nixl.md``.
+Agent's backends. Where datamover is stricter than NIXL, the method's
+docstring says how.
 """
 
 from __future__ import annotations
@@ -688,8 +688,8 @@ class nixl_agent:
     """NIXL's agent, backed by a datamover ``Agent`` (``self.agent``).
 
     Arguments, defaults, return values and raised errors follow
-    ``nixl._api.nixl_agent``; see ``docs/coming-from-nixl.md`` for the
-    places where datamover is stricter.
+    ``nixl._api.nixl_agent``; where datamover is stricter, the method's
+    docstring says how.
     """
 
     def __init__(self, agent_name: str, nixl_conf: nixl_agent_config | None = None, instantiate_all: bool = False):

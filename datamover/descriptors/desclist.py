@@ -29,7 +29,7 @@ class DescList:
     lists and never copies bytes of the memory described.
     """
 
-    __slots__ = ("_owners", "_rows", "keys", "mem_type")
+    __slots__ = ("__weakref__", "_owners", "_rows", "keys", "mem_type")
 
     def __init__(
         self,
