@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -17,6 +17,34 @@ from ..base import (
 from . import cma, rma
 from .config import _DIRECT_GRACE_S, ucx_error
 from .state import Direct, OutOp, Peer
+
+
+class Columns(NamedTuple):
+    """A prepared one-sided request as numpy columns: what a native poster reads instead of ctypes rows."""
+
+    laddr: np.ndarray  # int64, local address per row
+    length: np.ndarray  # int64
+    raddr: np.ndarray  # int64, remote address per row, inside the region its rkey opens
+    rkey: np.ndarray  # uint64, the unpacked ucp_rkey_h per row (valid on the endpoint it was planned for)
+    host: bool  # every local row in host memory (device rows need their memh: ctypes rows only)
+
+
+class Rows(list):
+    """ctypes-ready rows (``rma.make_row``) with the same request as ``Columns``."""
+
+    columns: Columns
+
+
+class NativePoster(Protocol):
+    """The seam a native data path plugs into (issue 16): post one put (get) per row of ``columns`` on endpoint
+    ``ep`` (a ``ucp_ep_h``), in native code; return UCS_OK or the first error status. Completion stays the
+    endpoint flush this path posts after it (polled by the waiter or the service thread)."""
+
+    def __call__(self, get: bool, ep: int, columns: Columns) -> int: ...
+
+
+#: the native poster when one is built and loaded; None: rows go out through ctypes, one foreign call each
+native_post: NativePoster | None = None
 
 
 class OneSided:
@@ -115,7 +143,8 @@ class OneSided:
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
                 params = [self.b._params.get(r) for r in req.local_regions.tolist()]
                 cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
-                rows = list(map(rma.make_row, *cols))
+                rows = Rows(map(rma.make_row, *cols))
+                rows.columns = Columns(req.local.addr, n, addr, keys, all(p is None for p in params))
         return rows
 
     def _rkey(self, peer: Peer, rid: int) -> int:
@@ -128,7 +157,11 @@ class OneSided:
         """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self.b._rma_lock:
             ep = peer.ep.handle
-            status = rma.post_rows(op == "READ", ep, rows)
+            poster = native_post
+            if poster is not None and isinstance(rows, Rows) and rows.columns.host:
+                status = poster(op == "READ", ep, rows.columns)
+            else:
+                status = rma.post_rows(op == "READ", ep, rows)
             self.b.counts["one-sided"] += 1
             return (rma.Flush(ep) if status == rma.UCS_OK else None), status
 
