@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...errors import RemoteDisconnected, TransferAborted
+from . import rma
 from .config import _FENCE_S, log
 from .state import Fenced
 
@@ -20,11 +21,12 @@ class Fencing:
         if self._stop:
             return
         try:
-            self._call(lambda: self._cut(completion))
+            # once _cut returned, nothing of the request can land any more; the completion itself is finished
+            # by the service thread's next command, which the caller need not wait for
+            if not self._call(lambda: self._cut(completion), timeout=_FENCE_S):
+                log.warning("the ucx service thread did not cut off a cancelled request within %g s", _FENCE_S)
         except RemoteDisconnected:
             return  # the backend closed meanwhile: its worker is gone, nothing of the request can land
-        if not completion.wait(_FENCE_S):
-            log.warning("a cancelled ucx request did not end within %g s of its fence", _FENCE_S)
 
     def _cut(self, completion: Fenced) -> None:
         """On the service thread: end the request of ``completion`` so that none of its bytes lands afterwards.
@@ -41,20 +43,21 @@ class Fencing:
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
         for direct in self._directs:
             if direct.completion is completion:
-                if self.one_sided._finish_direct(direct):  # its flush had ended: nothing left in flight
-                    return
+                with direct.lock:
+                    if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS:
+                        break  # ended (or ending): whoever saw it finishes it
                 if direct.op == "READ":
                     self._reset_worker(
                         f"a cancelled READ from agent {direct.peer.name!r} still had gets in flight", quarantine=True
                     )
-                self.one_sided._finish_direct(direct, why)
+                self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
                 return
         for peer in self._peers.values():
             for op in list(peer.ops.values()):
                 if op.completion is not completion:
                     continue
                 if op.reqs is None:
-                    self.tagged._end(op, why)
+                    self._submit(lambda op=op: self.tagged._end(op, why))
                     return
                 pending = op.reqs.poll() is False
                 if peer.conn is not None and peer.state == "ready":
@@ -63,5 +66,5 @@ class Fencing:
                     self._reset_worker(
                         f"a cancelled READ from agent {peer.name!r} still had receives in flight", quarantine=True
                     )
-                self.tagged._end(op, why)
+                self._submit(lambda op=op: self.tagged._end(op, why))
                 return

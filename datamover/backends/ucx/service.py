@@ -47,11 +47,15 @@ class ServiceLoop:
                 self._sel.unregister(self._worker.epoll_file_descriptor)
             self._ucx_watched = on
 
-    def _call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the service thread and wait for it; its exception is re-raised here."""
+    def _call(self, fn: Callable[[], None], timeout: float | None = None) -> bool:
+        """Run ``fn`` on the service thread and wait for it; its exception is re-raised here.
+
+        With ``timeout``, False when the service thread did not get to it in time (it still runs it later).
+        """
         if threading.current_thread() is self._thread:
             fn()
-            return
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         box: list[BaseException] = []
         ev = threading.Event()
 
@@ -63,11 +67,14 @@ class ServiceLoop:
             ev.set()
 
         self._submit(run)
-        while not ev.wait(1.0):
+        while not ev.wait(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
             if not self._thread.is_alive():
                 raise RemoteDisconnected("the ucx service thread is not running", backend=self.name)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
         if box:
             raise box[0]
+        return True
 
     # -- service thread ---------------------------------------------------------
     def _run(self) -> None:
