@@ -94,7 +94,7 @@ class RegionTable:
             return None
         starts, ends, ids = group
         lo, hi = int(addr.min()), int((addr + descs.length).max())
-        k = int(np.searchsorted(starts, lo, side="right")) - 1
+        k = int(starts.searchsorted(lo, side="right")) - 1
         if k < 0:
             return None
         end = int(ends[k])
