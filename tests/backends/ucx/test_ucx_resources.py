@@ -108,5 +108,5 @@ def test_resets_free_what_they_replace_and_close_frees_everything():
         del agent, local
         gc.collect()
         extra = [n for n in _fd_names() if n not in names0]
-        assert _fds() == fds0, f"fds {fds0} before the agent, {_fds()} after close(): {extra}"
-        assert _threads() == threads0, f"threads {threads0} before the agent, {_threads()} after close()"
+        assert _fds() <= fds0, f"fds {fds0} before the agent, {_fds()} after close(): {extra}"
+        assert _threads() <= threads0, f"threads {threads0} before the agent, {_threads()} after close()"
