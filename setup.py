@@ -1,4 +1,4 @@
-"""The one native piece: datamover.backends._ucp (UCP rows and progress in C, the GIL released).
+"""The one native piece: datamover.backends.ucx._ucp (UCP rows and progress in C, the GIL released).
 
 Everything else is in pyproject.toml. The extension is optional: where it cannot be built (no C compiler)
 the install goes on and the ucx backend uses its ctypes path (``datamover info`` says which is active).
@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "datamover.backends._ucp",
-            ["datamover/backends/_ucp.c"],
+            "datamover.backends.ucx._ucp",
+            ["datamover/backends/ucx/_ucp.c"],
             extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-Wall"],
             libraries=["dl", "pthread"],
             optional=True,

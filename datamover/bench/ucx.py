@@ -26,7 +26,7 @@ import numpy as np
 
 from ..agents import Agent
 from ..backends.ucx import transports_in_use
-from ..backends.ucx_rma import data_path
+from ..backends.ucx.rma import data_path
 from ..descriptors import DescList, aligned_empty
 from .workload import Case, Workload, fill_random, timed_transfer
 

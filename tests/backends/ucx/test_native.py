@@ -1,4 +1,4 @@
-"""The native data path (datamover.backends._ucp): rows posted and UCX progressed in C, and its ctypes fallback."""
+"""The native data path (datamover.backends.ucx._ucp): rows posted and UCX progressed in C, and its ctypes fallback."""
 
 import subprocess
 import sys
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from datamover import Agent, XferState
-from datamover.backends import backend_status, ucx_rma
+from datamover.backends import backend_status
+from datamover.backends.ucx import rma as ucx_rma
 from datamover.testing import HostBuffer
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
@@ -39,7 +40,7 @@ def path(request, monkeypatch):
 
 def test_info_says_which_path_is_active_and_why():
     out = subprocess.run(
-        [sys.executable, "-c", "from datamover.backends import ucx_rma; print(ucx_rma.data_path())"],
+        [sys.executable, "-c", "from datamover.backends.ucx import rma; print(rma.data_path())"],
         capture_output=True, text=True, env={"DATAMOVER_UCX_NATIVE": "0", "PATH": "/usr/bin:/bin"}, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == "ctypes: DATAMOVER_UCX_NATIVE=0"
@@ -52,9 +53,9 @@ def test_info_says_which_path_is_active_and_why():
 
 def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatch):
     monkeypatch.delenv("DATAMOVER_UCX_NATIVE", raising=False)
-    monkeypatch.setitem(sys.modules, "datamover.backends._ucp", None)  # as if it had not been built
+    monkeypatch.setitem(sys.modules, "datamover.backends.ucx._ucp", None)  # as if it had not been built
     lib, reason = ucx_rma._native_state.__wrapped__()
-    assert lib is None and reason.startswith("ctypes: the native extension datamover.backends._ucp was not built")
+    assert lib is None and reason.startswith("ctypes: the native extension datamover.backends.ucx._ucp was not built")
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -73,20 +74,18 @@ def test_both_paths_move_permuted_rows_one_sided(target, path, op):
             theirs.write(0, data.tobytes())
         local, remote = mine.descs(np.arange(n) * bs, bs), theirs.descs(perm * bs, bs)
         posted = []
-        real_post = ucx_rma.post
-
-        def post(get, ep, rows):
-            posted.append(type(rows))
-            return real_post(get, ep, rows)
-
-        ucx_rma_post = pytest.MonkeyPatch()
-        ucx_rma_post.setattr(ucx_rma, "post", post)
+        spy = pytest.MonkeyPatch()
+        for name in ("post_native", "post_rows"):
+            real = getattr(ucx_rma, name)
+            spy.setattr(
+                ucx_rma, name, lambda get, ep, rows, real=real, name=name: posted.append(name) or real(get, ep, rows)
+            )
         try:
             for _ in range(2):
                 assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
         finally:
-            ucx_rma_post.undo()
-        assert posted == [np.ndarray if path == "native" else list] * 2
+            spy.undo()
+        assert posted == ["post_native" if path == "native" else "post_rows"] * 2
         if op == "WRITE":
             got = np.frombuffer(theirs.read(0, n * bs), dtype=np.uint8).reshape(n, bs)
             assert np.array_equal(got[perm], data.reshape(n, bs))

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UcpError
+from ...errors import UcpError
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -244,7 +244,7 @@ def post_rows(get: bool, ep: int, rows: list[Row]) -> int:
     return UCS_OK
 
 
-# -- the native path: rows posted and the worker progressed in C, the GIL released (datamover.backends._ucp) --
+# -- the native path: rows posted and the worker progressed in C, the GIL released (datamover.backends.ucx._ucp) --
 
 _NATIVE_ENV = "DATAMOVER_UCX_NATIVE"  # "0": use the ctypes path even where the extension loads
 
@@ -255,9 +255,9 @@ def _native_state() -> tuple[Any, str]:
     if os.environ.get(_NATIVE_ENV, "1") == "0":
         return None, f"ctypes: {_NATIVE_ENV}=0"
     try:
-        _ucp = importlib.import_module("datamover.backends._ucp")
+        _ucp = importlib.import_module("datamover.backends.ucx._ucp")
     except ImportError as exc:
-        return None, f"ctypes: the native extension datamover.backends._ucp was not built ({exc})"
+        return None, f"ctypes: the native extension datamover.backends.ucx._ucp was not built ({exc})"
     try:
         ucp()  # loads libucp through ucxx
         _ucp.bind(_loaded("libucp"))
@@ -276,40 +276,21 @@ def data_path() -> str:
     return _native_state()[1]
 
 
-Rows = Any  # an (n, 5) uint64 array {laddr, length, raddr, rkey, param} (native), or a list of Row (ctypes)
-
-
-def prepare_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[RequestParam | None]) -> Rows:
-    """A prepared transfer's rows, converted once, in the form ``post`` takes on the active path.
-
-    ``params`` holds, per row, the device memory's request parameters or
-    None (host memory); the caller keeps them alive as long as the rows.
-    """
-    if native() is None:
-        return list(map(make_row, laddr.tolist(), lengths.tolist(), raddr.tolist(), rkeys.tolist(), params))
+def native_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[RequestParam | None]) -> np.ndarray:
+    """A prepared transfer's rows as the (n, 5) uint64 array {laddr, length, raddr, rkey, param} ``post_native``
+    reads; ``param`` is the address of a device row's request parameters (kept alive by the caller), else 0."""
     rows = np.empty((len(lengths), 5), dtype=np.uint64)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = laddr, lengths, raddr, rkeys
     rows[:, 4] = [0 if p is None else ctypes.addressof(p) for p in params] if any(params) else 0
     return rows
 
 
-def post(get: bool, ep: int, rows: Rows) -> tuple[Any, int]:
-    """Post every row's get (``get``) or put, then one endpoint flush: (flush, UCS_OK) or (None, the error).
+def post_native(get: bool, ep: int, rows: np.ndarray) -> tuple[Any, int]:
+    """Post every row's get (``get``) or put and one endpoint flush in C: (flush, UCS_OK) or (None, the error).
 
-    The flush has ``poll()`` and ``abandon()`` on either path; ``drive`` progresses the worker until it ends.
+    The flush has ``poll()`` and ``abandon()`` as ``Flush`` has, and
+    ``drive(worker_handle, until)``: progress the worker in C, the GIL
+    released, until it ends or the monotonic time ``until``.
     """
-    lib = native()
-    if lib is not None and not isinstance(rows, list):
-        got = lib.post(get, ep, rows)
-        return (None, got) if isinstance(got, int) else (got, UCS_OK)
-    status = post_rows(get, ep, rows)
-    return (Flush(ep) if status == UCS_OK else None), status
-
-
-def drive(worker: Any, flush: Any, until: float) -> None:
-    """Progress ``worker`` (a ucxx worker) for ``flush``: in C until it ends or ``until`` (native), else one drain."""
-    if isinstance(flush, Flush):
-        while worker.progress_once():
-            pass
-    else:
-        flush.drive(worker.handle, until)
+    got = native().post(get, ep, rows)
+    return (None, got) if isinstance(got, int) else (got, UCS_OK)

@@ -107,7 +107,7 @@ static PyObject *py_bind(PyObject *self, PyObject *args) {
 
 static int need_bound(void) {
     if (!ucp.bound) {
-        PyErr_SetString(PyExc_RuntimeError, "datamover.backends._ucp: bind() the libucp ucxx loaded first");
+        PyErr_SetString(PyExc_RuntimeError, "datamover.backends.ucx._ucp: bind() the libucp ucxx loaded first");
         return 0;
     }
     return 1;
@@ -198,7 +198,7 @@ static PyGetSetDef flush_getset[] = {
 };
 
 static PyTypeObject FlushType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends._ucp.Flush",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends.ucx._ucp.Flush",
     .tp_basicsize = sizeof(FlushObject),
     .tp_dealloc = (destructor)flush_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
@@ -473,7 +473,7 @@ static PyGetSetDef progress_getset[] = {
 };
 
 static PyTypeObject ProgressType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends._ucp.Progress",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends.ucx._ucp.Progress",
     .tp_basicsize = sizeof(ProgressObject),
     .tp_dealloc = (destructor)progress_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
