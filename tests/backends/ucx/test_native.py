@@ -141,7 +141,7 @@ class _Spy:
 
 @needs_native
 def test_a_hold_keeps_the_native_thread_off_the_worker_until_released():
-    from datamover.backends import _ucp
+    from datamover.backends.ucx import _ucp
 
     with Agent("native-held", {"backends": {"ucx": TCP}}) as agent:
         progress = agent.backend("ucx")._progress
@@ -163,7 +163,7 @@ def test_a_hold_keeps_the_native_thread_off_the_worker_until_released():
 
 @needs_native
 def test_native_post_refuses_rows_that_are_not_an_n_by_5_uint64_array():
-    from datamover.backends import _ucp
+    from datamover.backends.ucx import _ucp
 
     assert ucx_rma.native() is _ucp  # bound to ucxx's libucp
     with pytest.raises(ValueError, match=r"\(n, 5\) uint64"):
