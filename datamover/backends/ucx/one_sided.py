@@ -45,7 +45,8 @@ class NativePoster(Protocol):
     def __call__(self, get: bool, ep: int, columns: Columns) -> int: ...
 
 
-#: the native poster when one is built and loaded; None: rows go out through ctypes, one foreign call each
+#: a poster plugged in here takes precedence; None: rows go out through the native extension where it is active
+#: (``rma.post_native``: rows and flush posted, and the flush driven, in C), else through ctypes, a call per row
 native_post: NativePoster | None = None
 
 
@@ -172,7 +173,7 @@ class OneSided:
         """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self.b._rma_lock:
             ep = peer.ep.handle
-            if isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
+            if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
                 return rma.post_native(op == "READ", ep, rows.native)
