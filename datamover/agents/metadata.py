@@ -2,7 +2,9 @@
 
 Schema (version 1): a map with ``schema`` (int), ``name`` (str), ``backends``
 (map of backend name -> connection info map) and ``regions`` (list of
-``[mem_type, dev, start, length, region_id]``). Decoding is strict: any blob
+``[mem_type, dev, start, length, region_id]``), and optionally ``partial``
+(true: the blob carries only some regions, to be merged into what the peer
+already knows, as NIXL's partial metadata is). Decoding is strict: any blob
 that is truncated, mistyped, oversized or inconsistent raises InvalidMetadata.
 """
 
@@ -35,19 +37,20 @@ class AgentMetadata:
     backends: dict[str, dict[str, Any]]
     regions: tuple[tuple[MemType, int, int, int, int], ...]
     table: RegionTable
+    partial: bool = False
 
 
-def encode_metadata(name: str, backends: Mapping[str, Mapping[str, Any]], regions) -> bytes:
-    """Pack an agent's name, backend connection info and regions."""
-    return msgpack.packb(
-        {
-            "schema": SCHEMA_VERSION,
-            "name": name,
-            "backends": {k: dict(v) for k, v in backends.items()},
-            "regions": [[m.value, int(d), int(s), int(n), int(r)] for m, d, s, n, r in regions],
-        },
-        use_bin_type=True,
-    )
+def encode_metadata(name: str, backends: Mapping[str, Mapping[str, Any]], regions, partial: bool = False) -> bytes:
+    """Pack an agent's name, backend connection info and regions (``partial``: some of its regions only)."""
+    doc: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "name": name,
+        "backends": {k: dict(v) for k, v in backends.items()},
+        "regions": [[m.value, int(d), int(s), int(n), int(r)] for m, d, s, n, r in regions],
+    }
+    if partial:
+        doc["partial"] = True
+    return msgpack.packb(doc, use_bin_type=True)
 
 
 def decode_metadata(blob: bytes) -> AgentMetadata:
@@ -70,7 +73,7 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
         raise InvalidMetadata("metadata has no integer 'schema' version")
     if schema != SCHEMA_VERSION:
         raise InvalidMetadata(f"metadata schema version {schema} is not supported (this is {SCHEMA_VERSION})")
-    unknown = set(doc) - {"schema", "name", "backends", "regions"}
+    unknown = set(doc) - {"schema", "name", "backends", "regions", "partial"}
     if unknown:
         raise InvalidMetadata(f"metadata has unknown field(s) {sorted(map(str, unknown))}")
     name = doc.get("name")
@@ -81,6 +84,9 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
         isinstance(k, str) and isinstance(v, dict) and all(isinstance(kk, str) for kk in v) for k, v in backends.items()
     ):
         raise InvalidMetadata("metadata 'backends' must map backend names to maps with string keys")
+    partial = doc.get("partial", False)
+    if type(partial) is not bool:
+        raise InvalidMetadata("metadata 'partial' must be a boolean")
     raw_regions = doc.get("regions")
     if not isinstance(raw_regions, list):
         raise InvalidMetadata("metadata 'regions' must be a list")
@@ -105,7 +111,7 @@ def decode_metadata(blob: bytes) -> AgentMetadata:
         table = RegionTable(regions)
     except InvalidDescriptor as exc:
         raise InvalidMetadata(f"metadata regions are inconsistent: {exc.reason}") from None
-    return AgentMetadata(name=name, backends=backends, regions=tuple(regions), table=table)
+    return AgentMetadata(name=name, backends=backends, regions=tuple(regions), table=table, partial=partial)
 
 
 SIGNED_MAGIC = b"DMS1"

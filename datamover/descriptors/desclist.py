@@ -84,6 +84,13 @@ class DescList:
         rows[:, 2] = _column(dev, n, "dev")
         return cls(rows, mem_type, **kw)
 
+    @staticmethod
+    def strided(runs: Any, mem_type: MemType | str) -> Any:
+        """A StridedDescList from (addr, length, dev, stride, count) rows: one row per run of equal blocks."""
+        from .strided import StridedDescList
+
+        return StridedDescList(runs, mem_type)
+
     @classmethod
     def from_buffers(cls, buffers: Any) -> DescList:
         """One descriptor per buffer: numpy arrays, torch tensors, bytearray, memoryview, mmap."""
