@@ -2,7 +2,7 @@
 # GPU check for the cuda and gds backends, in one go on a borrowed GPU machine (about 5 minutes at most):
 #   1. report the GPU, the driver, python and torch found there;
 #   2. make a virtualenv (seeing the system's torch) with cuda-python, kvikio and the test tools;
-#   3. run the GPU tests (conformance for cuda and gds, tests/test_gpu_*.py);
+#   3. run the GPU tests (conformance for cuda and gds, tests/backends/{cuda,gds}/);
 #   4. run the GPU benchmarks: H2D/D2H against torch copy_ from pinned memory, GDS against kvikio,
 #      4 KiB..64 MiB blocks, and judge them (>= 0.9 x raw at blocks >= 1 MiB).
 # Usage: benchmarks/gpu_check.sh            (results in $OUT, else /tmp/datamover-gpu-check)
@@ -79,9 +79,9 @@ stage "GPU tests"
 # of the simulator tests (CPU-only, run with the CPU suite) only the checks against the installed APIs
 timeout 150 "$VPY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
   --basetemp "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp" \
-  tests/conformance/test_cuda.py tests/conformance/test_gds.py tests/test_gpu_device.py tests/test_gpu_nodevice.py \
-  tests/test_gpu_sim.py::test_backend_and_simulator_use_the_real_api \
-  tests/test_gpu_gds_sim.py::test_simulator_matches_real_kvikio 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
+  tests/backends/cuda/test_conformance.py tests/backends/gds/test_conformance.py tests/backends/cuda/test_device.py tests/backends/cuda/test_nodevice.py \
+  tests/backends/cuda/test_simulated.py::test_backend_and_simulator_use_the_real_api \
+  tests/backends/gds/test_simulated.py::test_simulator_matches_real_kvikio 2>&1 | tee "$OUT/gpu-tests.txt" | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || note_fail "GPU tests failed (see $OUT/gpu-tests.txt)"
 rm -rf "${DM_BENCH_DIR:-$REPO}/.gpu-check-tmp"
 

@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     # these need the policy extra (pyyaml); their parsers load only when they run
     _delegate(sub, "replay", "datamover.policy.cli", "replay a Mooncake-format trace through the tier policy")
-    _delegate(sub, "alerts", "datamover.telemetry.alerts", "write Prometheus alerting rules from a tier config")
+    _delegate(sub, "alerts", "datamover.policy.alerts_cli", "write Prometheus alerting rules from a tier config")
     _delegate(sub, "nixl-run", "datamover.compat.nixl.alias", "run a NIXL program unchanged: import nixl is datamover")
     return parser
 

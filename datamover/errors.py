@@ -145,3 +145,11 @@ def _rebuild_store(reason, bucket, key, status, code, errno, index, backend):
     return ObjectStoreError(
         reason, bucket=bucket, key=key, status=status, code=code, errno=errno, index=index, backend=backend
     )
+
+
+class ConfigError(DatamoverError, ValueError):
+    """A configuration is invalid; ``path`` is the dotted key path, and the message starts with it."""
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {message}")

@@ -7,4 +7,6 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
 ruff format --check .
+# each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)
+[ -n "${DATAMOVER_SKIP_EXTRAS:-}" ] || bash scripts/check_extras.sh
 python -m pytest -q -ra "$@"

@@ -8,7 +8,11 @@ the agent. Uses etcd3gw (etcd's v3 JSON gateway), imported lazily.
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +51,13 @@ def connect(endpoints: str | Sequence[str], timeout: float = 5.0) -> Any:
 
 
 class EtcdPublisher:
-    """Keeps ``provider()`` at the agent's key under a lease of ``ttl`` seconds, refreshed every ttl/3."""
+    """Keeps ``provider()`` at the agent's key under a lease of ``ttl`` seconds, refreshed every ttl/3.
+
+    It survives etcd going away and coming back: a publish that failed (etcd
+    down while memory was registered, say) is retried at every refresh until
+    it lands, and a lease etcd no longer knows is replaced, the blob put
+    again under the new one.
+    """
 
     def __init__(
         self, endpoints: str | Sequence[str], namespace: str, name: str, provider: Callable[[], bytes], ttl: float = 5.0
@@ -57,6 +67,7 @@ class EtcdPublisher:
         self.ttl = max(2, round(ttl))
         self._provider = provider
         self._lock = threading.Lock()
+        self._dirty = False  # the last put did not land: put again once etcd answers
         self.lease = self.client.lease(self.ttl)
         self.update()
         self._stop = threading.Event()
@@ -64,24 +75,48 @@ class EtcdPublisher:
         self._thread.start()
 
     def update(self) -> None:
-        """Publish the current blob again (after registering memory, say)."""
+        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails."""
         with self._lock:
-            self.client.put(self.key, self._provider(), lease=self.lease)
+            try:
+                self.client.put(self.key, self._provider(), lease=self.lease)
+            except Exception:
+                self._dirty = True
+                raise
+            self._dirty = False
 
     def _keepalive(self) -> None:
         while not self._stop.wait(self.ttl / 3):
             try:
-                if self.lease.refresh() <= 0:
-                    with self._lock:
-                        self.lease = self.client.lease(self.ttl)
-                    self.update()
-            except Exception as exc:  # etcd briefly away: keep trying until the lease is really gone
+                self._refresh()
+            except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
                 log.warning("etcd lease refresh for %s failed: %s", self.key, exc)
 
-    def close(self) -> None:
-        """Stop refreshing and revoke the lease, so the key disappears now rather than after the TTL."""
+    def _refresh(self) -> None:
+        try:
+            alive = self.lease.refresh() > 0
+        except Exception:
+            with self._lock:
+                self._dirty = True
+            self.client.status()  # raises while etcd is away; answers when only the lease is gone
+            alive = False
+        if not alive:
+            log.info("etcd lost the lease of %s; publishing under a new one", self.key)
+            with self._lock:
+                self.lease = self.client.lease(self.ttl)
+                self._dirty = True
+        if self._dirty:
+            self.update()
+            log.info("republished %s to etcd", self.key)
+
+    def close(self, revoke: bool = True) -> None:
+        """Stop refreshing and revoke the lease, so the key disappears now rather than after the TTL.
+
+        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies.
+        """
         self._stop.set()
         self._thread.join(self.ttl)
+        if not revoke:
+            return
         try:
             self.lease.revoke()
         except Exception as exc:
@@ -127,32 +162,130 @@ def _check(value: Any, key: str) -> bytes:
 
 
 class EtcdWatch:
-    """Calls ``on_change(blob)`` when the key is rewritten and ``on_delete()`` when it goes (lease expired)."""
+    """Calls ``on_change(blob)`` when the key is rewritten and ``on_delete()`` when it goes (lease expired).
+
+    The watch outlives etcd restarts and dropped streams: each (re)connection
+    reads the key first (so a change or a deletion made while no stream was
+    open is delivered, even if etcd compacted it away) and watches from the
+    revision after that read; a stream idle for ``idle_s`` is reopened the
+    same way, which also notices a connection that died silently. Speaks the
+    v3 JSON gateway itself (etcd3gw's watch iterator never ends when the
+    stream does).
+    """
 
     def __init__(
-        self, client: Any, namespace: str, name: str, on_change: Callable[[bytes], None], on_delete: Callable[[], None]
+        self,
+        client: Any,
+        namespace: str,
+        name: str,
+        on_change: Callable[[bytes], None],
+        on_delete: Callable[[], None],
+        *,
+        retry_s: float = 0.2,
+        idle_s: float = 30.0,
     ) -> None:
         self.key = agent_key(namespace, name)
-        self._events, self._cancel = client.watch(self.key)
+        self._client = client
         self._on_change, self._on_delete = on_change, on_delete
+        self._retry_s, self._idle_s = retry_s, idle_s
+        self._present = True  # the caller loaded the key just before watching
+        self._mod_revision = -1  # of the value delivered last
+        self._resp: Any = None
+        self._stop = threading.Event()
+        self.reconnects = 0
         self._thread = threading.Thread(target=self._pump, name=f"dm-etcd-watch-{name}", daemon=True)
         self._thread.start()
 
     def _pump(self) -> None:
+        backoff = self._retry_s
+        while not self._stop.is_set():
+            try:
+                start = self._sync()
+                backoff = self._retry_s
+                self._stream(start)
+            except Exception as exc:
+                if self._stop.is_set():
+                    return
+                log.info("etcd watch of %s interrupted (%s: %s); re-watching", self.key, type(exc).__name__, exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            self.reconnects += 1
+
+    def _post(self, path: str, body: dict, **kw: Any) -> Any:
+        return self._client.session.post(self._client.get_url(path), json=body, **kw)
+
+    def _sync(self) -> int:
+        """Read the key, deliver what changed since the last event; the revision to watch from."""
+        resp = self._post("/kv/range", {"key": _b64(self.key)}, timeout=self._client.timeout)
+        resp.raise_for_status()
+        doc = resp.json()
+        kvs = doc.get("kvs") or []
+        if kvs:
+            self._deliver("PUT", kvs[0])
+        elif self._present:
+            self._deliver("DELETE", {})
+        return int(doc["header"]["revision"]) + 1
+
+    def _stream(self, start: int) -> None:
+        body = {"create_request": {"key": _b64(self.key), "start_revision": start}}
+        self._resp = resp = self._post("/watch", body, stream=True, timeout=(self._client.timeout, self._idle_s))
         try:
-            for ev in self._events:
-                try:
-                    if ev.get("type") == "DELETE":
-                        self._on_delete()
-                    elif "value" in ev.get("kv", {}):
-                        self._on_change(_check(ev["kv"]["value"], self.key))
-                except Exception as exc:  # a bad update must not end the watch
-                    log.warning("etcd watch of %s: %s", self.key, exc)
-        except Exception as exc:
-            log.debug("etcd watch of %s ended: %s", self.key, exc)
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if self._stop.is_set():
+                    return
+                if not line.strip():
+                    continue
+                result = json.loads(line).get("result") or {}
+                if result.get("canceled"):
+                    raise ConnectionError(f"etcd cancelled the watch: {result.get('cancel_reason', 'compacted')}")
+                for ev in result.get("events") or ():
+                    self._deliver(ev.get("type", "PUT"), ev.get("kv") or {})
+            raise ConnectionError("the watch stream ended")
+        finally:
+            self._resp = None
+            resp.close()
+
+    def _deliver(self, kind: str, kv: dict) -> None:
+        try:
+            if kind == "DELETE":
+                if self._present:
+                    self._present = False
+                    self._on_delete()
+                return
+            rev = int(kv.get("mod_revision", 0))
+            if rev <= self._mod_revision and self._present:
+                return  # seen already (a re-read after reconnecting)
+            self._present, self._mod_revision = True, rev
+            if "value" in kv:
+                self._on_change(_check(base64.b64decode(kv["value"]), self.key))
+        except Exception as exc:  # a bad update must not end the watch
+            log.warning("etcd watch of %s: %s", self.key, exc)
 
     def close(self) -> None:
+        self._stop.set()
+        resp = self._resp
+        if resp is not None:
+            _shutdown(resp)
+        self._thread.join(5)
+
+
+def _b64(key: str) -> str:
+    return base64.b64encode(key.encode()).decode()
+
+
+def _shutdown(resp: Any) -> None:
+    """Wake a thread blocked reading a streamed response: shut its socket down under it."""
+    try:
+        fd = resp.raw._fp.fileno()
+        sock = socket.socket(fileno=os.dup(fd))
         try:
-            self._cancel()
-        except Exception as exc:
-            log.debug("cancelling watch: %s", exc)
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+    except Exception as exc:
+        log.debug("shutting the watch stream down: %s", exc)
+    try:
+        resp.close()
+    except Exception as exc:
+        log.debug("closing the watch stream: %s", exc)

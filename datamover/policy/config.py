@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import shutil
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -18,21 +17,19 @@ from typing import Any
 
 import yaml
 
-from ..telemetry.spans import SPAN_FIELD_ALIASES, SPAN_FIELDS
+from ..errors import ConfigError
+from ..telemetry.config import (
+    SPAN_FIELDS,
+    AlertRule,
+    BurnRateAlerts,
+    ObservabilityConfig,
+    parse_alert_rules,
+    parse_span_fields,
+)
 
 GIB = 1 << 30
 ROOT = "kv_cache_tiered"
 TIER_NAMES = ("l1_hbm", "l2_dram", "l3_nvme", "l4_pool")
-_DURATION = re.compile(r"^(\d+)(s|m|h|d)$")
-_MILLIS = re.compile(r"^(\d+(?:\.\d+)?)\s*(ms|s)?$")
-
-
-class ConfigError(ValueError):
-    """A tier configuration is invalid; `path` is the dotted key path, and the message starts with it."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
 
 
 def _f(default: Any, doc: str, **checks: Any) -> Any:
@@ -146,40 +143,6 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
-class AlertRule:
-    """One burn-rate window: fire when the metric over `window` is above or below `threshold`."""
-
-    window: str
-    threshold: float
-
-
-@dataclass(frozen=True)
-class BurnRateAlerts:
-    """Alert windows; thresholds: p99 latency in ms (above), L1 hit rate (below), evictions per second (above)."""
-
-    p99_latency_ms: tuple[AlertRule, ...] = _f(
-        (AlertRule("5m", 800.0), AlertRule("1h", 600.0)), "p99 block-move latency above threshold ms over window"
-    )
-    hit_rate_hbm: tuple[AlertRule, ...] = _f((AlertRule("30m", 0.6),), "L1 hit rate below threshold over window")
-    swap_eviction_rate_per_sec: tuple[AlertRule, ...] = _f(
-        (AlertRule("15m", 10000.0),), "evictions per second above threshold over window"
-    )
-
-
-@dataclass(frozen=True)
-class ObservabilityConfig:
-    """Spans, counters and alerts."""
-
-    spans: bool = _f(False, "emit a span per chunk move (off: the hot path does no span work)")
-    span_exporter: str = _f("jsonl", "where spans go", choices=("jsonl", "otel"))
-    span_path: str = _f("datamover-spans.jsonl", "file for the jsonl span exporter")
-    span_fields: tuple[str, ...] = _f(SPAN_FIELDS, "fields each span carries (a subset of the nine span fields)")
-    burn_rate_alerts: BurnRateAlerts = field(
-        default_factory=BurnRateAlerts, metadata={"doc": "alert windows for `datamover alerts`"}
-    )
-
-
-@dataclass(frozen=True)
 class TierConfig:
     """The whole `kv_cache_tiered:` section."""
 
@@ -279,56 +242,6 @@ def _check_limits(meta: typing.Mapping[str, Any], value: Any, path: str) -> None
             raise ConfigError(path, f"must be {words} {meta[key]}, got {value}")
 
 
-def _duration(value: Any, path: str) -> str:
-    if not isinstance(value, str) or not _DURATION.match(value):
-        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {value!r}")
-    return value
-
-
-# Each alert fires on one side of its threshold; `threshold` or that side's word may name it.
-ALERT_SIDE = {"p99_latency_ms": "above", "hit_rate_hbm": "below", "swap_eviction_rate_per_sec": "above"}
-
-
-def _alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]:
-    if not isinstance(value, list):
-        raise ConfigError(path, f"expected a list of {{window, threshold}} mappings, got {type(value).__name__}")
-    unit_ms = name == "p99_latency_ms"
-    allowed = ("threshold", ALERT_SIDE[name])
-    rules = []
-    for i, item in enumerate(value):
-        where = f"{path}[{i}]"
-        if not isinstance(item, dict):
-            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {item!r}")
-        for key in item:
-            if key != "window" and key not in allowed:
-                raise ConfigError(f"{where}.{key}", f"unknown key (expected window and one of {', '.join(allowed)})")
-        limits = [k for k in allowed if k in item]
-        if "window" not in item or len(limits) != 1:
-            raise ConfigError(where, f"needs a window and exactly one of {', '.join(allowed)}")
-        raw = item[limits[0]]
-        match = _MILLIS.match(raw.strip()) if isinstance(raw, str) else None
-        if isinstance(raw, int | float) and not isinstance(raw, bool):
-            number = float(raw)
-        elif match and (unit_ms or match.group(2) is None):
-            number = float(match.group(1)) * (1000.0 if match.group(2) == "s" else 1.0)
-        else:
-            raise ConfigError(f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {raw!r}")
-        rules.append(AlertRule(_duration(item["window"], f"{where}.window"), number))
-    return tuple(rules)
-
-
-def _span_fields(value: Any, path: str) -> tuple[str, ...]:
-    if not isinstance(value, list):
-        raise ConfigError(path, f"expected a list of field names, got {type(value).__name__}")
-    out = []
-    for i, name in enumerate(value):
-        name = SPAN_FIELD_ALIASES.get(name, name)
-        if name not in SPAN_FIELDS:
-            raise ConfigError(f"{path}[{i}]", f"unknown span field {name!r} (known: {', '.join(SPAN_FIELDS)})")
-        out.append(name)
-    return tuple(out)
-
-
 def _build(cls: type, data: Any, path: str) -> Any:
     """Build dataclass `cls` from a YAML mapping, checking keys, types and limits; missing keys take defaults."""
     if data is None:
@@ -350,9 +263,9 @@ def _build(cls: type, data: Any, path: str) -> Any:
         if is_dataclass(tp):
             kwargs[name] = _build(typing.cast(type, tp), value, where)
         elif name == "span_fields":
-            kwargs[name] = _span_fields(value, where)
+            kwargs[name] = parse_span_fields(value, where)
         elif typing.get_origin(tp) is tuple:
-            kwargs[name] = _alert_rules(value, where, name)
+            kwargs[name] = parse_alert_rules(value, where, name)
         else:
             kwargs[name] = _check_scalar(tp, value, where)
             _check_limits(f.metadata, kwargs[name], where)

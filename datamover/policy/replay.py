@@ -1,12 +1,9 @@
-"""Trace replay in simulation mode: drive a tier stack with a request trace and count what would happen.
+"""Trace replay in simulation mode: drive the tier engine with a request trace and count what would happen.
 
 A Mooncake-format trace (one JSON object per request: `timestamp` in ms, `hash_ids` = the prompt's 512-token
-blocks) becomes a sequence of chunk references. Each reference looks the chunk up tier by tier (L1 first); a hit
-in a lower tier promotes it to L1 when the policy admits it there; a miss is a prefill, and the new chunk is
-placed in L1 (or, if L1's admission refuses it, in the next tier). A full tier evicts down to its low
-watermark; an evicted chunk is demoted to the next tier (write-back) unless it is already there, and the last
-tier drops it. With write-through every placement is copied to the next tier at once. No bytes move: the
-result counts hits per tier, misses, evictions, and chunks moved between each pair of tiers.
+blocks) becomes a sequence of chunk references, each replayed through a `TierStack` (`datamover.policy.engine`:
+lookups tier by tier, promotion, admission, eviction and demotion). No bytes move: the result counts hits per
+tier, misses, evictions, and chunks moved between each pair of tiers.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,9 +19,9 @@ import numpy as np
 
 from .config import TIER_NAMES, TierConfig, with_overrides
 from .cost import CostModel
+from .engine import PREFILL, TierSpec, TierStack, tier_specs
 from .policies import BeladyPolicy, Policy, PolicySettings, make_policy, next_use
 
-PREFILL = "prefill"
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -72,16 +69,6 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
 
 
-@dataclass(frozen=True)
-class TierSpec:
-    """One simulated tier: name, capacity in chunks, and its watermarks (fractions of capacity)."""
-
-    name: str
-    capacity: int
-    high_watermark: float = 1.0
-    low_watermark: float = 1.0
-
-
 @dataclass
 class ReplayResult:
     """What one policy did on one trace and tier stack."""
@@ -112,109 +99,6 @@ class ReplayResult:
     def effective_ns(self, cost: CostModel) -> float:
         """Effective cost per chunk access under `cost`."""
         return cost.effective_ns(self.hit_rates(), self.miss_rate)
-
-
-class TierStack:
-    """The simulated tiers of one cache under one policy; `access` replays one reference."""
-
-    def __init__(
-        self, policy: Policy, tiers: Sequence[TierSpec], promote_on_hit: bool = True, write_through: bool = False
-    ) -> None:
-        if not tiers:
-            raise ValueError("a tier stack needs at least one tier")
-        self.policy = policy
-        self.specs = list(tiers)
-        self.names = [t.name for t in self.specs]
-        self.resident: list[set[Hashable]] = [set() for _ in self.specs]
-        self.orders = [policy.tier(t.capacity) for t in self.specs]
-        self.high = [max(1, int(t.capacity * t.high_watermark)) for t in self.specs]
-        self.low = [
-            max(1, min(h, int(t.capacity * t.low_watermark))) for h, t in zip(self.high, self.specs, strict=True)
-        ]
-        self.promote = promote_on_hit
-        self.write_through = write_through
-        self.hits = [0] * len(self.specs)
-        self.misses = 0
-        self.evictions = [0] * len(self.specs)
-        self.moved: Counter = Counter()
-        self.pinned: set[Hashable] = set()  # never evicted
-        self.closed: set[int] = set()  # tiers being drained: no new chunks
-
-    def access(self, key: Hashable, now: float, ref: int = -1) -> int:
-        """Replay one reference; return the tier index that served it, or -1 for a miss."""
-        self.policy.observe(key, now, ref)
-        j = self.where(key)
-        if j >= 0:
-            self.hit(j, key, now, ref)
-        else:
-            self.misses += 1
-            self.place(0, key, now, ref, PREFILL)
-        return j
-
-    def where(self, key: Hashable) -> int:
-        """Index of the fastest tier holding `key`, or -1."""
-        for j, resident in enumerate(self.resident):
-            if key in resident:
-                return j
-        return -1
-
-    def hit(self, j: int, key: Hashable, now: float, ref: int = -1) -> None:
-        """Count a hit of `key` in tier `j` and promote it to L1 if the policy says so."""
-        self.hits[j] += 1
-        self.orders[j].touch(key, now, ref)
-        if j and self.promote:
-            self.place(0, key, now, ref, self.names[j])
-
-    def place(self, j: int, key: Hashable, now: float, ref: int, source: str) -> bool:
-        """Make `key` resident in tier `j` (copied from `source`), evicting as the watermarks ask; a refused new
-        chunk goes to the next tier. Return whether it was placed in some tier."""
-        resident, order = self.resident[j], self.orders[j]
-        if key in resident:
-            return True
-        last = j + 1 == len(self.resident)
-        if len(resident) >= self.high[j] or j in self.closed:
-            if j not in self.closed and order.admit(key, now, ref):
-                for victim in order.evict(len(resident) + 1 - self.low[j], now, self.pinned):
-                    self.evict(j, victim, now, ref)
-            if len(resident) >= self.high[j] or j in self.closed:  # refused, or all that is left is pinned
-                if source == PREFILL and not last:  # write around the tier that refused it
-                    return self.place(j + 1, key, now, ref, source)
-                return False
-        resident.add(key)
-        order.insert(key, now, ref)
-        self.moved[source, self.names[j]] += 1
-        self._placed(source, j, key)
-        if self.write_through and not last:
-            self.place(j + 1, key, now, ref, self.names[j])
-        return True
-
-    def evict(self, j: int, victim: Hashable, now: float, ref: int = -1) -> None:
-        """`victim` (already forgotten by tier j's policy) leaves tier j, demoted to the next tier if not there."""
-        self.resident[j].remove(victim)
-        self.evictions[j] += 1
-        if j + 1 < len(self.resident) and victim not in self.resident[j + 1]:
-            self.place(j + 1, victim, now, ref, self.names[j])
-        self._removed(j, victim)
-
-    def drop(self, j: int, key: Hashable) -> None:
-        """Remove `key` from tier `j` without demoting it (invalid data, or already copied elsewhere)."""
-        self.resident[j].remove(key)
-        self.orders[j].remove(key)
-        self._removed(j, key)
-
-    def _placed(self, source: str, j: int, key: Hashable) -> None:
-        """Hook: `key` was just copied from `source` into tier `j` (the real cache allocates a slot here)."""
-
-    def _removed(self, j: int, key: Hashable) -> None:
-        """Hook: `key` left tier `j`, after any demotion copy of it was placed (its slot may be reused now)."""
-
-
-def tier_specs(config: TierConfig) -> list[TierSpec]:
-    """The enabled tiers of a config as simulation specs."""
-    return [
-        TierSpec(name, config.capacity_chunks(name), config.tier(name).high_watermark, config.tier(name).low_watermark)
-        for name in config.enabled_tiers()
-    ]
 
 
 def simulate(trace: Trace, policy: str, config: TierConfig) -> ReplayResult:

@@ -3,17 +3,15 @@
 - p99_latency_ms: p99 of chunk-move latency over the window above the threshold (ms);
 - hit_rate_hbm: L1 hits / all lookups over the window below the threshold;
 - swap_eviction_rate_per_sec: evictions per second over the window above the threshold.
+
+The `datamover alerts` command, which reads them from a tier config file, is `datamover.policy.alerts_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
-
 import yaml
 
-from ..policy.config import BurnRateAlerts, ConfigError, load_config
+from .config import BurnRateAlerts
 from .metrics import EVICTIONS, HITS, MISSES, MOVE_LATENCY, exposed
 
 GROUP = "datamover-kv-cache"
@@ -69,40 +67,3 @@ def alert_rules(alerts: BurnRateAlerts) -> dict:
 def alerts_yaml(alerts: BurnRateAlerts) -> str:
     """The rules document as YAML, ready for Prometheus' rule_files."""
     return yaml.safe_dump(alert_rules(alerts), sort_keys=False, width=200)
-
-
-def add_alerts_parser(sub: argparse._SubParsersAction) -> None:
-    """Add `alerts` to a subcommand parser (datamover/cli.py wires it in)."""
-    p = sub.add_parser("alerts", help="write Prometheus alerting rules from the config's burn_rate_alerts")
-    p.add_argument("--config", help="tier config YAML (default: the documented defaults)")
-    p.add_argument("--output", "-o", help="write to this file instead of stdout")
-    p.set_defaults(func=cmd_alerts)
-
-
-def cmd_alerts(args: argparse.Namespace) -> int:
-    """Write the rules file the arguments ask for."""
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"datamover alerts: {exc}", file=sys.stderr)
-        return 2
-    text = alerts_yaml(config.observability.burn_rate_alerts)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m datamover.telemetry.alerts [--config FILE] [-o OUT]`."""
-    parser = argparse.ArgumentParser(prog="datamover alerts", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_alerts_parser(sub)
-    args = parser.parse_args(["alerts", *(sys.argv[1:] if argv is None else argv)])
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

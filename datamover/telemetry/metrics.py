@@ -1,12 +1,13 @@
 """The Prometheus metrics of the KV cache: every name is defined here, once, for the exporter and the alert rules.
 
 `CacheMetrics` owns the collectors in its own `CollectorRegistry` (so two caches or two tests never collide) and
-renders them in the Prometheus text format; `serve(port)` exposes them over HTTP.
+renders them in the Prometheus text format; `serve(port)` exposes them over HTTP. The names are plain constants:
+`datamover alerts` uses them without prometheus_client (the telemetry extra), which only `CacheMetrics` imports.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from typing import Any
 
 PREFIX = "datamover"
 
@@ -33,7 +34,9 @@ def exposed(name: str) -> str:
 class CacheMetrics:
     """Counters (hits, misses, evictions, moves, bytes, errors), move latency, and tier occupancy."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.hits = Counter(HITS, "chunk lookups served by a tier", ["tier"], registry=r)
@@ -62,8 +65,12 @@ class CacheMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> None:
         """Expose the metrics at http://addr:port/metrics from a daemon thread."""
+        from prometheus_client import start_http_server
+
         start_http_server(port, addr=addr, registry=self.registry)

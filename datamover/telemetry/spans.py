@@ -11,24 +11,11 @@ import json
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ..policy.config import ObservabilityConfig
+from .config import SPAN_FIELD_ALIASES, SPAN_FIELDS, ObservabilityConfig
 
-SPAN_FIELDS = (
-    "layer_id",
-    "head_id",
-    "token_range",
-    "from_tier",
-    "to_tier",
-    "size_bytes",
-    "latency_us",
-    "prefix_hash",
-    "hit_or_miss",
-)
-# The seed template spells the tier fields `from_layer` / `to_layer`; accept them as the same fields.
-SPAN_FIELD_ALIASES = {"from_layer": "from_tier", "to_layer": "to_tier"}
+__all__ = ["SPAN_FIELDS", "SPAN_FIELD_ALIASES", "JsonlExporter", "OtelExporter", "SpanExporter", "SpanRecorder"]
 
 
 class SpanExporter(Protocol):

@@ -95,3 +95,19 @@ class FileBuffer:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+
+
+def gpu_skip_reason(backend: str) -> str | None:
+    """Why ``backend`` cannot be tested with torch CUDA buffers here, or None when it can."""
+    from ..backends import backend_status
+
+    ok, reason = backend_status(backend)
+    if not ok:
+        return f"{backend} backend unavailable here: {reason}"
+    try:
+        import torch
+    except ImportError:
+        return "the VRAM test buffers need torch with CUDA; torch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} cannot use CUDA (torch.cuda.is_available() is False)"
+    return None

@@ -36,22 +36,30 @@ class EtcdServer:
         self.port, peer = free_port(), free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         peer_url = f"http://127.0.0.1:{peer}"
-        self._log = open(os.path.join(self.dir, "etcd.log"), "wb")
+        self._binary, self._peer_url, self._timeout = binary, peer_url, timeout
+        self._log = open(os.path.join(self.dir, "etcd.log"), "ab")
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start etcd (again, after ``stop``: same ports, same data) and wait until it is healthy."""
         env = {**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")}
+        peer_url = self._peer_url
         self.process = subprocess.Popen(
             [
-                binary, "--name", "dm", "--data-dir", os.path.join(self.dir, "data"),
+                self._binary, "--name", "dm", "--data-dir", os.path.join(self.dir, "data"),
                 "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"dm={peer_url}", "--log-level", "error",
             ],
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self._timeout
         while True:
             if self.process.poll() is not None:
+                code = self.process.returncode
                 self.close()
-                raise RuntimeError(f"etcd exited with {self.process.returncode}; see {self.dir}/etcd.log")
+                raise RuntimeError(f"etcd exited with {code}; see {self.dir}/etcd.log")
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:
                     if b"true" in resp.read():
@@ -60,18 +68,27 @@ class EtcdServer:
                 pass
             if time.monotonic() > deadline:
                 self.close()
-                raise TimeoutError(f"etcd did not become healthy within {timeout:g} s")
+                raise TimeoutError(f"etcd did not become healthy within {self._timeout:g} s")
             time.sleep(0.1)
 
-    def close(self) -> None:
-        if self.process.poll() is None:
+    def stop(self) -> None:
+        """Stop etcd, keeping its data directory, so that ``start`` brings the same cluster back."""
+        if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if not self._log.closed:
+            self._log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> EtcdServer:

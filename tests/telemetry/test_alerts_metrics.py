@@ -6,9 +6,10 @@ import re
 
 import yaml
 
-from datamover.policy.config import AlertRule, BurnRateAlerts, TierConfig
+from datamover.policy.alerts_cli import main as alerts_main
+from datamover.policy.config import TierConfig
 from datamover.telemetry.alerts import alert_rules, alerts_yaml
-from datamover.telemetry.alerts import main as alerts_main
+from datamover.telemetry.config import AlertRule, BurnRateAlerts
 from datamover.telemetry.metrics import CacheMetrics
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from datamover.policy.config import ObservabilityConfig
+from datamover.telemetry.config import ObservabilityConfig
 from datamover.telemetry.spans import JsonlExporter, OtelExporter, SpanRecorder
 
 

@@ -1,0 +1,691 @@
+"""s3: DRAM <-> OBJ with boto3, against AWS S3 or any S3-compatible endpoint (MinIO, Ceph RGW, moto).
+
+Semantics of an OBJ descriptor (offset, length) naming key k of a registered bucket:
+
+- WRITE (offset 0, length n) stores the whole object k as n bytes: one PUT, or
+  a multipart upload with parallel parts above ``multipart_threshold``. S3 has
+  no partial overwrite, so a non-zero offset on WRITE is refused when the
+  transfer is made, and so are two WRITE rows naming the same object. A failed
+  multipart upload is aborted: the object is either all new bytes or untouched.
+- READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
+  into parallel ranged GETs into the destination. A READ at offset 0 of the
+  whole row is a plain GET: when the object is exactly that long it is a
+  whole-object read and is verified; when longer, its first bytes are kept.
+  A read that runs past the object's end fails the descriptor. A zero-length
+  READ makes no request.
+
+Integrity: every write carries the CRC32C of the whole object in metadata
+(``x-amz-meta-crc32c``, base64 of the big-endian value, like S3's own header)
+and, where the server takes it, S3's ``x-amz-checksum-crc32c`` so the server
+checks the upload. Metadata is what reads check first, because S3 returns its
+own checksums neither on ranged GETs nor as a whole-object value for multipart
+uploads; objects written by other tools are verified with S3's whole-object
+CRC32C (by us) or CRC32/SHA (by botocore). A mismatch fails the descriptor with
+ChecksumMismatch and its destination never keeps the bytes: up to 1 MiB they
+are checked before the copy, larger ones land and are zeroed on mismatch.
+
+Work runs on a bounded pool of ``concurrency`` threads pulling objects and
+parts from one shared list, so 4096 small objects cost ``concurrency``
+executor submits, not 4096. Configuration falls back to the usual AWS
+environment variables and config files for anything not set here.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno as errno_mod
+import importlib.util
+import itertools
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import MemType
+from ...errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
+from ..base import Backend, Completion, TransferRequest, typed_error
+
+log = logging.getLogger("datamover.s3")
+
+MiB = 1 << 20
+#: metadata key holding the whole object's CRC32C (base64 of the big-endian 4 bytes)
+CRC_META = "crc32c"
+_MIN_PART = 5 * MiB  # S3's smallest non-final multipart part
+_MAX_PARTS = 10_000
+
+#: whole objects up to this size are verified before they touch the destination; larger ones land, then are checked
+_VERIFY_BEFORE_COPY = 1 * MiB
+_READ_CHUNK = 1 * MiB
+#: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
+_BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
+_ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
+
+
+def crc32c_b64(data: Any) -> str:
+    """CRC32C of ``data`` as S3 writes it: base64 of the 4 big-endian bytes."""
+    import crc32c
+
+    return _b64(crc32c.crc32c(data))
+
+
+def _b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+@dataclass
+class _Group:
+    """A row moved as several tasks (multipart upload parts or split ranged reads)."""
+
+    row: int
+    nparts: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    left: int = 0
+    upload_id: str | None = None
+    etags: list = field(default_factory=list)
+    failed: bool = False
+    finished: bool = False
+    meta_crc: str | None = None
+    total: int | None = None
+
+
+class S3Backend(Backend):
+    """Host memory to and from objects of registered buckets, through boto3 on a bounded pool."""
+
+    name = "s3"
+    pairs = frozenset({(MemType.DRAM, MemType.OBJ)})
+    default_params = {
+        # where and who: None falls back to AWS_* environment variables and ~/.aws/{config,credentials}
+        "endpoint_url": None,
+        "region": None,
+        "profile": None,
+        "access_key_id": None,
+        "secret_access_key": None,
+        "session_token": None,
+        "addressing_style": "auto",  # "path", "virtual" or "auto"
+        "verify_tls": True,  # or a CA bundle path
+        # how fast
+        "concurrency": 16,
+        "multipart_threshold": 16 * MiB,  # objects larger than this go as multipart uploads
+        "part_size": 8 * MiB,
+        "read_part_size": 8 * MiB,  # reads longer than this are split into parallel ranged GETs
+        # how hard to try
+        # botocore's "legacy", "standard" or "adaptive", and attempts in all; None: AWS_RETRY_MODE,
+        # AWS_MAX_ATTEMPTS or the profile's retry_mode / max_attempts, else standard with 5 attempts
+        "retry_mode": None,
+        "max_attempts": None,
+        "connect_timeout": 5.0,
+        "read_timeout": 60.0,
+        # integrity
+        "native_checksum": "auto",  # send x-amz-checksum-crc32c: True, False, or "auto" (drop it if refused)
+        "require_checksum": True,  # a whole-object read of an object without our CRC32C fails
+    }
+
+    def __init__(self, agent, params=None) -> None:
+        super().__init__(agent, params)
+        p = self.params
+        if int(p["part_size"]) < _MIN_PART:
+            raise ValueError(f"backend 's3': part_size must be >= 5 MiB (S3's minimum part), got {p['part_size']}")
+        if int(p["multipart_threshold"]) < int(p["part_size"]):
+            raise ValueError("backend 's3': multipart_threshold must be >= part_size")
+        if p["addressing_style"] not in ("auto", "path", "virtual"):
+            style = p["addressing_style"]
+            raise ValueError(f"backend 's3': addressing_style must be auto, path or virtual, got {style!r}")
+        if p["native_checksum"] not in (True, False, "auto"):
+            native = p["native_checksum"]
+            raise ValueError(f"backend 's3': native_checksum must be True, False or 'auto', got {native!r}")
+        self._native = p["native_checksum"]
+        self._client = self._make_client()
+        self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        missing = [m for m in ("boto3", "botocore", "crc32c") if importlib.util.find_spec(m) is None]
+        if missing:
+            return False, f"needs {', '.join(missing)} (pip install 'datamover[s3]')"
+        return True, "ok"
+
+    @classmethod
+    def environment(cls) -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        here: dict[str, Any] = {}
+        for pkg in ("boto3", "botocore", "crc32c", "awscrt"):
+            try:
+                here[pkg] = version(pkg)
+            except PackageNotFoundError:
+                here[pkg] = "not installed"
+        for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_DEFAULT_REGION", "AWS_REGION"):
+            if os.environ.get(var):
+                here[var] = os.environ[var]
+        return here
+
+    def _make_client(self) -> Any:
+        import boto3
+        import botocore.exceptions
+        import botocore.session
+        from botocore.config import Config
+
+        p = self.params
+        try:
+            session = boto3.session.Session(
+                aws_access_key_id=p["access_key_id"],
+                aws_secret_access_key=p["secret_access_key"],
+                aws_session_token=p["session_token"],
+                region_name=p["region"],
+                profile_name=p["profile"],
+                botocore_session=botocore.session.Session(),
+            )
+            scoped = session._session.get_scoped_config()
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ValueError(f"backend 's3': {exc}") from exc
+        mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
+        attempts = int(p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5)
+        self.retries = {"mode": mode, "total_max_attempts": attempts}
+        config = Config(
+            retries=self.retries,
+            max_pool_connections=int(p["concurrency"]),
+            connect_timeout=float(p["connect_timeout"]),
+            read_timeout=float(p["read_timeout"]),
+            s3={"addressing_style": p["addressing_style"]},
+            # we compute CRC32C ourselves (once, GIL-free) and verify reads against our metadata
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        return session.client(
+            "s3",
+            endpoint_url=p["endpoint_url"],
+            region_name=session.region_name or "us-east-1",
+            verify=p["verify_tls"],
+            config=config,
+        )
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client this backend uses (thread-safe, shared by the pool)."""
+        return self._client
+
+    def describe(self) -> dict[str, Any]:
+        p = self.params
+        return {
+            "endpoint": self._client.meta.endpoint_url,
+            "region": self._client.meta.region_name,
+            "concurrency": p["concurrency"],
+            "part_size": p["part_size"],
+            "multipart_threshold": p["multipart_threshold"],
+            "retries": f"{self.retries['mode']}, {self.retries['total_max_attempts']} attempts",
+        }
+
+    # -- planning ------------------------------------------------------------
+    def plan(self, req: TransferRequest) -> None:
+        mem, obj = req.local, req.remote
+        n = len(obj)
+        write = req.op == "WRITE"
+        if write and n and (obj.addr != 0).any():
+            row = int(np.flatnonzero(obj.addr != 0)[0])
+            raise InvalidDescriptor(
+                f"S3 writes whole objects: a WRITE descriptor must have offset 0, got {int(obj.addr[row])} "
+                f"for key {obj.keys[int(obj.dev[row])]!r}",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+        p = req.plan
+        regs = req.registrations
+        obj_regs, obj_inv = np.unique(req.remote_regions, return_inverse=True)
+        buckets = np.array([regs[r].extra["bucket"] for r in obj_regs.tolist()], dtype=object)[obj_inv.reshape(-1)]
+        keys = np.asarray(obj.keys, dtype=object)[obj.dev] if n else np.zeros(0, dtype=object)
+        if write and n > 1:
+            self._refuse_same_object(req, buckets, keys)
+        mem_regs, mem_inv = np.unique(req.local_regions, return_inverse=True)
+        bases = np.array([regs[r].addr for r in mem_regs.tolist()], dtype=np.int64)
+        p["bucket"] = buckets.tolist()
+        p["key"] = keys.tolist()
+        p["off"] = obj.addr.tolist()
+        p["len"] = obj.length.tolist()
+        p["mem_reg"] = req.local_regions.tolist()
+        p["mem_off"] = (mem.addr - bases[mem_inv.reshape(-1)]).tolist()
+        p["arrays"] = {r: regs[r].array for r in mem_regs.tolist()}
+        # tasks: (row, part index or -1 for a whole-row task, byte start within the row, byte count)
+        ln = obj.length
+        split_at = int(self.params["multipart_threshold"] if write else self.params["read_part_size"])
+        big = ln > split_at
+        if write:
+            keep = np.ones(n, dtype=bool)  # zero-length writes still create (empty) objects
+        else:
+            keep = ln > 0
+        big_rows = np.flatnonzero(big)
+        if write:  # S3 allows 10,000 parts: huge objects get bigger parts
+            part = np.maximum(int(self.params["part_size"]), -(-ln[big_rows] // _MAX_PARTS))
+        else:
+            part = np.full(big_rows.shape[0], int(self.params["read_part_size"]), dtype=np.int64)
+        counts = -(-ln[big_rows] // np.maximum(part, 1))
+        # big rows' parts first, so the long poles start early; then whole-row tasks
+        g_rows = np.repeat(big_rows, counts)
+        g_part = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        g_start = g_part * np.repeat(part, counts)
+        g_count = np.minimum(np.repeat(part, counts), ln[g_rows] - g_start)
+        small_rows = np.flatnonzero(keep & ~big)
+        rows = np.concatenate([g_rows, small_rows])
+        parts = np.concatenate([g_part, np.full(small_rows.shape[0], -1, dtype=np.int64)])
+        starts = np.concatenate([g_start, np.zeros(small_rows.shape[0], dtype=np.int64)])
+        nbytes = np.concatenate([g_count, ln[small_rows]])
+        p["tasks"] = list(zip(rows.tolist(), parts.tolist(), starts.tolist(), nbytes.tolist()))
+        p["groups"] = dict(zip(big_rows.tolist(), counts.tolist()))
+
+    def _refuse_same_object(self, req: TransferRequest, buckets: np.ndarray, keys: np.ndarray) -> None:
+        """Two WRITE rows naming one object (a key repeated in the key table) would race: refuse them."""
+        names = keys.astype(str)
+        if np.unique(names).shape[0] == names.shape[0]:
+            return
+        pairs = np.char.add(np.char.add(buckets.astype(str), "/"), names)
+        _, first, inverse = np.unique(pairs, return_index=True, return_inverse=True)
+        seen = first[inverse.reshape(-1)]
+        dup = seen != np.arange(names.shape[0])
+        if dup.any():
+            row = int(np.flatnonzero(dup)[0])
+            raise OverlappingDestination(
+                f"writes object s3://{pairs[row]} that descriptor {req.caller_index(int(seen[row]))} writes too",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+
+    # -- execution -----------------------------------------------------------
+    def post(self, req: TransferRequest) -> Completion:
+        p = req.plan
+        tasks = p["tasks"]
+        runners = min(int(self.params["concurrency"]), len(tasks))
+        completion = Completion(runners)
+        if not runners:
+            return completion
+        run = _Run(req, self, completion, runners)
+        # one submit here; the first runner starts the others, so post() never waits on busy workers for the GIL
+        self._pool.submit(run.start, self._pool)
+        return completion
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        try:
+            self._client.close()
+        except Exception as exc:  # closing must not fail the agent's close
+            log.debug("closing the S3 client failed: %s", exc)
+
+    # -- single requests -----------------------------------------------------
+    def _use_native(self) -> bool:
+        return self._native is True or self._native == "auto"
+
+    def _call(self, fn, *, req: TransferRequest, row: int, what: str, **kw) -> Any:
+        """One boto3 call; refusals of the native checksum in "auto" mode retry without it once."""
+        try:
+            return fn(**kw)
+        except Exception as exc:
+            if self._native == "auto" and "ChecksumAlgorithm" in kw and _refuses_checksum(exc):
+                log.warning("the S3 endpoint refused x-amz-checksum-crc32c; storing CRC32C in metadata only")
+                self._native = False
+                for k in ("ChecksumAlgorithm", "ChecksumCRC32C"):
+                    kw.pop(k, None)
+                try:
+                    return fn(**kw)
+                except Exception as exc2:
+                    raise self.error(exc2, req, row, what) from exc2
+            raise self.error(exc, req, row, what) from exc
+
+    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str) -> DatamoverError:
+        """A typed error for a failed boto3 call on ``row``: names the key, the bucket and the HTTP status."""
+        p = req.plan
+        bucket, key = p["bucket"][row], p["key"][row]
+        return object_store_error(exc, bucket, key, what, index=req.caller_index(row), backend=self.name)
+
+    def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
+        p = req.plan
+        crc = crc32c_b64(view)
+        kw: dict[str, Any] = {"Bucket": p["bucket"][row], "Key": p["key"][row], "Body": view.tobytes()}
+        kw["Metadata"] = {CRC_META: crc}
+        if self._use_native():
+            kw["ChecksumAlgorithm"] = "CRC32C"
+            kw["ChecksumCRC32C"] = crc
+        self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
+
+    def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray) -> dict:
+        """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response facts we need.
+
+        A whole row at object offset 0 is asked for without a Range: when the
+        object is exactly that long (the usual case) S3 then sends its own
+        checksums too, and the read is verified. A longer object makes it a
+        prefix read: ``count`` bytes are kept and the connection is dropped.
+        """
+        p = req.plan
+        off = p["off"][row] + start
+        bucket, key = p["bucket"][row], p["key"][row]
+        ranged = not (off == 0 and count == p["len"][row])
+        kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
+        resp = self._call(self._client.get_object, req=req, row=row, what="GET", Bucket=bucket, Key=key, **kw)
+        body = resp["Body"]
+        got = int(resp.get("ContentLength", count))
+        total = _total_size(resp, off + count) if ranged else got
+        meta = (resp.get("Metadata") or {}).get(CRC_META)
+        try:
+            if got < count or (ranged and got > count):
+                why = (
+                    f"holds {total} bytes: [{off}, {off + count}) reads past its end"
+                    if got < count
+                    else f"answered {got} bytes for a range of {count} (does the server ignore Range?)"
+                )
+                raise ObjectStoreError(
+                    f"GET s3://{bucket}/{key} {why}",
+                    bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+                    code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
+                    index=req.caller_index(row), backend=self.name,
+                )  # fmt: skip
+            if ranged or got > count:
+                _read_into(body, dst)  # a range or a prefix: nothing to verify it against
+            elif count <= _VERIFY_BEFORE_COPY:
+                data = body.read()  # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
+                self._verify(req, row, data, resp, meta)
+                dst[:] = np.frombuffer(data, dtype=np.uint8)
+            else:
+                try:
+                    crc = _read_into(body, dst, crc=True)  # CRC32C of each chunk while the next one arrives
+                    body.read()
+                    self._verify(req, row, crc, resp, meta)
+                except Exception:
+                    dst[:] = 0  # never leave unverified bytes behind
+                    raise
+        except DatamoverError:
+            raise
+        except Exception as exc:
+            raise self.error(exc, req, row, "GET") from exc
+        finally:
+            body.close()
+        return {"etag": resp.get("ETag"), "crc": meta, "total": total}
+
+    def _verify(self, req: TransferRequest, row: int, data: Any, resp: dict | None, stored: str | None) -> None:
+        """Check a whole object's bytes (or their CRC32C, a str): our metadata, else S3's own full-object CRC32C.
+
+        S3's CRC32 and SHA checksums, when an object carries one instead, were
+        checked by botocore while the body was read to its end.
+        """
+        p = req.plan
+        bucket, key = p["bucket"][row], p["key"][row]
+        native = (resp or {}).get("ChecksumCRC32C")
+        if stored is None and native and "-" not in native:
+            stored = native
+        if stored is None:
+            if resp is not None and any("-" not in str(resp.get(h, "-")) for h in _BOTOCORE_CHECKED):
+                return
+            if self.params["require_checksum"]:
+                err = ChecksumMismatch(
+                    f"s3://{bucket}/{key} carries no checksum to verify it with (no x-amz-meta-{CRC_META}, no "
+                    "whole-object S3 checksum); was it written by another tool? (require_checksum=False reads it)",
+                    index=req.caller_index(row),
+                    backend=self.name,
+                )
+                err.bucket, err.key = bucket, key
+                raise err
+            return
+        got = data if isinstance(data, str) else crc32c_b64(data)
+        if got != stored:
+            err = ChecksumMismatch(
+                f"s3://{bucket}/{key}: CRC32C of the bytes read is {got}, the object was written with {stored}",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+            err.bucket, err.key = bucket, key
+            raise err
+
+
+class _Run:
+    """One post of a request: runners pull tasks from a shared counter until done or cancelled."""
+
+    def __init__(self, req: TransferRequest, backend: S3Backend, completion: Completion, runners: int) -> None:
+        self.req = req
+        self.b = backend
+        self.completion = completion
+        self.next = itertools.count()
+        self.lock = threading.Lock()
+        self.active = runners
+        p = req.plan
+        self.groups = {r: _Group(r, n, left=n) for r, n in p["groups"].items()}
+        self.write = req.op == "WRITE"
+
+    def start(self, pool: ThreadPoolExecutor) -> None:
+        """Start the other runners, then be one."""
+        submitted = 0
+        try:
+            for _ in range(self.active - 1):
+                pool.submit(self.runner)
+                submitted += 1
+        except RuntimeError as exc:  # the pool is shut down: account for the runners that never started
+            missing = self.active - 1 - submitted
+            self.completion.cancel(DatamoverError(f"the S3 backend is closed ({exc})", backend="s3"))
+            with self.lock:
+                self.active -= missing
+            for _ in range(missing):
+                self.completion.finish_part(None)
+        self.runner()
+
+    def runner(self) -> None:
+        tasks = self.req.plan["tasks"]
+        c = self.completion
+        try:
+            while not c.cancelled:
+                i = next(self.next)
+                if i >= len(tasks):
+                    break
+                row, part, start, count = tasks[i]
+                try:
+                    self.one(row, part, start, count)
+                except BaseException as exc:
+                    c.cancel(typed_error(exc, "s3", self.req.caller_index(row)))
+        finally:
+            with self.lock:
+                self.active -= 1
+                last = self.active == 0
+            if last:
+                self.cleanup()
+            c.finish_part(None)
+
+    def view(self, row: int, start: int, count: int) -> np.ndarray:
+        p = self.req.plan
+        base = p["mem_off"][row] + start
+        return p["arrays"][p["mem_reg"][row]][base : base + count]
+
+    def one(self, row: int, part: int, start: int, count: int) -> None:
+        view = self.view(row, start, count)
+        if part < 0:
+            if self.write:
+                self.b.put(self.req, row, view)
+            else:
+                self.b.get(self.req, row, start, count, view)
+            return
+        g = self.groups[row]
+        ok = False
+        try:
+            if self.write:
+                self.upload_part(g, part, view)
+            else:
+                info = self.b.get(self.req, row, start, count, view)
+                with g.lock:
+                    g.etags.append(info["etag"])
+                    g.meta_crc, g.total = info["crc"], info["total"]
+            ok = True
+        finally:
+            with g.lock:
+                g.left -= 1
+                g.failed |= not ok
+                last = g.left == 0
+            if last and ok and not g.failed:
+                self.finish_group(g)
+
+    # -- multipart uploads ---------------------------------------------------
+    def upload_part(self, g: _Group, part: int, view: np.ndarray) -> None:
+        b, req, p = self.b, self.req, self.req.plan
+        bucket, key = p["bucket"][g.row], p["key"][g.row]
+        with g.lock:
+            if g.failed:
+                raise _Cancelled()
+            if g.upload_id is None:
+                whole = self.view(g.row, 0, p["len"][g.row])
+                kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {CRC_META: crc32c_b64(whole)}}
+                if b._use_native():
+                    kw["ChecksumAlgorithm"] = "CRC32C"
+                create = b._client.create_multipart_upload
+                resp = b._call(create, req=req, row=g.row, what="CreateMultipartUpload", **kw)
+                g.upload_id = resp["UploadId"]
+                g.etags = [None] * g.nparts
+        if self.completion.cancelled:
+            raise _Cancelled()
+        kw = {"Bucket": bucket, "Key": key, "UploadId": g.upload_id, "PartNumber": part + 1, "Body": view.tobytes()}
+        crc = None
+        if b._use_native():
+            crc = crc32c_b64(view)
+            kw["ChecksumAlgorithm"] = "CRC32C"
+            kw["ChecksumCRC32C"] = crc
+        resp = b._call(b._client.upload_part, req=req, row=g.row, what=f"UploadPart {part + 1}", **kw)
+        entry = {"PartNumber": part + 1, "ETag": resp["ETag"]}
+        if crc is not None:
+            entry["ChecksumCRC32C"] = crc
+        g.etags[part] = entry
+
+    def finish_group(self, g: _Group) -> None:
+        b, req, p = self.b, self.req, self.req.plan
+        row = g.row
+        if self.write:
+            if self.completion.cancelled:
+                return  # cleanup aborts it
+            b._call(
+                b._client.complete_multipart_upload,
+                req=req,
+                row=row,
+                what="CompleteMultipartUpload",
+                Bucket=p["bucket"][row],
+                Key=p["key"][row],
+                UploadId=g.upload_id,
+                MultipartUpload={"Parts": g.etags},
+            )
+            g.finished = True
+            return
+        bucket, key = p["bucket"][row], p["key"][row]
+        if len(set(g.etags)) > 1:
+            raise ObjectStoreError(
+                f"s3://{bucket}/{key} changed while it was being read (ETags {sorted(set(map(str, g.etags)))})",
+                bucket=bucket, key=key, code="ObjectChanged", errno=errno_mod.EIO,
+                index=req.caller_index(row), backend=b.name,
+            )  # fmt: skip
+        if p["off"][row] == 0 and g.total == p["len"][row]:
+            dst = self.view(row, 0, p["len"][row])
+            try:
+                b._verify(req, row, dst, None, g.meta_crc)
+            except ChecksumMismatch:
+                dst[:] = 0  # never leave unverified bytes behind
+                raise
+
+    def cleanup(self) -> None:
+        """Abort every multipart upload this post started and did not complete (no half object is visible)."""
+        p = self.req.plan
+        for g in self.groups.values():
+            if self.write and g.upload_id is not None and not g.finished:
+                try:
+                    self.b._client.abort_multipart_upload(
+                        Bucket=p["bucket"][g.row], Key=p["key"][g.row], UploadId=g.upload_id
+                    )
+                except Exception as exc:  # the upload stays invisible; the bucket's lifecycle rule reaps it
+                    log.warning("aborting the multipart upload of %r failed: %s", p["key"][g.row], exc)
+
+
+class _Cancelled(DatamoverError):
+    """Internal: a part noticed the transfer was cancelled (the completion already holds the reason)."""
+
+    def __init__(self) -> None:
+        super().__init__("cancelled", backend="s3")
+
+
+def _read_into(body: Any, dst: np.ndarray, crc: bool = False) -> str | None:
+    """Fill ``dst`` from a response body, a chunk at a time; with ``crc``, return the CRC32C of what was read."""
+    import crc32c
+
+    mv = memoryview(dst).cast("B")
+    got, value = 0, 0
+    while got < mv.nbytes:
+        n = body.readinto(mv[got : got + _READ_CHUNK])
+        if not n:
+            raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")
+        if crc:
+            value = crc32c.crc32c(mv[got : got + n], value)
+        got += n
+    return _b64(value) if crc else None
+
+
+def _total_size(resp: dict, fallback: int) -> int:
+    """The object's size from Content-Range ("bytes a-b/total")."""
+    cr = resp.get("ContentRange") or ""
+    _, _, total = cr.rpartition("/")
+    return int(total) if total.isdigit() else fallback
+
+
+def _refuses_checksum(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return False
+    code = response.get("Error", {}).get("Code", "")
+    message = response.get("Error", {}).get("Message", "").lower()
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status in (400, 501) and (code in ("NotImplemented", "InvalidArgument") or "checksum" in message)
+
+
+def object_store_error(
+    exc: BaseException, bucket: str, key: str, what: str, *, index: int | None = None, backend: str = "s3"
+) -> DatamoverError:
+    """Map a boto3/botocore exception to a typed error naming the bucket, the key and the HTTP status."""
+    if isinstance(exc, DatamoverError):
+        return exc
+    import botocore.exceptions as bx
+
+    where = f"{what} s3://{bucket}/{key}"
+    if isinstance(exc, bx.FlexibleChecksumError):
+        err = ChecksumMismatch(f"{where}: {exc}", index=index, backend=backend)
+        err.bucket, err.key = bucket, key
+        return err
+    if isinstance(exc, bx.ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        code = str(err.get("Code") or status)
+        message = err.get("Message") or ""
+        if code in ("NoSuchBucket",) or (code == "404" and what == "HEAD bucket"):
+            why = f"bucket {bucket!r} does not exist"
+        elif code in ("NoSuchKey", "404"):
+            why = f"no object {key!r} in bucket {bucket!r}"
+        elif status == 403:
+            why = f"access denied ({code}: {message or 'check the credentials and the bucket policy'})"
+        else:
+            why = f"{code}: {message}" if message else code
+        return ObjectStoreError(
+            f"{where} failed: HTTP {status}, {why}",
+            bucket=bucket, key=key, status=status, code=code,
+            errno=_ERRNO.get(status or 0, errno_mod.EIO), index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+        return ObjectStoreError(
+            f"{where} failed: {exc} (set access_key_id/secret_access_key, AWS_* variables or ~/.aws/credentials)",
+            bucket=bucket, key=key, code="NoCredentials", errno=errno_mod.EACCES, index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.EndpointConnectionError | bx.ConnectTimeoutError):
+        return ObjectStoreError(
+            f"{where} failed: endpoint unreachable ({exc})",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.ECONNREFUSED,
+            index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.ConnectionError | bx.ReadTimeoutError | bx.ResponseStreamingError | OSError):
+        return ObjectStoreError(
+            f"{where} failed: connection lost ({type(exc).__name__}: {exc})",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.ECONNRESET,
+            index=index, backend=backend,
+        )  # fmt: skip
+    if isinstance(exc, bx.BotoCoreError):
+        return ObjectStoreError(
+            f"{where} failed: {type(exc).__name__}: {exc}",
+            bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.EIO, index=index, backend=backend,
+        )  # fmt: skip
+    return DatamoverError(f"{where} failed: {type(exc).__name__}: {exc}", index=index, backend=backend)

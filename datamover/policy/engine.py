@@ -1,0 +1,136 @@
+"""The tier engine: where each chunk of one cache lives, decided by one policy, shared by replay and runtime.
+
+A reference looks the chunk up tier by tier (L1 first); a hit in a lower tier promotes it to L1 when the policy
+admits it there; a miss is a prefill, and the new chunk is placed in L1 (or, if L1's admission refuses it, in
+the next tier). A full tier evicts down to its low watermark; an evicted chunk is demoted to the next tier
+(write-back) unless it is already there, and the last tier drops it. With write-through every placement is
+copied to the next tier at once. The engine only keeps the bookkeeping: the replay counts what it does, and
+the runtime cache (`datamover.policy.cache`) turns its placements into slot-to-slot moves through hooks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from .config import TierConfig
+from .policies import Policy
+
+PREFILL = "prefill"  # the source of a chunk that no tier held: it was computed (prefilled) by the caller
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One simulated tier: name, capacity in chunks, and its watermarks (fractions of capacity)."""
+
+    name: str
+    capacity: int
+    high_watermark: float = 1.0
+    low_watermark: float = 1.0
+
+
+class TierStack:
+    """The simulated tiers of one cache under one policy; `access` replays one reference."""
+
+    def __init__(
+        self, policy: Policy, tiers: Sequence[TierSpec], promote_on_hit: bool = True, write_through: bool = False
+    ) -> None:
+        if not tiers:
+            raise ValueError("a tier stack needs at least one tier")
+        self.policy = policy
+        self.specs = list(tiers)
+        self.names = [t.name for t in self.specs]
+        self.resident: list[set[Hashable]] = [set() for _ in self.specs]
+        self.orders = [policy.tier(t.capacity) for t in self.specs]
+        self.high = [max(1, int(t.capacity * t.high_watermark)) for t in self.specs]
+        self.low = [
+            max(1, min(h, int(t.capacity * t.low_watermark))) for h, t in zip(self.high, self.specs, strict=True)
+        ]
+        self.promote = promote_on_hit
+        self.write_through = write_through
+        self.hits = [0] * len(self.specs)
+        self.misses = 0
+        self.evictions = [0] * len(self.specs)
+        self.moved: Counter = Counter()
+        self.pinned: set[Hashable] = set()  # never evicted
+        self.closed: set[int] = set()  # tiers being drained: no new chunks
+
+    def access(self, key: Hashable, now: float, ref: int = -1) -> int:
+        """Replay one reference; return the tier index that served it, or -1 for a miss."""
+        self.policy.observe(key, now, ref)
+        j = self.where(key)
+        if j >= 0:
+            self.hit(j, key, now, ref)
+        else:
+            self.misses += 1
+            self.place(0, key, now, ref, PREFILL)
+        return j
+
+    def where(self, key: Hashable) -> int:
+        """Index of the fastest tier holding `key`, or -1."""
+        for j, resident in enumerate(self.resident):
+            if key in resident:
+                return j
+        return -1
+
+    def hit(self, j: int, key: Hashable, now: float, ref: int = -1) -> None:
+        """Count a hit of `key` in tier `j` and promote it to L1 if the policy says so."""
+        self.hits[j] += 1
+        self.orders[j].touch(key, now, ref)
+        if j and self.promote:
+            self.place(0, key, now, ref, self.names[j])
+
+    def place(self, j: int, key: Hashable, now: float, ref: int, source: str) -> bool:
+        """Make `key` resident in tier `j` (copied from `source`), evicting as the watermarks ask; a refused new
+        chunk goes to the next tier. Return whether it was placed in some tier."""
+        resident, order = self.resident[j], self.orders[j]
+        if key in resident:
+            return True
+        last = j + 1 == len(self.resident)
+        if len(resident) >= self.high[j] or j in self.closed:
+            if j not in self.closed and order.admit(key, now, ref):
+                for victim in order.evict(len(resident) + 1 - self.low[j], now, self.pinned):
+                    self.evict(j, victim, now, ref)
+            if len(resident) >= self.high[j] or j in self.closed:  # refused, or all that is left is pinned
+                if source == PREFILL and not last:  # write around the tier that refused it
+                    return self.place(j + 1, key, now, ref, source)
+                return False
+        resident.add(key)
+        order.insert(key, now, ref)
+        self.moved[source, self.names[j]] += 1
+        self._placed(source, j, key)
+        if self.write_through and not last:
+            self.place(j + 1, key, now, ref, self.names[j])
+        return True
+
+    def evict(self, j: int, victim: Hashable, now: float, ref: int = -1) -> None:
+        """`victim` (already forgotten by tier j's policy) leaves tier j, demoted to the next tier if not there."""
+        self.resident[j].remove(victim)
+        self.evictions[j] += 1
+        if j + 1 < len(self.resident) and victim not in self.resident[j + 1]:
+            self.place(j + 1, victim, now, ref, self.names[j])
+        self._removed(j, victim)
+
+    def drop(self, j: int, key: Hashable) -> None:
+        """Remove `key` from tier `j` without demoting it (invalid data, or already copied elsewhere)."""
+        self.resident[j].remove(key)
+        self.orders[j].remove(key)
+        self._removed(j, key)
+
+    def _placed(self, source: str, j: int, key: Hashable) -> None:
+        """Hook: `key` was just copied from `source` into tier `j` (the real cache allocates a slot here)."""
+
+    def _removed(self, j: int, key: Hashable) -> None:
+        """Hook: `key` left tier `j`, after any demotion copy of it was placed (its slot may be reused now)."""
+
+
+def tier_specs(config: TierConfig) -> list[TierSpec]:
+    """The enabled tiers of a config as simulation specs."""
+    return [
+        TierSpec(name, config.capacity_chunks(name), config.tier(name).high_watermark, config.tier(name).low_watermark)
+        for name in config.enabled_tiers()
+    ]
+
+
+__all__ = ["PREFILL", "TierSpec", "TierStack", "tier_specs"]

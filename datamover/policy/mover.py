@@ -1,0 +1,204 @@
+"""Running a cache plan: every byte moved by Agent transfers, one transfer per (source, destination) batch.
+
+Reads from L3/L4, and writes from GPU memory to them, go through the host staging slab; with CRC32C checking
+on, what is read from L3/L4 is verified in staging before it goes on, and a chunk that fails is handed to
+`invalidate` (the cache drops it from every tier and serves it as a miss). Each batch is counted in the
+metrics and, when spans are on, recorded as one span per chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..agents import Agent, Prepared
+from ..descriptors import DescList, MemType
+from ..errors import DatamoverError, UnsupportedTransfer
+from ..telemetry.metrics import CacheMetrics
+from ..telemetry.spans import SpanRecorder
+from .config import TierConfig
+from .keys import ChunkKey
+from .l3_index import L3Index
+from .plan import STAGE, USER, Move, levels
+from .slabs import Slab
+
+log = logging.getLogger("datamover.kvcache")
+
+REMOTE = (MemType.FILE, MemType.OBJ)
+
+
+class Mover:
+    """Executes plans over the cache's slabs (`tiers`, in engine order) and its staging slab."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        config: TierConfig,
+        tiers: list[Slab],
+        stage: Slab,
+        crc: dict[ChunkKey, int],
+        invalidate: Callable[[ChunkKey], None],
+        metrics: CacheMetrics | None = None,
+        spans: SpanRecorder | None = None,
+    ) -> None:
+        self.agent = agent
+        self.config = config
+        self.page = config.l1_hbm.page_size_bytes
+        self.tiers = tiers
+        self.names = [t.name for t in tiers]
+        self.stage = stage
+        self.crc = crc
+        self.invalidate = invalidate
+        self.invalid: set[ChunkKey] = set()  # chunks dropped during the current operation
+        self.metrics = metrics
+        self.spans = spans
+        self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
+
+    def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
+        if t == USER:
+            return user.descs.mem_type, user  # type: ignore[union-attr]
+        if t == STAGE:
+            return MemType.DRAM, self.stage.prepared
+        tier = self.tiers[t]
+        return tier.mem, tier.prepared
+
+    def _objects(self, keys: Sequence[ChunkKey], replica: int) -> Prepared:
+        reg = self.tiers[self.names.index("l4_pool")].owner
+        names = [f"kv/{k.digest()}.{replica}" for k in keys]
+        return self.agent.prepare(DescList.objects(reg, np.full(len(names), self.page), keys=names))
+
+    def _transfer(self, src: int, si: np.ndarray, dst: int, di: np.ndarray, user: Prepared | None) -> str:
+        """Rows si of src to rows di of dst in one agent transfer (memory and file sides); returns the backend."""
+        smem, sprep = self._endpoint(src, user)
+        dmem, dprep = self._endpoint(dst, user)
+        if smem in REMOTE:
+            xfer = self.agent.make_transfer("READ", dprep, di, sprep, si)
+        else:
+            try:
+                xfer = self.agent.make_transfer("WRITE", sprep, si, dprep, di)
+            except UnsupportedTransfer:
+                if dmem in REMOTE:
+                    raise
+                xfer = self.agent.make_transfer("READ", dprep, di, sprep, si)
+        with xfer:
+            xfer.post().wait()
+            return xfer.backend.name
+
+    def _write_obj(self, src: int, si: np.ndarray, keys: Sequence[ChunkKey], user: Prepared | None) -> str:
+        """Rows si of src (host memory) to the chunks' objects, replica_count copies each."""
+        sprep = self._endpoint(src, user)[1]
+        for r in range(self.config.l4_pool.replica_count):
+            with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, r), None) as xfer:
+                xfer.post().wait()
+        return "s3"
+
+    def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
+        """Read chunks of L4 into staging rows; returns which rows arrived (a failed replica tries the next)."""
+        ok = np.zeros(len(keys), dtype=bool)
+        for i, key in enumerate(keys):
+            for r in range(self.config.l4_pool.replica_count):
+                try:
+                    objects = self._objects([key], r)
+                    with self.agent.make_transfer("READ", self.stage.prepared, rows[i : i + 1], objects, None) as x:
+                        x.post().wait()
+                    ok[i] = True
+                    break
+                except DatamoverError as exc:
+                    log.warning("l4_pool: replica %d of %s unreadable: %s", r, key, exc)
+        return ok
+
+    def _account(self, src: int, dst: int, batch: list[Move], seconds: float, backend: str) -> None:
+        """Metrics and spans for one executed batch (the logical hop, whatever staging it took)."""
+        a = "caller" if src == USER else self.names[src]
+        b = "caller" if dst == USER else self.names[dst]
+        if self.metrics is not None:
+            self.metrics.record_move(a, b, backend, len(batch), len(batch) * self.page, seconds)
+        if self.spans is not None:
+            kind = "miss" if src == USER else "hit" if dst == USER or dst < src else "evict"
+            per = seconds * 1e6 / max(len(batch), 1)
+            tokens = self.config.l3_nvme.chunk_size_tokens
+            spans = []
+            for m in batch:
+                pos = m.src_slot if src == USER else m.dst_slot if dst == USER else None
+                span = {
+                    "layer_id": m.key.layer,
+                    "head_id": None,
+                    "from_tier": a,
+                    "to_tier": b,
+                    "token_range": None if pos is None else (pos * tokens, (pos + 1) * tokens),
+                    "size_bytes": self.page,
+                    "latency_us": per,
+                    "prefix_hash": m.key.prefix_hash,
+                    "hit_or_miss": kind,
+                }
+                spans.append(span)
+            self.spans.record(spans)
+
+    def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
+        """Which staged rows match their chunk's CRC32C (all, when checking is off)."""
+        if not self.check_crc:
+            return np.ones(len(keys), dtype=bool)
+        import crc32c
+
+        view = self.stage.host
+        good = np.array([crc32c.crc32c(view[r]) == self.crc.get(k) for k, r in zip(keys, rows, strict=True)])
+        for i in np.flatnonzero(~good):
+            log.error("CRC32C mismatch for chunk %s: dropped, served as a miss", keys[i])
+        return good
+
+    def _run_group(self, src: int, dst: int, moves: list[Move], user: Prepared | None) -> None:
+        """Execute moves of one (src, dst) pair in batches the staging area holds. Reads from L3/L4, and writes
+        from GPU memory to them, go through host staging; what is read is verified before it goes on."""
+        smem, dmem = self._endpoint(src, user)[0], self._endpoint(dst, user)[0]
+        direct = smem not in REMOTE and (dmem not in REMOTE or smem == MemType.DRAM)
+        step = len(moves) if direct else self.stage.capacity
+        for lo in range(0, len(moves), step):
+            batch = moves[lo : lo + step]
+            start = time.perf_counter()
+            si = np.fromiter((m.src_slot for m in batch), dtype=np.int64, count=len(batch))
+            di = np.fromiter((m.dst_slot for m in batch), dtype=np.int64, count=len(batch))
+            if direct:
+                write = self._write_obj if dmem == MemType.OBJ else None
+                backend = (
+                    write(src, si, [m.key for m in batch], user) if write else self._transfer(src, si, dst, di, user)
+                )
+                self._account(src, dst, batch, time.perf_counter() - start, backend)
+                continue
+            rows = np.arange(len(batch), dtype=np.int64)
+            keys = [m.key for m in batch]
+            if smem == MemType.OBJ:
+                good = self._read_obj(keys, rows)
+            else:
+                self._transfer(src, si, STAGE, rows, user)
+                good = np.ones(len(batch), dtype=bool)
+            if smem in REMOTE:
+                good &= self._verify(keys, rows)
+            for i in np.flatnonzero(~good):
+                self.invalidate(keys[i])
+            keep = np.flatnonzero(good)
+            if not len(keep):
+                continue
+            kept = [batch[i] for i in keep]
+            if dmem == MemType.OBJ:
+                backend = self._write_obj(STAGE, rows[keep], [m.key for m in kept], user)
+            else:
+                backend = self._transfer(STAGE, rows[keep], dst, di[keep], user)
+            self._account(src, dst, kept, time.perf_counter() - start, backend)
+
+    def run(self, plan: list[Move], user: Prepared | None, index: L3Index | None = None) -> None:
+        """Run a plan level by level, each (source, destination) pair of a level as one batch; chunks stored in
+        L3 are recorded in `index` (the caller syncs it)."""
+        l3 = self.names.index("l3_nvme") if "l3_nvme" in self.names else None
+        for groups in levels(plan):
+            for (src, dst), moves in groups.items():
+                live = [m for m in moves if m.key not in self.invalid]
+                if not live:
+                    continue
+                self._run_group(src, dst, live, user)
+                if dst == l3 and index is not None:
+                    for m in live:
+                        if m.key not in self.invalid:
+                            index.stored(m.dst_slot, self.crc.get(m.key, 0), m.key)

@@ -1,0 +1,100 @@
+"""The cache's plan: the tier engine's decisions recorded as slot-to-slot moves, and their order of execution.
+
+`SlotEngine` is the `TierStack` the replay simulates, with slots: each placement allocates a slot of the tier's
+slab and appends a `Move` (from the caller's buffer, or from the slot the chunk is copied from); each removal
+frees the slot. `levels` orders a plan so that moves of one level touch no slot another move of the level
+reads or writes, and can run as one batch per (source, destination) pair.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import TierConfig
+from .engine import PREFILL, TierStack, tier_specs
+from .keys import ChunkKey
+from .policies import PolicySettings, make_policy
+
+USER = -1  # a plan endpoint meaning the caller's buffer (the source of put, the destination of get)
+STAGE = -2  # the host staging area
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy chunk `key` from slot `src_slot` of `src` to slot `dst_slot` of `dst` (tier indices, USER, STAGE)."""
+
+    key: ChunkKey
+    src: int
+    src_slot: int
+    dst: int
+    dst_slot: int
+
+
+class SlotEngine(TierStack):
+    """The policy's decisions recorded as slot moves; slots are allocated and freed as chunks come and go.
+
+    `on_removed(tier, key, slot)` is called when a chunk's slot is freed (after any demotion copy was planned).
+    """
+
+    def __init__(self, config: TierConfig, on_removed: Callable[[int, ChunkKey, int], None]) -> None:
+        policy = make_policy(config.policy.name, PolicySettings.from_config(config))
+        super().__init__(
+            policy, tier_specs(config), config.policy.promote_on_hit, config.policy.write_mode == "write_through"
+        )
+        self.on_removed = on_removed
+        self.slots: list[dict[ChunkKey, int]] = [{} for _ in self.specs]
+        self.free: list[list[int]] = [list(range(t.capacity - 1, -1, -1)) for t in self.specs]
+        self.plan: list[Move] = []
+        self.user_index: dict[ChunkKey, int] = {}
+        self.origin: dict[tuple[int, ChunkKey], tuple[int, int]] = {}  # put from the caller in this plan
+
+    def _placed(self, source: str, j: int, key: ChunkKey) -> None:
+        slot = self.free[j].pop()
+        self.slots[j][key] = slot
+        if source == PREFILL:
+            src = (USER, self.user_index[key])
+        else:  # a chunk copied from the caller earlier in this plan is copied from the caller again
+            t = self.names.index(source)
+            src = self.origin.get((t, key), (t, self.slots[t][key]))
+        if src[0] == USER:
+            self.origin[j, key] = src
+        self.plan.append(Move(key, src[0], src[1], j, slot))
+
+    def _removed(self, j: int, key: ChunkKey) -> None:
+        slot = self.slots[j].pop(key)
+        self.free[j].append(slot)
+        self.on_removed(j, key, slot)
+
+    def adopt(self, j: int, slots: dict[ChunkKey, int], now: float) -> None:
+        """Make each key resident in tier j at its slot without a move (found again in a persistent tier)."""
+        for key, slot in slots.items():
+            self.resident[j].add(key)
+            self.orders[j].insert(key, now)
+            self.slots[j][key] = slot
+        taken = set(slots.values())
+        self.free[j] = [s for s in self.free[j] if s not in taken]
+
+    def take_plan(self) -> list[Move]:
+        """The moves planned since the last call, in order."""
+        plan, self.plan = self.plan, []
+        self.origin.clear()
+        return plan
+
+
+def levels(plan: list[Move]) -> list[dict[tuple[int, int], list[Move]]]:
+    """The plan by level, each level's moves grouped by (source, destination): a move's level is one more than
+    that of any earlier move whose slot it reads, writes or overwrites, so moves of one level are independent."""
+    written: dict[tuple[int, int], int] = {}
+    read: dict[tuple[int, int], int] = {}
+    out: list[dict[tuple[int, int], list[Move]]] = []
+    for m in plan:
+        r, w = (m.src, m.src_slot), (m.dst, m.dst_slot)
+        level = max(written.get(r, -1), written.get(w, -1), read.get(w, -1)) + 1
+        read[r] = max(read.get(r, -1), level)
+        written[w] = level
+        if level == len(out):
+            out.append(defaultdict(list))
+        out[level][m.src, m.dst].append(m)
+    return out

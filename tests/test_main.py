@@ -1,0 +1,34 @@
+"""``python -m datamover`` is the CLI, and what needs no extra library runs without it (issue 14, item 10).
+
+scripts/check_extras.sh checks every extra alone in clean virtual environments; these run in the suite's own
+environment, with an extra's library blocked from import where the check is about working without it.
+"""
+
+import json
+import subprocess
+import sys
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_python_dash_m_datamover_is_the_cli():
+    run = subprocess.run([sys.executable, "-m", "datamover", "info", "--json"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "memcpy" in {r["backend"] for r in json.loads(run.stdout)["backends"]}
+
+
+def test_policy_and_alerts_work_without_prometheus_client(tmp_path):
+    """datamover[policy] does not bring prometheus_client: the tier cache, replay and alert rules must not need it."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "hash_ids": [0, i]}) + "\n" for i in range(50)))
+    run = _python(
+        "import sys; sys.modules['prometheus_client'] = None\n"  # import of it raises ImportError
+        "import datamover.policy\n"
+        "from datamover.cli import main\n"
+        f"assert main(['replay', {str(trace)!r}, '--json']) == 0\n"
+        f"assert main(['alerts', '-o', {str(tmp_path / 'rules.yaml')!r}]) == 0\n"
+    )
+    assert run.returncode == 0, run.stderr
+    assert "datamover_cache_hits" in (tmp_path / "rules.yaml").read_text()
