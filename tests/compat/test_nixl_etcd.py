@@ -164,3 +164,71 @@ def test_push_and_invalidate_at_a_listener_and_the_etcd_route_needs_endpoints(mo
             agent.fetch_remote_metadata("target")
     finally:
         agent.close()
+
+
+def _partial_flow(target, init, exchange) -> None:
+    """partial_md_example.py's flow: label 1's descriptors work, label 2's are not found until sent."""
+    bufs = [np.full(256, i, dtype=np.uint8) for i in range(4)]
+    mine = np.zeros(512, dtype=np.uint8)
+    regs1 = target.get_reg_descs([(b.ctypes.data, 256, 0, "t") for b in bufs[:2]], "DRAM")
+    regs2 = target.get_reg_descs([(b.ctypes.data, 256, 0, "t") for b in bufs[2:]], "DRAM")
+    target.register_memory(regs1)
+    target.register_memory(regs2)
+    init.register_memory([(mine.ctypes.data, 512, 0, "")], "DRAM")
+    local = init.get_xfer_descs([(mine.ctypes.data, 256, 0), (mine.ctypes.data + 256, 256, 0)], "DRAM")
+
+    exchange(regs1, "label_1")
+    until(lambda: init.check_remote_metadata("target", regs1.trim()))
+    assert not init.check_remote_metadata("target", regs2.trim())
+    h1 = init.initialize_xfer("READ", local, regs1.trim(), "target", b"UUID1")
+    init.transfer(h1)
+    until(lambda: init.check_xfer_state(h1) == "DONE")
+    assert (mine[:256] == 0).all() and (mine[256:] == 1).all()
+    with pytest.raises(nx.nixlNotFoundError):
+        init.initialize_xfer("READ", local, regs2.trim(), "target", b"UUID2")
+
+    exchange(regs2, "label_2")
+    until(lambda: init.check_remote_metadata("target", regs2.trim()))
+    assert init.check_remote_metadata("target", regs1.trim())  # merged, not replaced
+    h2 = init.initialize_xfer("READ", local, regs2.trim(), "target", b"UUID2")
+    init.transfer(h2)
+    until(lambda: init.check_xfer_state(h2) == "DONE")
+    assert (mine[:256] == 2).all() and (mine[256:] == 3).all()
+    until(lambda: target.check_remote_xfer_done("initiator", b"UUID2"))
+
+
+def test_partial_metadata_by_label_in_etcd(etcd_env):
+    ok, reason = backend_status("ucx")
+    if not ok:
+        pytest.skip(f"ucx backend unavailable: {reason}")
+    with (
+        nixl_agent("target", nixl_agent_config(backends=["UCX"])) as target,
+        nixl_agent("initiator", nixl_agent_config(backends=["UCX"])) as init,
+    ):
+
+        def exchange(regs, label):
+            target.send_partial_agent_metadata(regs, True, ["UCX"], label=label)
+            init.fetch_remote_metadata("target", label=label)
+
+        _partial_flow(target, init, exchange)
+        target.invalidate_local_metadata()  # withdraws the labelled keys too
+        assert target.agent.wait_metadata(10) and target.agent.metadata_failures == 0
+        client = target.agent._labels["client"]
+        assert not client.get_prefix(f"/{md.etcd_settings()[1]}/agents/target/")
+
+
+def test_partial_metadata_pushed_to_a_listener():
+    ok, reason = backend_status("ucx")
+    if not ok:
+        pytest.skip(f"ucx backend unavailable: {reason}")
+    with (
+        nixl_agent("target", nixl_agent_config(True, True, 0)) as target,
+        nixl_agent("initiator", nixl_agent_config(True, True, 0)) as init,
+    ):
+
+        def exchange(regs, label):  # with an address the label is ignored, as in NIXL
+            target.send_partial_agent_metadata(regs, True, ["UCX"], HOST, init.listen_port, label)
+
+        _partial_flow(target, init, exchange)
+        blob = target.get_partial_agent_metadata(target.get_reg_descs([], "DRAM"), False)
+        assert isinstance(blob, bytes)

@@ -86,9 +86,21 @@ class XferMixin:
         return None if name in ("", NIXL_INIT_AGENT, self.name) else name
 
     def _prepare_rows(self, dl: DescList, peer: str | None) -> Prepared:
+        """Validate ``dl`` against this agent's registrations or a peer's metadata. A peer's descriptors that
+        metadata fetched from its listener does not cover trigger one refetch from there (it may have registered
+        them since); metadata pushed to us, or loaded as bytes, has nowhere to be refetched from."""
         with nixl_errors():
             if peer is None:
                 return self.agent.prepare(self._own_side(dl))  # type: ignore[attr-defined]
+            try:
+                return self.agent.prepare(dl, peer)
+            except NotRegistered:
+                if peer not in self.agent.remotes:
+                    raise
+                try:
+                    self.agent.refresh_remote(peer)
+                except (KeyError, DatamoverError):
+                    pass
             return self.agent.prepare(dl, peer)
 
     def prepXferDlist(self, agent_name: Any, *args: Any) -> int:
@@ -231,6 +243,7 @@ class XferMixin:
     def _status(self, req: XferReq) -> nixl_status_t:
         state = req.xfer.state
         if state == XferState.INIT:
+            self._events.error(nixl_status_t.NIXL_ERR_NOT_POSTED)
             raise nixlNotPostedError("the transfer was never posted; post it first")
         if state == XferState.PROC:
             return nixl_status_t.NIXL_IN_PROG
@@ -245,7 +258,7 @@ class XferMixin:
         """Telemetry events of a finished post, and the cost model's update."""
         t = req.xfer.telemetry
         if req.xfer.state == XferState.DONE:
-            post_us, xfer_us = self._us(t.post_duration_s), self._us(t.transfer_duration_s or 0.0)
+            post_us, xfer_us = self._times(t)
             self._events.transfer(req.xfer.op, int(t.bytes), xfer_us, post_us)
             if t.transfer_duration_s and t.bytes:
                 bw, lat = self._cost.get(t.backend, (0.0, 0.0))
@@ -253,6 +266,14 @@ class XferMixin:
                 self._cost[t.backend] = (sample if not bw else 0.8 * bw + 0.2 * sample, lat or t.transfer_duration_s)
         else:
             self._events.error(status_of(req.xfer.error))
+
+    @classmethod
+    def _times(cls, t: Any) -> tuple[int, int]:
+        """(post, transfer) durations in us; the transfer's includes its post, as NIXL's does."""
+        post_us = cls._us(t.post_duration_s)
+        if t.transfer_duration_s is None:
+            return post_us, 0
+        return post_us, max(post_us, cls._us(t.transfer_duration_s))
 
     @staticmethod
     def _us(seconds: float) -> int:
@@ -268,8 +289,7 @@ class XferMixin:
         if req.xfer.state == XferState.INIT:
             raise nixlNoTelemetryError("the transfer was never posted")
         t = req.xfer.telemetry
-        post_us = self._us(t.post_duration_s)
-        xfer_us = max(post_us, self._us(t.transfer_duration_s or 0.0)) if t.transfer_duration_s is not None else 0
+        post_us, xfer_us = self._times(t)
         return nixlXferTelemetry(
             startTime=int(t.start_time * 1e6),
             postDuration=post_us,
