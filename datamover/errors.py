@@ -57,12 +57,20 @@ class InvalidMetadata(DatamoverError, ValueError):
     """A metadata blob is truncated, corrupt, hostile or of an unknown schema."""
 
 
+class InvalidParameter(DatamoverError, ValueError):
+    """A parameter is unknown or out of range: an agent config field, a backend's (``backend`` set), an op."""
+
+
 class UnsupportedTransfer(DatamoverError):
     """No enabled backend moves this (local, remote) memory-type pair."""
 
 
 class BackendUnavailable(DatamoverError):
     """The backend cannot run here; ``reason`` says why (missing package, no driver)."""
+
+
+class BrokenBackend(BackendUnavailable):
+    """A backend's module failed to import; ``reason`` says why (shown by ``datamover info``)."""
 
 
 class TransferStateError(DatamoverError, RuntimeError):
@@ -90,6 +98,33 @@ class TransferIOError(DatamoverError, OSError):
 
 def _rebuild_io(reason, errno, index, backend):
     return TransferIOError(reason, errno=errno, index=index, backend=backend)
+
+
+class CudaError(TransferIOError):
+    """A CUDA call failed; ``cuda_error`` is the CUDA error name (e.g. ``cudaErrorInvalidValue``)."""
+
+    def __init__(self, reason: str, *, cuda_error: str | None = None, index=None, backend="cuda"):
+        super().__init__(reason, index=index, backend=backend)
+        self.cuda_error = cuda_error
+
+    def __reduce__(self):
+        return (_rebuild_cuda_error, (self.reason, self.cuda_error, self.index, self.backend))
+
+
+def _rebuild_cuda_error(reason, cuda_error, index, backend):
+    return CudaError(reason, cuda_error=cuda_error, index=index, backend=backend)
+
+
+class UcpError(DatamoverError):
+    """A UCP call returned an error status (``status``, a negative ucs_status_t)."""
+
+    def __init__(self, reason: str, *, status: int = 0, index: int | None = None, backend: str | None = "ucx"):
+        self.status = status
+        super().__init__(reason, index=index, backend=backend)
+
+
+class PinnedPoolExhausted(DatamoverError, MemoryError):
+    """Page-locking a DRAM region would take the backend past its pinned-pool limit."""
 
 
 class RemoteDisconnected(DatamoverError, ConnectionError):

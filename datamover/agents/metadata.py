@@ -18,9 +18,8 @@ from typing import Any
 
 import msgpack
 
-from ..descriptors import MemType
+from ..descriptors import MemType, RegionTable
 from ..errors import AuthenticationError, InvalidDescriptor, InvalidMetadata
-from .regions import RegionTable
 
 SCHEMA_VERSION = 1
 MAX_BLOB_BYTES = 64 << 20

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import time
 from enum import Enum
-from typing import TYPE_CHECKING
 
-from ..backends.base import Backend, Completion, TransferRequest
+from ..backends.base import Backend, BackendHost, Completion, Op, TransferRequest, clock
 from ..errors import TransferStateError, TransferTimeout
 from ..telemetry.transfer import TransferTelemetry
 
-if TYPE_CHECKING:
-    from .agent import Agent
-
-_now = time.perf_counter
+_now = clock
 
 #: a poll of ``state`` runs work no backend thread has started this long after ``post``: long enough that a
 #: state check right after posting (NIXL's ``transfer()`` returns one) never blocks, short enough that a
@@ -44,10 +40,9 @@ class Transfer:
 
     __slots__ = (
         "__weakref__",
-        "_agent",
         "_completion",
-        "_deadline",
         "_error",
+        "_host",
         "_post_duration",
         "_posted_at",
         "_posted_wall",
@@ -58,14 +53,13 @@ class Transfer:
         "request",
     )  # fmt: skip
 
-    def __init__(self, agent: Agent, backend: Backend, request: TransferRequest, descriptors: int) -> None:
-        self._agent = agent
+    def __init__(self, host: BackendHost, backend: Backend, request: TransferRequest, descriptors: int) -> None:
+        self._host = host
         self.backend = backend
         self.request = request
         self.descriptors = descriptors
         self.nbytes = request.local.nbytes
         self._completion: Completion | None = None
-        self._deadline = 0.0
         self._error: BaseException | None = None
         self._released = False
         self._posted_at = 0.0
@@ -73,7 +67,7 @@ class Transfer:
         self._post_duration = 0.0
 
     @property
-    def op(self) -> str:
+    def op(self) -> Op:
         return self.request.op
 
     def post(self) -> Transfer:
@@ -91,17 +85,18 @@ class Transfer:
             )
         self._error = None
         self._posted_wall = time.time()
+        req = self.request
         self._posted_at = t0 = _now()
-        self._deadline = t0 + self.request.timeout
-        self._completion = c = self.backend.post(self.request)
-        if self.request.notify and self.request.remote_agent is None:
+        req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait against it
+        self._completion = c = self.backend.post(req)
+        if req.notify and req.remote_agent is None:
             c.add_done_callback(self._notify_self)
         self._post_duration = _now() - t0
         return self
 
     def _notify_self(self, completion: Completion) -> None:
         if completion.error is None:
-            self._agent._deliver_notification(self._agent.name, self.request.notify)
+            self._host.deliver_notification(self._host.name, self.request.notify)
 
     @property
     def state(self) -> XferState:
@@ -124,7 +119,7 @@ class Transfer:
             if self._error is not None:
                 return XferState.ERR
             now = _now()
-            if now > self._deadline:
+            if now > self.request.deadline:
                 self._time_out(c)
                 return XferState.ERR
             if not assist or now - self._posted_at < POLL_ASSIST_AFTER_S or not c.assist():
@@ -155,7 +150,7 @@ class Transfer:
                 "transfer was never posted" if c is None else "transfer was released", backend=self.backend.name
             )
         if c.finished_at is None:
-            limit = self._deadline - _now()
+            limit = self.request.deadline - _now()
             if timeout is not None and timeout < limit:
                 limit = timeout
             # waiting without a timeout may run the backend's remaining work here instead of sleeping on it
@@ -174,7 +169,7 @@ class Transfer:
         c = self._completion
         if c is not None and c.finished_at is None:
             c.cancel()
-            c.wait(max(0.0, self._deadline - time.perf_counter()))
+            c.wait(max(0.0, self.request.deadline - _now()))
         self._released = True
 
     @property

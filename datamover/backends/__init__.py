@@ -11,7 +11,8 @@ import importlib
 import threading
 from importlib.metadata import entry_points
 
-from .base import Backend, Completion, TransferRequest
+from ..errors import BrokenBackend
+from .base import Backend, BackendHost, Completion, Op, TransferRequest
 
 ENTRY_POINT_GROUP = "datamover.backends"
 
@@ -55,10 +56,6 @@ def backend_names() -> list[str]:
         return list(_registered)
 
 
-class BrokenBackend(Exception):
-    """A backend's module failed to import; carries the reason for `datamover info`."""
-
-
 def get_backend_class(name: str) -> type[Backend]:
     """The class registered as ``name``; imports its module on first use."""
     _discover()
@@ -93,8 +90,10 @@ def backend_status(name: str) -> tuple[bool, str]:
 __all__ = [
     "ENTRY_POINT_GROUP",
     "Backend",
+    "BackendHost",
     "BrokenBackend",
     "Completion",
+    "Op",
     "TransferRequest",
     "backend_names",
     "backend_status",

@@ -1,32 +1,90 @@
-"""The Backend interface every backend implements, and the request it executes.
+"""The contract between the Agent and its backends: ``BackendHost``, ``Backend``, the request and its completion.
 
 A backend moves bytes for one or more (local, remote) memory-type pairs. The
 Agent validates descriptors, coalesces them and hands the backend a
-``TransferRequest``; ``post`` starts the work and returns a ``Completion``
-that the backend finishes from any thread. Optional dependencies are imported
-inside methods, never at module import, so ``datamover info`` can list a
-backend whose library is missing.
+``TransferRequest``; ``plan`` turns it once into the backend's own typed
+plan, ``post`` starts the work and returns a ``Completion`` that the backend
+finishes from any thread. A backend sees the Agent only as a ``BackendHost``.
+Optional dependencies are imported inside methods, never at module import,
+so ``datamover info`` can list a backend whose library is missing.
 """
 
 from __future__ import annotations
 
 import _thread
+import math
 import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from ..descriptors import DescList, MemType
-from ..errors import DatamoverError, TransferAborted
+from ..descriptors import DescList, MemType, RegionTable, Registration
+from ..errors import DatamoverError, InvalidParameter, TransferAborted
 
-if TYPE_CHECKING:
-    from ..agents.agent import Agent
-    from ..agents.registration import Registration
+#: the one clock of every deadline and timestamp: ``BackendHost.clock`` is this, ``Completion.finished_at`` reads it
+clock = time.monotonic
+
+
+class Op(str, Enum):
+    """Which way a transfer moves bytes: WRITE local -> remote, READ remote -> local (NIXL's strings)."""
+
+    WRITE = "WRITE"
+    READ = "READ"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: Any) -> Op:
+        """An Op from itself or its name in any case; InvalidParameter otherwise."""
+        if isinstance(value, Op):
+            return value
+        try:
+            return cls(str(value).upper())
+        except ValueError:
+            raise InvalidParameter(f"op must be 'WRITE' or 'READ', got {value!r}") from None
+
+
+class BackendHost(Protocol):
+    """What a backend may see of the Agent that runs it, and all it may see.
+
+    The Agent implements this; backends (and ``Transfer``) use nothing else of
+    it. ``regions`` is a live read-only view of the registrations by id;
+    ``region_table`` the lookup table over them, replaced (a new object) on
+    every registration change, so a backend may cache against its identity.
+    """
+
+    @property
+    def name(self) -> str:
+        """The agent's name, as peers know it."""
+
+    @property
+    def secret(self) -> bytes | None:
+        """The shared secret that authenticates metadata and control connections, if set."""
+
+    @property
+    def timeout_s(self) -> float:
+        """The default bound, in seconds, on a transfer (and on waits such as a deregistration's)."""
+
+    @property
+    def regions(self) -> Mapping[int, Registration]:
+        """This agent's registrations by id: a live, read-only view."""
+
+    @property
+    def region_table(self) -> RegionTable:
+        """The lookup table over ``regions`` (a new object after each registration change)."""
+
+    def deliver_notification(self, peer: str, message: bytes) -> None:
+        """Hand a notification from ``peer`` to this agent's users (``get_notifications`` and friends)."""
+
+    def clock(self) -> float:
+        """Now, on the clock every deadline is on (``datamover.backends.base.clock``)."""
 
 
 #: the locks of every completion run inline (``run_inline``): it is finished before anyone can wait on it, so its
@@ -55,7 +113,7 @@ class Completion:
         self._callbacks: list[Callable[[Completion], None]] | None = None
         self._assist: Callable[[], None] | None = None
         if parts == 0:
-            self.finished_at = time.perf_counter()
+            self.finished_at = clock()
         else:
             self._latch.acquire()
 
@@ -68,7 +126,7 @@ class Completion:
             self._remaining -= 1
             if self._remaining > 0:
                 return
-            self.finished_at = time.perf_counter()
+            self.finished_at = clock()
             callbacks, self._callbacks = self._callbacks, None
         self._latch.release()
         if callbacks:
@@ -132,17 +190,20 @@ class Completion:
         fn(self)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class TransferRequest:
     """What a backend executes: coalesced, validated descriptors and where they came from.
 
     ``local`` are this agent's descriptors; ``remote`` the peer's (or this
     agent's own when ``remote_agent`` is None). WRITE moves local -> remote,
     READ remote -> local. ``first_index[i]`` is the caller's index of the
-    first descriptor that row ``i`` covers, for error messages.
+    first descriptor that row ``i`` covers, for error messages. ``plan`` is
+    what the backend's ``plan`` returned for it (its own type). ``deadline``
+    is absolute, on ``clock``: set once by each post (``timeout`` seconds
+    after it), and every backend waits against it and nothing else.
     """
 
-    op: str
+    op: Op
     local: DescList
     remote: DescList
     remote_agent: str | None
@@ -152,23 +213,24 @@ class TransferRequest:
     first_index: np.ndarray
     notify: bytes = b""
     timeout: float = 30.0
-    plan: dict = field(default_factory=dict)
+    plan: Any = None
+    deadline: float = math.inf
 
     @property
     def src(self) -> DescList:
-        return self.local if self.op == "WRITE" else self.remote
+        return self.local if self.op is Op.WRITE else self.remote
 
     @property
     def dst(self) -> DescList:
-        return self.remote if self.op == "WRITE" else self.local
+        return self.remote if self.op is Op.WRITE else self.local
 
     @property
     def src_regions(self) -> np.ndarray:
-        return self.local_regions if self.op == "WRITE" else self.remote_regions
+        return self.local_regions if self.op is Op.WRITE else self.remote_regions
 
     @property
     def dst_regions(self) -> np.ndarray:
-        return self.remote_regions if self.op == "WRITE" else self.local_regions
+        return self.remote_regions if self.op is Op.WRITE else self.local_regions
 
     def caller_index(self, row: int) -> int:
         """The caller's descriptor index for coalesced row ``row``."""
@@ -191,12 +253,12 @@ class Backend(ABC):
     #: parameters accepted in the agent config, with their defaults
     default_params: ClassVar[Mapping[str, Any]] = {}
 
-    def __init__(self, agent: Agent, params: Mapping[str, Any] | None = None) -> None:
-        self.agent = agent
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        self.host = host
         unknown = set(params or {}) - set(self.default_params)
         if unknown:
             known = ", ".join(sorted(self.default_params)) or "none"
-            raise ValueError(f"backend {self.name!r}: unknown parameter(s) {sorted(unknown)}; known: {known}")
+            raise InvalidParameter(f"unknown parameter(s) {sorted(unknown)}; known: {known}", backend=self.name)
         self.params: dict[str, Any] = {**self.default_params, **(params or {})}
 
     @classmethod
@@ -228,8 +290,9 @@ class Backend(ABC):
     def deregister(self, reg: Registration, handle: Any) -> None:
         """Undo ``register``."""
 
-    def plan(self, req: TransferRequest) -> None:
-        """Precompute what ``post`` needs into ``req.plan``; called once per request."""
+    def plan(self, req: TransferRequest) -> Any:
+        """Precompute what ``post`` needs, once per request; the Agent keeps the result as ``req.plan``."""
+        return None
 
     @abstractmethod
     def post(self, req: TransferRequest) -> Completion:
@@ -325,7 +388,7 @@ def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *ar
             work(*args, start, stop, c)
     except BaseException as exc:
         c.error = typed_error(exc, backend)
-    c.finished_at = time.perf_counter()
+    c.finished_at = clock()
     return c
 
 
@@ -339,7 +402,7 @@ def finished_completion() -> Completion:
     c._remaining = 0
     c.error = c._callbacks = c._assist = None
     c.cancelled = False
-    c.finished_at = time.perf_counter()
+    c.finished_at = clock()
     return c
 
 

@@ -56,13 +56,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
 from ..descriptors import DescList, MemType
-from ..descriptors.desclist import _check_rows as check_rows
+from ..descriptors.desclist import check_rows
 from ..errors import (
     AuthenticationError,
     DatamoverError,
@@ -75,7 +76,15 @@ from ..errors import (
 )
 from . import cma
 from . import ucx_rma as rma
-from .base import Backend, Completion, TransferRequest, finished_completion, run_parts, split_by_bytes
+from .base import (
+    Backend,
+    BackendHost,
+    Completion,
+    TransferRequest,
+    finished_completion,
+    run_parts,
+    split_by_bytes,
+)
 from .ucx_protocol import FrameConn, handshake_mac, new_nonce, session_key
 from .workers import Workers
 
@@ -94,7 +103,7 @@ _DIRECT_GRACE_S = 0.002
 _MAX_RKEY_BYTES = 4096
 
 
-def _import_ucxx():
+def import_ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     from ucxx._lib import libucxx as ucx_api
     from ucxx._lib.arr import Array
@@ -163,6 +172,17 @@ class _Requests:
         return [i for i in range(self.k, len(self.reqs)) if not self.reqs[i].completed]
 
 
+@dataclass(eq=False)
+class UcxPlan:
+    """One request, prepared once: local row views, the local regions it touches, the control message to the
+    owner, and (cached by the first one-sided post) the peer epoch and rows it was planned against."""
+
+    views: Any
+    regions: frozenset[int]
+    msg: dict[str, Any]
+    one_sided: Any = None
+
+
 class _Direct:
     """A one-sided request's puts/gets, posted by the caller (or, queued behind the handshake, by the service
     thread), until the endpoint flush after them ends; finished once, by whoever sees it end."""
@@ -177,7 +197,7 @@ class _Direct:
         self.completion = completion
         self.flush = flush
         self.notify = req.notify
-        self.regions = req.plan["regions"]
+        self.regions = req.plan.regions
         self.lock = threading.Lock()
         self.done = False
         self.driven = False  # a waiter progresses UCX for it: the service thread keeps out of its way
@@ -292,16 +312,16 @@ class UcxBackend(Backend):
         "launch_margin_s": 0.001,
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
-        ucx_api, Array = _import_ucxx()
+    def __init__(self, host: BackendHost, params=None) -> None:
+        super().__init__(host, params)
+        ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
         self._ctx = ucx_api.UCXContext(config, feature_flags=_features(ucx_api))
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
-        self._secret: bytes | None = agent.config.secret
+        self._secret: bytes | None = host.secret
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((self.params["host"], int(self.params["port"])))
@@ -352,14 +372,14 @@ class UcxBackend(Backend):
         self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
         self._ucx_watched = True  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{agent.name}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
 
     # -- class-level facts -----------------------------------------------------
     @classmethod
     def available(cls) -> tuple[bool, str]:
         try:
-            ucx_api, _ = _import_ucxx()
+            ucx_api, _ = import_ucxx()
             import ucxx
         except Exception as exc:
             return False, f"ucxx is not importable ({type(exc).__name__}: {exc}); pip install ucxx-cu12"
@@ -370,7 +390,7 @@ class UcxBackend(Backend):
     def environment(cls) -> dict[str, Any]:
         """UCX version and the transports this machine offers (the data path picks among them)."""
         try:
-            ucx_api, _ = _import_ucxx()
+            ucx_api, _ = import_ucxx()
             ctx = ucx_api.UCXContext(ucx_config({}, False), feature_flags=_features(ucx_api))
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
@@ -469,7 +489,7 @@ class UcxBackend(Backend):
         """
         if threading.current_thread() is self._thread or self._stop:
             return
-        deadline = time.monotonic() + float(self.agent.config.timeout_s)
+        deadline = time.monotonic() + self.host.timeout_s
         box: list[bool] = []
         if handle is not None:
             self._call(lambda: self._revoke(reg.id))
@@ -515,36 +535,37 @@ class UcxBackend(Backend):
         rma.mem_unmap(self._ctx.handle, memh)
 
     def _in_use(self, rid: int) -> bool:
-        if any(rid in op.req.plan["regions"] for op in self._active_out.values()):
+        if any(rid in op.req.plan.regions for op in self._active_out.values()):
             return True
         if any(rid in d.regions for d in self._directs if not d.done):
             return True
         if any(rid in regions for _, regions in list(self._cma_ops.values())):
             return True
         for peer in self._peers.values():  # requests waiting for the handshake will post soon
-            if any(rid in op.req.plan["regions"] for op in peer.ops.values() if op.reqs is None and not op.abandoned):
+            if any(rid in op.req.plan.regions for op in peer.ops.values() if op.reqs is None and not op.abandoned):
                 return True
         return any(rid in entry[4] for inbound in self._inbound.values() for entry in inbound.ops.values())
 
     # -- transfers -------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
-        p = req.plan
-        p["views"] = _views(req.registrations, req.local_regions, req.local.addr, req.local.length, self._Array)
-        p["regions"] = frozenset(np.unique(req.local_regions).tolist())
-        p["msg"] = {
-            "t": "req",
-            "op": req.op,
-            "mem": req.remote.mem_type.value,
-            "addr": np.ascontiguousarray(req.remote.addr, dtype="<i8").tobytes(),
-            "len": np.ascontiguousarray(req.remote.length, dtype="<i8").tobytes(),
-            "dev": np.ascontiguousarray(req.remote.dev, dtype="<i8").tobytes(),
-            "notify": req.notify,
-        }
+    def plan(self, req: TransferRequest) -> UcxPlan:
+        return UcxPlan(
+            views=_views(req.registrations, req.local_regions, req.local.addr, req.local.length, self._Array),
+            regions=frozenset(np.unique(req.local_regions).tolist()),
+            msg={
+                "t": "req",
+                "op": req.op,
+                "mem": req.remote.mem_type.value,
+                "addr": np.ascontiguousarray(req.remote.addr, dtype="<i8").tobytes(),
+                "len": np.ascontiguousarray(req.remote.length, dtype="<i8").tobytes(),
+                "dev": np.ascontiguousarray(req.remote.dev, dtype="<i8").tobytes(),
+                "notify": req.notify,
+            },
+        )
 
     def post(self, req: TransferRequest) -> Completion:
         if len(req.local) == 0:
             return finished_completion()
-        deadline = time.monotonic() + req.timeout
+        deadline = req.deadline
         if self._one_sided:
             completion = self._post_direct(req, deadline)
             if completion is not None:
@@ -562,7 +583,7 @@ class UcxBackend(Backend):
         are done when ``post`` returns.
         """
         peer = self._peers.get(req.remote_agent)  # type: ignore[arg-type]
-        if peer is None or peer.state != "ready" or not peer.regions or req.plan["regions"] - self.agent._regs.keys():
+        if peer is None or peer.state != "ready" or not peer.regions or req.plan.regions - self.host.regions.keys():
             return None
         with self._rma_lock:
             if peer.state != "ready" or peer.ep is None:
@@ -575,7 +596,7 @@ class UcxBackend(Backend):
                 # checked against the rkeys the peer holds now: its revocations, and our deregistrations of the
                 # local regions, wait for the parts
                 op_id = next(self._cma_ids)
-                self._cma_ops[op_id] = (peer, req.plan["regions"])
+                self._cma_ops[op_id] = (peer, req.plan.regions)
             elif isinstance(rows, cma.CmaPlan):
                 error = self._copy_cma(peer, req, rows, deadline)
             else:
@@ -613,7 +634,7 @@ class UcxBackend(Backend):
         reads or writes is not unmapped before.
         """
         if self._cma_pool is None:
-            self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.agent.name}")
+            self._cma_pool = Workers(int(self.params["cma_threads"]), f"dm-ucx-cma-{self.host.name}")
         self.counts["one-sided"] += 1
         self.counts["of them direct cma"] += 1
         pid = peer.cma_pid
@@ -806,7 +827,7 @@ class UcxBackend(Backend):
                 if self._poll(0.001 if in_flight else 0.05):
                     last = time.monotonic()
         except BaseException:
-            log.exception("ucx service thread of %s died", self.agent.name)
+            log.exception("ucx service thread of %s died", self.host.name)
             raise
         finally:
             self._shutdown()
@@ -891,7 +912,7 @@ class UcxBackend(Backend):
 
     def _reset_worker(self, reason: str) -> None:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use."""
-        log.warning("resetting the UCX worker of %s: %s", self.agent.name, reason)
+        log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
         for peer in list(self._peers.values()):
             self._disconnect_peer(peer, why)
@@ -1019,7 +1040,7 @@ class UcxBackend(Backend):
         if op.completion.cancelled or time.monotonic() > op.deadline - float(self.params["launch_margin_s"]):
             self._end(op, op.completion.error or self._late(op))
             return
-        gone = op.req.plan["regions"] - self.agent._regs.keys()
+        gone = op.req.plan.regions - self.host.regions.keys()
         if gone:
             self._end(op, NotRegistered(f"local region(s) {sorted(gone)} were deregistered", backend=self.name))
             return
@@ -1036,7 +1057,7 @@ class UcxBackend(Backend):
         else:
             op.tag0 = _READ_TAG | (self._tag_ctr & ((1 << 62) - 1))
         self._tag_ctr += n
-        msg = dict(op.req.plan["msg"])
+        msg = dict(op.req.plan.msg)
         msg["id"] = op.id
         msg["tag"] = op.tag0
         if op.req.op == "READ" and not self._post_local(peer, op):
@@ -1058,7 +1079,7 @@ class UcxBackend(Backend):
             self._disconnect_peer(peer, kind(f"agent {peer.name!r} refused the connection: {msg.get('reason')}"))
             return
         if t == "notif":
-            self.agent._deliver_notification(peer.name, bytes(msg["msg"]))
+            self.host.deliver_notification(peer.name, bytes(msg["msg"]))
             return
         if t == "rkeys":
             if self._one_sided:
@@ -1092,10 +1113,10 @@ class UcxBackend(Backend):
 
     def _hello(self, peer: _Peer, msg: dict[str, Any]) -> None:
         peer.nonce_t = nonce_t = bytes(msg["nonce"])
-        body = self.agent.name.encode() + self._address
+        body = self.host.name.encode() + self._address
         mac = handshake_mac(self._secret, b"hello", nonce_t, peer.nonce, body) if self._secret else b""
         peer.conn.send(  # type: ignore[union-attr]
-            {"t": "hello", "name": self.agent.name, "address": self._address, "nonce": peer.nonce, "mac": mac}
+            {"t": "hello", "name": self.host.name, "address": self._address, "nonce": peer.nonce, "mac": mac}
         )
 
     def _welcome(self, peer: _Peer, msg: dict[str, Any]) -> None:
@@ -1148,11 +1169,11 @@ class UcxBackend(Backend):
         falls back to the served path, where the owner refuses it.
         """
         with self._rma_lock:
-            cached = req.plan.get("one_sided")
+            cached = req.plan.one_sided
             if cached is not None and cached[0] == peer.epoch:
                 return cached[1]
             rows = self._check_rows(peer, req)
-            req.plan["one_sided"] = (peer.epoch, rows)
+            req.plan.one_sided = (peer.epoch, rows)
             return rows
 
     def _check_rows(self, peer: _Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
@@ -1294,7 +1315,7 @@ class UcxBackend(Backend):
                 peer.conn.send({"t": "revoked", "id": rid})
 
     def _post_local(self, peer: _Peer, op: _OutOp) -> bool:
-        views = op.req.plan["views"]
+        views = op.req.plan.views
         tag, ep, T = op.tag0, peer.ep, self._ucx.UCXXTag
         try:
             if op.req.op == "WRITE":
@@ -1354,7 +1375,7 @@ class UcxBackend(Backend):
             inbound.ops.pop(key[1], None)
             if res is True:
                 if notify:
-                    self.agent._deliver_notification(inbound.name, notify)
+                    self.host.deliver_notification(inbound.name, notify)
                 if op_name == "WRITE":
                     inbound.conn.send({"t": "done", "id": key[1]})
             else:
@@ -1424,7 +1445,7 @@ class UcxBackend(Backend):
         if t == "req":
             self._serve(inbound, msg)
         elif t == "notif":
-            self.agent._deliver_notification(inbound.name, bytes(msg["msg"]))
+            self.host.deliver_notification(inbound.name, bytes(msg["msg"]))
         elif t == "revoked":
             self._revoking.get(int(msg["id"]), set()).discard(inbound.conn_id)
 
@@ -1465,7 +1486,7 @@ class UcxBackend(Backend):
         # registrations are unchanged (the table object is rebuilt on every change)
         key = (msg.get("mem"), msg.get("addr"), msg.get("len"), msg.get("dev"))
         cached = self._checked.get(key)
-        if cached is not None and cached[0] is self.agent._table:
+        if cached is not None and cached[0] is self.host.region_table:
             views, regions = cached[1], cached[2]
         else:
             try:
@@ -1475,11 +1496,11 @@ class UcxBackend(Backend):
                 if op == "WRITE":
                     self._drain(inbound, msg, tag0)
                 return
-            views = _views(self.agent._regs, rids, descs.addr, descs.length, self._Array)
+            views = _views(self.host.regions, rids, descs.addr, descs.length, self._Array)
             regions = frozenset(rids.tolist())
             if len(self._checked) >= 256:
                 self._checked.pop(next(iter(self._checked)))
-            self._checked[key] = (self.agent._table, views, regions)
+            self._checked[key] = (self.host.region_table, views, regions)
         ep, T = inbound.ep, self._ucx.UCXXTag
         try:
             if op == "WRITE":
@@ -1508,8 +1529,8 @@ class UcxBackend(Backend):
         for k, c in enumerate(cols):
             rows[:, k] = np.frombuffer(c, dtype="<i8")
         check_rows(rows)  # negative fields, address overflow; the same checks DescList makes, without its overhead
-        descs = DescList._wrap(rows, mem, None, ())
-        rids = self.agent._table.lookup(descs, owner=f"agent {self.agent.name!r}", backend=self.name)
+        descs = DescList.wrap(rows, mem, None, ())
+        rids = self.host.region_table.lookup(descs, owner=f"agent {self.host.name!r}", backend=self.name)
         return descs, rids
 
     def _drain(self, inbound: _Inbound, msg: dict[str, Any], tag0: int) -> None:
@@ -1688,8 +1709,8 @@ def transports_in_use(log: str) -> list[str]:
 _PROBE = """
 import numpy as np
 from datamover.backends import ucx_rma as rma
-from datamover.backends.ucx import _features, _import_ucxx, ucx_config
-u, Array = _import_ucxx()
+from datamover.backends.ucx import _features, import_ucxx, ucx_config
+u, Array = import_ucxx()
 ctxs = [u.UCXContext(ucx_config({}, False), feature_flags=_features(u)) for _ in range(2)]
 ws = [u.UCXWorker(c) for c in ctxs]
 ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)

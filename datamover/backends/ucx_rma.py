@@ -17,7 +17,7 @@ import functools
 import os
 from typing import Any
 
-from ..errors import DatamoverError
+from ..errors import UcpError
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -36,14 +36,6 @@ class _MemMapParams(ctypes.Structure):
         ("memory_type", ctypes.c_int),
         ("_tail", ctypes.c_uint8 * 64),
     ]
-
-
-class UcpError(DatamoverError):
-    """A UCP call returned an error status (``status``, a negative ucs_status_t)."""
-
-    def __init__(self, reason: str, *, status: int = 0, index: int | None = None, backend: str | None = "ucx"):
-        self.status = status
-        super().__init__(reason, index=index, backend=backend)
 
 
 def _loaded(stem: str) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
 from .local import drop_cache
-from .workload import Case, Workload, fill_random, timed_transfer
+from .workload import Case, Workload, fill_random, permutation, timed_transfer
 
 DIRECTION = {
     ("cuda", "WRITE"): "D2H",
@@ -34,10 +34,6 @@ DIRECTION = {
     ("gds", "WRITE"): "GPU->file",
     ("gds", "READ"): "file->GPU",
 }
-
-
-def _permutation(batch: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(batch)
 
 
 def _random_device_tensor(torch, nbytes: int, device: int):
@@ -81,7 +77,7 @@ class CudaWorkload(Workload):
     def case(self, op: str, block: int, batch: int) -> Case:
         torch = self.torch
         n = block * batch
-        perm = _permutation(batch)
+        perm = permutation(batch)
         lp = self.agent.prepare(DescList.blocks(self.gpu[:n], block))
         rp = self.agent.prepare(DescList.blocks(self.host[:n], block))
         xfer = self.agent.make_transfer(op, lp, np.arange(batch), rp, perm)
@@ -163,7 +159,7 @@ class GdsWorkload(Workload):
     def case(self, op: str, block: int, batch: int) -> Case:
         torch = self.torch
         n = block * batch
-        perm = _permutation(batch)
+        perm = permutation(batch)
         offsets = perm.astype(np.int64) * block
         lp = self.agent.prepare(DescList.blocks(self.gpu[:n], block))
         rp = self.agent.prepare(DescList.file(self.file, offsets, block))

@@ -10,11 +10,7 @@ import numpy as np
 
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
-from .workload import Case, Workload, fill_random, timed_transfer
-
-
-def _permutation(batch: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(batch)
+from .workload import Case, Workload, fill_random, permutation, timed_transfer
 
 
 class MemcpyWorkload(Workload):
@@ -39,7 +35,7 @@ class MemcpyWorkload(Workload):
 
     def case(self, op, block, batch):
         n = block * batch
-        perm = _permutation(batch)
+        perm = permutation(batch)
         lp = self.agent.prepare(DescList.blocks(self.src[:n], block))
         rp = self.agent.prepare(DescList.blocks(self.dst[:n], block))
         xfer = self.agent.make_transfer("WRITE", lp, np.arange(batch), rp, perm)
@@ -92,7 +88,7 @@ class PosixWorkload(Workload):
 
     def case(self, op, block, batch):
         n = block * batch
-        perm = _permutation(batch)
+        perm = permutation(batch)
         offsets = perm.astype(np.int64) * block
         lp = self.agent.prepare(DescList.blocks(self.mem[:n], block))
         rp = self.agent.prepare(DescList.file(self.file, offsets, block))

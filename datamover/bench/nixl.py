@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailable, DatamoverError, TransferTimeout
-from .workload import Case, Workload
+from .workload import Case, Workload, permutation
 
 DEFAULT_UCX_TLS = "self,sm,tcp"
 UCX_ERR_MODES = ("none", "peer")
@@ -209,12 +209,6 @@ class NixlSide(ABC):
         return run
 
 
-def _permutation(batch: int) -> np.ndarray:
-    from .local import _permutation as same_as_workload
-
-    return same_as_workload(batch)
-
-
 class NixlLocalDram(NixlSide):
     """DRAM -> DRAM in one process: NIXL's UCX backend in loopback, against our memcpy backend."""
 
@@ -231,7 +225,7 @@ class NixlLocalDram(NixlSide):
 
     def case(self, case: Case) -> NixlCase:
         block, batch, n = case.block, case.batch, case.nbytes
-        perm = _permutation(batch)
+        perm = permutation(batch)
         src_rows = block_rows(int(self.src.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
         dst_rows = block_rows(int(self.dst.ctypes.data), perm.astype(np.int64) * block, block, 0)
         xh, release = self._prepped(self.agent, "WRITE", src_rows, "DRAM", dst_rows, "DRAM", self.agent.name)
@@ -277,7 +271,7 @@ class NixlPosix(NixlSide):
 
     def case(self, case: Case) -> NixlCase:
         block, batch, n, op = case.block, case.batch, case.nbytes, case.op
-        perm = _permutation(batch)
+        perm = permutation(batch)
         mem_rows = block_rows(int(self.mem.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
         file_rows = block_rows(0, perm.astype(np.int64) * block, block, self.fd)
         xh, release = self._prepped(self.agent, op, mem_rows, "DRAM", file_rows, "FILE", self.agent.name)
@@ -461,7 +455,7 @@ def local_buffer(workload: Workload) -> np.ndarray:
 def remote_permutation(workload: Workload, batch: int) -> np.ndarray:
     """The slots block i lands in on the remote side: the workload's own, else the local workloads' permutation."""
     fn = getattr(workload, "permutation", None)
-    return np.asarray(fn(batch)) if callable(fn) else _permutation(batch)
+    return np.asarray(fn(batch)) if callable(fn) else permutation(batch)
 
 
 #: datamover backend -> "module:Class" of the NIXL side compared with it

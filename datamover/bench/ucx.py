@@ -31,9 +31,9 @@ TARGET = "bench-ucx-target"
 
 def _raw_worker(params: dict[str, Any]):
     """A plain ucxx worker with the same UCX settings as the backend's, so both use the same transports."""
-    from ..backends.ucx import UcxBackend, _import_ucxx, ucx_config
+    from ..backends.ucx import UcxBackend, import_ucxx, ucx_config
 
-    ucx_api, Array = _import_ucxx()
+    ucx_api, Array = import_ucxx()
     p = {**UcxBackend.default_params, **params}
     ctx = ucx_api.UCXContext(
         ucx_config(p["ucx_config"], bool(p["cma"])), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)

@@ -73,6 +73,11 @@ def timed_transfer(xfer) -> Callable[[], tuple[float, float]]:
     return run
 
 
+def permutation(batch: int, seed: int = 1) -> np.ndarray:
+    """The destination slot of each source block: the same for ours, the raw library and NIXL."""
+    return np.random.default_rng(seed).permutation(batch)
+
+
 def fill_random(arr: np.ndarray, seed: int = 0) -> None:
     """Fill a uint8 array with random bytes (and touch every page)."""
     arr[:] = np.frombuffer(np.random.default_rng(seed).bytes(arr.shape[0]), dtype=np.uint8)

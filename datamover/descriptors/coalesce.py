@@ -39,7 +39,7 @@ def take_runs(descs: DescList, starts: np.ndarray, lengths: np.ndarray) -> DescL
     rows[:, 1] = lengths
     rows[:, 2] = descs.dev[starts]
     rows.setflags(write=False)
-    return DescList._wrap(rows, descs.mem_type, descs.keys, descs._owners)
+    return DescList.wrap(rows, descs.mem_type, descs.keys, descs.owners)
 
 
 def first_overlap(descs: DescList) -> tuple[int, int] | None:

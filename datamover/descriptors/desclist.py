@@ -52,15 +52,20 @@ class DescList:
         if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
             raise InvalidDescriptor("descriptor values exceed int64")
         rows64 = np.array(arr, dtype=np.int64, order="F", copy=True)
-        _check_rows(rows64)
+        check_rows(rows64)
         rows64.setflags(write=False)
         self._rows = rows64
         self.keys = tuple(keys) if keys is not None else None
         self._owners = owners
 
+    @property
+    def owners(self) -> tuple:
+        """The Python objects that keep this list's memory alive (buffers it was made from), if any."""
+        return self._owners
+
     @classmethod
-    def _wrap(cls, rows: np.ndarray, mem_type: MemType, keys, owners) -> DescList:
-        """Build from already-checked int64 rows without copying or re-checking."""
+    def wrap(cls, rows: np.ndarray, mem_type: MemType, keys, owners) -> DescList:
+        """Build from already-checked int64 rows (addr, length, dev columns) without copying or re-checking."""
         out = cls.__new__(cls)
         if rows.flags.writeable:
             rows = rows.copy(order="F")
@@ -186,7 +191,7 @@ class DescList:
             rows = self._rows[idx]
         rows = np.asfortranarray(rows)
         rows.setflags(write=False)
-        return DescList._wrap(rows, self.mem_type, self.keys, self._owners)
+        return DescList.wrap(rows, self.mem_type, self.keys, self._owners)
 
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
         yield from map(tuple, self._rows.tolist())
@@ -213,10 +218,10 @@ class DescList:
                 raise InvalidDescriptor("cannot concatenate lists with object-key tables")
         rows = np.concatenate([p._rows for p in parts])
         owners = tuple(o for p in parts for o in p._owners)
-        return DescList._wrap(np.asfortranarray(rows), self.mem_type, None, owners)
+        return DescList.wrap(np.asfortranarray(rows), self.mem_type, None, owners)
 
 
-def _check_rows(rows: np.ndarray) -> None:
+def check_rows(rows: np.ndarray) -> None:
     """Vectorized sanity checks: non-negative fields and no address overflow."""
     if rows.shape[0] == 0:
         return

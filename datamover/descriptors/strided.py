@@ -88,7 +88,7 @@ class StridedDescList:
         rows[:, 0] = r[:, 0] + (idx - self._first[run]) * r[:, 3]
         rows[:, 1] = r[:, 1]
         rows[:, 2] = r[:, 2]
-        return DescList._wrap(rows, self.mem_type, None, ())
+        return DescList.wrap(rows, self.mem_type, None, ())
 
     def expand(self) -> DescList:
         """Every block, in flat order."""
@@ -101,7 +101,7 @@ class StridedDescList:
         rows[:, 0] = r[:, 0]
         rows[:, 1] = r[:, 3] * (r[:, 4] - 1) + r[:, 1]
         rows[:, 2] = r[:, 2]
-        return DescList._wrap(rows, self.mem_type, None, ())
+        return DescList.wrap(rows, self.mem_type, None, ())
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StridedDescList):

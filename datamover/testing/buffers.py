@@ -7,8 +7,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..agents import Agent, Registration
-from ..descriptors import DescList, aligned_empty
+from ..agents import Agent
+from ..descriptors import DescList, Registration, aligned_empty
 
 
 class TestBuffer(Protocol):

@@ -168,7 +168,7 @@ def test_posix_small_aio_batch_is_inline_and_a_large_one_is_not(file_agent):
         agent.prepare(DescList.file(reg, perm * 65536, 65536)),
         None,
     )
-    if small.request.plan["aio"] is None:
+    if small.request.plan.aio is None:
         pytest.skip("native AIO is not usable here")
     small.post()
     assert small.state == XferState.DONE and pool.submitted == 0
@@ -176,7 +176,7 @@ def test_posix_small_aio_batch_is_inline_and_a_large_one_is_not(file_agent):
     assert np.array_equal(disk[perm], mem[: 16 * 65536].reshape(16, 65536))
     perm = np.random.default_rng(5).permutation(64)
     big = agent.transfer("WRITE", DescList.blocks(mem[: 64 * 65536], 65536), DescList.file(reg, perm * 65536, 65536))
-    assert big.request.plan["aio"] is not None and not big.request.plan["inline"]
+    assert big.request.plan.aio is not None and not big.request.plan.inline
     assert pool.submitted == 1 and big.wait() == XferState.DONE
     disk = np.frombuffer(read_file(path, 0, 64 * 65536), dtype=np.uint8).reshape(64, 65536)
     assert np.array_equal(disk[perm], mem[: 64 * 65536].reshape(64, 65536))
@@ -290,7 +290,7 @@ def test_run_inline_without_error_is_done():
 def test_posix_inline_syscall_error_is_typed_with_its_errno(file_agent, monkeypatch):
     agent, mem, reg, path = file_agent
     x = agent.make_transfer("WRITE", agent.prepare(mem[:MiB]), None, agent.prepare(DescList.file(reg, [0], MiB)), None)
-    assert x.request.plan["single"] is not None  # the one-syscall fast path
+    assert x.request.plan.single is not None  # the one-syscall fast path
 
     def failing(fd, bufs, offset):
         raise OSError(errno.EIO, "Input/output error")
@@ -308,5 +308,5 @@ def test_memcpy_single_run_overlapping_its_source_copies_like_memmove(mem_agent)
     agent, src, _ = mem_agent
     before = src[:8192].copy()
     x = agent.transfer("WRITE", src[:8192], src[4096 : 4096 + 8192])  # destination overlaps the source
-    assert x.request.plan["mode"] == "row" and x.state == XferState.DONE
+    assert x.request.plan.mode == "row" and x.state == XferState.DONE
     assert np.array_equal(src[4096 : 4096 + 8192], before)

@@ -22,40 +22,28 @@ import logging
 import os
 import queue
 import threading
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ...descriptors import MemType
-from ...errors import DatamoverError, InvalidDescriptor, TransferIOError, TransferTimeout
-from ..base import Backend, Completion, TransferRequest
+from ...errors import (
+    CudaError,
+    DatamoverError,
+    InvalidDescriptor,
+    InvalidParameter,
+    PinnedPoolExhausted,
+    TransferTimeout,
+)
+from ..base import Backend, BackendHost, Completion, TransferRequest, clock
 
 log = logging.getLogger("datamover.cuda")
 
 DRIVER_LIBRARY = "libcuda.so.1"
 #: first CUDA version (runtime and driver) with cudaMemcpyBatchAsync
 BATCH_MIN_VERSION = 12080
-
-
-class CudaError(TransferIOError):
-    """A CUDA call failed; ``cuda_error`` is the CUDA error name (e.g. ``cudaErrorInvalidValue``)."""
-
-    def __init__(self, reason: str, *, cuda_error: str | None = None, index=None, backend="cuda"):
-        super().__init__(reason, index=index, backend=backend)
-        self.cuda_error = cuda_error
-
-    def __reduce__(self):
-        return (_rebuild_cuda_error, (self.reason, self.cuda_error, self.index, self.backend))
-
-
-def _rebuild_cuda_error(reason, cuda_error, index, backend):
-    return CudaError(reason, cuda_error=cuda_error, index=index, backend=backend)
-
-
-class PinnedPoolExhausted(DatamoverError, MemoryError):
-    """Page-locking a DRAM region would take the backend past its pinned-pool limit."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,7 +69,7 @@ def _runtime():
 def parse_bytes(value: Any, what: str) -> int:
     """An int, or a size string like '512M' / '16GiB', as bytes; ValueError naming ``what`` otherwise."""
     if isinstance(value, bool):
-        raise ValueError(f"{what} must be a byte count, got {value!r}")
+        raise InvalidParameter(f"{what} must be a byte count, got {value!r}")
     if isinstance(value, (int, np.integer)):
         n = int(value)
     elif isinstance(value, str):
@@ -90,11 +78,11 @@ def parse_bytes(value: Any, what: str) -> int:
         try:
             n = int(float(t[:-1] if mult > 1 else t) * mult)
         except ValueError:
-            raise ValueError(f"{what} must be a byte count like 4096 or '16G', got {value!r}") from None
+            raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}") from None
     else:
-        raise ValueError(f"{what} must be a byte count like 4096 or '16G', got {value!r}")
+        raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}")
     if n < 0:
-        raise ValueError(f"{what} must be >= 0, got {value!r}")
+        raise InvalidParameter(f"{what} must be >= 0, got {value!r}")
     return n
 
 
@@ -141,13 +129,13 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
     elif pool is not None:
         out["pinned_pool_bytes"] = parse_bytes(pool, "cuda parameter 'pinned_pool_bytes'")
     if out["batch"] not in ("auto", True, False):
-        raise ValueError(f"cuda parameter 'batch' must be 'auto', True or False, got {out['batch']!r}")
+        raise InvalidParameter(f"cuda parameter 'batch' must be 'auto', True or False, got {out['batch']!r}")
     chunk = out["batch_chunk"]
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"cuda parameter 'batch_chunk' must be a positive integer, got {chunk!r}")
+        raise InvalidParameter(f"cuda parameter 'batch_chunk' must be a positive integer, got {chunk!r}")
     for flag in ("pin_host", "blocking_sync", "peer_access", "prefer_overlap"):
         if not isinstance(out[flag], bool):
-            raise ValueError(f"cuda parameter {flag!r} must be True or False, got {out[flag]!r}")
+            raise InvalidParameter(f"cuda parameter {flag!r} must be True or False, got {out[flag]!r}")
     return out
 
 
@@ -257,7 +245,7 @@ class _Lane:
             err = rt.cudaEventSynchronize(event)[0]
             if error is None and not _ok(rt, err):
                 error = cuda_error(rt, err, f"{what} (cudaEventSynchronize)")
-            elif error is None and time.perf_counter() > deadline:
+            elif error is None and clock() > deadline:
                 error = TransferTimeout(f"{what} completed after its deadline", backend="cuda")
             self.free_events.append(event)
             completion.finish_part(error)
@@ -277,6 +265,14 @@ class _Lane:
             rt.cudaStreamDestroy(self.stream)
         self.all_events.clear()
         self.free_events.clear()
+
+
+@dataclass(eq=False)
+class CudaPlan:
+    """One request's copies, grouped per device lane, and its description for error messages."""
+
+    groups: list[_Group]
+    what: str
 
 
 class CudaBackend(Backend):
@@ -307,8 +303,8 @@ class CudaBackend(Backend):
         "prefer_overlap": True,
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(host, params)
         self.params = validate_params(self.params)
         self.pool = PinnedPool(self.params["pinned_pool_bytes"])
         self._lock = threading.Lock()
@@ -490,7 +486,7 @@ class CudaBackend(Backend):
                 )
 
     # -- planning ----------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> CudaPlan:
         src, dst = req.src, req.dst
         n = len(src)
         keep = src.length > 0
@@ -510,18 +506,16 @@ class CudaBackend(Backend):
             chunks = [(a, min(a + chunk, len(z))) for a in range(0, len(z), chunk)]
             groups.append(_Group(int(dev), sel, d, s, z, [(a, b, d[a:b], s[a:b], z[a:b]) for a, b in chunks]))
             self._lane(int(dev))
-        p = req.plan
-        p["groups"] = groups
-        p["what"] = f"{req.op} of {n} row(s) {src.mem_type.value}->{dst.mem_type.value}"
+        return CudaPlan(groups, f"{req.op} of {n} row(s) {src.mem_type.value}->{dst.mem_type.value}")
 
     # -- execution -----------------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
-        groups: list[_Group] = p["groups"]
+        groups: list[_Group] = p.groups
         completion = Completion(len(groups))
-        deadline = time.perf_counter() + req.timeout
+        deadline = req.deadline
         for g in groups:
-            self._submit(self._lanes[g.dev], req, g, completion, deadline, p["what"])
+            self._submit(self._lanes[g.dev], req, g, completion, deadline, p.what)
         return completion
 
     def _submit(self, lane: _Lane, req, g: _Group, completion: Completion, deadline: float, what: str) -> None:

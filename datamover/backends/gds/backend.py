@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import threading
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import MemType
-from ...errors import TransferIOError
-from ..base import Backend, Completion, TransferRequest, run_parts, split_by_bytes
+from ...errors import InvalidParameter, TransferIOError
+from ..base import Backend, BackendHost, Completion, TransferRequest, run_parts, split_by_bytes
 from ..cuda.backend import driver_missing, parse_bytes
 
 log = logging.getLogger("datamover.gds")
@@ -64,17 +65,19 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
         if key == "threads" and v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"gds parameter {key!r} must be a positive integer, got {v!r}")
+            raise InvalidParameter(f"parameter {key!r} must be a positive integer, got {v!r}", backend="gds")
     if out["task_size"] is not None:
         out["task_size"] = parse_bytes(out["task_size"], "gds parameter 'task_size'")
         if out["task_size"] == 0:
-            raise ValueError("gds parameter 'task_size' must be > 0")
+            raise InvalidParameter("parameter 'task_size' must be > 0", backend="gds")
     out["min_part_bytes"] = parse_bytes(out["min_part_bytes"], "gds parameter 'min_part_bytes'")
     mode = out["compat_mode"]
     if mode is not None:
         mode = str(mode).lower()
         if mode not in COMPAT_MODES:
-            raise ValueError(f"gds parameter 'compat_mode' must be one of {COMPAT_MODES} or None, got {mode!r}")
+            raise InvalidParameter(
+                f"parameter 'compat_mode' must be one of {COMPAT_MODES} or None, got {mode!r}", backend="gds"
+            )
         out["compat_mode"] = mode
     return out
 
@@ -114,6 +117,15 @@ class FileHandle:
     size: int
 
 
+@dataclass(eq=False)
+class GdsPlan:
+    """One request's kvikio calls: ``rows`` = (row ids, buffers, sizes, file offsets, file handles), and the
+    ``ranges`` of rows each worker takes."""
+
+    rows: tuple[np.ndarray, list[Any], list[int], list[int], list[Any]]
+    ranges: list[tuple[int, int]]
+
+
 class GdsBackend(Backend):
     """GPU or host memory to and from registered files, with kvikio."""
 
@@ -134,8 +146,8 @@ class GdsBackend(Backend):
         "min_part_bytes": 1 << 20,
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(host, params)
         self.params = validate_params(self.params)
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -202,7 +214,7 @@ class GdsBackend(Backend):
             handle.cufile.close()
 
     # -- planning ------------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> GdsPlan:
         self._kvikio()
         mem, fil = req.local, req.remote
         n = len(mem)
@@ -222,9 +234,10 @@ class GdsBackend(Backend):
             off = (addr - base).tolist()
             arrays = [req.registrations[int(r)].array for r in mem_regs.tolist()]
             bufs = [arr[o : o + z] for arr, o, z in zip(arrays, off, ln.tolist())]
-        p = req.plan
-        p["rows"] = (rows, bufs, ln.tolist(), fil.addr[rows].tolist(), files)
-        p["ranges"] = split_by_bytes(ln, int(self.params["workers"]), int(self.params["min_part_bytes"]))
+        return GdsPlan(
+            rows=(rows, bufs, ln.tolist(), fil.addr[rows].tolist(), files),
+            ranges=split_by_bytes(ln, int(self.params["workers"]), int(self.params["min_part_bytes"])),
+        )
 
     # -- execution -----------------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:
@@ -233,10 +246,10 @@ class GdsBackend(Backend):
         def work(a: int, b: int, completion: Completion) -> None:
             self._run(req, a, b, write, completion)
 
-        return run_parts(self._pool, req.plan["ranges"], work, backend=self.name)
+        return run_parts(self._pool, req.plan.ranges, work, backend=self.name)
 
     def _run(self, req: TransferRequest, first: int, last: int, write: bool, completion: Completion) -> None:
-        rows, bufs, sizes, offsets, files = req.plan["rows"]
+        rows, bufs, sizes, offsets, files = req.plan.rows
         task_size = self.params["task_size"]
         inflight = int(self.params["inflight"])
         pending: deque = deque()

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ...descriptors import MemType
+from ...descriptors import MemType, Registration
 from ..base import (
     Backend,
+    BackendHost,
     Completion,
     TransferRequest,
     finished_completion,
@@ -33,6 +36,34 @@ from ..base import (
 )
 
 _memmove = ctypes.memmove
+
+
+@dataclass(eq=False)
+class MemcpyPlan:
+    """How one request is copied: ``mode`` is "gather" (equal blocks, one numpy call per chunk), "row" (one run)
+    or "memmove" (a call per run); ``ranges`` are the parts over rows (blocks for gather); ``fast`` the two views
+    of an inline one-run request."""
+
+    total: int = 0
+    mode: str = "memmove"
+    ranges: list[tuple[int, int]] | None = None
+    inline: bool = False
+    fast: tuple[np.ndarray, np.ndarray] | None = None
+    # gather
+    block: int = 0
+    src_reg: Registration | None = None
+    dst_reg: Registration | None = None
+    src_off: np.ndarray | None = None
+    dst_off: np.ndarray | None = None
+    src_run: bool = False
+    dst_run: bool = False
+    views: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    # row
+    row: tuple[np.ndarray, np.ndarray] | None = None
+    # memmove
+    src: list[int] | None = None
+    dst: list[int] | None = None
+    len: list[int] | None = None
 
 
 class MemcpyBackend(Backend):
@@ -53,8 +84,8 @@ class MemcpyBackend(Backend):
         "gather_chunk_bytes": 8 << 20,
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(host, params)
         self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-memcpy")
 
     @classmethod
@@ -69,13 +100,13 @@ class MemcpyBackend(Backend):
             "larger ones are split across the pool"
         }
 
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> MemcpyPlan:
         src, dst = req.src, req.dst
         n = len(src)
         ln = src.length
         total = int(ln.sum()) if n else 0
-        p = req.plan
-        p["total"] = total
+        p = MemcpyPlan()
+        p.total = total
         src_regs, dst_regs = req.src_regions, req.dst_regions
         single_pair = n > 1 and (src_regs == src_regs[0]).all() and (dst_regs == dst_regs[0]).all()
         block = int(ln.min()) if n else 0
@@ -86,40 +117,41 @@ class MemcpyBackend(Backend):
             dreg = req.registrations[int(dst_regs[0])]
             within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
             within *= block
-            p["mode"] = "gather"
-            p["block"] = block
-            p["src_reg"], p["dst_reg"] = sreg, dreg
-            p["src_off"] = np.repeat(src.addr - sreg.addr, counts) + within
-            p["dst_off"] = np.repeat(dst.addr - dreg.addr, counts) + within
-            p["src_run"] = bool((np.diff(p["src_off"]) == block).all())
-            p["dst_run"] = bool((np.diff(p["dst_off"]) == block).all())
+            p.mode = "gather"
+            p.block = block
+            p.src_reg, p.dst_reg = sreg, dreg
+            p.src_off = np.repeat(src.addr - sreg.addr, counts) + within
+            p.dst_off = np.repeat(dst.addr - dreg.addr, counts) + within
+            p.src_run = bool((np.diff(p.src_off) == block).all())
+            p.dst_run = bool((np.diff(p.dst_off) == block).all())
             # row k of a strided view is the block starting at byte k of the region
             sarr, darr = sreg.array, dreg.array
-            p["views"] = (
+            p.views = (
                 sarr,
                 darr,
                 as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1), writeable=False),
                 as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1)),
             )
-            ln = np.full(p["src_off"].shape[0], block, dtype=np.int64)
+            ln = np.full(p.src_off.shape[0], block, dtype=np.int64)
         elif n == 1:
             # one run: a numpy copy between views of the two regions (GIL released, no ctypes call)
             sreg = req.registrations[int(src_regs[0])]
             dreg = req.registrations[int(dst_regs[0])]
             s0, d0 = int(src.addr[0]) - sreg.addr, int(dst.addr[0]) - dreg.addr
-            p["mode"] = "row"
-            p["row"] = (dreg.array[d0 : d0 + total], sreg.array[s0 : s0 + total])
+            p.mode = "row"
+            p.row = (dreg.array[d0 : d0 + total], sreg.array[s0 : s0 + total])
         else:
-            p["mode"] = "memmove"
-            p["src"], p["dst"], p["len"] = src.addr.tolist(), dst.addr.tolist(), ln.tolist()
+            p.mode = "memmove"
+            p.src, p.dst, p.len = src.addr.tolist(), dst.addr.tolist(), ln.tolist()
         threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
-        p["ranges"] = split_by_bytes(ln, threads, int(self.params["min_part_bytes"]))
-        p["inline"] = len(p["ranges"]) <= 1 and total <= self.params["inline_bytes"]
-        p["fast"] = p["row"] if p["inline"] and p["mode"] == "row" else None
+        p.ranges = split_by_bytes(ln, threads, int(self.params["min_part_bytes"]))
+        p.inline = len(p.ranges) <= 1 and total <= self.params["inline_bytes"]
+        p.fast = p.row if p.inline and p.mode == "row" else None
+        return p
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
-        fast = p["fast"]
+        fast = p.fast
         if fast is not None:
             # one small run: the copy and nothing else, and post() returns DONE
             try:
@@ -127,32 +159,32 @@ class MemcpyBackend(Backend):
                 return finished_completion()
             except Exception:
                 pass  # run_inline below does it again and turns the failure into a typed error
-        mode = p["mode"]
+        mode = p.mode
         work = self._row if mode == "row" else self._gather if mode == "gather" else self._memmove
-        if p["inline"]:
+        if p.inline:
             # one small part: copy it here, and post() returns DONE without waking a thread
-            return run_inline(p["ranges"], work, p, backend=self.name)
-        return run_parts(self._pool, p["ranges"], partial(work, p), backend=self.name)
+            return run_inline(p.ranges, work, p, backend=self.name)
+        return run_parts(self._pool, p.ranges, partial(work, p), backend=self.name)
 
     @staticmethod
-    def _row(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
-        dst, src = p["row"]
+    def _row(p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
+        dst, src = p.row
         dst[...] = src
 
-    def _gather(self, p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
+    def _gather(self, p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
         """Equal blocks in one numpy call per chunk; a contiguous side is used in place (no temporary)."""
-        block = p["block"]
-        sarr, darr, srows, drows = p["views"]
-        src_off, dst_off = p["src_off"], p["dst_off"]
+        block = p.block
+        sarr, darr, srows, drows = p.views
+        src_off, dst_off = p.src_off, p.dst_off
         step = max(1, int(self.params["gather_chunk_bytes"]) // block)
         for a in range(start, stop, step):
             if completion.cancelled:
                 return
             b = min(stop, a + step)
-            if p["src_run"]:
+            if p.src_run:
                 s0 = int(src_off[a])
                 drows[dst_off[a:b]] = sarr[s0 : s0 + (b - a) * block].reshape(b - a, block)
-            elif p["dst_run"]:
+            elif p.dst_run:
                 # np.take would first copy the whole overlapping strided source; fancy indexing gathers
                 # only the rows asked for, into a temporary of at most gather_chunk_bytes
                 d0 = int(dst_off[a])
@@ -161,8 +193,8 @@ class MemcpyBackend(Backend):
                 drows[dst_off[a:b]] = srows[src_off[a:b]]
 
     @staticmethod
-    def _memmove(p: dict[str, Any], start: int, stop: int, completion: Completion) -> None:
-        src, dst, ln = p["src"], p["dst"], p["len"]
+    def _memmove(p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
+        src, dst, ln = p.src, p.dst, p.len
         step = 64
         for base in range(start, stop, step):
             if completion.cancelled:

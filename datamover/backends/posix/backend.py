@@ -21,7 +21,7 @@ import logging
 import os
 import queue
 import threading
-import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,9 +31,12 @@ from ...descriptors import MemType, aligned_empty
 from ...errors import TransferIOError
 from ..base import (
     Backend,
+    BackendHost,
     Completion,
+    Op,
     TransferRequest,
     cap_runs,
+    clock,
     finished_completion,
     run_inline,
     run_parts,
@@ -109,10 +112,10 @@ class _AioReap:
         self.backend, self.req, self.p, self.run, self.write = backend, req, p, run, write
         self.completion = Completion(1)
         self.claim = _thread.allocate_lock()
-        self.deadline = time.perf_counter() + req.timeout
+        self.deadline = req.deadline
 
     def assist(self) -> None:
-        if time.perf_counter() < self.deadline:
+        if clock() < self.deadline:
             self.reap_once()
 
     def cancelled(self) -> bool:
@@ -140,6 +143,23 @@ class _AioReap:
         completion.finish_part(err)
 
 
+@dataclass(eq=False)
+class PosixPlan:
+    """One request's syscalls, built once: ``groups`` (start row, end row, O_DIRECT-aligned) each one vectored
+    call, the per-row ``fds``/``offs``/``views``; ``single`` the one-syscall fast path, ``aio`` the AIO batch."""
+
+    groups: list[tuple[int, int, bool]]
+    fds: list[int]
+    offs: list[int]
+    views: list[memoryview]
+    handles: dict[int, FileHandle]
+    write: bool
+    inline: bool = False
+    single: tuple[int, list[memoryview], int, int] | None = None
+    ranges: list[tuple[int, int]] | None = None
+    aio: IocbBatch | None = None
+
+
 class PosixBackend(Backend):
     """Host memory to and from registered files with vectored POSIX I/O."""
 
@@ -164,8 +184,8 @@ class PosixBackend(Backend):
         "aio_spin_us": 100,  # poll this long for the last completions before sleeping in io_getevents
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(host, params)
         self._pool = Workers(int(self.params["threads"]), "dm-posix")
         self._bounce = threading.local()
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
@@ -223,18 +243,17 @@ class PosixBackend(Backend):
 
     def describe(self) -> dict[str, Any]:
         files = {}
-        for reg in self.agent.registrations.values():
+        for reg in list(self.host.regions.values()):
             h = reg.handles.get(self.name)
             if h is not None:
                 files[h.path] = h.note
         return {"files": files, "threads": self.params["threads"]}
 
     # -- planning ------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> PosixPlan:
         """Group rows into vectored syscalls and build every buffer view once, so posts only do I/O."""
         mem, fil = req.local, req.remote
         n = len(mem)
-        p = req.plan
         regs = req.registrations
         file_ids, file_inv = np.unique(req.remote_regions, return_inverse=True)
         handles = [regs[int(r)].handles[self.name] for r in file_ids]
@@ -254,24 +273,26 @@ class PosixBackend(Backend):
         arrays = [regs[int(r)].array for r in mem_ids]
         mem_off = addr - np.array([regs[int(r)].addr for r in mem_ids], dtype=np.int64)[mem_inv]
         views = [memoryview(arrays[k][o : o + m]) for k, o, m in zip(mem_inv.tolist(), mem_off.tolist(), ln.tolist())]
-        p["groups"] = list(zip(starts.tolist(), ends.tolist(), aligned[starts].tolist()))
-        p["fds"], p["offs"], p["views"] = fds.tolist(), off.tolist(), views
-        p["handles"] = {h.fd: h for h in handles}
+        p = PosixPlan(
+            groups=list(zip(starts.tolist(), ends.tolist(), aligned[starts].tolist())),
+            fds=fds.tolist(),
+            offs=off.tolist(),
+            views=views,
+            handles={h.fd: h for h in handles},
+            write=req.op is Op.WRITE,
+        )
         total = int(ln.sum()) if n else 0
         group_bytes = np.add.reduceat(ln, starts) if n else np.zeros(0, dtype=np.int64)
-        p["inline"] = total <= self.params["inline_batch_bytes"] or (
+        p.inline = total <= self.params["inline_batch_bytes"] or (
             total <= self.params["inline_bytes"] and len(starts) <= 1
         )
-        p["write"] = req.op == "WRITE"
-        p["single"] = None
-        if p["inline"] and len(starts) == 1 and not self.params["fsync"]:
-            s, e, whole = p["groups"][0]
+        if p.inline and len(starts) == 1 and not self.params["fsync"]:
+            s, e, whole = p.groups[0]
             if whole or not direct[0]:
                 # one vectored syscall: post() issues it with nothing else around it
-                p["single"] = (int(fds[0]), views[s:e], int(off[0]), total)
-        threads = 1 if p["inline"] else int(self.params["threads"])
-        p["ranges"] = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
-        p["aio"] = None
+                p.single = (int(fds[0]), views[s:e], int(off[0]), total)
+        threads = 1 if p.inline else int(self.params["threads"])
+        p.ranges = split_by_bytes(group_bytes, threads, int(self.params["min_part_bytes"]))
         if len(starts) > 1 and self.params["aio"] and bool(aligned.all()) and aio_available()[0]:
             # in file order, rows that tile a file range become one vectored I/O whatever their memory
             # order; reordering is safe because the Agent refuses overlapping destinations
@@ -280,36 +301,37 @@ class PosixBackend(Backend):
             cut = np.ones(n, dtype=bool)
             cut[1:] = (sf[1:] != sf[:-1]) | (so[1:] != so[:-1] + sl[:-1])
             runs = cap_runs(np.flatnonzero(cut), n)
-            p["aio"] = IocbBatch(sf, so, addr[order], sl, req.op == "WRITE", runs)
-            p["ranges"] = [(0, len(p["aio"]))]
-            p["inline"] = total <= self.params["inline_bytes"]  # one io_submit: the I/Os overlap in the device
+            p.aio = IocbBatch(sf, so, addr[order], sl, p.write, runs)
+            p.ranges = [(0, len(p.aio))]
+            p.inline = total <= self.params["inline_bytes"]  # one io_submit: the I/Os overlap in the device
+        return p
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
-        single = p["single"]
+        single = p.single
         if single is not None:
             # the fast path for one syscall, with as little Python as possible around it: measured on the 2-vCPU
             # VM, each Python frame between the syscall and post() returning added 2-7 us (far more than the same
             # frame costs in a warm loop), ~20 us in all before this path
             fd, views, offset, nbytes = single
             try:
-                if (os.pwritev(fd, views, offset) if p["write"] else os.preadv(fd, views, offset)) == nbytes:
+                if (os.pwritev(fd, views, offset) if p.write else os.preadv(fd, views, offset)) == nbytes:
                     return finished_completion()
             except OSError:
                 pass  # the general path below does it again and reports a typed error, or bounces on EINVAL
             # a short read or write: the general path below redoes it, resuming until done
-        write = p["write"]
+        write = p.write
 
-        if p["aio"] is not None:
+        if p.aio is not None:
             return self._post_aio(req, p, write)
-        if p["inline"]:
+        if p.inline:
             # no thread hop: post() returns DONE or ERR
-            return run_inline(p["ranges"], self._run_groups, req, p, write, backend=self.name)
+            return run_inline(p.ranges, self._run_groups, req, p, write, backend=self.name)
 
         def work(a: int, b: int, completion: Completion) -> None:
             self._run_groups(req, p, write, a, b, completion)
 
-        return run_parts(self._pool, p["ranges"], work, backend=self.name)
+        return run_parts(self._pool, p.ranges, work, backend=self.name)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:
@@ -325,11 +347,11 @@ class PosixBackend(Backend):
             ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
             self._aio_all.append(ctx)
         try:
-            run = ctx.start(p["aio"], rows=False)
+            run = ctx.start(p.aio, rows=False)
         except BaseException:
             self._aio_free.put(ctx)
             raise
-        if p["inline"]:
+        if p.inline:
             try:
                 run.finish()
             except BaseException as exc:
@@ -350,9 +372,9 @@ class PosixBackend(Backend):
     def _aio_done(self, req, p, run: AioRun, write: bool, first: int, last: int, completion: Completion) -> None:
         """If any I/O came back short or failed, the transfer is redone synchronously; then fsync if asked."""
         if not run.ok:
-            self._run_groups(req, p, write, 0, len(p["groups"]), completion)
+            self._run_groups(req, p, write, 0, len(p.groups), completion)
         if write and self.params["fsync"]:
-            for h in p["handles"].values():
+            for h in p.handles.values():
                 try:
                     os.fdatasync(h.fd)
                 except OSError as exc:
@@ -360,13 +382,13 @@ class PosixBackend(Backend):
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
-        fds, offs, views, groups = p["fds"], p["offs"], p["views"], p["groups"]
+        fds, offs, views, groups = p.fds, p.offs, p.views, p.groups
         touched = set()
         for g in range(first, last):
             if completion.cancelled:
                 return
             s, e, aligned = groups[g]
-            h = p["handles"][fds[s]]
+            h = p.handles[fds[s]]
             touched.add(h.fd)
             if h.direct and not aligned:
                 for i in range(s, e):
@@ -393,7 +415,7 @@ class PosixBackend(Backend):
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
-                    raise self._error(req, first, p["handles"][fd], exc, write) from exc
+                    raise self._error(req, first, p.handles[fd], exc, write) from exc
 
     @staticmethod
     def _vectored(h: FileHandle, views: list[memoryview], offset: int, write: bool) -> None:

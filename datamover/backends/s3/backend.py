@@ -39,6 +39,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +47,15 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import MemType
-from ...errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError, OverlappingDestination
-from ..base import Backend, Completion, TransferRequest, typed_error
+from ...errors import (
+    ChecksumMismatch,
+    DatamoverError,
+    InvalidDescriptor,
+    InvalidParameter,
+    ObjectStoreError,
+    OverlappingDestination,
+)
+from ..base import Backend, BackendHost, Completion, TransferRequest, typed_error
 
 log = logging.getLogger("datamover.s3")
 
@@ -92,6 +100,22 @@ class _Group:
     total: int | None = None
 
 
+@dataclass(eq=False)
+class S3Plan:
+    """One request's objects per row (bucket, key, offset, length, where in memory) and its ``tasks``: (row, part
+    index or -1 for a whole-row task, byte start within the row, byte count); ``groups`` parts per split row."""
+
+    bucket: list[str]
+    key: list[str]
+    off: list[int]
+    len: list[int]
+    mem_reg: list[int]
+    mem_off: list[int]
+    arrays: dict[int, np.ndarray]
+    tasks: list[tuple[int, int, int, int]] = field(default_factory=list)
+    groups: dict[int, int] = field(default_factory=dict)
+
+
 class S3Backend(Backend):
     """Host memory to and from objects of registered buckets, through boto3 on a bounded pool."""
 
@@ -124,19 +148,21 @@ class S3Backend(Backend):
         "require_checksum": True,  # a whole-object read of an object without our CRC32C fails
     }
 
-    def __init__(self, agent, params=None) -> None:
-        super().__init__(agent, params)
+    def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
+        super().__init__(host, params)
         p = self.params
         if int(p["part_size"]) < _MIN_PART:
-            raise ValueError(f"backend 's3': part_size must be >= 5 MiB (S3's minimum part), got {p['part_size']}")
+            raise InvalidParameter(
+                f"part_size must be >= 5 MiB (S3's minimum part), got {p['part_size']}", backend="s3"
+            )
         if int(p["multipart_threshold"]) < int(p["part_size"]):
-            raise ValueError("backend 's3': multipart_threshold must be >= part_size")
+            raise InvalidParameter("multipart_threshold must be >= part_size", backend="s3")
         if p["addressing_style"] not in ("auto", "path", "virtual"):
             style = p["addressing_style"]
-            raise ValueError(f"backend 's3': addressing_style must be auto, path or virtual, got {style!r}")
+            raise InvalidParameter(f"addressing_style must be auto, path or virtual, got {style!r}", backend="s3")
         if p["native_checksum"] not in (True, False, "auto"):
             native = p["native_checksum"]
-            raise ValueError(f"backend 's3': native_checksum must be True, False or 'auto', got {native!r}")
+            raise InvalidParameter(f"native_checksum must be True, False or 'auto', got {native!r}", backend="s3")
         self._native = p["native_checksum"]
         self._client = self._make_client()
         self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
@@ -181,7 +207,7 @@ class S3Backend(Backend):
             )
             scoped = session._session.get_scoped_config()
         except botocore.exceptions.BotoCoreError as exc:
-            raise ValueError(f"backend 's3': {exc}") from exc
+            raise InvalidParameter(f"{exc}", backend="s3") from exc
         mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
         attempts = int(p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5)
         self.retries = {"mode": mode, "total_max_attempts": attempts}
@@ -220,7 +246,7 @@ class S3Backend(Backend):
         }
 
     # -- planning ------------------------------------------------------------
-    def plan(self, req: TransferRequest) -> None:
+    def plan(self, req: TransferRequest) -> S3Plan:
         mem, obj = req.local, req.remote
         n = len(obj)
         write = req.op == "WRITE"
@@ -232,7 +258,6 @@ class S3Backend(Backend):
                 index=req.caller_index(row),
                 backend=self.name,
             )
-        p = req.plan
         regs = req.registrations
         obj_regs, obj_inv = np.unique(req.remote_regions, return_inverse=True)
         buckets = np.array([regs[r].extra["bucket"] for r in obj_regs.tolist()], dtype=object)[obj_inv.reshape(-1)]
@@ -241,13 +266,15 @@ class S3Backend(Backend):
             self._refuse_same_object(req, buckets, keys)
         mem_regs, mem_inv = np.unique(req.local_regions, return_inverse=True)
         bases = np.array([regs[r].addr for r in mem_regs.tolist()], dtype=np.int64)
-        p["bucket"] = buckets.tolist()
-        p["key"] = keys.tolist()
-        p["off"] = obj.addr.tolist()
-        p["len"] = obj.length.tolist()
-        p["mem_reg"] = req.local_regions.tolist()
-        p["mem_off"] = (mem.addr - bases[mem_inv.reshape(-1)]).tolist()
-        p["arrays"] = {r: regs[r].array for r in mem_regs.tolist()}
+        p = S3Plan(
+            bucket=buckets.tolist(),
+            key=keys.tolist(),
+            off=obj.addr.tolist(),
+            len=obj.length.tolist(),
+            mem_reg=req.local_regions.tolist(),
+            mem_off=(mem.addr - bases[mem_inv.reshape(-1)]).tolist(),
+            arrays={r: regs[r].array for r in mem_regs.tolist()},
+        )
         # tasks: (row, part index or -1 for a whole-row task, byte start within the row, byte count)
         ln = obj.length
         split_at = int(self.params["multipart_threshold"] if write else self.params["read_part_size"])
@@ -272,8 +299,9 @@ class S3Backend(Backend):
         parts = np.concatenate([g_part, np.full(small_rows.shape[0], -1, dtype=np.int64)])
         starts = np.concatenate([g_start, np.zeros(small_rows.shape[0], dtype=np.int64)])
         nbytes = np.concatenate([g_count, ln[small_rows]])
-        p["tasks"] = list(zip(rows.tolist(), parts.tolist(), starts.tolist(), nbytes.tolist()))
-        p["groups"] = dict(zip(big_rows.tolist(), counts.tolist()))
+        p.tasks = list(zip(rows.tolist(), parts.tolist(), starts.tolist(), nbytes.tolist()))
+        p.groups = dict(zip(big_rows.tolist(), counts.tolist()))
+        return p
 
     def _refuse_same_object(self, req: TransferRequest, buckets: np.ndarray, keys: np.ndarray) -> None:
         """Two WRITE rows naming one object (a key repeated in the key table) would race: refuse them."""
@@ -295,7 +323,7 @@ class S3Backend(Backend):
     # -- execution -----------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
-        tasks = p["tasks"]
+        tasks = p.tasks
         runners = min(int(self.params["concurrency"]), len(tasks))
         completion = Completion(runners)
         if not runners:
@@ -335,13 +363,13 @@ class S3Backend(Backend):
     def error(self, exc: BaseException, req: TransferRequest, row: int, what: str) -> DatamoverError:
         """A typed error for a failed boto3 call on ``row``: names the key, the bucket and the HTTP status."""
         p = req.plan
-        bucket, key = p["bucket"][row], p["key"][row]
+        bucket, key = p.bucket[row], p.key[row]
         return object_store_error(exc, bucket, key, what, index=req.caller_index(row), backend=self.name)
 
     def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
         p = req.plan
         crc = crc32c_b64(view)
-        kw: dict[str, Any] = {"Bucket": p["bucket"][row], "Key": p["key"][row], "Body": view.tobytes()}
+        kw: dict[str, Any] = {"Bucket": p.bucket[row], "Key": p.key[row], "Body": view.tobytes()}
         kw["Metadata"] = {CRC_META: crc}
         if self._use_native():
             kw["ChecksumAlgorithm"] = "CRC32C"
@@ -357,9 +385,9 @@ class S3Backend(Backend):
         prefix read: ``count`` bytes are kept and the connection is dropped.
         """
         p = req.plan
-        off = p["off"][row] + start
-        bucket, key = p["bucket"][row], p["key"][row]
-        ranged = not (off == 0 and count == p["len"][row])
+        off = p.off[row] + start
+        bucket, key = p.bucket[row], p.key[row]
+        ranged = not (off == 0 and count == p.len[row])
         kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
         resp = self._call(self._client.get_object, req=req, row=row, what="GET", Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
@@ -408,7 +436,7 @@ class S3Backend(Backend):
         checked by botocore while the body was read to its end.
         """
         p = req.plan
-        bucket, key = p["bucket"][row], p["key"][row]
+        bucket, key = p.bucket[row], p.key[row]
         native = (resp or {}).get("ChecksumCRC32C")
         if stored is None and native and "-" not in native:
             stored = native
@@ -447,7 +475,7 @@ class _Run:
         self.lock = threading.Lock()
         self.active = runners
         p = req.plan
-        self.groups = {r: _Group(r, n, left=n) for r, n in p["groups"].items()}
+        self.groups = {r: _Group(r, n, left=n) for r, n in p.groups.items()}
         self.write = req.op == "WRITE"
 
     def start(self, pool: ThreadPoolExecutor) -> None:
@@ -467,7 +495,7 @@ class _Run:
         self.runner()
 
     def runner(self) -> None:
-        tasks = self.req.plan["tasks"]
+        tasks = self.req.plan.tasks
         c = self.completion
         try:
             while not c.cancelled:
@@ -489,8 +517,8 @@ class _Run:
 
     def view(self, row: int, start: int, count: int) -> np.ndarray:
         p = self.req.plan
-        base = p["mem_off"][row] + start
-        return p["arrays"][p["mem_reg"][row]][base : base + count]
+        base = p.mem_off[row] + start
+        return p.arrays[p.mem_reg[row]][base : base + count]
 
     def one(self, row: int, part: int, start: int, count: int) -> None:
         view = self.view(row, start, count)
@@ -522,12 +550,12 @@ class _Run:
     # -- multipart uploads ---------------------------------------------------
     def upload_part(self, g: _Group, part: int, view: np.ndarray) -> None:
         b, req, p = self.b, self.req, self.req.plan
-        bucket, key = p["bucket"][g.row], p["key"][g.row]
+        bucket, key = p.bucket[g.row], p.key[g.row]
         with g.lock:
             if g.failed:
                 raise _Cancelled()
             if g.upload_id is None:
-                whole = self.view(g.row, 0, p["len"][g.row])
+                whole = self.view(g.row, 0, p.len[g.row])
                 kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {CRC_META: crc32c_b64(whole)}}
                 if b._use_native():
                     kw["ChecksumAlgorithm"] = "CRC32C"
@@ -560,22 +588,22 @@ class _Run:
                 req=req,
                 row=row,
                 what="CompleteMultipartUpload",
-                Bucket=p["bucket"][row],
-                Key=p["key"][row],
+                Bucket=p.bucket[row],
+                Key=p.key[row],
                 UploadId=g.upload_id,
                 MultipartUpload={"Parts": g.etags},
             )
             g.finished = True
             return
-        bucket, key = p["bucket"][row], p["key"][row]
+        bucket, key = p.bucket[row], p.key[row]
         if len(set(g.etags)) > 1:
             raise ObjectStoreError(
                 f"s3://{bucket}/{key} changed while it was being read (ETags {sorted(set(map(str, g.etags)))})",
                 bucket=bucket, key=key, code="ObjectChanged", errno=errno_mod.EIO,
                 index=req.caller_index(row), backend=b.name,
             )  # fmt: skip
-        if p["off"][row] == 0 and g.total == p["len"][row]:
-            dst = self.view(row, 0, p["len"][row])
+        if p.off[row] == 0 and g.total == p.len[row]:
+            dst = self.view(row, 0, p.len[row])
             try:
                 b._verify(req, row, dst, None, g.meta_crc)
             except ChecksumMismatch:
@@ -589,10 +617,10 @@ class _Run:
             if self.write and g.upload_id is not None and not g.finished:
                 try:
                     self.b._client.abort_multipart_upload(
-                        Bucket=p["bucket"][g.row], Key=p["key"][g.row], UploadId=g.upload_id
+                        Bucket=p.bucket[g.row], Key=p.key[g.row], UploadId=g.upload_id
                     )
                 except Exception as exc:  # the upload stays invisible; the bucket's lifecycle rule reaps it
-                    log.warning("aborting the multipart upload of %r failed: %s", p["key"][g.row], exc)
+                    log.warning("aborting the multipart upload of %r failed: %s", p.key[g.row], exc)
 
 
 class _Cancelled(DatamoverError):

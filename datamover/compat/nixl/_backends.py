@@ -158,11 +158,8 @@ class BackendsMixin:
             conv[target] = value if raw else param_value(key, value, cls.default_params[target])
         cfg_backends = self.agent.config.backends
         cfg_backends[name] = {**cfg_backends.get(name, {}), **conv}
-        try:
-            with nixl_errors():
-                inst = self.agent.backend(name)
-        except ValueError as exc:
-            raise nixlInvalidParamError(str(exc)) from exc
+        with nixl_errors():
+            inst = self.agent.backend(name)
         stale = {k: v for k, v in conv.items() if inst.params.get(k) != v}
         if stale:
             raise nixlInvalidParamError(f"backend {plugin!r} is already running with other parameters: {stale}")

@@ -114,7 +114,7 @@ def test_torch_pinned_memory_is_not_pinned_twice_and_leaves_no_cuda_error(torch,
 
 
 def test_pinned_pool_limit_is_a_clear_error(rt):
-    from datamover.backends.cuda.backend import PinnedPoolExhausted
+    from datamover.errors import PinnedPoolExhausted
 
     with Agent("pool", {"backends": {"cuda": {"pinned_pool_bytes": "1M"}}}) as agent:
         agent.backend("cuda")

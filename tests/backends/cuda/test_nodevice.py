@@ -13,11 +13,11 @@ import pytest
 from datamover import Agent, DescList, MemType
 from datamover.backends import BUILTIN, backend_status
 from datamover.backends.cuda import backend as cuda_mod
-from datamover.backends.cuda.backend import CudaBackend, PinnedPool, PinnedPoolExhausted, driver_missing, parse_bytes
+from datamover.backends.cuda.backend import CudaBackend, PinnedPool, driver_missing, parse_bytes
 from datamover.backends.gds import backend as gds_mod
 from datamover.backends.gds.backend import DeviceBytes, GdsBackend
 from datamover.bench.gpu import check_targets
-from datamover.errors import DatamoverError, NotRegistered, UnsupportedTransfer
+from datamover.errors import CudaError, DatamoverError, NotRegistered, PinnedPoolExhausted, UnsupportedTransfer
 
 HEAVY = ("cuda.bindings", "cuda.core", "kvikio", "torch", "cupy")
 
@@ -225,7 +225,7 @@ def test_check_raises_typed_error_with_cuda_name():
     assert cuda_mod.check(rt, (E.cudaSuccess, 5), "f") == 5
     assert cuda_mod.check(rt, (E.cudaSuccess,), "f") is None
     assert cuda_mod.check(rt, (E.cudaSuccess, 1, 2), "f") == (1, 2)
-    with pytest.raises(cuda_mod.CudaError) as info:
+    with pytest.raises(CudaError) as info:
         cuda_mod.check(rt, (E.cudaErrorInvalidValue, None), "cudaMemcpyAsync", index=7)
     err = info.value
     assert err.cuda_error == "cudaErrorInvalidValue" and err.index == 7 and err.backend == "cuda"
@@ -233,7 +233,7 @@ def test_check_raises_typed_error_with_cuda_name():
     import pickle
 
     again = pickle.loads(pickle.dumps(err))
-    assert type(again) is cuda_mod.CudaError and again.cuda_error == err.cuda_error and again.index == 7
+    assert type(again) is CudaError and again.cuda_error == err.cuda_error and again.index == 7
 
 
 @pytest.mark.skipif(driver_missing() is None, reason="a CUDA driver is present here")

@@ -20,7 +20,7 @@ rt_real = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python (cuda
 
 from datamover import Agent, DescList  # noqa: E402
 from datamover.backends.cuda import backend as cuda_mod  # noqa: E402
-from datamover.errors import DatamoverError, TransferIOError, TransferTimeout  # noqa: E402
+from datamover.errors import CudaError, DatamoverError, PinnedPoolExhausted, TransferIOError, TransferTimeout  # noqa: E402
 from datamover.testing import BackendConformance, HostBuffer, cuda_sim, random_bytes  # noqa: E402
 from datamover.testing.cuda_sim import SimRuntime, SimVram  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_batch_error_is_typed_with_cuda_name(sim):
     with Agent("a", {"backends": {"cuda": {}}}) as agent:
         vram, host = _pair(sim, agent)
         x = agent.transfer("WRITE", vram.descs([0, 8192], [100, 100]), host.descs([4096, 0], [100, 100]))
-        with pytest.raises(cuda_mod.CudaError) as info:
+        with pytest.raises(CudaError) as info:
             x.wait()
         assert info.value.cuda_error == "cudaErrorInvalidValue" and info.value.backend == "cuda"
         assert isinstance(info.value, TransferIOError)
@@ -132,7 +132,7 @@ def test_copy_error_names_the_callers_descriptor(sim):
         lp = agent.prepare(vram.descs([0, 100, 200, 4096], [100, 100, 100, 50]))
         rp = agent.prepare(host.descs([0, 100, 5000, 9000], [100, 100, 100, 50]))
         x = agent.make_transfer("WRITE", lp, None, rp, None).post()
-        with pytest.raises(cuda_mod.CudaError) as info:
+        with pytest.raises(CudaError) as info:
             x.wait()
         # rows 0 and 1 coalesce; the third cudaMemcpyAsync is caller descriptor 3
         assert info.value.index == 3 and "descriptor 3" in str(info.value)
@@ -165,7 +165,7 @@ def test_pinned_pool_limit_refuses_registration_and_rolls_back(sim):
         agent.backend("cuda")
         a = agent.register_memory(np.zeros(768 << 10, dtype=np.uint8))
         big = np.zeros(512 << 10, dtype=np.uint8)
-        with pytest.raises(cuda_mod.PinnedPoolExhausted) as info:
+        with pytest.raises(PinnedPoolExhausted) as info:
             agent.register_memory(big)
         assert "pinned-pool limit of 1048576 bytes" in str(info.value)
         assert len(agent.registrations) == 1 and len(sim.pinned) == 1

@@ -152,7 +152,7 @@ def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch, loss) ->
         mem[: n * B] = src
         perm = np.random.default_rng(4).permutation(n)
         x = agent.transfer("WRITE", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B))
-        assert x.request.plan["inline"] == (n == 30)
+        assert x.request.plan.inline == (n == 30)
         x.wait()
         mem[:] = 0
         agent.transfer("READ", DescList.blocks(mem[: n * B], B), DescList.file(reg, perm * B, B)).wait()

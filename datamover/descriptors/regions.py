@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..descriptors import DescList, MemType
 from ..errors import InvalidDescriptor, NotRegistered
+from .desclist import DescList
+from .memtype import MemType
 
 
 class RegionTable:

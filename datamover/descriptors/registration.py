@@ -7,7 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from ..descriptors import DescList, MemType, host_view
+from .buffers import host_view
+from .desclist import DescList
+from .memtype import MemType
 
 
 @dataclass(eq=False)

@@ -1,0 +1,264 @@
+"""SGLang HiCache storage on datamover: a `HiCacheStorage` whose pages live in a `TieredCache`.
+
+SGLang loads it as a dynamic backend::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "datamover",
+        "module_path": "datamover.integrations.sglang", "class_name": "DatamoverHiCacheStorage",
+        "interface_v1": 1, "kv_cache_tiered": {"l2_dram": {"pinned_pool_gb": 4}, "l3_nvme": {"enabled": true}}}'
+
+With `interface_v1` SGLang calls the zero-copy `batch_get_v1`/`batch_set_v1`: the host pool's
+`get_page_buffer_meta` gives one (pointer, size) entry per K/V part of a page, each entry is one datamover chunk,
+and the cache moves bytes straight between the host pool and its tiers. Without it, the v0 calls move flat page
+tensors. A page is reported present or loaded only when every one of its entries is; a failed or partial load
+reports that page and the rest of the batch as failed, so SGLang recomputes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from ..descriptors.buffers import host_view
+from ..errors import DatamoverError
+from ..policy import ChunkKey, TieredCache
+from .tiers import build_config, key_hash, namespace
+
+log = logging.getLogger("datamover.integrations.sglang")
+
+ENGINE = "sglang"
+
+
+class DatamoverHiCacheStorage(HiCacheStorage):
+    """SGLang's storage tier (its "L3") backed by datamover's TieredCache (DRAM, NVMe, a pool)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig | None = None, kwargs: dict | None = None) -> None:
+        self.storage_config = storage_config
+        extra = dict((storage_config.extra_config if storage_config else None) or {})
+        self._tiers = extra.get("kv_cache_tiered", extra.get("tier_config"))
+        self._v1 = bool(extra.get("interface_v1", 0))
+        cfg = storage_config
+        self._parts = {
+            "model": getattr(cfg, "model_name", None) or "",
+            "tp": f"{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}",
+            "pp": f"{getattr(cfg, 'pp_rank', 0)}of{getattr(cfg, 'pp_size', 1)}",
+            "mla": bool(getattr(cfg, "is_mla_model", False)),
+            "dcp": f"{getattr(cfg, 'dcp_rank', 0)}of{getattr(cfg, 'dcp_size', 1)}",
+        }
+        self._lock = threading.Lock()
+        self.cache: TieredCache | None = None
+        self.mem_pool_host: Any = None
+        self._entries_per_page = 0  # K/V parts per page in get_page_buffer_meta (v1)
+        self._registered: Any = None
+        self._v0_dtype: Any = None
+
+    # -- setup -------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang hands over its host pool: its page layout fixes the chunk size (one K/V entry of one page)."""
+        import torch
+
+        super().register_mem_pool_host(mem_pool_host)
+        page = int(mem_pool_host.page_size)
+        ptrs, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+        if not ptrs or len(set(sizes)) != 1:
+            raise ValueError(f"sglang host pool pages have entries of sizes {sorted(set(sizes))}; expected one size")
+        self._entries_per_page = len(ptrs)
+        layout = getattr(mem_pool_host, "layout", "")
+        dtype = str(getattr(mem_pool_host, "dtype", ""))
+        self._open(int(sizes[0]), layout=layout, dtype=dtype)
+        buffer = getattr(mem_pool_host, "kv_buffer", None)
+        if buffer is not None and self.cache is not None:
+            try:  # once, so that each v1 call only prepares descriptors inside it
+                self._registered = self.cache.agent.register_memory(buffer)
+            except DatamoverError as exc:
+                log.info("sglang host pool not registered up front (%s); each call registers its pages", exc)
+
+    def _open(self, chunk_bytes: int, **parts: Any) -> TieredCache:
+        with self._lock:
+            if self.cache is not None:
+                if self.cache.page != chunk_bytes:
+                    raise ValueError(f"datamover cache chunks are {self.cache.page} bytes; this page has {chunk_bytes}")
+                return self.cache
+            self._parts.update(parts, chunk=chunk_bytes)
+            config = build_config(self._tiers, chunk_bytes, ENGINE)
+            if config.l3_nvme.enabled:
+                sub = f"{ENGINE}-tp{self._parts['tp']}-pp{self._parts['pp']}-{key_hash(self._ns('')):016x}"
+                config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
+            self.cache = TieredCache(config)
+            return self.cache
+
+    def _ns(self, iface: str) -> str:
+        return namespace(ENGINE, iface=iface, **self._parts)
+
+    def _keys(self, keys: Sequence[str], iface: str, per: int) -> list[ChunkKey]:
+        ns = self._ns(iface)
+        return [ChunkKey(key_hash(k), ns, "", j) for k in keys for j in range(per)]
+
+    # -- zero-copy v1 -------------------------------------------------------------
+    def _views(self, keys: Sequence[str], host_indices: Any) -> list[Any]:
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        if len(ptrs) != len(keys) * self._entries_per_page:
+            raise ValueError(
+                f"{len(keys)} keys but {len(ptrs)} buffer entries ({self._entries_per_page} per page expected)"
+            )
+        return [host_view(int(p), int(n)) for p, n in zip(ptrs, sizes)]
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Load pages straight into the host pool at host_indices; True for each page of the loaded prefix."""
+        if not keys:
+            return []
+        per = self._entries_per_page
+        try:
+            delivered = self.cache.get(self._keys(keys, "v1", per), self._views(keys, host_indices))
+        except (DatamoverError, ValueError, OSError) as exc:
+            log.warning("datamover: loading %d pages failed (%s); SGLang recomputes them", len(keys), exc)
+            return [False] * len(keys)
+        pages = delivered // per
+        return [True] * pages + [False] * (len(keys) - pages)
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: Any, extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> list[bool]:
+        """Store pages straight from the host pool; True for each page now held by some tier."""
+        if not keys:
+            return []
+        per = self._entries_per_page
+        chunk_keys = self._keys(keys, "v1", per)
+        try:
+            self.cache.put(chunk_keys, self._views(keys, host_indices))
+        except (DatamoverError, ValueError, OSError) as exc:
+            log.warning("datamover: storing %d pages failed (%s)", len(keys), exc)
+            return [False] * len(keys)
+        return [self.cache.lookup(chunk_keys[i * per : (i + 1) * per])[0] == per for i in range(len(keys))]
+
+    # -- v0: flat page tensors -------------------------------------------------------
+    def _page_keys(self, key: str, nbytes: int) -> list[ChunkKey]:
+        cache = self.cache or self._open(nbytes, layout="flat")
+        if nbytes % cache.page:
+            raise ValueError(f"a page of {nbytes} bytes is not a whole number of {cache.page}-byte chunks")
+        return self._keys([key], "v0", nbytes // cache.page)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        """Store one flat page tensor under key."""
+        if value is None:
+            return False
+        try:
+            flat = value.reshape(-1)
+            self._v0_dtype = flat.dtype
+            chunk_keys = self._page_keys(key, flat.numel() * flat.element_size())
+            self.cache.put(chunk_keys, flat)
+            return self.cache.lookup(chunk_keys)[0] == len(chunk_keys)
+        except (DatamoverError, ValueError, OSError) as exc:
+            log.warning("datamover: storing page %s failed (%s)", key, exc)
+            return False
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        """Store flat page tensors; True only if every page is stored."""
+        if values is None or len(values) != len(keys):
+            return False
+        return all([self.set(k, v) for k, v in zip(keys, values)])
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """The flat page stored under key (written into target_location when given), or None."""
+        import torch
+
+        if self.cache is None:
+            return None
+        if target_location is None:
+            per = self._present_chunks(key)
+            if not per:
+                return None
+            target = torch.empty(per * self.cache.page, dtype=torch.uint8)
+            if self._v0_dtype is not None:
+                target = target.view(self._v0_dtype)
+        else:
+            target = target_location
+        flat = target.reshape(-1)
+        try:
+            chunk_keys = self._page_keys(key, flat.numel() * flat.element_size())
+            if self.cache.get(chunk_keys, flat) < len(chunk_keys):
+                return None
+        except (DatamoverError, ValueError, OSError) as exc:
+            log.warning("datamover: loading page %s failed (%s)", key, exc)
+            return None
+        return target
+
+    def _present_chunks(self, key: str) -> int:
+        """How many chunks a v0 page stored under key has (0 if it is not fully present)."""
+        ns = self._ns("v0")
+        n = 0
+        while self.cache.lookup([ChunkKey(key_hash(key), ns, "", n)])[0]:
+            n += 1
+        return n
+
+    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[Any]:
+        """Pages for keys in order; None from the first missing page on (prefix semantics)."""
+        out: list[Any] = []
+        for i, key in enumerate(keys):
+            page = self.get(key, target_locations[i] if target_locations is not None else None)
+            if page is None:
+                return out + [None] * (len(keys) - i)
+            out.append(page)
+        return out
+
+    # -- existence -----------------------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """How many leading pages of keys are fully held (the hit prefix length, in pages)."""
+        if self.cache is None or not keys:
+            return 0
+        if self._v1:
+            per = self._entries_per_page
+        else:
+            per = self._present_chunks(keys[0])
+            if not per:
+                return 0
+        return self.cache.lookup(self._keys(keys, "v1" if self._v1 else "v0", per))[0] // per
+
+    # -- housekeeping -----------------------------------------------------------------
+    def clear(self) -> None:
+        """Forget every page: the cache is closed and its L3 files removed (objects in a shared pool are kept)."""
+        with self._lock:
+            cache, self.cache = self.cache, None
+        if cache is None:
+            return
+        l3 = cache.config.l3_nvme
+        chunk = cache.page
+        cache.close()
+        if l3.enabled:
+            shutil.rmtree(l3.path, ignore_errors=True)
+        self._parts.pop("chunk", None)
+        self._open(chunk)
+        if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", None) is not None:
+            self._registered = self.cache.agent.register_memory(self.mem_pool_host.kv_buffer)
+
+    def tier_stats(self) -> dict[str, Any]:
+        """TieredCache.stats() of this storage (empty before the first page)."""
+        return self.cache.stats() if self.cache is not None else {}
+
+    def close(self) -> None:
+        with self._lock:
+            cache, self.cache = self.cache, None
+        if cache is not None:
+            cache.close()
+
+
+def _with_l3_path(config: Any, path: str) -> Any:
+    from ..policy.config import with_overrides
+
+    return with_overrides(config, l3_nvme={"path": path})
+
+
+__all__ = ["DatamoverHiCacheStorage"]

@@ -1,0 +1,84 @@
+"""What the engine adapters share: the tier config built from an engine's options, and engine keys as ChunkKeys.
+
+An engine hands its adapter a `kv_cache_tiered` section (a mapping, or the path of a YAML file holding one); the
+adapter fixes `l1_hbm.page_size_bytes` to the size of one engine chunk, since the engine, not the user, decides it.
+Sections the user leaves out take the adapter defaults: the engine's own KV cache is the fastest tier, so L1 is off
+and chunks go to host DRAM (L2) first; L3 (NVMe), L4 (a pool) and the policy are whatever the section says.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from ..policy.config import ROOT, ConfigError, TierConfig, parse_config
+
+ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "l1_hbm": {"enabled": False},
+    "l2_dram": {"pinned_pool_gb": 1.0},
+}
+
+
+def _section(options: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if isinstance(options, str | os.PathLike):
+        with open(options) as f:
+            data = yaml.safe_load(f) or {}
+    else:
+        data = dict(options)
+    if ROOT in data:
+        if set(data) != {ROOT}:
+            raise ConfigError(str(next(k for k in data if k != ROOT)), f"unknown top-level key (expected {ROOT})")
+        data = data[ROOT] or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(ROOT, f"expected a mapping, got {type(data).__name__}")
+    return copy.deepcopy(dict(data))
+
+
+def build_config(
+    options: Mapping[str, Any] | str | os.PathLike[str] | None, chunk_bytes: int, engine: str
+) -> TierConfig:
+    """The TierConfig for an adapter whose engine moves chunks of `chunk_bytes`, from the user's section (or None)."""
+    data = _section(options)
+    for name, defaults in ADAPTER_DEFAULTS.items():
+        section = data.setdefault(name, {})
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{ROOT}.{name}", f"expected a mapping, got {type(section).__name__}")
+        for key, value in defaults.items():
+            section.setdefault(key, value)
+    l1 = data["l1_hbm"]
+    given = l1.get("page_size_bytes")
+    if given is not None and given != chunk_bytes:
+        raise ConfigError(
+            f"{ROOT}.l1_hbm.page_size_bytes",
+            f"{engine} moves chunks of {chunk_bytes} bytes; leave page_size_bytes out (the adapter sets it)",
+        )
+    if chunk_bytes <= 0 or chunk_bytes % 4096:
+        raise ConfigError(
+            f"{ROOT}.l1_hbm.page_size_bytes",
+            f"{engine} chunks are {chunk_bytes} bytes, not a multiple of 4096: datamover's tiers store page-aligned "
+            "chunks (choose a block size or page size that makes them so)",
+        )
+    l1["page_size_bytes"] = chunk_bytes
+    return parse_config({ROOT: data}, source=engine)
+
+
+def key_hash(key: bytes | str) -> int:
+    """A 64-bit integer for an engine's block key (bytes or str), the same in every process."""
+    raw = key.encode() if isinstance(key, str) else bytes(key)
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")
+
+
+def namespace(engine: str, **parts: Any) -> str:
+    """The ChunkKey model_version of an adapter: the engine and everything that changes the bytes of a chunk
+    (model, dtype, layout, chunk size, rank), so that chunks of another configuration never match."""
+    return engine + "".join(f"|{k}={parts[k]}" for k in sorted(parts))
+
+
+__all__ = ["ADAPTER_DEFAULTS", "build_config", "key_hash", "namespace"]

@@ -1,0 +1,194 @@
+"""SGLang HiCache on datamover: loaded through SGLang's own StorageBackendFactory, v0 and v1 byte-exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.integrations.engine_support import require
+
+require("sglang.srt.mem_cache.storage.backend_factory")
+torch = pytest.importorskip("torch")
+
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from datamover.integrations.sglang import DatamoverHiCacheStorage  # noqa: E402
+
+PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 32  # one K (or V) entry of a page: 16*2*2*32*2 bytes = 4 KiB (bfloat16)
+
+
+class PageFirstHostPool:
+    """A host KV pool laid out as SGLang's MHA pool with layout "page_first": kv_buffer (2, size, layers, heads,
+    dim); get_page_buffer_meta gives a K then a V pointer per page, as SGLang's does (its own pool imports
+    torchvision, which breaks the CPU torch here)."""
+
+    def __init__(self, pages: int) -> None:
+        self.page_size = PAGE
+        self.size = pages * PAGE
+        self.layout = "page_first"
+        self.dtype = torch.bfloat16
+        self.kv_buffer = torch.zeros((2, self.size, LAYERS, HEADS, DIM), dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        assert len(indices) % self.page_size == 0
+        item = self.dtype.itemsize
+        base = self.kv_buffer.data_ptr()
+        v_offset = self.size * LAYERS * HEADS * DIM * item
+        ptrs = []
+        for i in indices.tolist()[:: self.page_size]:
+            k = base + i * LAYERS * HEADS * DIM * item
+            ptrs += [k, k + v_offset]
+        return ptrs, [LAYERS * item * self.page_size * HEADS * DIM] * len(ptrs)
+
+    def page(self, p: int) -> torch.Tensor:
+        """Bytes of page p (K and V) as one uint8 tensor, for comparisons."""
+        rows = slice(p * PAGE, (p + 1) * PAGE)
+        return self.kv_buffer[:, rows].contiguous().view(torch.uint8).reshape(-1)
+
+    def indices(self, pages: list[int]) -> torch.Tensor:
+        return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+
+
+def storage_config(tmp_path: Path, interface_v1: int, **tiers: object) -> HiCacheStorageConfig:
+    extra = {
+        "backend_name": "datamover",
+        "module_path": "datamover.integrations.sglang",
+        "class_name": "DatamoverHiCacheStorage",
+        "interface_v1": interface_v1,
+        "kv_cache_tiered": tiers or {"l2_dram": {"pinned_pool_gb": 0.01}},
+    }
+    return HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="tiny-llama",
+        extra_config=extra,
+    )
+
+
+def attach(config: HiCacheStorageConfig, pool: PageFirstHostPool) -> DatamoverHiCacheStorage:
+    """What SGLang's cache controller does: create the dynamic backend, then hand it the host pool."""
+    storage = StorageBackendFactory.create_backend("dynamic", config, pool)
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+def fill(pool: PageFirstHostPool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.view(torch.int16).copy_(torch.randint(-(2**15), 2**15, pool.kv_buffer.shape, generator=g))
+
+
+def keys(n: int, tag: str = "") -> list[str]:
+    return [f"{tag}{i:064x}" for i in range(1, n + 1)]
+
+
+def test_factory_loads_the_backend_by_module_path(tmp_path: Path) -> None:
+    pool = PageFirstHostPool(4)
+    storage = attach(storage_config(tmp_path, 1), pool)
+    try:
+        assert type(storage) is DatamoverHiCacheStorage
+        assert storage._entries_per_page == 2  # a K and a V entry per page: each a 4 KiB chunk
+        assert storage.cache.page == LAYERS * PAGE * HEADS * DIM * 2
+    finally:
+        storage.close()
+
+
+def test_v1_round_trip_is_byte_exact_and_batch_exists_gives_the_hit_prefix(tmp_path: Path) -> None:
+    pool = PageFirstHostPool(16)
+    fill(pool, 1)
+    storage = attach(storage_config(tmp_path, 1), pool)
+    try:
+        ks = keys(8)
+        assert storage.batch_exists(ks) == 0
+        src = [0, 1, 2, 3, 4]
+        expected = [pool.page(p).clone() for p in src]
+        assert storage.batch_set_v1(ks[:5], pool.indices(src)) == [True] * 5
+        assert storage.batch_exists(ks) == 5  # pages 6..8 were never stored
+        assert storage.batch_exists(ks[:3]) == 3
+        assert storage.batch_exists([ks[0], keys(1, "x")[0], ks[2]]) == 1  # a gap ends the prefix
+        assert storage.exists(ks[4]) and not storage.exists(ks[5])
+
+        dst = [9, 12, 10, 15, 11]  # other host slots, out of order
+        pool.kv_buffer[:, pool.indices(dst)] = 0
+        assert storage.batch_get_v1(ks[:5], pool.indices(dst)) == [True] * 5
+        for want, p in zip(expected, dst):
+            assert torch.equal(pool.page(p), want)
+        # pages past the prefix report False; what was found before them still loads
+        assert storage.batch_get_v1(ks[3:7], pool.indices([5, 6, 7, 8])) == [True, True, False, False]
+        assert torch.equal(pool.page(5), expected[3]) and torch.equal(pool.page(6), expected[4])
+        stats = storage.tier_stats()
+        assert stats["hits"]["l2_dram"] == 2 * 7 and stats["resident"]["l2_dram"] == 10
+    finally:
+        storage.close()
+
+
+def test_v0_round_trip_is_byte_exact(tmp_path: Path) -> None:
+    storage = attach(storage_config(tmp_path, 0), PageFirstHostPool(4))
+    try:
+        g = torch.Generator().manual_seed(2)
+        pages = [torch.randn(2 * LAYERS * PAGE * HEADS * DIM, generator=g).to(torch.bfloat16) for _ in range(3)]
+        ks = keys(3, "v0-")
+        assert storage.set(ks[0], pages[0])
+        assert storage.batch_set(ks[1:], pages[1:])
+        assert storage.batch_exists(ks + keys(1, "miss-")) == 3
+        got = storage.get(ks[0], torch.zeros_like(pages[0]))
+        assert got is not None and torch.equal(got.view(torch.int16), pages[0].view(torch.int16))
+        outs = storage.batch_get(ks + keys(1, "miss-"), [torch.zeros_like(pages[0]) for _ in range(4)])
+        assert outs[3] is None
+        for out, page in zip(outs[:3], pages):
+            assert torch.equal(out.view(torch.int16), page.view(torch.int16))
+        fresh = storage.get(ks[2])  # no target: a new tensor of the stored dtype
+        assert fresh.dtype == torch.bfloat16 and torch.equal(fresh.view(torch.int16), pages[2].view(torch.int16))
+        assert storage.get(keys(1, "miss-")[0]) is None
+    finally:
+        storage.close()
+
+
+def test_a_corrupt_page_on_nvme_fails_that_page_and_those_after_it(tmp_path: Path) -> None:
+    """L3 only: a chunk whose CRC32C no longer matches is a miss, so SGLang recomputes it (never wrong KV)."""
+    tiers = {
+        "l2_dram": {"enabled": False},
+        "l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"},
+    }
+    pool = PageFirstHostPool(8)
+    fill(pool, 3)
+    storage = attach(storage_config(tmp_path, 1, **tiers), pool)
+    try:
+        ks = keys(4)
+        assert storage.batch_set_v1(ks, pool.indices([0, 1, 2, 3])) == [True] * 4
+        l3 = Path(storage.cache.config.l3_nvme.path)
+        slot = storage.cache.engine.slots[0][storage._keys([ks[2]], "v1", 2)[1]]  # page 3's V entry
+        with open(l3 / "chunks.dat", "r+b") as f:
+            f.seek(slot * storage.cache.page + 100)
+            f.write(b"\xff" * 8)
+        good = [pool.page(p).clone() for p in (0, 1)]
+        assert storage.batch_get_v1(ks, pool.indices([4, 5, 6, 7])) == [True, True, False, False]
+        assert torch.equal(pool.page(4), good[0]) and torch.equal(pool.page(5), good[1])
+        assert storage.tier_stats()["checksum_failures"] == 1
+    finally:
+        storage.close()
+
+
+def test_clear_forgets_every_page(tmp_path: Path) -> None:
+    tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
+    pool = PageFirstHostPool(4)
+    fill(pool, 4)
+    storage = attach(storage_config(tmp_path, 1, **tiers), pool)
+    try:
+        ks = keys(2)
+        assert storage.batch_set_v1(ks, pool.indices([0, 1])) == [True, True]
+        storage.clear()
+        assert storage.batch_exists(ks) == 0
+        assert storage.batch_set_v1(ks, pool.indices([0, 1])) == [True, True]  # usable again
+        assert np.array_equal(storage.batch_get_v1(ks, pool.indices([2, 3])), [True, True])
+    finally:
+        storage.close()
