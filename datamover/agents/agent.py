@@ -17,6 +17,7 @@ from ..backends.base import Backend, Op, TransferRequest, clock
 from ..descriptors import DescList, MemType, RegionTable, Registration, buffer_info
 from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from ..errors import (
+    AuthenticationError,
     BackendUnavailable,
     InvalidDescriptor,
     InvalidMetadata,
@@ -26,8 +27,9 @@ from ..errors import (
     OverlappingDestination,
     UnsupportedTransfer,
 )
+from . import peer_auth
 from .config import AgentConfig
-from .metadata import AgentMetadata, decode_metadata, encode_metadata, open_metadata, sign_metadata
+from .metadata import AgentMetadata, agent_ident, decode_metadata, encode_metadata, open_metadata, sign_metadata
 from .transfer import Transfer
 
 log = logging.getLogger("datamover.agent")
@@ -104,13 +106,17 @@ class Agent:
         self._watches: dict[str, Any] = {}
         self._publisher: Any = None
         self._side: Any = None
+        self._token = os.urandom(peer_auth.TOKEN_BYTES)  # proves to peers that a PUSH or DROP comes from this agent
+        self._push_budget = peer_auth.PushBudget(**cfg.extra.get("push_budget", {}))
         if cfg.listen_port is not None:
-            from .side_channel import MetadataServer
+            from .side_channel import MetadataServer, SideChannelLimits
 
             host = str(cfg.extra.get("listen_host", "127.0.0.1"))
+            limits = SideChannelLimits(**cfg.extra.get("side_channel", {}))
             self._side = MetadataServer(
-                self.metadata, host=host, port=int(cfg.listen_port), on_push=self.add_remote, on_drop=self._dropped
-            )
+                self.metadata, host=host, port=int(cfg.listen_port), on_push=self._pushed, on_drop=self._dropped,
+                limits=limits,
+            )  # fmt: skip
 
     # -- backends ----------------------------------------------------------
     def enabled_backends(self) -> list[str]:
@@ -450,7 +456,7 @@ class Agent:
                 if self._regs.get(r.id) is not r:
                     raise NotRegistered(f"{r!r} is not registered with agent {self.name!r}")
             regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in regs]
-            blob = encode_metadata(self.name, infos, regions, partial=partial)
+            blob = encode_metadata(self.name, infos, regions, ident=agent_ident(self._token), partial=partial)
             return sign_metadata(blob, self.config.secret) if self.config.secret else blob
 
     def add_remote(self, blob: bytes) -> str:
@@ -459,7 +465,9 @@ class Agent:
         A partial blob (``metadata(registrations)``) adds its regions and
         connection info to what is known of the peer; a full one replaces it.
         """
-        meta = decode_metadata(open_metadata(blob, self.config.secret))
+        return self._load_remote(decode_metadata(open_metadata(blob, self.config.secret)))
+
+    def _load_remote(self, meta: AgentMetadata) -> str:
         if meta.name == self.name:
             raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
         with self._lock:
@@ -531,22 +539,34 @@ class Agent:
         which loads it as if it had fetched it."""
         from .side_channel import PUSH, send_request
 
-        send_request(host, port, PUSH, self.metadata() if blob is None else blob, timeout=timeout)
+        send_request(host, port, PUSH, self.metadata() if blob is None else blob, timeout=timeout, proof=self._token)
 
     def invalidate_at(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Ask the peer listening at (host, port) to forget this agent (signed when a secret is set)."""
         from .side_channel import DROP, send_request
 
-        name = self.name.encode()
-        send_request(host, port, DROP, sign_metadata(name, self.config.secret) if self.config.secret else name,
+        send_request(host, port, DROP, peer_auth.drop_payload(self.name, self._token, self.config.secret),
                      timeout=timeout)  # fmt: skip
 
-    def _dropped(self, payload: bytes) -> None:
-        name = open_metadata(payload, self.config.secret).decode(errors="replace")
+    def _pushed(self, blob: bytes, proof: bytes) -> None:
+        """A peer's PUSH: within the push budget, and replacing a known peer only with its token or the secret."""
+        meta = decode_metadata(open_metadata(blob, self.config.secret), max_regions=self._push_budget.max_regions)
         with self._lock:
-            if name in self._remotes:
-                log.info("agent %r asked to be forgotten", name)
-                self.remove_remote(name)
+            peer_auth.check_replacement(self._remotes.get(meta.name), proof, signed=bool(self.config.secret))
+            self._push_budget.check(meta, set(self._remotes))
+            self._load_remote(meta)
+            self._push_budget.kept_as(meta)
+
+    def _dropped(self, payload: bytes) -> None:
+        name, token = peer_auth.parse_drop(payload, self.config.secret)
+        with self._lock:
+            known = self._remotes.get(name)
+            if known is None:
+                return
+            if token is not None and not peer_auth.proves(known, token):
+                raise AuthenticationError(f"DROP of {name!r} does not carry its identity token")
+            log.info("agent %r asked to be forgotten", name)
+            self.remove_remote(name)
 
     def refresh_remote(self, name: str) -> str:
         """Fetch peer ``name``'s metadata again from where it came (side channel or etcd)."""
@@ -695,7 +715,10 @@ def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
     regions = {r[4]: r for r in old.regions}
     regions.update({r[4]: r for r in new.regions})
     backends = {**old.backends, **new.backends}
-    return decode_metadata(encode_metadata(old.name, backends, list(regions.values()), partial=old.partial))
+    blob = encode_metadata(
+        old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
+    )
+    return decode_metadata(blob)
 
 
 def _is_identity(idx: np.ndarray) -> bool:

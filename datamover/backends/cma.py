@@ -65,7 +65,19 @@ class Token:
         self._buf = np.frombuffer(bytearray(os.urandom(_TOKEN_BYTES)), dtype=np.uint8)
 
     def offer(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "addr": int(self._buf.ctypes.data), "token": self._buf.tobytes()}
+        offer = {"pid": os.getpid(), "addr": int(self._buf.ctypes.data), "token": self._buf.tobytes()}
+        pidns = pid_namespace()
+        if pidns:
+            offer["pidns"] = pidns
+        return offer
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of /proc/self/ns/pid), or 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def probe(offer: Mapping[str, Any] | None) -> tuple[int, str]:
@@ -83,6 +95,9 @@ def probe(offer: Mapping[str, Any] | None) -> tuple[int, str]:
         return 0, "malformed token offer"
     if pid == os.getpid():
         return 0, "the peer is this very process (UCX serves it)"
+    theirs, ours = offer.get("pidns"), pid_namespace()
+    if isinstance(theirs, int) and theirs and ours and theirs != ours:
+        return 0, "the peer is in another pid namespace (another host or container): its pid means nothing here"
     got = np.zeros(_TOKEN_BYTES, dtype=np.uint8)
     local = np.array([[got.ctypes.data, _TOKEN_BYTES]], dtype=np.uint64)
     remote = np.array([[addr, _TOKEN_BYTES]], dtype=np.uint64)

@@ -34,6 +34,39 @@ class RegionTable:
                 )
             self._groups[key] = (starts, ends, ids)
 
+    @classmethod
+    def from_columns(
+        cls,
+        types: tuple[MemType, ...],
+        codes: np.ndarray,
+        dev: np.ndarray,
+        start: np.ndarray,
+        length: np.ndarray,
+        ids: np.ndarray,
+    ) -> RegionTable:
+        """The table of rows given as columns (``types[codes[i]]`` is row i's memory type): O(N log N) numpy."""
+        self = cls()
+        if codes.shape[0] == 0:
+            return self
+        order = np.lexsort((start, dev, codes))
+        c, d, st, ln, ids = codes[order], dev[order], start[order], length[order], ids[order]
+        cut = np.flatnonzero((c[1:] != c[:-1]) | (d[1:] != d[:-1])) + 1
+        bounds = [0, *cut.tolist(), c.shape[0]]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            key = (types[int(c[a])], int(d[a]))
+            starts, ends, gids = st[a:b].copy(), st[a:b] + ln[a:b], ids[a:b].copy()
+            if b - a > 1 and (starts[1:] < ends[:-1]).any():
+                i = int(np.flatnonzero(starts[1:] < ends[:-1])[0])
+                raise InvalidDescriptor(
+                    f"regions {int(gids[i])} and {int(gids[i + 1])} overlap on {key[0]} device {key[1]}"
+                )
+            self._groups[key] = (starts, ends, gids)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes + c.nbytes for a, b, c in self._groups.values())
+
     def __len__(self) -> int:
         return sum(g[0].shape[0] for g in self._groups.values())
 

@@ -2,12 +2,16 @@
 
 from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer, gpu_skip_reason
 from .conformance import BackendConformance, random_bytes
+from .hosts import Host, TestHosts, TestHostsUnavailable
 
 __all__ = [
     "BackendConformance",
     "FileBuffer",
+    "Host",
     "HostBuffer",
     "TestBuffer",
+    "TestHosts",
+    "TestHostsUnavailable",
     "VramBuffer",
     "gpu_skip_reason",
     "random_bytes",

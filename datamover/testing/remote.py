@@ -12,12 +12,15 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..descriptors import DescList, aligned_empty
 from ..errors import RemoteDisconnected
+
+if TYPE_CHECKING:
+    from .hosts import Host
 
 
 def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
@@ -102,22 +105,36 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
 
 
 class RemotePeer:
-    """An Agent named ``name`` running in its own process; methods run there.
+    """An Agent named ``name`` running in its own process (on test host ``host`` if given); methods run there.
 
     Besides the helpers below, ``call(method, *args)`` runs any Agent method
     in the peer (``metadata``, ``add_remote``, ``transfer`` is not picklable,
     ``send_notification``, ``wait_notification``, ``get_notifications``...).
     """
 
-    def __init__(self, name: str, config: Any = None, env: dict[str, str] | None = None, timeout: float = 60.0):
+    def __init__(
+        self,
+        name: str,
+        config: Any = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 60.0,
+        host: Host | None = None,
+    ):
         ctx = mp.get_context("spawn")
         self.name = name
         self.timeout = timeout
+        self.host = host
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, name, config, env or {}), daemon=True)
+        args = (child, name, config, env or {})
+        if host is None:
+            self.process = ctx.Process(target=_serve, args=args, daemon=True)
+        else:
+            self.process = host.process(_serve, args, daemon=True)
         self.process.start()
         child.close()
-        self.pid = self.call("ping")
+        pid = self.call("ping")
+        # the pid as this process sees it (on a test host the peer reads its own pid as 1)
+        self.pid = pid if host is None else host.pid_here(self.process.pid)
 
     def call(self, cmd: str, *args: Any, timeout: float | None = None) -> Any:
         """Run ``cmd`` in the peer and return its result (its exception is raised here)."""

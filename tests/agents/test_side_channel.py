@@ -44,7 +44,7 @@ def test_garbage_push_is_refused_and_server_keeps_serving():
     with _agent("b") as b:
         host, port = b.listen_address
         with socket.create_connection((host, port), timeout=5) as s:
-            s.sendall(b"PUSH" + (7).to_bytes(4, "big") + b"garbage")
+            s.sendall(b"PUSH" + (7).to_bytes(4, "big") + b"garbage" + (0).to_bytes(4, "big"))
             assert s.recv(4) == b"ERR "
         with socket.create_connection((host, port), timeout=5) as s:
             s.sendall(b"HACK")

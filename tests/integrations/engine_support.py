@@ -19,4 +19,6 @@ def require(module: str) -> None:
     except ImportError as exc:
         if os.environ.get("DATAMOVER_ENGINE_TESTS") == "1":
             pytest.fail(f"DATAMOVER_ENGINE_TESTS=1 but {module} does not import: {exc}")
-        pytest.skip(f"{module} not installed ({exc}); `bash scripts/setup.sh --engines` installs it")
+        pytest.skip(
+            f"{module} not installed ({exc}); `bash scripts/setup.sh --engines` installs it", allow_module_level=True
+        )

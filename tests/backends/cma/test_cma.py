@@ -129,3 +129,13 @@ def test_availability_reads_the_yama_policy(tmp_path):
         scope.write_text(value + "\n")
         assert word in cma.availability(str(scope))
     assert "no Yama" in cma.availability(str(tmp_path / "absent"))
+
+
+def test_probe_refuses_a_peer_in_another_pid_namespace_before_reading_anything(monkeypatch):
+    offer = cma.Token().offer()
+    assert offer["pidns"] == os.stat("/proc/self/ns/pid").st_ino
+    offer["pid"] = os.getppid()  # a live process here, as the peer's own pid 1 would be
+    offer["pidns"] += 1
+    monkeypatch.setattr(cma, "_calls", lambda: (None, None))  # reading would fail the test
+    pid, why = cma.probe(offer)
+    assert pid == 0 and "another pid namespace" in why

@@ -1,0 +1,150 @@
+"""The side channel against hostile or broken clients (issue 14, items 5 and 6).
+
+Idle and slow clients are real sockets held open at a known point of the protocol (nothing races a sleep); budgets
+and identity checks are exercised through the real server.
+"""
+
+import socket
+import struct
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from datamover import Agent
+from datamover.agents.metadata import encode_metadata
+from datamover.agents.side_channel import DROP, PUSH, fetch_metadata, send_request
+from datamover.descriptors import MemType
+from datamover.errors import RemoteRefused
+
+
+def _agent(name, **extra):
+    return Agent(name, {"backends": {"memcpy": {}}, "listen_port": 0, "extra": extra})
+
+
+def _until(cond, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _blob(name, n):
+    return encode_metadata(name, {}, [(MemType.DRAM, 0, i * 8192, 4096, i + 1) for i in range(n)])
+
+
+def test_200_idle_connections_do_not_stop_a_fetch():
+    with _agent("a") as a, _agent("b") as b:
+        idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(200)]
+        try:
+            assert _until(lambda: b._side.open_connections == 200, 10)
+            t0 = time.monotonic()
+            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
+            assert time.monotonic() - t0 < 3
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_past_the_cap_the_oldest_idle_connection_makes_room():
+    with _agent("a") as a, _agent("b", side_channel={"max_connections": 8}) as b:
+        idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(8)]
+        try:
+            assert _until(lambda: b._side.open_connections == 8, 10)
+            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
+            assert b._side.evicted >= 1
+            assert idle[0].recv(1) == b""  # the oldest was closed for it
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
+    with _agent("a") as a, _agent("b", side_channel={"deadline_s": 1.0}) as b:
+        slow = socket.create_connection(b.listen_address, timeout=10)
+        try:
+            slow.sendall(PUSH + struct.pack("!I", 1000))  # then the body a byte at a time: a slow-loris
+            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"  # served while the slow one dawdles
+            slow.settimeout(0.2)
+            t0, cut = time.monotonic(), False
+            while not cut and time.monotonic() - t0 < 10:
+                try:
+                    slow.sendall(b"S")
+                    cut = slow.recv(1) == b""
+                except TimeoutError:
+                    continue
+                except OSError:
+                    cut = True
+            assert cut, "a client trickling its request was never cut off"
+        finally:
+            slow.close()
+        assert _until(lambda: b._side.open_connections == 0, 5) and b._side.expired >= 1
+
+
+def test_a_huge_push_is_refused_from_its_length_before_any_byte_is_read():
+    with _agent("b") as b:
+        with socket.create_connection(b.listen_address, timeout=5) as s:
+            s.sendall(PUSH + struct.pack("!I", 20 << 20))  # announces 20 MB, sends none of it
+            assert s.recv(4) == b"ERR "
+            (n,) = struct.unpack("!I", s.recv(4))
+            assert b"at most" in s.recv(n)
+        assert b.remotes == []
+
+
+def test_pushed_metadata_has_a_region_budget_checked_before_unpacking():
+    with _agent("b", push_budget={"max_regions": 1000}) as b:
+        with pytest.raises(RemoteRefused, match="at most 1000"):
+            send_request(*b.listen_address, PUSH, _blob("big", 1001))
+        send_request(*b.listen_address, PUSH, _blob("fits", 1000))
+        assert b.remotes == ["fits"]
+
+
+def test_pushed_metadata_has_a_byte_budget_released_when_a_peer_goes():
+    n = 20_000
+    with _agent("b") as b:
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            send_request(*b.listen_address, PUSH, _blob("one", n))
+            kept = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert b.remotes == ["one"]
+        assert kept < 120 * n, f"a pushed region costs {kept / n:.0f} bytes kept"
+        per_peer = b.remote_metadata("one").nbytes
+    with _agent("c", push_budget={"max_bytes": int(2.5 * per_peer)}) as c:
+        send_request(*c.listen_address, PUSH, _blob("one", n))
+        send_request(*c.listen_address, PUSH, _blob("two", n))
+        with pytest.raises(RemoteRefused, match="budget"):
+            send_request(*c.listen_address, PUSH, _blob("three", n))
+        c.remove_remote("one")  # its share is released
+        send_request(*c.listen_address, PUSH, _blob("three", n))
+        assert sorted(c.remotes) == ["three", "two"]
+
+
+def test_an_unauthenticated_client_cannot_drop_or_replace_a_peer():
+    with _agent("a") as a, _agent("b") as b:
+        a.register_memory(np.zeros(4096, np.uint8))
+        a.send_metadata(*b.listen_address)
+        real = b.remote_metadata("a")
+        # forget "a": the bare name (what DROP used to be), then a made-up token
+        for payload in (b"a", b"a\0" + b"x" * 32):
+            with pytest.raises(RemoteRefused, match="token"):
+                send_request(*b.listen_address, DROP, payload)
+        # replace "a" with a blob of the attacker's (no ident, then a forged one), with and without a proof
+        forged = [encode_metadata("a", {}, []), encode_metadata("a", {}, [], ident=real.ident)]
+        for blob in forged:
+            for proof in (b"", b"y" * 32):
+                with pytest.raises(RemoteRefused, match="already known"):
+                    send_request(*b.listen_address, PUSH, blob, proof=proof)
+        assert b.remote_metadata("a") is real
+        # the real agent still replaces and drops itself
+        a.register_memory(np.zeros(8192, np.uint8))
+        a.send_metadata(*b.listen_address)
+        assert len(b.remote_metadata("a").regions) == 2
+        a.invalidate_at(*b.listen_address)
+        assert b.remotes == []
+        assert len(fetch_metadata(*b.listen_address)) > 0

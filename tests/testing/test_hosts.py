@@ -1,0 +1,160 @@
+"""Test hosts: network namespaces joined by veth pairs, each process in its own pid namespace."""
+
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+
+import numpy as np
+import pytest
+
+from datamover import Agent, XferState
+from datamover.backends import backend_status
+from datamover.descriptors import DescList
+from datamover.testing import hosts as hosts_mod
+from datamover.testing.hosts import TestHosts, TestHostsUnavailable, make_test_hosts, unavailable
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+
+@pytest.fixture(scope="module")
+def three():
+    hosts = make_test_hosts(3)
+    yield hosts
+    hosts.close()
+
+
+def _names(prefix: str) -> list[str]:
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    return [w for w in (netns + links).replace(":", " ").replace("@", " ").split() if w.startswith(prefix)]
+
+
+def _report(conn, address: str, port: int) -> None:
+    """Runs on a test host: connect back to ``address`` and say who this is."""
+    with socket.create_connection((address, port), timeout=10) as s:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        s.sendall(f"{os.getpid()} {socket.gethostname()} {boot}".encode())
+    conn.send(os.readlink("/proc/self/ns/net"))
+
+
+def test_a_process_on_another_host_reaches_this_one_over_the_veth(three):
+    here, there = three[0], three[1]
+    assert here.netns is None and there.netns and here.address != there.address
+    with socket.socket() as srv:
+        srv.bind((here.address, 0))
+        srv.listen()
+        mine, theirs = mp.get_context("spawn").Pipe()
+        proc = there.process(_report, (theirs, here.address, srv.getsockname()[1]), daemon=True)
+        proc.start()
+        conn, (peer_addr, _) = srv.accept()
+        with conn:
+            pid, hostname, boot = conn.recv(200).decode().split()
+        assert mine.poll(30)
+        netns = mine.recv()
+        proc.join(10)
+    assert proc.exitcode == 0
+    assert peer_addr == there.address  # it came over its own link, not loopback
+    assert pid == "1"  # its own pid namespace
+    assert hostname == there.name and boot != open("/proc/sys/kernel/random/boot_id").read().strip()
+    assert netns != os.readlink("/proc/self/ns/net")
+
+
+def test_hosts_reach_each_other_and_a_process_here_is_in_its_own_pid_namespace(three):
+    cmd = "echo $$ $UCX_NET_DEVICES; ip -o -4 addr show"
+    out = three[2].run(["sh", "-c", cmd], capture_output=True, text=True, check=True)
+    first, addrs = out.stdout.split("\n", 1)
+    assert first.split() == ["1", three[2].ifname]
+    assert three[2].address in addrs and three[1].address not in addrs
+    mine = three[0].run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
+    assert mine == "1"  # host 0 shares this network namespace, yet its processes get their own pid namespace
+    with socket.socket() as srv:
+        srv.bind((three[0].address, 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        script = f"import socket; socket.create_connection(({three[0].address!r}, {port}), timeout=5).close()"
+        three[2].run(["python3", "-c", script], check=True, timeout=30)
+
+
+def test_link_down_cuts_the_host_off_and_link_up_brings_it_back(three):
+    target = three[1]
+    script = (
+        "import socket,sys\n"
+        "try:\n"
+        f"    socket.create_connection(({three[0].address!r}, {{port}}), timeout=1).close()\n"
+        "except OSError as e:\n"
+        "    sys.exit(3)\n"
+    )
+    with socket.socket() as srv:
+        srv.bind((three[0].address, 0))
+        srv.listen()
+        code = script.format(port=srv.getsockname()[1])
+        target.link_down()
+        try:
+            assert target.run(["python3", "-c", code], timeout=30).returncode == 3
+        finally:
+            target.link_up()
+        assert target.run(["python3", "-c", code], timeout=30).returncode == 0
+
+
+def test_close_removes_every_namespace_and_link():
+    hosts = make_test_hosts(2, here=False)
+    prefix = hosts.prefix
+    assert len(_names(prefix)) >= 3  # switch and two hosts
+    assert all(h.netns for h in hosts)
+    hosts.close()
+    assert _names(prefix) == []
+    hosts.close()  # idempotent
+
+
+def test_a_run_killed_before_cleanup_is_swept_by_the_next():
+    hosts = make_test_hosts(2)
+    prefix = hosts.prefix
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with open(os.path.join(hosts_mod._REGISTRY, prefix), "w") as f:
+        f.write(f"{dead.pid}\n")  # as if its owner had been SIGKILLed
+    hosts._finalizer.detach()
+    with TestHosts(2) as fresh:
+        assert fresh.prefix != prefix
+        assert _names(prefix) == []
+    assert not os.path.exists(os.path.join(hosts_mod._REGISTRY, prefix))
+
+
+def test_without_root_they_are_unavailable_and_the_fixture_skips(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert "root" in unavailable()
+    with pytest.raises(TestHostsUnavailable, match="root"):
+        TestHosts(2)
+    with pytest.raises(pytest.skip.Exception, match="root"):
+        make_test_hosts(2)
+
+
+def test_names_carry_the_given_prefix():
+    with make_test_hosts(2, prefix="Native-") as hosts:
+        assert hosts.prefix.startswith("native") and len(hosts.prefix) == 10
+        assert all(n.startswith(hosts.prefix) for n in _names(hosts.prefix))
+        assert {h.ifname for h in hosts} == {f"{hosts.prefix}h0", f"{hosts.prefix}h1"}
+
+
+ok, why = backend_status("ucx")
+
+
+@pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+def test_ucx_between_hosts_moves_bytes_and_direct_cma_says_why_it_is_off(test_hosts):
+    here, there = test_hosts[0], test_hosts[1]
+    cfg = {"backends": {"ucx": {"host": there.address}}}
+    with RemotePeer("far", cfg, env={"UCX_TLS": "tcp,self"}, host=there) as peer:
+        assert peer.pid != 1 and peer.process.is_alive()
+        remote = RemoteBuffer(peer, 1 << 16)
+        near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
+        with Agent("near", {"backends": {"ucx": near}}) as agent:
+            agent.add_remote(peer.metadata())
+            mem = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+            agent.register_memory(mem)
+            offsets = np.arange(16)[::-1] * 4096
+            xfer = agent.transfer("WRITE", DescList.blocks(mem, 4096), remote.descs(offsets, 4096), "far")
+            assert xfer.wait() == XferState.DONE
+            got = np.frombuffer(remote.read(0, 1 << 16), dtype=np.uint8).reshape(16, 4096)
+            assert np.array_equal(got[::-1], mem.reshape(16, 4096))
+            why_not = agent.backend("ucx").describe()["direct cma"]["far"]
+            assert "another pid namespace" in why_not
