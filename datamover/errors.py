@@ -27,13 +27,19 @@ class DatamoverError(Exception):
         return f"{where}: {self.reason}" if where else self.reason
 
     def __reduce__(self):
-        return (_rebuild, (type(self), self.reason, self.index, self.backend, self.__dict__))
+        # every subclass pickles through here: its own fields (bucket, status, ...) travel in __dict__, and
+        # errno, which OSError keeps outside it, beside them
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            state["errno"] = self.errno
+        return (_rebuild, (type(self), self.reason, self.index, self.backend, state))
 
 
 def _rebuild(cls, reason, index, backend, state):
     err = cls.__new__(cls)
     DatamoverError.__init__(err, reason, index=index, backend=backend)
-    err.__dict__.update(state)
+    for name, value in state.items():
+        setattr(err, name, value)
     return err
 
 
@@ -69,6 +75,10 @@ class BackendUnavailable(DatamoverError):
     """The backend cannot run here; ``reason`` says why (missing package, no driver)."""
 
 
+class UnknownBackend(BackendUnavailable, LookupError):
+    """No backend is registered under the name asked for; ``reason`` lists the known ones."""
+
+
 class BrokenBackend(BackendUnavailable):
     """A backend's module failed to import; ``reason`` says why (shown by ``datamover info``)."""
 
@@ -92,13 +102,6 @@ class TransferIOError(DatamoverError, OSError):
         super().__init__(reason, index=index, backend=backend)
         self.errno = errno
 
-    def __reduce__(self):
-        return (_rebuild_io, (self.reason, self.errno, self.index, self.backend))
-
-
-def _rebuild_io(reason, errno, index, backend):
-    return TransferIOError(reason, errno=errno, index=index, backend=backend)
-
 
 class CudaError(TransferIOError):
     """A CUDA call failed; ``cuda_error`` is the CUDA error name (e.g. ``cudaErrorInvalidValue``)."""
@@ -106,13 +109,6 @@ class CudaError(TransferIOError):
     def __init__(self, reason: str, *, cuda_error: str | None = None, index=None, backend="cuda"):
         super().__init__(reason, index=index, backend=backend)
         self.cuda_error = cuda_error
-
-    def __reduce__(self):
-        return (_rebuild_cuda_error, (self.reason, self.cuda_error, self.index, self.backend))
-
-
-def _rebuild_cuda_error(reason, cuda_error, index, backend):
-    return CudaError(reason, cuda_error=cuda_error, index=index, backend=backend)
 
 
 class UcpError(DatamoverError):
@@ -143,6 +139,14 @@ class AuthenticationError(DatamoverError, PermissionError):
     """A peer's metadata or control message failed authentication."""
 
 
+class ModelShapeError(DatamoverError, ValueError):
+    """A model name that is not built in, or a shape file that does not describe a model (``datamover bench``)."""
+
+
+class NixlError(DatamoverError):
+    """NIXL (the benchmark's reference library) refused a setup step or reported ERR for a transfer."""
+
+
 class NotificationTimeout(DatamoverError, TimeoutError):
     """No matching notification arrived within the timeout."""
 
@@ -170,16 +174,6 @@ class ObjectStoreError(TransferIOError):
         self.status = status
         self.code = code
         super().__init__(reason, errno=errno, index=index, backend=backend)
-
-    def __reduce__(self):
-        args = (self.reason, self.bucket, self.key, self.status, self.code, self.errno, self.index, self.backend)
-        return (_rebuild_store, args)
-
-
-def _rebuild_store(reason, bucket, key, status, code, errno, index, backend):
-    return ObjectStoreError(
-        reason, bucket=bucket, key=key, status=status, code=code, errno=errno, index=index, backend=backend
-    )
 
 
 class ConfigError(DatamoverError, ValueError):

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -97,6 +98,10 @@ class Agent:
         self._regions = MappingProxyType(self._regs)
         self._table = RegionTable()
         self._backends: dict[str, Backend] = {}
+        # (local, remote, to a peer, backends asked for) -> the backend that moves it
+        self._chosen: dict[tuple, Backend] = {}
+        self._oneshot: dict[tuple, _OneShot] = {}  # transfer()'s last transfer per (lists, op, ...), see there
+        self._oneshot_lock = threading.Lock()
         self._enabled: list[str] | None = None
         self._remotes: dict[str, AgentMetadata] = {}
         self._notif_cond = threading.Condition()
@@ -153,6 +158,13 @@ class Agent:
             return inst
 
     def _choose_backend(self, local: MemType, remote: MemType, remote_agent: bool, only: Any) -> Backend:
+        key = (local, remote, remote_agent, only if only is None or isinstance(only, str) else tuple(only))
+        inst = self._chosen.get(key)
+        if inst is None:
+            inst = self._chosen[key] = self._pick_backend(local, remote, remote_agent, only)
+        return inst
+
+    def _pick_backend(self, local: MemType, remote: MemType, remote_agent: bool, only: Any) -> Backend:
         names = self.enabled_backends() if only is None else ([only] if isinstance(only, str) else list(only))
         unusable = []
         for name in names:
@@ -288,6 +300,7 @@ class Agent:
             self._metadata_changed()
 
     def _rebuild_table(self) -> None:
+        self._oneshot.clear()
         self._table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())
 
     @property
@@ -322,11 +335,14 @@ class Agent:
         descs = _as_desclist(descs)
         if agent is None or agent == self.name:
             return Prepared(descs, None, self._lookup(descs))
+        return Prepared(descs, agent, self._lookup_remote(descs, agent))
+
+    def _lookup_remote(self, descs: DescList, agent: str) -> np.ndarray:
         meta = self._remotes.get(agent)
         if meta is None:
             raise NotRegistered(f"unknown remote agent {agent!r}; load its metadata with add_remote() first")
         try:
-            return Prepared(descs, agent, meta.table.lookup(descs, owner=f"agent {agent!r}"))
+            return meta.table.lookup(descs, owner=f"agent {agent!r}")
         except NotRegistered as exc:
             raise NotRegistered(
                 f"{exc.reason} (as of its metadata loaded here; if it registered memory since, refresh: "
@@ -388,35 +404,58 @@ class Agent:
             raise LengthMismatch(f"{li.shape[0]} local descriptor(s) but {ri.shape[0]} remote")
         ldescs = local.descs if li.shape[0] == len(local) and _is_identity(li) else local.descs[li]
         rdescs = remote.descs if ri.shape[0] == len(remote) and _is_identity(ri) else remote.descs[ri]
-        lreg, rreg = local.regions[li], remote.regions[ri]
+        return self._make(
+            op, ldescs, local.regions[li], rdescs, remote.regions[ri], remote.agent, notify, backends, timeout
+        )
+
+    def _make(
+        self,
+        op: Op,
+        ldescs: DescList,
+        lreg: np.ndarray,
+        rdescs: DescList,
+        rreg: np.ndarray,
+        remote_agent: str | None,
+        notify: bytes,
+        backends: str | list[str] | None,
+        timeout: float | None,
+        one_region: bool = False,
+    ) -> Transfer:
+        """The transfer of validated, looked-up descriptors: what ``make_transfer`` and ``transfer`` share.
+
+        ``one_region``: each side lies in one region on one device (lets coalescing skip those checks).
+        """
+        n = len(ldescs)
+        if len(rdescs) != n:
+            raise LengthMismatch(f"{n} local descriptor(s) but {len(rdescs)} remote")
         diff = ldescs.length != rdescs.length
         if diff.any():
             i = int(np.flatnonzero(diff)[0])
             raise LengthMismatch(
                 f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
             )
-        backend = self._choose_backend(ldescs.mem_type, rdescs.mem_type, remote.agent is not None, backends)
-        dst = rdescs if op is Op.WRITE else ldescs
-        pair = first_overlap(dst)
+        backend = self._choose_backend(ldescs.mem_type, rdescs.mem_type, remote_agent is not None, backends)
+        pair = first_overlap(rdescs if op is Op.WRITE else ldescs)
         if pair is not None:
             raise OverlappingDestination(
                 f"destination overlaps destination descriptor {pair[0]}", index=pair[1], backend=backend.name
             )
-        starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg)
+        starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg, one_region=one_region)
         req = TransferRequest(
             op=op,
             local=take_runs(ldescs, starts, lengths),
             remote=take_runs(rdescs, starts, lengths),
-            remote_agent=remote.agent,
+            remote_agent=remote_agent,
             local_regions=lreg[starts],
             remote_regions=rreg[starts],
-            registrations=self._regs,
+            registrations=self._regions,
             first_index=starts,
+            caller_lengths=ldescs.length if starts.shape[0] < len(ldescs) else None,
             notify=bytes(notify),
             timeout=float(self.config.timeout_s if timeout is None else timeout),
         )
         req.plan = backend.plan(req)
-        return Transfer(self, backend, req, descriptors=int(li.shape[0]))
+        return Transfer(self, backend, req, descriptors=n)
 
     def transfer(
         self,
@@ -428,10 +467,56 @@ class Agent:
         backends: str | list[str] | None = None,
         timeout: float | None = None,
     ) -> Transfer:
-        """One-shot: prepare both sides, make the transfer and post it."""
-        lp = self.prepare(local)
-        rp = self.prepare(remote, agent)
-        return self.make_transfer(op, lp, None, rp, None, notify=notify, backends=backends, timeout=timeout).post()
+        """One-shot: validate both sides, make the transfer and post it.
+
+        The same machinery as ``prepare`` + ``make_transfer`` without what a
+        one-shot does not need (Prepared lists, index arrays); the backend
+        chosen for a pair of memory types is remembered.
+        """
+        op = Op.parse(op)
+        remote_agent = None if agent is None or agent == self.name else agent
+        table = self._table
+        meta = None if remote_agent is None else self._remotes.get(remote_agent)
+        key = None
+        if type(local) is DescList and type(remote) is DescList:
+            # the same (immutable) lists again, against the same regions and peer metadata: the last
+            # transfer's validation, coalescing, backend and plan still hold
+            only = backends if backends is None or isinstance(backends, str) else tuple(backends)
+            key = (id(local), id(remote), op, remote_agent, only, bytes(notify), timeout)
+            with self._oneshot_lock:
+                hit = self._oneshot.get(key)
+                if (
+                    hit is not None
+                    and hit.local() is local
+                    and hit.remote() is remote
+                    and hit.table is table
+                    and hit.meta is meta
+                ):
+                    x = hit.last.fork()
+                    if x is not None:
+                        hit.last = x
+                        return x.post()
+        ldescs, rdescs = _as_desclist(local), _as_desclist(remote)
+        lrid = table.lookup_one(ldescs)
+        if remote_agent is None:
+            rrid = table.lookup_one(rdescs)
+        else:
+            rrid = None if meta is None else meta.table.lookup_one(rdescs)
+        one_region = lrid is not None and rrid is not None
+        if one_region:  # each side inside one region: nothing more to look up
+            lreg, rreg = np.full(len(ldescs), lrid, dtype=np.int64), np.full(len(rdescs), rrid, dtype=np.int64)
+        else:
+            lreg = self._lookup(ldescs)
+            rreg = self._lookup(rdescs) if remote_agent is None else self._lookup_remote(rdescs, remote_agent)
+        x = self._make(op, ldescs, lreg, rdescs, rreg, remote_agent, notify, backends, timeout, one_region)
+        if key is not None:
+            entry = _OneShot(local, remote, table, meta, x)
+            with self._oneshot_lock:
+                if table is self._table:
+                    if len(self._oneshot) >= _ONESHOT_CACHE:
+                        self._oneshot.pop(next(iter(self._oneshot)))
+                    self._oneshot[key] = entry
+        return x.post()
 
     # -- metadata and peers ------------------------------------------------
     def metadata(self, registrations: Iterable[Registration] | None = None, *, connection: bool = True) -> bytes:
@@ -479,6 +564,7 @@ class Agent:
                 if name in self.enabled_backends() and backend_status(name)[0]:
                     self.backend(name).add_remote(meta.name, info)
             self._remotes[meta.name] = meta
+            self._oneshot.clear()
         return meta.name
 
     def remove_remote(self, name: str) -> None:
@@ -486,6 +572,7 @@ class Agent:
         with self._lock:
             if self._remotes.pop(name, None) is None:
                 raise KeyError(f"unknown remote agent {name!r}")
+            self._oneshot.clear()
             for inst in self._backends.values():
                 inst.remove_remote(name)
 
@@ -699,6 +786,7 @@ class Agent:
                 except Exception as exc:  # closing must go on for the other backends
                     log.warning("closing backend %s failed: %s", inst.name, exc)
             self._backends.clear()
+            self._chosen.clear()
 
     def __enter__(self) -> Agent:
         return self
@@ -719,6 +807,20 @@ def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
         old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
     )
     return decode_metadata(blob)
+
+
+class _OneShot:
+    """``Agent.transfer``'s memory of one call: the lists (weakly), what they were checked against, its transfer."""
+
+    __slots__ = ("last", "local", "meta", "remote", "table")
+
+    def __init__(self, local: DescList, remote: DescList, table: RegionTable, meta: Any, last: Transfer) -> None:
+        self.local, self.remote = weakref.ref(local), weakref.ref(remote)
+        self.table, self.meta, self.last = table, meta, last
+
+
+#: how many distinct (lists, op, peer, ...) calls ``Agent.transfer`` remembers
+_ONESHOT_CACHE = 64
 
 
 def _is_identity(idx: np.ndarray) -> bool:

@@ -17,6 +17,10 @@ _now = clock
 POLL_ASSIST_AFTER_S = 200e-6
 
 
+#: how long ``release`` waits past a post's deadline for its backend's workers to stop
+RELEASE_GRACE_S = 10.0
+
+
 class XferState(str, Enum):
     """States of a transfer; the strings are NIXL's."""
 
@@ -47,6 +51,7 @@ class Transfer:
         "_posted_at",
         "_posted_wall",
         "_released",
+        "_replan",
         "backend",
         "descriptors",
         "nbytes",
@@ -65,6 +70,7 @@ class Transfer:
         self._posted_at = 0.0
         self._posted_wall = 0.0
         self._post_duration = 0.0
+        self._replan = False
 
     @property
     def op(self) -> Op:
@@ -86,6 +92,9 @@ class Transfer:
         self._error = None
         self._posted_wall = time.time()
         req = self.request
+        if self._replan:  # a later transfer took over this one's plan (``fork``): make one of its own first
+            self._replan = False
+            req.plan = self.backend.plan(req)
         self._posted_at = t0 = _now()
         req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait against it
         self._completion = c = self.backend.post(req)
@@ -93,6 +102,19 @@ class Transfer:
             c.add_done_callback(self._notify_self)
         self._post_duration = _now() - t0
         return self
+
+    def fork(self) -> Transfer | None:
+        """A new, unposted transfer of the same request and plan, or None while this one is in flight or released.
+
+        What makes a repeated ``Agent.transfer`` cheap: the plan passes to the
+        new transfer, and this one, if ever posted again, plans anew first, so
+        no two posts in flight share a plan.
+        """
+        c = self._completion
+        if self._released or (c is not None and c.finished_at is None):
+            return None
+        self._replan = True
+        return Transfer(self._host, self.backend, self.request.copy(), self.descriptors)
 
     def _notify_self(self, completion: Completion) -> None:
         if completion.error is None:
@@ -163,13 +185,17 @@ class Transfer:
         return state
 
     def release(self) -> None:
-        """Abort an in-flight post (waiting for its workers to stop) and free the transfer."""
+        """Abort an in-flight post (waiting for its workers to stop) and free the transfer.
+
+        The wait lasts to the deadline, and past it (a timed-out post) up to ``RELEASE_GRACE_S`` more, so that
+        what the backend settles as it stops (an S3 upload committed or aborted) is settled when this returns.
+        """
         if self._released:
             return
         c = self._completion
         if c is not None and c.finished_at is None:
             c.cancel()
-            c.wait(max(0.0, self.request.deadline - _now()))
+            c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
         self._released = True
 
     @property

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from ..descriptors import DescList, MemType, RegionTable, Registration
+from ..descriptors.coalesce import caller_index_at
 from ..errors import DatamoverError, InvalidParameter, TransferAborted
 
 #: the one clock of every deadline and timestamp: ``BackendHost.clock`` is this, ``Completion.finished_at`` reads it
@@ -197,7 +198,10 @@ class TransferRequest:
     ``local`` are this agent's descriptors; ``remote`` the peer's (or this
     agent's own when ``remote_agent`` is None). WRITE moves local -> remote,
     READ remote -> local. ``first_index[i]`` is the caller's index of the
-    first descriptor that row ``i`` covers, for error messages. ``plan`` is
+    first descriptor that row ``i`` covers, for error messages, and
+    ``caller_lengths`` the caller's lengths before merging (None when no row
+    was merged): ``caller_index(row, offset)`` names the descriptor holding a
+    failing byte. ``plan`` is
     what the backend's ``plan`` returned for it (its own type). ``deadline``
     is absolute, on ``clock``: set once by each post (``timeout`` seconds
     after it), and every backend waits against it and nothing else.
@@ -211,6 +215,7 @@ class TransferRequest:
     remote_regions: np.ndarray
     registrations: Mapping[int, Registration]
     first_index: np.ndarray
+    caller_lengths: np.ndarray | None = None
     notify: bytes = b""
     timeout: float = 30.0
     plan: Any = None
@@ -232,9 +237,18 @@ class TransferRequest:
     def dst_regions(self) -> np.ndarray:
         return self.remote_regions if self.op is Op.WRITE else self.local_regions
 
-    def caller_index(self, row: int) -> int:
-        """The caller's descriptor index for coalesced row ``row``."""
-        return int(self.first_index[row])
+    def copy(self) -> TransferRequest:
+        """The same request (sharing its arrays and plan) with its own deadline, not yet posted."""
+        new = object.__new__(TransferRequest)
+        new.__dict__.update(self.__dict__)
+        new.deadline = math.inf
+        return new
+
+    def caller_index(self, row: int, offset: int = 0) -> int:
+        """The caller's descriptor index for byte ``offset`` of coalesced row ``row`` (its first byte by default)."""
+        if self.caller_lengths is None:
+            return int(self.first_index[row])
+        return caller_index_at(self.first_index, self.caller_lengths, row, offset)
 
 
 class Backend(ABC):
@@ -318,14 +332,6 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release threads, connections and handles."""
-
-
-def size_text(n: int) -> str:
-    """4096 -> '4 KiB', 1048576 -> '1 MiB': thresholds as ``datamover info`` shows them."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
 
 
 def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:

@@ -8,7 +8,8 @@ import os
 import sys
 
 from ..backends import backend_status
-from .runner import format_table, human, machine_info, parse_size, run_sweep
+from ..units import parse_size, size_text
+from .runner import format_table, machine_info, run_sweep
 from .workload import WORKLOADS, workload_class
 
 DEFAULT_BLOCKS = "4K,64K,1M,16M,64M"
@@ -113,8 +114,8 @@ def _model_points(args, max_bytes: int) -> tuple[list[str], dict, dict, list[str
     if plan.total_bytes > max_bytes:
         batch = max(1, max_bytes // plan.block_bytes)
         lines.append(
-            f"  a request is {human(plan.total_bytes)}; each transfer moves {batch} of its {plan.blocks} blocks "
-            f"({human(batch * plan.block_bytes)}) to stay within --max-bytes {human(max_bytes)}"
+            f"  a request is {size_text(plan.total_bytes)}; each transfer moves {batch} of its {plan.blocks} blocks "
+            f"({size_text(batch * plan.block_bytes)}) to stay within --max-bytes {size_text(max_bytes)}"
         )
     if plan.block_bytes > max_bytes:
         raise SystemExit(f"datamover bench: one block ({plan.block_bytes} B) exceeds --max-bytes; raise it")
@@ -136,7 +137,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             kv = f"MLA latent {m.mla_dim}" if m.mla_dim else f"{m.kv_heads} KV heads x {m.head_dim}"
             print(
                 f"  {name:<15} {m.layers:>3} layers, {kv:<19} {m.dtype:<5} -> {p.blocks:>7} blocks of "
-                f"{human(p.block_bytes):>8} ({p.total_bytes / (1 << 20):.0f} MiB)"
+                f"{size_text(p.block_bytes):>8} ({p.total_bytes / (1 << 20):.0f} MiB)"
             )
         return 0
     max_bytes = parse_size(args.max_bytes)
@@ -160,7 +161,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options.setdefault(backend, {}).setdefault(backend, {})[key] = value
     settings = None
     if args.vs == "nixl":
-        from .nixl import NixlSettings, nixl_status, nixl_versions
+        from .nixl_api import NixlSettings, nixl_status, nixl_versions
 
         ok, reason = nixl_status()
         if not ok:
@@ -202,6 +203,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name, head in headers.items():
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
     print(format_table(results))
+    for backend in dict.fromkeys(r.backend for r in results):
+        summary = getattr(workload_class(backend), "summary", None)  # a workload's own verdicts, if it has any
+        if summary is not None:
+            for line in summary([r for r in results if r.backend == backend], headers.get(backend, {})):
+                print(line)
     if args.json or args.csv or args.plot:
         from . import output
 

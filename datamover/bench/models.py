@@ -23,12 +23,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ModelShapeError
+
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1, "int8": 1}
 LAYOUTS = ("block", "layer")
-
-
-class ModelShapeError(ValueError):
-    """A model name that is not built in, or a shape file that does not describe a model."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .nixl import NixlError, NixlSettings, make_agent, ucx_params
+from ..errors import NixlError
+from .nixl_api import NixlSettings, make_agent, ucx_params
 
 
 def tls_allows_cma(tls: str) -> bool:

@@ -8,7 +8,8 @@ import json
 from dataclasses import fields
 from typing import Any
 
-from .runner import Result, human, ratio_ci
+from ..units import size_text
+from .runner import Result, ratio_ci
 
 RESULT_FIELDS = [f.name for f in fields(Result)]
 
@@ -117,7 +118,7 @@ def plot(path: str, results: list[Result], title: str = "") -> None:
                 ax.plot(*zip(*vs), marker="s", linestyle="--", color=line.get_color(), label=label)
         ax.set_xscale("log", base=2)
         ticks = sorted({r.block for r in results if r.op == op})
-        ax.set_xticks(ticks, [human(t).replace(" ", "") for t in ticks], rotation=45)
+        ax.set_xticks(ticks, [size_text(t).replace(" ", "") for t in ticks], rotation=45)
         ax.set_xlabel("block size")
         ax.set_title(op)
         ax.grid(True, alpha=0.3)
@@ -150,7 +151,7 @@ def markdown_table(results: list[Result]) -> str:
         head = "| backend | op | block | batch | GB/s | raw GB/s | ours/raw | p99 ms | check |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        cells = [r.backend, r.op, human(r.block), str(r.batch), g(r.gbps)]
+        cells = [r.backend, r.op, size_text(r.block), str(r.batch), g(r.gbps)]
         if vs:
             ratio = "n/a" if r.vs_error else g(r.vs_ratio)
             check = f"{mark[r.checked]}/{mark[r.vs_checked]}"

@@ -14,9 +14,8 @@ import numpy as np
 
 from .. import __version__
 from ..errors import BackendUnavailable, DatamoverError
+from ..units import MiB, size_text
 from .workload import Case, Workload, workload_class
-
-KiB, MiB = 1 << 10, 1 << 20
 
 
 @dataclass
@@ -52,6 +51,8 @@ class Result:
     vs_ratio_p50: float | None = None  # ours / theirs at the median transfer: robust to a noisy machine
     vs_ratio_lo: float | None = None  # 95% confidence interval of vs_ratio (paired bootstrap over rounds)
     vs_ratio_hi: float | None = None
+    ratio_lo: float | None = None  # 95% confidence interval of ratio (ours over raw; paired bootstrap over rounds)
+    ratio_hi: float | None = None
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,20 +69,6 @@ class Samples:
     vs_totals: list[float] = field(default_factory=list)
     cpu: float = 0.0  # this process's CPU seconds (all threads) spent in ours, summed over the samples
     vs_cpu: float = 0.0
-
-
-def parse_size(text: str) -> int:
-    """'4K', '64KiB', '1M', '16MiB', '4096' -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", KiB)):
-        if n >= size and n % size == 0:
-            return f"{n // size} {unit}"
-    return f"{n} B"
 
 
 def _cpu_seconds() -> float:
@@ -201,7 +188,7 @@ def run_sweep(
                     if op not in workload.ops:
                         continue
                     for block, batch in plan[backend]:
-                        bar.set_description(f"{backend} {op} {human(block)} x {batch}")
+                        bar.set_description(f"{backend} {op} {size_text(block)} x {batch}")
                         r = _measure(workload, backend, op, block, batch, min_time, max_iters, check, other)
                         r.label = (labels or {}).get(backend, "")
                         if missing:
@@ -255,6 +242,8 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
         raw_gbps=raw_gbps, ratio=(gbps / raw_gbps) if raw_gbps else None, raw=case.raw_name, checked=checked,
     )  # fmt: skip
     r.xfer_p50_us = float(np.median(s.totals) * 1e6)
+    if s.raws:
+        r.ratio_lo, r.ratio_hi = paired_ratio_ci(s.totals, s.raws)
     r.cpu_us_per_desc = s.cpu * 1e6 / (len(s.totals) * batch)
     if other is not None:
         r.vs, r.vs_error, r.vs_checked = "nixl", vs_error, vs_checked
@@ -392,7 +381,7 @@ def format_table(results: list[Result]) -> str:
     for r in results:
         chk = {True: "ok", False: "FAIL", None: "-"}[r.checked]
         lines.append(
-            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 7)} "
+            f"{r.backend:<8} {r.op:<5} {size_text(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 7)} "
             f"{_fmt(r.raw_gbps, '.2f', 9)} {_fmt(r.ratio, '.2f', 6)} {r.post_avg_us:11.1f} {r.post_p99_us:11.1f} "
             f"{r.xfer_avg_us:11.1f} {r.xfer_p99_us:11.1f} {chk:>5}"
         )
@@ -419,10 +408,10 @@ def format_vs_table(results: list[Result]) -> str:
         chk = f"{mark[r.checked]}/{mark[r.vs_checked]}"
         ratio = _fmt(r.vs_ratio, ".2f", 9)
         if r.vs_error:
-            notes.append(f"  {r.backend} {r.op} {human(r.block)} x {r.batch}: nixl: {r.vs_error}")
+            notes.append(f"  {r.backend} {r.op} {size_text(r.block)} x {r.batch}: nixl: {r.vs_error}")
             ratio = f"{'n/a':>9}"
         lines.append(
-            f"{r.backend:<8} {r.op:<5} {human(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 9)} "
+            f"{r.backend:<8} {r.op:<5} {size_text(r.block):>9} {r.batch:>6} {_fmt(r.gbps, '.2f', 9)} "
             f"{_fmt(r.vs_gbps, '.2f', 9)} {ratio} {ratio_ci(r):>11} {_fmt(r.vs_ratio_p50, '.2f', 9)} "
             f"{r.xfer_p99_us:11.1f} {_fmt(r.vs_xfer_p99_us, '.1f', 11)} {_cpu_pair(r):>13} "
             f"{_fmt(r.raw_gbps, '.2f', 8)} {chk:>9}"

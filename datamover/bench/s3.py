@@ -35,9 +35,9 @@ import numpy as np
 
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
+from ..units import MiB
 from .workload import Case, Workload, fill_random, timed_transfer
 
-MiB = 1 << 20
 #: backend parameters for the local moto_server (see the module docstring)
 LOCAL_TUNING = {"multipart_threshold": 256 * MiB, "read_part_size": 256 * MiB}
 

@@ -8,12 +8,14 @@ from .desclist import DescList
 
 
 def coalesce_runs(
-    a: DescList, b: DescList, a_regions: np.ndarray, b_regions: np.ndarray
+    a: DescList, b: DescList, a_regions: np.ndarray, b_regions: np.ndarray, *, one_region: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Start index and byte length of each run of rows contiguous in both ``a`` and ``b``.
 
     Row i joins row i-1 when it starts where i-1 ends on both sides, on the
     same device and within the same registered region. Vectorized: O(N) numpy.
+    ``one_region`` says each side lies in one region on one device (the caller
+    checked), so only addresses are compared.
     """
     n = len(a)
     if n == 0:
@@ -21,13 +23,34 @@ def coalesce_runs(
     ln = a.length
     brk = np.ones(n, dtype=bool)
     if n > 1:
-        cont = (a.addr[1:] == a.addr[:-1] + ln[:-1]) & (b.addr[1:] == b.addr[:-1] + ln[:-1])
-        cont &= (a.dev[1:] == a.dev[:-1]) & (b.dev[1:] == b.dev[:-1])
-        cont &= (a_regions[1:] == a_regions[:-1]) & (b_regions[1:] == b_regions[:-1])
+        la, lb, head = a.addr, b.addr, ln[:-1]
+        cont = (la[1:] == la[:-1] + head) & (lb[1:] == lb[:-1] + head)
+        if one_region:
+            if not cont.any():
+                return np.arange(n, dtype=np.int64), ln
+        else:
+            cont &= (a.dev[1:] == a.dev[:-1]) & (b.dev[1:] == b.dev[:-1])
+            cont &= (a_regions[1:] == a_regions[:-1]) & (b_regions[1:] == b_regions[:-1])
         brk[1:] = ~cont
     starts = np.flatnonzero(brk)
     lengths = np.add.reduceat(ln, starts) if starts.shape[0] < n else ln.copy()
     return starts, lengths
+
+
+def caller_index_at(first_index: np.ndarray, lengths: np.ndarray | None, row: int, offset: int) -> int:
+    """The caller's index of the descriptor holding byte ``offset`` of coalesced row ``row``.
+
+    ``first_index`` are the runs' first rows (``coalesce_runs``), ``lengths``
+    the caller's descriptor lengths before merging (None: nothing merged).
+    Zero-length descriptors are skipped over (they hold no byte); a run of
+    only zero-length ones names its last.
+    """
+    first = int(first_index[row])
+    if lengths is None:
+        return first
+    stop = int(first_index[row + 1]) if row + 1 < first_index.shape[0] else int(lengths.shape[0])
+    ends = np.cumsum(lengths[first:stop])
+    return first + min(int(np.searchsorted(ends, offset, side="right")), stop - first - 1)
 
 
 def take_runs(descs: DescList, starts: np.ndarray, lengths: np.ndarray) -> DescList:
@@ -44,6 +67,16 @@ def take_runs(descs: DescList, starts: np.ndarray, lengths: np.ndarray) -> DescL
 
 def first_overlap(descs: DescList) -> tuple[int, int] | None:
     """Indices of two non-empty descriptors whose byte ranges overlap, or None. O(N log N)."""
+    n = len(descs)
+    if n < 2:
+        return None
+    addr, length, dev = descs.addr, descs.length, descs.dev
+    if int(length.min()) > 0 and (dev == dev[0]).all():
+        # the usual case (no empty rows, one device): one sort, and the general path only to name a pair
+        order = np.argsort(addr)
+        start = addr[order]
+        if not (start[1:] < np.maximum.accumulate(start + length[order])[:-1]).any():
+            return None
     nonempty = np.flatnonzero(descs.length > 0)
     if nonempty.shape[0] < 2:
         return None

@@ -11,13 +11,7 @@ from ..errors import InvalidDescriptor
 from .buffers import buffer_info
 from .memtype import MemType
 
-
-def _column(values: Any, n: int, name: str) -> np.ndarray:
-    col = np.asarray(values)
-    if col.dtype.kind not in "iu" and not (col.size == 0):
-        raise InvalidDescriptor(f"{name} must be integers, got dtype {col.dtype}")
-    col = np.broadcast_to(col.astype(np.int64, copy=False), (n,))
-    return col
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 class DescList:
@@ -29,7 +23,7 @@ class DescList:
     lists and never copies bytes of the memory described.
     """
 
-    __slots__ = ("_owners", "_rows", "keys", "mem_type")
+    __slots__ = ("__weakref__", "_owners", "_rows", "keys", "mem_type")
 
     def __init__(
         self,
@@ -49,7 +43,7 @@ class DescList:
             raise InvalidDescriptor(f"descriptor rows must have shape (N, 3) of (addr, length, dev), got {arr.shape}")
         if arr.dtype.kind not in "iu":
             raise InvalidDescriptor(f"descriptor rows must be integers, got dtype {arr.dtype}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
             raise InvalidDescriptor("descriptor values exceed int64")
         rows64 = np.array(arr, dtype=np.int64, order="F", copy=True)
         check_rows(rows64)
@@ -78,16 +72,38 @@ class DescList:
 
     @classmethod
     def from_columns(
-        cls, addr: Any, length: Any, dev: Any = 0, mem_type: MemType | str = MemType.DRAM, **kw: Any
+        cls,
+        addr: Any,
+        length: Any,
+        dev: Any = 0,
+        mem_type: MemType | str = MemType.DRAM,
+        *,
+        keys: Sequence[str] | None = None,
+        owners: tuple = (),
     ) -> DescList:
-        """Build from separate columns; scalars broadcast."""
-        a = np.atleast_1d(np.asarray(addr))
-        n = max(a.shape[0], np.atleast_1d(np.asarray(length)).shape[0], np.atleast_1d(np.asarray(dev)).shape[0])
+        """Build from separate columns; scalars broadcast. Checked as the constructor checks rows, copied once."""
+        cols = [np.asarray(addr), np.asarray(length), np.asarray(dev)]
+        n = 1
+        for col, name in zip(cols, ("addr", "length", "dev")):
+            if col.dtype.kind not in "iu" and col.size:
+                raise InvalidDescriptor(f"{name} must be integers, got dtype {col.dtype}")
+            if col.ndim > 1:
+                raise InvalidDescriptor(f"{name} must be a scalar or a 1-D column, got shape {col.shape}")
+            if col.ndim == 1 and col.shape[0] != 1:
+                if n != 1 and col.shape[0] != n:
+                    raise InvalidDescriptor(f"columns of {n} and {col.shape[0]} rows do not broadcast")
+                n = col.shape[0]
+        if any(c.ndim == 1 and c.shape[0] == 0 for c in cols):
+            n = 0
+        for col, name in zip(cols, ("addr", "length", "dev")):
+            if col.dtype == np.uint64 and col.size and int(col.max()) > _INT64_MAX:
+                raise InvalidDescriptor(f"{name} values exceed int64")
         rows = np.empty((n, 3), dtype=np.int64, order="F")
-        rows[:, 0] = _column(addr, n, "addr")
-        rows[:, 1] = _column(length, n, "length")
-        rows[:, 2] = _column(dev, n, "dev")
-        return cls(rows, mem_type, **kw)
+        if n:
+            rows[:, 0], rows[:, 1], rows[:, 2] = cols
+        check_rows(rows)
+        rows.setflags(write=False)
+        return cls.wrap(rows, MemType.parse(mem_type), None if keys is None else tuple(keys), owners)
 
     @staticmethod
     def strided(runs: Any, mem_type: MemType | str) -> Any:
@@ -225,11 +241,14 @@ def check_rows(rows: np.ndarray) -> None:
     """Vectorized sanity checks: non-negative fields and no address overflow."""
     if rows.shape[0] == 0:
         return
-    bad = (rows[:, 0] < 0) | (rows[:, 1] < 0) | (rows[:, 2] < 0)
-    if bad.any():
+    if int(rows.min()) >= 0:
+        bad = None
+    else:
+        bad = (rows[:, 0] < 0) | (rows[:, 1] < 0) | (rows[:, 2] < 0)
+    if bad is not None:
         i = int(np.flatnonzero(bad)[0])
         raise InvalidDescriptor(f"negative field in {tuple(int(v) for v in rows[i])}", index=i)
-    limit = np.iinfo(np.int64).max
+    limit = _INT64_MAX
     over = rows[:, 0] > limit - rows[:, 1]
     if over.any():
         i = int(np.flatnonzero(over)[0])

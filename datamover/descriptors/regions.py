@@ -79,11 +79,39 @@ class RegionTable:
         hit = (starts < start + max(length, 1)) & (ends > start)
         return int(ids[np.flatnonzero(hit)[0]]) if hit.any() else None
 
+    def lookup_one(self, descs: DescList) -> int | None:
+        """The id of the one region holding every descriptor, or None (then ``lookup`` says which and where).
+
+        The usual case, a KV pool registered as one region, in two reductions.
+        """
+        n = len(descs)
+        if n == 0:
+            return None
+        addr, dev = descs.addr, descs.dev
+        d0 = int(dev[0])
+        group = self._groups.get((descs.mem_type, d0))
+        if group is None or (n > 1 and not (dev == d0).all()):
+            return None
+        starts, ends, ids = group
+        lo, hi = int(addr.min()), int((addr + descs.length).max())
+        k = int(starts.searchsorted(lo, side="right")) - 1
+        if k < 0:
+            return None
+        end = int(ends[k])
+        # (a region starting right at ``end`` would own an empty descriptor there: left to ``lookup``)
+        if hi < end or (hi == end and (k + 1 == starts.shape[0] or int(starts[k + 1]) > end)):
+            return int(ids[k])
+        return None
+
     def lookup(self, descs: DescList, *, owner: str, backend: str | None = None) -> np.ndarray:
         """Region id of every descriptor; raises NotRegistered for the first outside all regions."""
         n = len(descs)
         out = np.empty(n, dtype=np.int64)
         if n == 0:
+            return out
+        rid = self.lookup_one(descs)
+        if rid is not None:
+            out[:] = rid
             return out
         addr, length, dev = descs.addr, descs.length, descs.dev
         d0 = int(dev[0])

@@ -38,6 +38,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--single-tier", action="store_true", help="replay L1 alone (other tiers disabled)")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument(
+        "--part", choices=("first", "second"), help="replay only the first or second half of the trace, by time"
+    )
+    p.add_argument(
         "--sweep",
         action="store_true",
         help="also vary L1 capacity over "
@@ -65,6 +68,7 @@ def report_dict(report: ReplayReport) -> dict:
             "tiers": [asdict(t) for t in r.tiers],
             "refs": r.refs,
             "hit_rate": r.hit_rate,
+            "prefix_hit_rate": r.prefix_hit_rate,
             "hit_rates": r.hit_rates(),
             "miss_rate": r.miss_rate,
             "evictions": {t.name: e for t, e in zip(r.tiers, r.evictions, strict=True)},
@@ -99,7 +103,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     f"datamover replay: unknown policy {name!r}; known: belady, " + ", ".join(policy_names())
                 )
         if args.l1_capacity or args.single_tier:
-            distinct = load_trace(args.trace, args.limit).distinct
+            distinct = load_trace(args.trace, args.limit, args.part).distinct
             chunks = parse_capacity(args.l1_capacity, distinct) if args.l1_capacity else config.l1_hbm.block_pool_size
             config = single_tier(config, chunks) if args.single_tier else with_l1_capacity(config, chunks)
     except (ConfigError, ValueError) as exc:
@@ -108,7 +112,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         print("datamover replay: --plot needs --sweep", file=sys.stderr)
         return 2
-    report = run_replay(args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit)
+    report = run_replay(
+        args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part
+    )
     data = run_with_data(args.trace, config, args.requests) if args.with_data else None
     if args.json:
         out = report_dict(report)

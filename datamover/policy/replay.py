@@ -20,7 +20,7 @@ import numpy as np
 from .config import TIER_NAMES, TierConfig, with_overrides
 from .cost import CostModel
 from .engine import PREFILL, TierSpec, TierStack, tier_specs
-from .policies import BeladyPolicy, Policy, PolicySettings, make_policy, next_use
+from .policies import BASELINES, BeladyPolicy, Policy, PolicySettings, make_policy, next_use
 
 MOONCAKE_BLOCK_TOKENS = 512
 DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
@@ -47,23 +47,28 @@ class Trace:
         return int(self.request[-1]) + 1 if len(self.request) else 0
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given)."""
+def load_trace(path: str | Path, limit: int | None = None, part: str | None = None) -> Trace:
+    """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given). `part` "first" or
+    "second" keeps the requests before or from the midpoint of the trace's time span (a split by time)."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
-    sizes: list[int] = []
     with open(path) as f:
         for line in f:
-            if limit is not None and len(sizes) >= limit:
+            if limit is not None and len(stamps) >= limit:
                 break
             if not line.strip():
                 continue
             row = json.loads(line)
-            ids = np.asarray(row["hash_ids"], dtype=np.int64)
-            keys.append(ids)
+            keys.append(np.asarray(row["hash_ids"], dtype=np.int64))
             stamps.append(float(row["timestamp"]) / 1000.0)
-            sizes.append(len(ids))
-    counts = np.asarray(sizes, dtype=np.int64)
+    if part is not None:
+        if part not in ("first", "second"):
+            raise ValueError(f"part {part!r} is not 'first' or 'second'")
+        middle = (min(stamps) + max(stamps)) / 2.0 if stamps else 0.0
+        keep = [(t < middle) == (part == "first") for t in stamps]
+        keys = [k for k, y in zip(keys, keep, strict=True) if y]
+        stamps = [t for t, y in zip(stamps, keep, strict=True) if y]
+    counts = np.asarray([len(k) for k in keys], dtype=np.int64)
     request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     flat = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
     return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
@@ -80,6 +85,7 @@ class ReplayResult:
     misses: int
     evictions: list[int]
     moved: Counter = field(default_factory=Counter)  # (from, to) -> chunks; from is "prefill" or a tier name
+    prefix_hits: int = 0  # references in the usable prefix of their request (all earlier chunks found too)
     elapsed_s: float = 0.0  # wall clock of the replay loop
     cpu_s: float = 0.0  # CPU time of the replay loop (what other processes on the machine do not inflate)
 
@@ -93,6 +99,11 @@ class ReplayResult:
         return sum(self.hits) / self.refs
 
     @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of references that were usable hits: found, and every earlier chunk of the request too."""
+        return self.prefix_hits / self.refs
+
+    @property
     def miss_rate(self) -> float:
         return self.misses / self.refs
 
@@ -101,22 +112,35 @@ class ReplayResult:
         return cost.effective_ns(self.hit_rates(), self.miss_rate)
 
 
-def simulate(trace: Trace, policy: str, config: TierConfig) -> ReplayResult:
-    """Replay `trace` through the config's enabled tiers under `policy` (a registered name or "belady")."""
+def simulate(trace: Trace, policy: str, config: TierConfig, leaf_first: bool = True) -> ReplayResult:
+    """Replay `trace` through the config's enabled tiers under `policy` (a registered name or "belady"), each
+    request as `TierStack.access_request` serves it (`leaf_first=False`: in order, as TieredCache does)."""
     if policy == "belady":
         brain: Policy = BeladyPolicy(next_use(trace.keys))
     else:
         brain = make_policy(policy, PolicySettings.from_config(config))
     specs = tier_specs(config)
     stack = TierStack(brain, specs, config.policy.promote_on_hit, config.policy.write_mode == "write_through")
-    access = stack.access
+    keys, times = trace.keys.tolist(), trace.times.tolist()
+    bounds = request_bounds(trace.request).tolist()
+    access = stack.access_request
+    usable = 0
     start, cpu = time.perf_counter(), time.thread_time()
-    for i, (key, now) in enumerate(zip(trace.keys.tolist(), trace.times.tolist(), strict=True)):
-        access(key, now, i)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        usable += access(keys[lo:hi], times[lo], lo, leaf_first)
     elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
     return ReplayResult(
-        policy, specs, len(trace.keys), stack.hits, stack.misses, stack.evictions, stack.moved, elapsed, cpu
+        policy, specs, len(trace.keys), stack.hits, stack.misses, stack.evictions, stack.moved, usable, elapsed, cpu
     )
+
+
+def request_bounds(request: np.ndarray) -> np.ndarray:
+    """Where each request's references start in a trace, and one past the end: requests i is [b[i], b[i+1])."""
+    request = np.asarray(request)
+    if not len(request):
+        return np.zeros(1, dtype=np.int64)
+    starts = np.flatnonzero(np.diff(request)) + 1
+    return np.concatenate(([0], starts, [len(request)])).astype(np.int64)
 
 
 def parse_capacity(text: str, distinct: int) -> int:
@@ -156,8 +180,8 @@ class ReplayReport:
 
 
 def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
-    """The configured policy, then LRU and Belady, without repeats (or the given list)."""
-    names = list(policies) if policies else [config.policy.name, "lru", "belady"]
+    """The configured policy, every baseline, then Belady, without repeats (or the given list)."""
+    names = list(policies) if policies else [config.policy.name, *BASELINES, "belady"]
     return list(dict.fromkeys(names))
 
 
@@ -170,10 +194,11 @@ def run_replay(
     sweep_fractions: Sequence[float] = DEFAULT_SWEEP,
     plot: str | Path | None = None,
     limit: int | None = None,
+    part: str | None = None,
 ) -> ReplayReport:
     """Replay a trace under each policy on the config's tiers; with `sweep`, also vary L1's capacity (as a
     share of the trace's distinct chunks, other tiers as configured) and, with `plot`, draw the curves."""
-    trace = load_trace(trace_path, limit)
+    trace = load_trace(trace_path, limit, part)
     names = compared_policies(config, policies)
     results = [simulate(trace, name, config) for name in names]
     report = ReplayReport(
@@ -202,18 +227,21 @@ def plot_sweep(report: ReplayReport, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_hit, ax_cost) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_hit, ax_prefix, ax_cost) = plt.subplots(1, 3, figsize=(16, 4.6))
     for name in dict.fromkeys(r.policy for r in report.sweep):
         rows = sorted((r for r in report.sweep if r.policy == name), key=lambda r: r.tiers[0].capacity)
         caps = [r.tiers[0].capacity / report.distinct * 100.0 for r in rows]
-        ax_hit.plot(caps, [r.hit_rate * 100.0 for r in rows], marker="o", label=name)
+        style = {"linestyle": "--"} if name in ("lru", "belady") else {}
+        ax_hit.plot(caps, [r.hit_rate * 100.0 for r in rows], marker="o", label=name, **style)
+        ax_prefix.plot(caps, [r.prefix_hit_rate * 100.0 for r in rows], marker="o", label=name, **style)
         ax_cost.plot(caps, [r.effective_ns(report.cost) / 1e6 for r in rows], marker="o", label=name)
-    for ax in (ax_hit, ax_cost):
+    for ax in (ax_hit, ax_prefix, ax_cost):
         ax.set_xscale("log")
         ax.set_xlabel("L1 capacity (% of distinct chunks)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    ax_hit.set_ylabel("hit rate, all tiers (%)")
+    ax_hit.set_ylabel("per-block hit rate, all tiers (%)")
+    ax_prefix.set_ylabel("usable-prefix hit rate (%)")
     ax_cost.set_ylabel("effective cost per chunk access (ms)")
     fig.suptitle(f"{Path(report.trace).name}: {report.refs:,} references, {report.distinct:,} distinct chunks")
     fig.tight_layout()
@@ -234,7 +262,8 @@ def _result_lines(r: ReplayResult, report: ReplayReport, bound: ReplayResult | N
     cost = r.effective_ns(report.cost)
     vs = f", {r.hit_rate / bound.hit_rate:.1%} of belady" if bound and bound.hit_rate else ""
     lines = [
-        f"  {r.policy}: hit rate {r.hit_rate:.2%}{vs}; effective cost {_fmt_ns(cost)} per access, "
+        f"  {r.policy}: hit rate {r.hit_rate:.2%}{vs}, usable prefix {r.prefix_hit_rate:.2%}; "
+        f"effective cost {_fmt_ns(cost)} per access, "
         f"{_fmt_ns(cost / report.block_tokens)} per token; replay {r.elapsed_s:.2f} s ({r.cpu_s:.2f} s CPU)"
     ]
     rates = r.hit_rates()
@@ -266,13 +295,16 @@ def format_report(report: ReplayReport) -> str:
     for r in report.results:
         lines += _result_lines(r, report, bound)
     if report.sweep:
-        lines.append("sweep over L1 capacity (hit rate all tiers / effective cost per access):")
+        lines.append("sweep over L1 capacity (hit rate / usable-prefix hit rate / effective cost per access):")
         names = list(dict.fromkeys(r.policy for r in report.sweep))
-        lines.append(f"  {'L1 chunks':>10} {'share':>7}  " + "  ".join(f"{n:>22}" for n in names))
+        lines.append(f"  {'L1 chunks':>10} {'share':>7}  " + "  ".join(f"{n:>30}" for n in names))
         caps = sorted({r.tiers[0].capacity for r in report.sweep})
         for cap in caps:
             row = {r.policy: r for r in report.sweep if r.tiers[0].capacity == cap}
-            cells = "  ".join(f"{row[n].hit_rate:>9.2%} / {_fmt_ns(row[n].effective_ns(c)):>10}" for n in names)
+            cells = "  ".join(
+                f"{row[n].hit_rate:>7.2%} / {row[n].prefix_hit_rate:>7.2%} / {_fmt_ns(row[n].effective_ns(c)):>10}"
+                for n in names
+            )
             lines.append(f"  {cap:>10,} {cap / report.distinct:>7.2%}  {cells}")
         if report.plot:
             lines.append(f"plot: {report.plot}")

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from ..agents import Agent, XferState
+from ..backends.base import Completion
 from ..errors import (
     DatamoverError,
     LengthMismatch,
@@ -194,17 +195,34 @@ class BackendConformance:
         assert info.value.index == 1 and "descriptor 1" in str(info.value)
 
     # -- lifecycle under load ------------------------------------------------
-    def test_timeout_never_hangs(self, agent, peer, make_local, make_remote):
+    def test_timeout_never_hangs(self, agent, peer, make_local, make_remote, monkeypatch):
+        """A post past its deadline ends in TransferTimeout, never hangs, and leaves the agent usable.
+
+        No part of it may report (``Completion.finish_part`` waits on a gate, off the test's thread) until the
+        timeout was raised: it is timed out by construction, not because 64 MiB happened to outlast 100 us.
+        """
         size = self.big
         local, remote = make_local(size), make_remote(size)
         bs = 1 << 16
         descs_l = local.descs(np.arange(size // bs) * bs, bs)
         descs_r = remote.descs(np.arange(size // bs)[::-1] * bs, bs)
+        gate, finish_part = threading.Event(), Completion.finish_part
+
+        def held(completion, error=None):
+            if threading.current_thread() is not threading.main_thread():
+                gate.wait(60)
+            finish_part(completion, error)
+
+        monkeypatch.setattr(Completion, "finish_part", held)
         t0 = time.monotonic()
-        xfer = agent.transfer("WRITE", descs_l, descs_r, agent=peer, backends=self.backend, timeout=1e-4)
-        with pytest.raises(TransferTimeout):
-            xfer.wait()
-        assert xfer.state == XferState.ERR and isinstance(xfer.error, TransferTimeout)
+        try:
+            xfer = agent.transfer("WRITE", descs_l, descs_r, agent=peer, backends=self.backend, timeout=1e-4)
+            with pytest.raises(TransferTimeout):
+                xfer.wait(60)  # with a timeout: the waiter only looks, it runs no part itself
+            assert xfer.state == XferState.ERR and isinstance(xfer.error, TransferTimeout)
+        finally:
+            gate.set()
+            Completion.finish_part = finish_part  # undo only this patch: the fixtures' own ones stay
         xfer.release()
         assert time.monotonic() - t0 < 60
         self.roundtrip(agent, peer, local, remote, 0, 4096, seed=7)  # the agent is still usable

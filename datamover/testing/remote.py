@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -72,7 +73,22 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
     def transfer_state(xid: int) -> str:
         return str(xfers[xid].state)
 
+    pause: list = []
+
+    def pause_mid_transfer() -> None:
+        """From now on this peer's one-sided data movement stops halfway and never goes on (see MidTransferPause)."""
+        from .pause import MidTransferPause
+
+        pause.append(MidTransferPause().install())
+
+    def start_transfer_paused(op: str, handle: int, peer: str, remote_addrs: Any, lengths: Any) -> bool:
+        """``start_transfer`` from a thread; True once its data movement is parked halfway (``pause_mid_transfer``)."""
+        threading.Thread(target=start_transfer, args=(op, handle, peer, remote_addrs, lengths), daemon=True).start()
+        return pause[-1].reached.wait(60)
+
     commands = {
+        "pause_mid_transfer": pause_mid_transfer,
+        "start_transfer_paused": start_transfer_paused,
         "start_transfer": start_transfer,
         "wait_transfer": wait_transfer,
         "transfer_state": transfer_state,

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from datamover.bench.nixl import NixlSettings, nixl_status
+from datamover.bench.nixl_api import NixlSettings, nixl_status
 from datamover.cli import main
 
 OK, REASON = nixl_status()
@@ -64,7 +64,7 @@ def test_settings_are_validated() -> None:
 
 
 def test_missing_nixl_is_reported(monkeypatch, capsys) -> None:
-    import datamover.bench.nixl as nixl_mod
+    import datamover.bench.nixl_api as nixl_mod
 
     monkeypatch.setattr(nixl_mod, "nixl_status", lambda: (False, "nixl is not installed (test)"))
     assert main(["bench", "--vs", "nixl", "--backend", "memcpy", *TINY]) == 1
@@ -139,7 +139,7 @@ def test_nixl_remote_pair_moves_and_checks_bytes_across_processes() -> None:
 @needs_nixl
 def test_peer_that_cannot_start_is_a_typed_error(monkeypatch) -> None:
     from datamover.bench import nixl_peer
-    from datamover.bench.nixl import NixlError
+    from datamover.errors import NixlError
 
     monkeypatch.setattr(nixl_peer.sys, "executable", "/bin/false")
     with pytest.raises(NixlError, match="did not start"):

@@ -16,40 +16,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from datamover.integrations.sglang import DatamoverHiCacheStorage  # noqa: E402
-
-PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 32  # one K (or V) entry of a page: 16*2*2*32*2 bytes = 4 KiB (bfloat16)
-
-
-class PageFirstHostPool:
-    """A host KV pool laid out as SGLang's MHA pool with layout "page_first": kv_buffer (2, size, layers, heads,
-    dim); get_page_buffer_meta gives a K then a V pointer per page, as SGLang's does (its own pool imports
-    torchvision, which breaks the CPU torch here)."""
-
-    def __init__(self, pages: int) -> None:
-        self.page_size = PAGE
-        self.size = pages * PAGE
-        self.layout = "page_first"
-        self.dtype = torch.bfloat16
-        self.kv_buffer = torch.zeros((2, self.size, LAYERS, HEADS, DIM), dtype=self.dtype)
-
-    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        assert len(indices) % self.page_size == 0
-        item = self.dtype.itemsize
-        base = self.kv_buffer.data_ptr()
-        v_offset = self.size * LAYERS * HEADS * DIM * item
-        ptrs = []
-        for i in indices.tolist()[:: self.page_size]:
-            k = base + i * LAYERS * HEADS * DIM * item
-            ptrs += [k, k + v_offset]
-        return ptrs, [LAYERS * item * self.page_size * HEADS * DIM] * len(ptrs)
-
-    def page(self, p: int) -> torch.Tensor:
-        """Bytes of page p (K and V) as one uint8 tensor, for comparisons."""
-        rows = slice(p * PAGE, (p + 1) * PAGE)
-        return self.kv_buffer[:, rows].contiguous().view(torch.uint8).reshape(-1)
-
-    def indices(self, pages: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages])
+from datamover.testing.engines import DIM, HEADS, LAYERS, PAGE, PageFirstHostPool  # noqa: E402
 
 
 def storage_config(tmp_path: Path, interface_v1: int, **tiers: object) -> HiCacheStorageConfig:
@@ -192,3 +159,18 @@ def test_clear_forgets_every_page(tmp_path: Path) -> None:
         assert np.array_equal(storage.batch_get_v1(ks, pool.indices([2, 3])), [True, True])
     finally:
         storage.close()
+
+
+def test_the_example_runs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "sglang_hicache.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--workdir", str(tmp_path), "--pages", "96"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "96 pages loaded, byte-exact: True" in proc.stdout and "l3_nvme" in proc.stdout

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from datamover.policy.config import TierConfig
 from datamover.policy.policies import (
     NEVER,
-    DefaultPolicy,
     Policy,
     PolicySettings,
     ScoreBook,
+    ScoredPolicy,
     belady_hits,
     make_policy,
     next_use,
@@ -131,7 +131,7 @@ def test_default_policy_resists_a_scan():
 
 def test_cooldown_protects_recent_chunks():
     """With a cooldown, the chunk placed last is not the victim even though it scores lowest."""
-    policy = DefaultPolicy(PolicySettings(cooldown_s=5.0, admission=False))
+    policy = ScoredPolicy(PolicySettings(cooldown_s=5.0, admission=False))
     tier = policy.tier(3)
     for key, now in (("old-hot", 0.0), ("old-hot", 0.1), ("old", 0.2)):
         policy.observe(key, now)
@@ -158,7 +158,7 @@ def test_pinned_chunks_are_never_evicted():
 
 
 def test_admission_refuses_a_cold_chunk_into_a_hot_tier():
-    policy = DefaultPolicy(PolicySettings(cooldown_s=0.0))
+    policy = ScoredPolicy(PolicySettings(cooldown_s=0.0))
     tier = policy.tier(2)
     for key in ("a", "b"):
         for t in range(3):

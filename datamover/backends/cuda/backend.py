@@ -37,6 +37,7 @@ from ...errors import (
     PinnedPoolExhausted,
     TransferTimeout,
 )
+from ...units import parse_size
 from ..base import Backend, BackendHost, Completion, TransferRequest, clock
 
 log = logging.getLogger("datamover.cuda")
@@ -64,26 +65,6 @@ def _runtime():
     from cuda.bindings import runtime
 
     return runtime
-
-
-def parse_bytes(value: Any, what: str) -> int:
-    """An int, or a size string like '512M' / '16GiB', as bytes; ValueError naming ``what`` otherwise."""
-    if isinstance(value, bool):
-        raise InvalidParameter(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        n = int(value)
-    elif isinstance(value, str):
-        t = value.strip().upper().removesuffix("IB").removesuffix("B")
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-        try:
-            n = int(float(t[:-1] if mult > 1 else t) * mult)
-        except ValueError:
-            raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}") from None
-    else:
-        raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}")
-    if n < 0:
-        raise InvalidParameter(f"{what} must be >= 0, got {value!r}")
-    return n
 
 
 def physical_memory() -> int:
@@ -127,7 +108,7 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
         phys = physical_memory()
         out["pinned_pool_bytes"] = phys // 2 if phys else None
     elif pool is not None:
-        out["pinned_pool_bytes"] = parse_bytes(pool, "cuda parameter 'pinned_pool_bytes'")
+        out["pinned_pool_bytes"] = parse_size(pool, "cuda parameter 'pinned_pool_bytes'")
     if out["batch"] not in ("auto", True, False):
         raise InvalidParameter(f"cuda parameter 'batch' must be 'auto', True or False, got {out['batch']!r}")
     chunk = out["batch_chunk"]

@@ -26,8 +26,9 @@ import numpy as np
 
 from ...descriptors import MemType
 from ...errors import InvalidParameter, TransferIOError
+from ...units import parse_size
 from ..base import Backend, BackendHost, Completion, TransferRequest, run_parts, split_by_bytes
-from ..cuda.backend import driver_missing, parse_bytes
+from ..cuda.backend import driver_missing
 
 log = logging.getLogger("datamover.gds")
 
@@ -67,10 +68,10 @@ def validate_params(params: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidParameter(f"parameter {key!r} must be a positive integer, got {v!r}", backend="gds")
     if out["task_size"] is not None:
-        out["task_size"] = parse_bytes(out["task_size"], "gds parameter 'task_size'")
+        out["task_size"] = parse_size(out["task_size"], "gds parameter 'task_size'")
         if out["task_size"] == 0:
             raise InvalidParameter("parameter 'task_size' must be > 0", backend="gds")
-    out["min_part_bytes"] = parse_bytes(out["min_part_bytes"], "gds parameter 'min_part_bytes'")
+    out["min_part_bytes"] = parse_size(out["min_part_bytes"], "gds parameter 'min_part_bytes'")
     mode = out["compat_mode"]
     if mode is not None:
         mode = str(mode).lower()

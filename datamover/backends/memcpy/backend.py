@@ -23,6 +23,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...descriptors import MemType, Registration
+from ...units import size_text
 from ..base import (
     Backend,
     BackendHost,
@@ -31,7 +32,6 @@ from ..base import (
     finished_completion,
     run_inline,
     run_parts,
-    size_text,
     split_by_bytes,
 )
 
@@ -87,6 +87,7 @@ class MemcpyBackend(Backend):
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)
         self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-memcpy")
+        self._views: dict[tuple[int, int, bool], np.ndarray] = {}  # (region id, block, writeable) -> strided view
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -112,27 +113,26 @@ class MemcpyBackend(Backend):
         block = int(ln.min()) if n else 0
         if single_pair and 0 < block <= self.params["gather_max_block"] and not (ln % block).any():
             # coalesced runs of equal blocks are cut back into blocks for one numpy gather
-            counts = ln // block
             sreg = req.registrations[int(src_regs[0])]
             dreg = req.registrations[int(dst_regs[0])]
-            within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-            within *= block
             p.mode = "gather"
             p.block = block
             p.src_reg, p.dst_reg = sreg, dreg
-            p.src_off = np.repeat(src.addr - sreg.addr, counts) + within
-            p.dst_off = np.repeat(dst.addr - dreg.addr, counts) + within
-            p.src_run = bool((np.diff(p.src_off) == block).all())
-            p.dst_run = bool((np.diff(p.dst_off) == block).all())
-            # row k of a strided view is the block starting at byte k of the region
-            sarr, darr = sreg.array, dreg.array
-            p.views = (
-                sarr,
-                darr,
-                as_strided(sarr, shape=(sarr.shape[0] - block + 1, block), strides=(1, 1), writeable=False),
-                as_strided(darr, shape=(darr.shape[0] - block + 1, block), strides=(1, 1)),
-            )
-            ln = np.full(p.src_off.shape[0], block, dtype=np.int64)
+            counts = ln // block
+            nblocks = int(counts.sum())
+            if nblocks == n:  # nothing was coalesced: one block per row
+                p.src_off = src.addr - sreg.addr
+                p.dst_off = dst.addr - dreg.addr
+            else:
+                within = np.arange(nblocks, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+                within *= block
+                p.src_off = np.repeat(src.addr - sreg.addr, counts) + within
+                p.dst_off = np.repeat(dst.addr - dreg.addr, counts) + within
+            p.src_run = bool((p.src_off[1:] - p.src_off[:-1] == block).all())
+            p.dst_run = bool((p.dst_off[1:] - p.dst_off[:-1] == block).all())
+            p.views = (sreg.array, dreg.array, self._strided(sreg, block, False), self._strided(dreg, block, True))
+            if nblocks != n:
+                ln = np.full(nblocks, block, dtype=np.int64)
         elif n == 1:
             # one run: a numpy copy between views of the two regions (GIL released, no ctypes call)
             sreg = req.registrations[int(src_regs[0])]
@@ -144,10 +144,27 @@ class MemcpyBackend(Backend):
             p.mode = "memmove"
             p.src, p.dst, p.len = src.addr.tolist(), dst.addr.tolist(), ln.tolist()
         threads = int(self.params["threads"]) if total > self.params["inline_bytes"] else 1
-        p.ranges = split_by_bytes(ln, threads, int(self.params["min_part_bytes"]))
+        rows = int(ln.shape[0])
+        p.ranges = (
+            [(0, rows)] if threads == 1 and rows else split_by_bytes(ln, threads, int(self.params["min_part_bytes"]))
+        )
         p.inline = len(p.ranges) <= 1 and total <= self.params["inline_bytes"]
         p.fast = p.row if p.inline and p.mode == "row" else None
         return p
+
+    def _strided(self, reg: Registration, block: int, writeable: bool) -> np.ndarray:
+        """``reg`` as overlapping rows of ``block`` bytes, row k starting at byte k (made once per region and size)."""
+        key = (reg.id, block, writeable)
+        view = self._views.get(key)
+        if view is None:
+            arr = reg.array
+            view = as_strided(arr, shape=(arr.shape[0] - block + 1, block), strides=(1, 1), writeable=writeable)
+            self._views[key] = view
+        return view
+
+    def deregister(self, reg: Registration, handle: Any) -> None:
+        for key in [k for k in list(self._views) if k[0] == reg.id]:
+            self._views.pop(key, None)
 
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan

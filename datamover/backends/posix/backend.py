@@ -29,6 +29,7 @@ import numpy as np
 
 from ...descriptors import MemType, aligned_empty
 from ...errors import TransferIOError
+from ...units import size_text
 from ..base import (
     Backend,
     BackendHost,
@@ -40,7 +41,6 @@ from ..base import (
     finished_completion,
     run_inline,
     run_parts,
-    size_text,
     split_by_bytes,
     typed_error,
 )
@@ -402,12 +402,12 @@ class PosixBackend(Backend):
                     for i in range(s, e):
                         self._bounce_io(req, h, i, offs[i], views[i], write)
                     continue
-                raise self._error(req, s, h, exc, write) from exc
+                raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
             except EOFError as exc:
                 raise TransferIOError(
                     f"read past the end of {h.path!r} ({exc})",
                     errno=errno_mod.EIO,
-                    index=req.caller_index(s),
+                    index=_index_at(req, s, views[s:e], exc.moved),
                     backend=self.name,
                 ) from None
         if write and self.params["fsync"]:
@@ -423,13 +423,14 @@ class PosixBackend(Backend):
         n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
         if n == sum(v.nbytes for v in views):
             return
-        views = list(views)
+        views, moved = list(views), 0
         while True:
             if n == 0:
-                if write:
-                    raise OSError(errno_mod.EIO, "pwritev wrote 0 bytes")
-                raise EOFError(f"no bytes at offset {offset}")
+                err = OSError(errno_mod.EIO, "pwritev wrote 0 bytes") if write else EOFError(f"no bytes at {offset}")
+                err.moved = moved  # type: ignore[attr-defined]  # what did move names the failing row
+                raise err
             offset += n
+            moved += n
             while views and n >= views[0].nbytes:
                 n -= views[0].nbytes
                 views.pop(0)
@@ -437,7 +438,11 @@ class PosixBackend(Backend):
                 return
             if n:
                 views[0] = views[0][n:]
-            n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+            try:
+                n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+            except OSError as exc:
+                exc.moved = moved  # type: ignore[attr-defined]
+                raise
 
     def _bounce_buffer(self) -> np.ndarray:
         buf = getattr(self._bounce, "buf", None)
@@ -502,12 +507,15 @@ class PosixBackend(Backend):
         if got < block.shape[0]:
             block[got:] = 0
 
-    def _error(self, req, row: int, h: FileHandle, exc: OSError, write: bool) -> TransferIOError:
+    def _error(
+        self, req, row: int, h: FileHandle, exc: OSError, write: bool, moved: int = 0, views: list | None = None
+    ) -> TransferIOError:
+        """``moved`` bytes of ``views`` (rows from ``row`` on, one call) went before ``exc``: that names the row."""
         what = "pwritev" if write else "preadv"
         return TransferIOError(
             f"{what} on {h.path!r} failed: {exc.strerror or exc}",
             errno=exc.errno,
-            index=req.caller_index(row),
+            index=req.caller_index(row) if views is None else _index_at(req, row, views, moved),
             backend=self.name,
         )
 
@@ -515,3 +523,12 @@ class PosixBackend(Backend):
         self._pool.shutdown(wait=True)
         for ctx in self._aio_all:
             ctx.close()
+
+
+def _index_at(req, first: int, views: list, moved: int) -> int:
+    """The caller's descriptor of byte ``moved`` of one vectored call over rows ``first``, ``first + 1``, ..."""
+    for k, v in enumerate(views):
+        if moved < v.nbytes or k == len(views) - 1:
+            return req.caller_index(first + k, moved)
+        moved -= v.nbytes
+    return req.caller_index(first)

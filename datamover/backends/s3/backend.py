@@ -7,6 +7,11 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   no partial overwrite, so a non-zero offset on WRITE is refused when the
   transfer is made, and so are two WRITE rows naming the same object. A failed
   multipart upload is aborted: the object is either all new bytes or untouched.
+  A CompleteMultipartUpload that got no answer is resolved (the upload's
+  marker in the visible object's metadata means committed; else it is
+  aborted), and a failed or timed-out WRITE's error carries ``outcomes``:
+  caller descriptor index -> "committed", "aborted" (or "unknown" when the
+  server could not be asked) for every object it started to write.
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
   into parallel ranged GETs into the destination. A READ at offset 0 of the
   whole row is a plain GET: when the object is exactly that long it is a
@@ -55,13 +60,15 @@ from ...errors import (
     ObjectStoreError,
     OverlappingDestination,
 )
+from ...units import MiB
 from ..base import Backend, BackendHost, Completion, TransferRequest, typed_error
 
 log = logging.getLogger("datamover.s3")
 
-MiB = 1 << 20
 #: metadata key holding the whole object's CRC32C (base64 of the big-endian 4 bytes)
 CRC_META = "crc32c"
+#: metadata key marking a multipart upload, so that an unanswered CompleteMultipartUpload can be resolved
+UPLOAD_META = "dm-upload"
 _MIN_PART = 5 * MiB  # S3's smallest non-final multipart part
 _MAX_PARTS = 10_000
 
@@ -98,6 +105,7 @@ class _Group:
     finished: bool = False
     meta_crc: str | None = None
     total: int | None = None
+    marker: str = ""  # in the upload's metadata: tells whether the visible object is this upload's
 
 
 @dataclass(eq=False)
@@ -221,13 +229,16 @@ class S3Backend(Backend):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        return session.client(
+        client = session.client(
             "s3",
             endpoint_url=p["endpoint_url"],
             region_name=session.region_name or "us-east-1",
             verify=p["verify_tls"],
             config=config,
         )
+        if mode in ("standard", "adaptive"):
+            _unbounded_retry_quota(client, attempts)
+        return client
 
     @property
     def client(self) -> Any:
@@ -344,7 +355,7 @@ class S3Backend(Backend):
     def _use_native(self) -> bool:
         return self._native is True or self._native == "auto"
 
-    def _call(self, fn, *, req: TransferRequest, row: int, what: str, **kw) -> Any:
+    def _call(self, fn, *, req: TransferRequest, row: int, what: str, at: int = 0, **kw) -> Any:
         """One boto3 call; refusals of the native checksum in "auto" mode retry without it once."""
         try:
             return fn(**kw)
@@ -357,14 +368,14 @@ class S3Backend(Backend):
                 try:
                     return fn(**kw)
                 except Exception as exc2:
-                    raise self.error(exc2, req, row, what) from exc2
-            raise self.error(exc, req, row, what) from exc
+                    raise self.error(exc2, req, row, what, at) from exc2
+            raise self.error(exc, req, row, what, at) from exc
 
-    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str) -> DatamoverError:
-        """A typed error for a failed boto3 call on ``row``: names the key, the bucket and the HTTP status."""
+    def error(self, exc: BaseException, req: TransferRequest, row: int, what: str, at: int = 0) -> DatamoverError:
+        """A typed error for a failed boto3 call on ``row`` (at its byte ``at``): names the key, bucket, HTTP status."""
         p = req.plan
         bucket, key = p.bucket[row], p.key[row]
-        return object_store_error(exc, bucket, key, what, index=req.caller_index(row), backend=self.name)
+        return object_store_error(exc, bucket, key, what, index=req.caller_index(row, at), backend=self.name)
 
     def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
         p = req.plan
@@ -389,7 +400,7 @@ class S3Backend(Backend):
         bucket, key = p.bucket[row], p.key[row]
         ranged = not (off == 0 and count == p.len[row])
         kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
-        resp = self._call(self._client.get_object, req=req, row=row, what="GET", Bucket=bucket, Key=key, **kw)
+        resp = self._call(self._client.get_object, req=req, row=row, what="GET", at=start, Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
         got = int(resp.get("ContentLength", count))
         total = _total_size(resp, off + count) if ranged else got
@@ -405,7 +416,7 @@ class S3Backend(Backend):
                     f"GET s3://{bucket}/{key} {why}",
                     bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
                     code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
-                    index=req.caller_index(row), backend=self.name,
+                    index=req.caller_index(row, start + got if got < count else start), backend=self.name,
                 )  # fmt: skip
             if ranged or got > count:
                 _read_into(body, dst)  # a range or a prefix: nothing to verify it against
@@ -477,6 +488,7 @@ class _Run:
         p = req.plan
         self.groups = {r: _Group(r, n, left=n) for r, n in p.groups.items()}
         self.write = req.op == "WRITE"
+        self.outcomes: dict[int, str] = {}  # row -> "committed" | "aborted" | "unknown", for rows written
 
     def start(self, pool: ThreadPoolExecutor) -> None:
         """Start the other runners, then be one."""
@@ -525,6 +537,7 @@ class _Run:
         if part < 0:
             if self.write:
                 self.b.put(self.req, row, view)
+                self.outcomes[row] = "committed"
             else:
                 self.b.get(self.req, row, start, count, view)
             return
@@ -556,7 +569,9 @@ class _Run:
                 raise _Cancelled()
             if g.upload_id is None:
                 whole = self.view(g.row, 0, p.len[g.row])
-                kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": {CRC_META: crc32c_b64(whole)}}
+                g.marker = os.urandom(12).hex()
+                meta = {CRC_META: crc32c_b64(whole), UPLOAD_META: g.marker}
+                kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": meta}
                 if b._use_native():
                     kw["ChecksumAlgorithm"] = "CRC32C"
                 create = b._client.create_multipart_upload
@@ -583,17 +598,24 @@ class _Run:
         if self.write:
             if self.completion.cancelled:
                 return  # cleanup aborts it
-            b._call(
-                b._client.complete_multipart_upload,
-                req=req,
-                row=row,
-                what="CompleteMultipartUpload",
-                Bucket=p.bucket[row],
-                Key=p.key[row],
-                UploadId=g.upload_id,
-                MultipartUpload={"Parts": g.etags},
-            )
+            try:
+                b._call(
+                    b._client.complete_multipart_upload,
+                    req=req,
+                    row=row,
+                    what="CompleteMultipartUpload",
+                    Bucket=p.bucket[row],
+                    Key=p.key[row],
+                    UploadId=g.upload_id,
+                    MultipartUpload={"Parts": g.etags},
+                )
+            except DatamoverError:
+                # the server may have completed it and the answer got lost: find out, abort if not
+                if self.settle(g) != "committed":
+                    raise
+                log.warning("CompleteMultipartUpload of %r got no answer, but the object is committed", p.key[row])
             g.finished = True
+            self.outcomes[row] = "committed"
             return
         bucket, key = p.bucket[row], p.key[row]
         if len(set(g.etags)) > 1:
@@ -611,16 +633,51 @@ class _Run:
                 raise
 
     def cleanup(self) -> None:
-        """Abort every multipart upload this post started and did not complete (no half object is visible)."""
-        p = self.req.plan
+        """Abort every multipart upload this post started and did not complete (no half object is visible), and
+        say on the transfer's error which objects it committed and which uploads it aborted."""
         for g in self.groups.values():
-            if self.write and g.upload_id is not None and not g.finished:
+            if self.write and g.upload_id is not None and not g.finished and g.row not in self.outcomes:
+                self.settle(g)
+        err = self.completion.error
+        if self.write and err is not None and self.outcomes:
+            done = getattr(err, "outcomes", None) or {}
+            err.outcomes = {**done, **{self.req.caller_index(r): o for r, o in sorted(self.outcomes.items())}}
+
+    def settle(self, g: _Group) -> str:
+        """Whether ``g``'s upload was committed, after a CompleteMultipartUpload with no answer or none at all.
+
+        The visible object carrying this upload's marker means committed; else the upload is aborted, which makes
+        it impossible to complete later (an abort that finds no upload looks once more: the complete may just have
+        landed). "unknown" only when the server cannot be asked.
+        """
+        p, client = self.req.plan, self.b._client
+        bucket, key = p.bucket[g.row], p.key[g.row]
+        outcome = "unknown"
+        try:
+            if self._marker_visible(g):
+                outcome = "committed"
+            else:
                 try:
-                    self.b._client.abort_multipart_upload(
-                        Bucket=p.bucket[g.row], Key=p.key[g.row], UploadId=g.upload_id
-                    )
-                except Exception as exc:  # the upload stays invisible; the bucket's lifecycle rule reaps it
-                    log.warning("aborting the multipart upload of %r failed: %s", p.key[g.row], exc)
+                    client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=g.upload_id)
+                    outcome = "aborted"
+                except Exception as exc:
+                    if _error_code(exc) != "NoSuchUpload":
+                        raise
+                    outcome = "committed" if self._marker_visible(g) else "aborted"
+        except Exception as exc:  # the upload stays invisible unless completed; a lifecycle rule reaps it
+            log.warning("cannot tell whether the multipart upload %s of %r was committed: %s", g.upload_id, key, exc)
+        self.outcomes[g.row] = outcome
+        return outcome
+
+    def _marker_visible(self, g: _Group) -> bool:
+        p = self.req.plan
+        try:
+            head = self.b._client.head_object(Bucket=p.bucket[g.row], Key=p.key[g.row])
+        except Exception as exc:
+            if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+        return (head.get("Metadata") or {}).get(UPLOAD_META) == g.marker
 
 
 class _Cancelled(DatamoverError):
@@ -717,3 +774,40 @@ def object_store_error(
             bucket=bucket, key=key, code=type(exc).__name__, errno=errno_mod.EIO, index=index, backend=backend,
         )  # fmt: skip
     return DatamoverError(f"{where} failed: {type(exc).__name__}: {exc}", index=index, backend=backend)
+
+
+def _error_code(exc: BaseException) -> str:
+    """The S3 error code of a botocore ClientError (or the one a typed error wraps), else ""."""
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            return str(response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _unbounded_retry_quota(client: Any, attempts: int) -> None:
+    """Give botocore's standard retries a quota that never runs out.
+
+    botocore spends a shared quota of 500 on retries (14 per connection error), refilled only by calls that
+    succeed: after an outage of a few dozen failed calls, one dropped connection fails a transfer at once. The
+    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes.
+    """
+    import sys
+
+    from botocore.retries import quota, standard
+
+    svc = client.meta.service_model.service_id.hyphenize()
+    adapter = standard.RetryEventAdapter()
+    detector = standard.ThrottlingErrorDetector(adapter)
+    handler = standard.RetryHandler(
+        retry_policy=standard.RetryPolicy(
+            retry_checker=standard.StandardRetryConditions(max_attempts=attempts),
+            retry_backoff=standard.ExponentialBackoff(service_name=svc, throttling_detector=detector),
+        ),
+        retry_event_adapter=adapter,
+        retry_quota=standard.RetryQuotaChecker(quota.RetryQuota(sys.maxsize), detector),
+        service_name=svc,
+    )
+    unique_id = f"retry-config-{svc}"
+    client.meta.events.unregister(f"needs-retry.{svc}", unique_id=unique_id)
+    client.meta.events.register(f"needs-retry.{svc}", handler.needs_retry, unique_id=unique_id)

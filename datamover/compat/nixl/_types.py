@@ -144,6 +144,9 @@ _DATAMOVER_TO_NIXL: dict[str, tuple[str, ...]] = {
     "s3": ("OBJ",),
     "memcpy": ("memcpy",),
     "cuda": ("cuda",),
+    # datamover's mooncake backend is Mooncake *Store* (objects in a shared pool); NIXL's Mooncake plugin is
+    # its transfer engine between agents, a different thing: no NIXL plugin answers for it
+    "mooncake": (),
 }
 
 

@@ -13,11 +13,12 @@ import pytest
 from datamover import Agent, DescList, MemType
 from datamover.backends import BUILTIN, backend_status
 from datamover.backends.cuda import backend as cuda_mod
-from datamover.backends.cuda.backend import CudaBackend, PinnedPool, driver_missing, parse_bytes
+from datamover.backends.cuda.backend import CudaBackend, PinnedPool, driver_missing
 from datamover.backends.gds import backend as gds_mod
 from datamover.backends.gds.backend import DeviceBytes, GdsBackend
 from datamover.bench.gpu import check_targets
 from datamover.errors import CudaError, DatamoverError, NotRegistered, PinnedPoolExhausted, UnsupportedTransfer
+from datamover.units import parse_size
 
 HEAVY = ("cuda.bindings", "cuda.core", "kvikio", "torch", "cupy")
 
@@ -168,10 +169,10 @@ def test_gds_params_normalised():
         b.close()
 
 
-def test_parse_bytes():
-    assert parse_bytes("4K", "x") == 4096 and parse_bytes("1.5GiB", "x") == 3 << 29 and parse_bytes(7, "x") == 7
+def test_parse_size():
+    assert parse_size("4K", "x") == 4096 and parse_size("1.5GiB", "x") == 3 << 29 and parse_size(7, "x") == 7
     with pytest.raises(ValueError, match="x must be"):
-        parse_bytes([1], "x")
+        parse_size([1], "x")
 
 
 # -- pinned pool accounting -----------------------------------------------------------

@@ -340,18 +340,25 @@ def test_server_killed_mid_batch():
     """The server process killed during a batch of objects: typed error, no hang."""
     with S3Server(bucket="killed") as srv:
         with make_agent(srv, concurrency=4, read_timeout=2.0) as agent:
-            puts = []
-            agent.backend("s3").client.meta.events.register("after-call.s3.PutObject", lambda **_: puts.append(1))
+            puts, held, gate = [], threading.Event(), threading.Event()
+            events = agent.backend("s3").client.meta.events
+            events.register("after-call.s3.PutObject", lambda **_: puts.append(1))
+
+            def hold(**_):  # after 10 objects every PUT waits until the server is gone: the batch is mid-flight
+                if len(puts) >= 10:
+                    held.set()
+                    gate.wait(30)
+
+            events.register("before-send.s3.PutObject", hold)
             n, bs = 400, 64 << 10
             buf = HostBuffer(agent, n * bs)
             keys = [f"kill/{i}" for i in range(n)]
             xfer = agent.transfer(
                 "WRITE", buf.descs(np.arange(n) * bs, bs), objects(agent, srv.bucket, keys, bs), backends="s3"
             )
-            t0 = time.monotonic()
-            while len(puts) < 10 and time.monotonic() - t0 < 30:
-                time.sleep(0.005)
+            assert held.wait(30), "the batch never reached its tenth object"
             srv.stop()
+            gate.set()
             err = wait_error(xfer, 20)
             assert isinstance(err, ObjectStoreError) and err.status is None, err
             assert err.bucket == "killed" and err.key.startswith("kill/") and err.index is not None

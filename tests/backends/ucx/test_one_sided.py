@@ -1,5 +1,7 @@
 """The ucx backend's one-sided path: put/get with the target idle, rkey bounds, revocation, hostile offers."""
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
 from datamover.errors import InvalidMetadata, NotRegistered, RemoteRefused
 from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.pause import MidTransferPause
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
 ok, why = backend_status("ucx")
@@ -251,13 +254,18 @@ def test_a_revocation_waits_for_direct_cma_parts_in_flight(agent, target):
     agent.add_remote(target.metadata())
     try:
         n = size // bs
-        xfer = agent.transfer(
-            "WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(np.arange(n)[::-1] * bs, bs), "owner"
-        )
-        assert xfer.wait(0) == XferState.PROC, "the copy finished inside post(); make it bigger"
-        buf.free()  # the owner unmaps only once we confirmed: after the parts ended
-        # wait(0) only looks (no help with the copy): DONE means the parts ended before the owner unmapped
-        assert xfer.wait(0) == XferState.DONE, "the region was revoked while the copy was still running"
+        with MidTransferPause() as pause:  # the parts stop after their first chunk, until released
+            xfer = agent.transfer(
+                "WRITE", local.descs(np.arange(n) * bs, bs), buf.descs(np.arange(n)[::-1] * bs, bs), "owner"
+            )
+            assert pause.reached.wait(30), "the copy never reached its pause"
+            freeing = threading.Thread(target=buf.free)  # the owner unmaps only once we confirmed: after the parts
+            freeing.start()
+            freeing.join(2)
+            assert freeing.is_alive(), "the owner unmapped the region while the copy was parked in it"
+        freeing.join(30)
+        assert not freeing.is_alive()
+        assert xfer.wait(30) == XferState.DONE, "the region was revoked while the copy was still running"
     finally:
         agent.deregister_memory(local.registration)
         agent.add_remote(target.metadata())

@@ -1,5 +1,6 @@
 """Remote agents over ucx, each peer a real process: side channel, refresh, notifications, refusals, SIGKILL."""
 
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ from datamover.errors import (
     RemoteRefused,
 )
 from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.pause import MidTransferPause
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
 ok, why = backend_status("ucx")
@@ -169,8 +171,12 @@ def test_bad_connection_info_changes_nothing(agent):
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op):
-    """A peer posting into our memory dies: we must not die with it (UCX reads a dead process's memory)."""
-    size, bs = 512 << 20, 1 << 20
+    """A peer posting into our memory dies: we must not die with it (UCX reads a dead process's memory).
+
+    The peer's data movement is parked halfway (its first cma chunk copied, or its UCX rows posted) when it is
+    killed: in flight by construction, however loaded the machine.
+    """
+    size, bs = 64 << 20, 1 << 20
     n = size // bs
     mine = HostBuffer(agent, size)
     killer = RemotePeer("killer", UCX)
@@ -178,11 +184,11 @@ def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op
         theirs = RemoteBuffer(killer, size)
         killer.call("fetch_remote", *agent.listen_address)
         addrs = mine.array.ctypes.data + np.arange(n) * bs
-        xid = killer.call("start_transfer", op, theirs.handle, "prefill-0", addrs, np.full(n, bs))
-        time.sleep(0.05)
-        assert killer.call("transfer_state", xid) == "PROC", "the transfer finished before the kill; make it bigger"
+        killer.call("pause_mid_transfer")
+        parked = killer.call("start_transfer_paused", op, theirs.handle, "prefill-0", addrs, np.full(n, bs))
+        assert parked, "the killer's transfer never reached its pause"
         killer.kill()
-        time.sleep(0.5)
+        time.sleep(0.5)  # a grace for this agent to trip over the dead peer, were it going to (not a fault setup)
     finally:
         killer.close()
     agent.deregister_memory(mine.registration)
@@ -191,7 +197,9 @@ def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_sigkill_mid_transfer_then_peer_comes_back(agent, op):
-    size, bs = 512 << 20, 1 << 20
+    """The target dies while our transfer is parked halfway (a chunk copied or the rows posted); the transfer
+    ends in ERR (RemoteDisconnected) once it goes on, and the target comes back under its name."""
+    size, bs = 64 << 20, 1 << 20
     local = HostBuffer(agent, size)
     local.array[:] = 7
     victim = RemotePeer("victim", UCX)
@@ -200,15 +208,21 @@ def test_sigkill_mid_transfer_then_peer_comes_back(agent, op):
         agent.add_remote(victim.metadata())
         descs_l = local.descs(np.arange(size // bs) * bs, bs)
         descs_r = rbuf.descs(np.arange(size // bs)[::-1] * bs, bs)
-        xfer = agent.transfer(op, descs_l, descs_r, agent="victim", timeout=30)
-        time.sleep(0.05)
-        assert xfer.state == XferState.PROC, "the transfer finished before the kill; make it bigger"
-        t0 = time.monotonic()
-        victim.kill()
+        box = {}
+        with MidTransferPause() as pause:
+            poster = threading.Thread(
+                target=lambda: box.setdefault("x", agent.transfer(op, descs_l, descs_r, agent="victim", timeout=30))
+            )
+            poster.start()
+            assert pause.reached.wait(30), "the transfer never reached its pause"
+            victim.kill()
+            t0 = time.monotonic()
+        poster.join(30)
+        xfer = box["x"]
         with pytest.raises(RemoteDisconnected) as info:
             xfer.wait()
         elapsed = time.monotonic() - t0
-        assert xfer.state == XferState.ERR and elapsed < 5, elapsed
+        assert xfer.state == XferState.ERR and elapsed < 25, elapsed  # well before its 30 s timeout
         assert info.value.backend == "ucx" and "victim" in str(info.value)
         xfer.release()
     finally:

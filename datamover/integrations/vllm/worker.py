@@ -1,0 +1,244 @@
+"""The worker side of the vLLM offloading spec: a TieredCache fed from and into the engine's own KV blocks.
+
+One offloaded chunk is one vLLM block of one KV cache group: the block's page in each of the group's KV tensors
+(one per layer). Each page is one datamover chunk (a ChunkKey whose `layer` is the page's index in the group), so
+a block moves as a list of page views straight between the engine's KV cache and the tiers, by Agent transfers
+(memcpy on CPU, cuda on a GPU, posix to NVMe, a pool below); nothing is staged in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    OffloadKey,
+    TransferResult,
+    get_offload_group_idx,
+)
+
+from ...errors import DatamoverError
+from ...policy import ChunkKey, TieredCache
+from ...policy.config import with_overrides
+from ..tiers import build_config, key_hash, namespace
+from .service import CacheService, check_keys, socket_path
+
+log = logging.getLogger("datamover.integrations.vllm")
+
+ENGINE = "vllm"
+
+
+class DatamoverChunks(LoadStoreSpec):
+    """The chunks of one load or store job: vLLM's offload keys, in the order of the job's GPU blocks."""
+
+    def __init__(self, keys: list[OffloadKey]) -> None:
+        self.keys = list(keys)
+
+    def __repr__(self) -> str:
+        return f"DatamoverChunks({len(self.keys)} keys)"
+
+
+@dataclass
+class _Outcome:
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+    bad_blocks: list[int] = field(default_factory=list)
+
+
+class DatamoverOffloadingWorker(OffloadingWorker):
+    """Runs the jobs of vLLM's offloading connector against a TieredCache, one at a time, off the engine's thread.
+
+    A load that fails, or delivers only part of its chunks, is reported as failed for the blocks it did not fill:
+    as invalid blocks (which vLLM recomputes) when `report_load_errors` is set by DatamoverOffloadingConnector,
+    else as a failed job (which vLLM's own OffloadingConnector refuses loudly). Never as loaded.
+    """
+
+    def __init__(self, spec: Any, kv_caches: CanonicalKVCaches) -> None:
+        config = spec.config
+        self.report_load_errors = False
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self._groups: dict[int, list[int]] = {}  # KV cache group id -> its tensors, one page (chunk) each
+        sizes: set[int] = set()
+        for position, group in enumerate(config.groups):
+            refs = kv_caches.group_data_refs[position]
+            self._groups[group.group_id] = list(dict.fromkeys(r.tensor_idx for r in refs))
+            sizes.update(r.page_size_bytes for r in refs)
+        if len(sizes) != 1:
+            raise ValueError(f"datamover offloading needs one page size across KV tensors; vLLM has {sorted(sizes)}")
+        self.chunk = sizes.pop()
+        self._order = [g.group_id for g in config.groups]
+        self.namespace = namespace(
+            ENGINE,
+            model=config.model.name,
+            dtype=config.model.dtype,
+            tokens=",".join(str(g.tokens_per_block) for g in config.groups),
+            layout=config.kv_cache_layout,
+            rank=f"{config.parallel.rank}of{config.parallel.world_size}",
+            chunk=self.chunk,
+        )
+        tiers = build_config(spec.tiers, self.chunk, ENGINE)
+        if tiers.l3_nvme.enabled:  # one directory per rank and configuration: ranks never share an index
+            sub = f"{ENGINE}-rank{config.parallel.rank}-dp{config.parallel.data_parallel_index}"
+            sub += f"-{key_hash(self.namespace):016x}"
+            tiers = with_overrides(tiers, l3_nvme={"path": str(Path(tiers.l3_nvme.path) / sub)})
+        self.cache = TieredCache(tiers)
+        self._register_kv_caches()
+        self.counters: Counter = Counter()
+        self._jobs: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dm-vllm-offload")
+        self.invalid_block_ids: set[int] = set()
+        self.service = CacheService(socket_path(config.engine_id, config.parallel.rank), self._handle)
+        log.info(
+            "datamover offloading: %d KV tensors, %d-byte chunks, tiers %s; serving %s",
+            len(self.tensors),
+            self.chunk,
+            self.cache.names,
+            self.service.path,
+        )
+
+    def _register_kv_caches(self) -> None:
+        """Register each KV storage once, whole, so that every job only prepares descriptors inside it."""
+        import torch
+
+        seen: set[int] = set()
+        for t in self.tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            whole = torch.tensor([], dtype=torch.int8, device=t.device).set_(storage)
+            try:
+                self.cache.agent.register_memory(whole)
+            except DatamoverError as exc:
+                log.warning("datamover offloading: KV storage not registered up front (%s); jobs register it", exc)
+
+    # -- keys and views ------------------------------------------------------------------
+    def _chunk_keys(self, key: OffloadKey) -> list[ChunkKey]:
+        h = key_hash(key)
+        return [ChunkKey(h, self.namespace, "", j) for j in range(len(self._groups[get_offload_group_idx(key)]))]
+
+    def _layout(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> tuple[list[ChunkKey], list[Any], list[int]]:
+        """The chunk keys of a job, a page view for each, and the GPU block each belongs to."""
+        blocks = [int(b) for b in gpu.block_ids]
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(keys)} offload keys for {len(blocks)} GPU blocks (one block per chunk expected)")
+        expected = [g for g, n in zip(self._order, gpu.group_sizes) for _ in range(n)]
+        if [get_offload_group_idx(k) for k in keys] != expected:
+            raise ValueError("offload keys are not in the order of the job's KV cache groups")
+        chunk_keys: list[ChunkKey] = []
+        views: list[Any] = []
+        owners: list[int] = []
+        for key, block in zip(keys, blocks):
+            tensors = self._groups[get_offload_group_idx(key)]
+            chunk_keys += self._chunk_keys(key)
+            views += [self.tensors[t][block, : self.chunk] for t in tensors]
+            owners += [block] * len(tensors)
+        return chunk_keys, views, owners
+
+    # -- jobs -------------------------------------------------------------------------------
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, True, dst_spec, src_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._submit(job_id, False, src_spec, dst_spec)
+
+    def _submit(self, job_id: int, store: bool, chunks: LoadStoreSpec, gpu: GPULoadStoreSpec) -> bool:
+        if not isinstance(chunks, DatamoverChunks):
+            raise TypeError(f"datamover offloading got a {type(chunks).__name__}, not DatamoverChunks")
+        with self._lock:
+            self._jobs[job_id] = self._pool.submit(self._run, job_id, store, chunks.keys, gpu)
+        return True
+
+    def _run(self, job_id: int, store: bool, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> _Outcome:
+        start = time.perf_counter()
+        blocks = [int(b) for b in gpu.block_ids]
+        try:
+            chunk_keys, views, owners = self._layout(keys, gpu)
+            if store:
+                self.cache.put(chunk_keys, views)
+                self.counters["blocks_stored"] += len(keys)
+                return _Outcome(job_id, True, len(views) * self.chunk, time.perf_counter() - start)
+            delivered = self.cache.get(chunk_keys, views)
+        except Exception as exc:  # a job never raises into vLLM: a failed store is a future miss, a load recomputes
+            log.warning("datamover offloading: %s job %d failed: %s", "store" if store else "load", job_id, exc)
+            self.counters["stores_failed" if store else "loads_failed"] += 1
+            # a store that failed is still finished: its chunks are simply not in the cache (a future miss)
+            return _Outcome(job_id, store, 0, time.perf_counter() - start, [] if store else blocks)
+        loaded = len(dict.fromkeys(owners[:delivered]))
+        if delivered < len(chunk_keys):  # the block holding the first missing page, and all after it, are bad
+            bad = list(dict.fromkeys(owners[delivered:]))
+            loaded = len(blocks) - len(bad)
+            self.counters["loads_failed"] += 1
+            log.warning("datamover offloading: load job %d delivered %d of %d blocks", job_id, loaded, len(blocks))
+        else:
+            bad = []
+        self.counters["blocks_loaded"] += loaded
+        return _Outcome(job_id, not bad, delivered * self.chunk, time.perf_counter() - start, bad)
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            done = [j for j, f in self._jobs.items() if f.done()]
+            outcomes = [self._jobs.pop(j).result() for j in done]
+        results = []
+        for o in outcomes:
+            success = o.success
+            if o.bad_blocks and self.report_load_errors:
+                self.invalid_block_ids.update(o.bad_blocks)
+                success = True  # finished; its bad blocks go to vLLM as load errors and are recomputed
+            results.append(TransferResult(o.job_id, success, o.nbytes, o.seconds))
+        return results
+
+    def take_invalid_block_ids(self) -> set[int]:
+        """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
+        with self._lock:
+            bad, self.invalid_block_ids = self.invalid_block_ids, set()
+        return bad
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._lock:
+            futures = [self._jobs[j] for j in job_ids if j in self._jobs]
+        for f in futures:
+            f.exception()
+
+    # -- the manager's questions ----------------------------------------------------------------
+    def _handle(self, verb: str, args: list) -> Any:
+        if verb == "stats":
+            return {"tiers": self.cache.stats(), "worker": dict(self.counters)}
+        keys = check_keys(args[0] if args else None)
+        if verb == "lookup":
+            out = []
+            for key in keys:
+                chunk_keys = self._chunk_keys(key) if get_offload_group_idx(key) in self._groups else []
+                n, tiers = self.cache.lookup(chunk_keys)
+                held = bool(chunk_keys) and n == len(chunk_keys)
+                out.append(max(tiers, key=self.cache.names.index) if held else None)  # the farthest tier
+            self.counters["lookups"] += len(keys)
+            self.counters["lookup_hits"] += sum(t is not None for t in out)
+            return out
+        chunk_keys = [c for k in keys if get_offload_group_idx(k) in self._groups for c in self._chunk_keys(k)]
+        if verb == "pin":
+            self.cache.pin(chunk_keys)
+        else:
+            self.cache.unpin(chunk_keys)
+        return len(keys)
+
+    def shutdown(self) -> None:
+        self.service.close()
+        self._pool.shutdown(wait=True)
+        self.cache.close()
+
+
+__all__ = ["DatamoverChunks", "DatamoverOffloadingWorker"]

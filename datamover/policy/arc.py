@@ -1,0 +1,101 @@
+"""`arc`: the Adaptive Replacement Cache (Megiddo and Modha, FAST'03).
+
+T1 holds chunks used once recently, T2 chunks used at least twice; B1 and B2 remember the keys recently
+evicted from each (ghosts, no data). A miss that finds its key in B1 means T1 was too small: the target size
+`p` of T1 grows (by |B2|/|B1|, at least 1); one in B2 shrinks it. Eviction takes T1's LRU chunk while T1 is
+above `p` (or at `p` when the incoming key was in B2), else T2's. Ghost hits enter T2.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+
+from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
+
+
+class ARCTier(TierPolicy):
+    """ARC over one tier of `capacity` chunks."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.t1: OrderedDict[Key, None] = OrderedDict()
+        self.t2: OrderedDict[Key, None] = OrderedDict()
+        self.b1: OrderedDict[Key, None] = OrderedDict()
+        self.b2: OrderedDict[Key, None] = OrderedDict()
+        self.p = 0.0
+        self._adapted: Key | None = None  # the incoming key whose ghost hit already moved p
+
+    def _adapt(self, key: Key) -> None:
+        b1, b2 = len(self.b1), len(self.b2)
+        if key in self.b1:
+            self.p = min(float(self.capacity), self.p + max(b2 / b1, 1.0))
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(b1 / b2, 1.0))
+
+    def admit(self, key: Key, now: float, ref: int = -1) -> bool:
+        self._adapt(key)
+        self._adapted = key
+        return True
+
+    def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        out: list[Key] = []
+        from_b2 = self._adapted is not None and self._adapted in self.b2
+        while len(out) < count:
+            n1 = len(self.t1)
+            t1_first = n1 >= 1 and (n1 > self.p or (from_b2 and n1 == self.p))
+            order = ((self.t1, self.b1), (self.t2, self.b2)) if t1_first else ((self.t2, self.b2), (self.t1, self.b1))
+            for src, ghost in order:
+                key = first_unpinned(src, pinned)
+                if key is not None:
+                    del src[key]
+                    ghost[key] = None
+                    out.append(key)
+                    break
+            else:
+                break
+        return out
+
+    def insert(self, key: Key, now: float, ref: int = -1) -> None:
+        if key in self.b1 or key in self.b2:
+            if self._adapted != key:
+                self._adapt(key)
+            self.b1.pop(key, None)
+            self.b2.pop(key, None)
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+        self._adapted = None
+        c = self.capacity
+        while self.b1 and len(self.t1) + len(self.b1) > c:
+            self.b1.popitem(last=False)
+        while self.b2 and len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) > 2 * c:
+            self.b2.popitem(last=False)
+
+    def touch(self, key: Key, now: float, ref: int = -1) -> None:
+        if key in self.t1:
+            del self.t1[key]
+            self.t2[key] = None
+        else:
+            self.t2.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        if key in self.t1:
+            del self.t1[key]
+        else:
+            del self.t2[key]
+
+    def __len__(self) -> int:
+        return len(self.t1) + len(self.t2)
+
+
+class ARCPolicy(Policy):
+    """ARC in every tier; admits everything."""
+
+    name = "arc"
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        """ARC has no constants; the argument keeps every policy constructible the same way."""
+
+    def tier(self, capacity: int) -> TierPolicy:
+        return ARCTier(capacity)

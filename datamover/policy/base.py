@@ -1,0 +1,95 @@
+"""The policy contract: a `Policy` is the shared brain of one cache, a `TierPolicy` orders one tier's chunks.
+
+The Policy sees every reference once (`observe`) and hands each tier a `TierPolicy` that orders that tier's
+resident chunks. The cache (or the replay simulator) owns the tiers and asks the tier policy three questions:
+may this chunk come in (`admit`), which chunks leave (`evict`), and it reports what happened (`insert`,
+`touch`, `remove`). The engine presents the chunks of one request leaf first (deepest chunk first, the
+request's first chunk last), so a policy ordered by recency keeps prefixes whole, as a radix tree does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Container, Hashable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import PolicyConfig, TierConfig
+
+Key = Hashable
+NEVER = np.iinfo(np.int64).max
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """What a policy may be tuned by (from the `policy:` section and l2_dram.hysteresis_cooldown_s)."""
+
+    half_life_s: float = 300.0
+    history_factor: float = 8.0
+    cooldown_s: float = 5.0
+    admission: bool = True
+
+    @classmethod
+    def from_config(cls, config: TierConfig) -> PolicySettings:
+        """Settings as the tier config gives them."""
+        p: PolicyConfig = config.policy
+        return cls(p.half_life_s, p.history_factor, config.l2_dram.hysteresis_cooldown_s, p.admission)
+
+
+class TierPolicy(ABC):
+    """Orders the resident chunks of one tier. The owner keeps the chunks; this keeps only their order."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, key: Key, now: float, ref: int = -1) -> None:
+        """`key` became resident at time `now` (reference index `ref` in a replay)."""
+
+    @abstractmethod
+    def touch(self, key: Key, now: float, ref: int = -1) -> None:
+        """Resident `key` was used."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """Resident `key` left the tier for a reason of the owner's (not chosen by `evict`)."""
+
+    @abstractmethod
+    def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        """Choose up to `count` resident chunks to leave, never a pinned one, forget them and return them."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    def admit(self, key: Key, now: float, ref: int = -1) -> bool:
+        """Whether `key` may replace a resident chunk of this full tier (True: admission control off)."""
+        return True
+
+
+class Policy(ABC):
+    """One cache's policy: sees every reference (`observe`) and makes a TierPolicy per tier."""
+
+    name = "policy"
+
+    @abstractmethod
+    def tier(self, capacity: int) -> TierPolicy:
+        """A fresh TierPolicy for a tier of `capacity` chunks."""
+
+    def observe(self, key: Key, now: float, ref: int = -1) -> None:
+        """Every reference, once, before the cache looks the key up (default: nothing to learn)."""
+
+    def link(self, key: Key, parent: Key | None) -> None:
+        """The chunk before `key` in the request being served (None for a request's first chunk), told just
+        before `observe`, for policies that use the prefix structure (default: ignored)."""
+
+
+def first_unpinned(order, pinned: Container[Key]) -> Key | None:
+    """The first key of an iterable order that is not pinned (None if all are)."""
+    for key in order:
+        if key not in pinned:
+            return key
+    return None
+
+
+__all__ = ["NEVER", "Key", "Policy", "PolicySettings", "TierPolicy", "first_unpinned"]

@@ -1,0 +1,51 @@
+"""LRU: every tier evicts its least recently used chunk and admits everything (the baseline)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+
+from .base import Key, Policy, PolicySettings, TierPolicy
+
+
+class LRUTier(TierPolicy):
+    """Least recently used first."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def insert(self, key: Key, now: float, ref: int = -1) -> None:
+        self._order[key] = None
+
+    def touch(self, key: Key, now: float, ref: int = -1) -> None:
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        del self._order[key]
+
+    def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        out: list[Key] = []
+        for key in self._order:
+            if len(out) == count:
+                break
+            if key not in pinned:
+                out.append(key)
+        for key in out:
+            del self._order[key]
+        return out
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class LRUPolicy(Policy):
+    """The baseline: every tier evicts its least recently used chunk, admits everything."""
+
+    name = "lru"
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        """LRU takes no settings; the argument keeps every policy constructible the same way."""
+
+    def tier(self, capacity: int) -> TierPolicy:
+        return LRUTier(capacity)

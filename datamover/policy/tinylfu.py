@@ -1,0 +1,173 @@
+"""`wtinylfu`: W-TinyLFU (Einziger, Friedman and Manes, ACM ToS 2017), the design of Caffeine's cache.
+
+New chunks enter a small LRU window (1% of the tier). When the window overflows, its oldest chunk (the
+candidate) competes with the main region's victim (the LRU chunk of its probation segment): the candidate gets
+in only if the frequency sketch says it was used more often. The main region is a segmented LRU: a chunk used
+again in probation moves to the protected segment (80% of main), whose overflow falls back to probation.
+
+The frequency sketch is TinyLFU's aged counter: each reference adds one (capped at 15, four bits), and every
+`10 x capacity` references all counts halve, so the sketch reflects recent popularity.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container
+
+from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
+
+WINDOW_RATIO = 0.01  # the paper's and Caffeine's initial window
+PROTECTED_RATIO = 0.8  # share of the main region that is protected (SLRU)
+SAMPLE_FACTOR = 10  # the sketch halves every SAMPLE_FACTOR x capacity references (TinyLFU's W)
+MAX_COUNT = 15
+
+
+class FrequencySketch:
+    """TinyLFU's aged frequency counts: `add` on every reference, `estimate` for admission.
+
+    The counts are exact (a dict of the keys referenced since the last halvings) rather than a count-min sketch:
+    the keys of a KV cache are few next to the chunks' bytes, and no sketch library here is fast enough per
+    call (datasketches' count_min_sketch takes 3.5 us per update and 4.5 us per estimate on this machine,
+    several times the whole per-reference budget of the replay).
+    """
+
+    def __init__(self, period: int = 64) -> None:
+        self.period = max(64, period)
+        self.added = 0
+        self.counts: dict[Key, int] = {}
+
+    def add(self, key: Key) -> None:
+        c = self.counts.get(key, 0)
+        if c < MAX_COUNT:
+            self.counts[key] = c + 1
+        self.added += 1
+        if self.added >= self.period:
+            self.counts = {k: v >> 1 for k, v in self.counts.items() if v > 1}
+            self.added //= 2
+
+    def estimate(self, key: Key) -> int:
+        return self.counts.get(key, 0)
+
+
+class WTinyLFUTier(TierPolicy):
+    """A window LRU, a main SLRU (probation + protected), and sketch-based admission from window to main."""
+
+    def __init__(self, capacity: int, sketch: FrequencySketch, window_ratio: float = WINDOW_RATIO) -> None:
+        super().__init__(capacity)
+        self.sketch = sketch
+        self.window: OrderedDict[Key, None] = OrderedDict()
+        self.probation: OrderedDict[Key, None] = OrderedDict()
+        self.protected: OrderedDict[Key, None] = OrderedDict()
+        self.set_window(max(1, round(capacity * window_ratio)))
+
+    def set_window(self, size: int) -> None:
+        """Resize the window (at least 1 chunk, at most capacity - 1 when the tier has 2 or more)."""
+        self.window_size = max(1, min(size, self.capacity - 1)) if self.capacity > 1 else 1
+        self.protected_size = int((self.capacity - self.window_size) * PROTECTED_RATIO)
+
+    def insert(self, key: Key, now: float, ref: int = -1) -> None:
+        window = self.window
+        window[key] = None
+        while len(window) > self.window_size:  # room in main (the tier was not full): no contest
+            old = next(iter(window))
+            del window[old]
+            self.probation[old] = None
+
+    def touch(self, key: Key, now: float, ref: int = -1) -> None:
+        if key in self.window:
+            self.window.move_to_end(key)
+        elif key in self.probation:
+            del self.probation[key]
+            protected = self.protected
+            protected[key] = None
+            while len(protected) > self.protected_size:
+                old = next(iter(protected))
+                del protected[old]
+                self.probation[old] = None
+        else:
+            self.protected.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        for segment in (self.window, self.probation, self.protected):
+            if key in segment:
+                del segment[key]
+                return
+
+    def _main_victim(self, pinned: Container[Key]) -> tuple[Key | None, OrderedDict]:
+        key = first_unpinned(self.probation, pinned)
+        if key is not None:
+            return key, self.probation
+        return first_unpinned(self.protected, pinned), self.protected
+
+    def _rejected(self, key: Key) -> None:
+        """Hook: the window candidate `key` lost to the main region's victim and leaves."""
+
+    def _evicted_from_main(self, key: Key) -> None:
+        """Hook: `key` left the main region to make room for a window candidate."""
+
+    def _one(self, pinned: Container[Key]) -> Key | None:
+        """Free one slot for the chunk about to enter the window."""
+        if len(self.window) >= self.window_size:
+            candidate = first_unpinned(self.window, pinned)
+            if candidate is not None:
+                victim, segment = self._main_victim(pinned)
+                del self.window[candidate]
+                if victim is None:
+                    self._rejected(candidate)
+                    return candidate
+                if self.sketch.estimate(candidate) > self.sketch.estimate(victim):
+                    del segment[victim]
+                    self.probation[candidate] = None
+                    self._evicted_from_main(victim)
+                    return victim
+                self._rejected(candidate)
+                return candidate
+        victim, segment = self._main_victim(pinned)
+        if victim is None:
+            victim, segment = first_unpinned(self.window, pinned), self.window
+            if victim is None:
+                return None
+            del segment[victim]
+            self._rejected(victim)
+            return victim
+        del segment[victim]
+        self._evicted_from_main(victim)
+        return victim
+
+    def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        out: list[Key] = []
+        while len(out) < count:
+            key = self._one(pinned)
+            if key is None:
+                break
+            out.append(key)
+        return out
+
+    def adopt(self, keys: list[Key]) -> None:
+        """Take over resident chunks, oldest first: the newest into the window, the rest into probation."""
+        cut = max(0, len(keys) - self.window_size)
+        for key in keys[:cut]:
+            self.probation[key] = None
+        for key in keys[cut:]:
+            self.window[key] = None
+
+    def __len__(self) -> int:
+        return len(self.window) + len(self.probation) + len(self.protected)
+
+
+class WTinyLFUPolicy(Policy):
+    """W-TinyLFU in every tier, one frequency sketch for the whole cache (it sees every reference)."""
+
+    name = "wtinylfu"
+
+    def __init__(self, settings: PolicySettings | None = None) -> None:
+        self.sketch = FrequencySketch()
+        self.chunks = 0  # capacity of all tiers
+
+    def tier(self, capacity: int) -> TierPolicy:
+        self.chunks += capacity
+        self.sketch.period = max(64, SAMPLE_FACTOR * self.chunks)
+        return WTinyLFUTier(capacity, self.sketch)
+
+    def observe(self, key: Key, now: float, ref: int = -1) -> None:
+        self.sketch.add(key)

@@ -1,0 +1,60 @@
+"""A pause at a known point in the middle of a one-sided transfer, for tests of peers dying mid-transfer.
+
+``MidTransferPause`` parks this process's one-sided data movement halfway through, until ``release()``: a
+direct cma copy after its first chunk (the next chunk waits), a UCX put/get right after its rows were posted
+(their completion waits). ``reached`` is set once something waits there, so a test knows the transfer is in
+flight with bytes moved or posted, instead of hoping a big enough transfer is still running after a sleep.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+
+class MidTransferPause:
+    """Install with ``install()`` (or as a context manager); ``release()`` lets every parked mover go on."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self._gate = threading.Event()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _park(self) -> None:
+        self.reached.set()
+        self._gate.wait()
+
+    def install(self) -> MidTransferPause:
+        from ..backends import cma, ucx_rma
+
+        real_run, real_post = cma.CmaPlan.run, ucx_rma.post_rows
+        chunks = [0]
+
+        def run(plan: Any, pid: int, write: bool, first: int = 0, last: int | None = None) -> Any:
+            chunks[0] += 1
+            if chunks[0] > 1:  # the first chunk is copied; every later one waits
+                self._park()
+            return real_run(plan, pid, write, first, last)
+
+        def post_rows(get: bool, ep: int, rows: list) -> int:
+            status = real_post(get, ep, rows)
+            self._park()  # posted, not progressed: the requests stay in flight
+            return status
+
+        self._undo = [(cma.CmaPlan, "run", real_run), (ucx_rma, "post_rows", real_post)]
+        cma.CmaPlan.run = run  # type: ignore[method-assign]
+        ucx_rma.post_rows = post_rows
+        return self
+
+    def release(self) -> None:
+        """Undo the pause and let every parked mover continue."""
+        for owner, name, real in self._undo:
+            setattr(owner, name, real)
+        self._undo = []
+        self._gate.set()
+
+    def __enter__(self) -> MidTransferPause:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,98 @@
+"""Agent.transfer, the one-shot form: what it remembers between calls with the same lists, and when it must not."""
+
+import numpy as np
+import pytest
+
+from datamover import Agent, DescList, MemType, XferState
+from datamover.backends import Backend, register_backend
+from datamover.backends.base import Completion
+from datamover.errors import NotRegistered
+
+N, B = 32, 4096
+
+
+@pytest.fixture
+def pool():
+    with Agent("one", {"backends": {"memcpy": {}}}) as agent:
+        src, dst = np.zeros(2 * N * B, np.uint8), np.zeros(2 * N * B, np.uint8)
+        sreg, dreg = agent.register_memory(src), agent.register_memory(dst)
+        perm = np.random.default_rng(0).permutation(2 * N)[:N]
+        s = DescList.from_columns(src.ctypes.data + np.arange(N) * B, B, 0, "DRAM")
+        d = DescList.from_columns(dst.ctypes.data + perm * B, B, 0, "DRAM")
+        yield agent, src, dst, s, d, perm, sreg, dreg
+
+
+def _expect(src, dst, perm):
+    for i, p in enumerate(perm):
+        assert (dst[p * B : (p + 1) * B] == src[i * B : (i + 1) * B]).all(), i
+
+
+def test_the_same_lists_again_move_the_new_bytes_each_time(pool):
+    agent, src, dst, s, d, perm, _, _ = pool
+    for k in range(3):
+        src[:] = np.random.default_rng(k).integers(0, 256, src.shape[0], dtype=np.uint8)
+        assert agent.transfer("WRITE", s, d).wait() == XferState.DONE
+        _expect(src, dst, perm)
+
+
+def test_no_two_posts_share_a_plan(pool):
+    agent, _, _, s, d, _, _, _ = pool
+    x1 = agent.transfer("WRITE", s, d)
+    x1.wait()
+    x2 = agent.transfer("WRITE", s, d)
+    assert x2 is not x1 and x2.request is not x1.request
+    assert x2.request.plan is x1.request.plan  # the remembered plan passed on to the new transfer ...
+    x1.post().wait()
+    assert x1.request.plan is not x2.request.plan  # ... and the old handle, posted again, planned anew
+    assert x2.wait() == XferState.DONE
+
+
+def test_a_change_of_registrations_is_seen(pool):
+    agent, _, _, s, d, _, _, dreg = pool
+    agent.transfer("WRITE", s, d).wait()
+    agent.deregister_memory(dreg)
+    with pytest.raises(NotRegistered):
+        agent.transfer("WRITE", s, d)
+
+
+def test_equal_but_distinct_lists_are_checked_again(pool):
+    agent, _, _, s, d, _, _, _ = pool
+    agent.transfer("WRITE", s, d).wait()
+    outside = DescList.from_columns(d.addr + (1 << 40), d.length, 0, "DRAM")
+    with pytest.raises(NotRegistered):
+        agent.transfer("WRITE", s, outside)
+
+
+class Held(Backend):
+    """Posts that stay in flight until the test finishes them."""
+
+    name = "held"
+    pairs = frozenset({(MemType.DRAM, MemType.DRAM)})
+    posted: list[Completion] = []
+
+    @classmethod
+    def available(cls):
+        return True, "ok"
+
+    def plan(self, req):
+        return object()
+
+    def post(self, req):
+        c = Completion(1)
+        Held.posted.append(c)
+        return c
+
+
+def test_a_transfer_in_flight_keeps_its_plan():
+    register_backend("held", Held)
+    with Agent("h", {"backends": {"held": {}}}) as agent:
+        a, b = np.zeros(4 * B, np.uint8), np.zeros(4 * B, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        s, d = DescList.blocks(a, B), DescList.blocks(b, B)
+        x1 = agent.transfer("WRITE", s, d)
+        x2 = agent.transfer("WRITE", s, d)  # x1 still in flight: x2 must not take its plan
+        assert x1.state == XferState.PROC and x2.request.plan is not x1.request.plan
+        for c in Held.posted:
+            c.finish_part()
+        assert x1.wait() == x2.wait() == XferState.DONE

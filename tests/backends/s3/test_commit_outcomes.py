@@ -1,0 +1,137 @@
+"""s3 after a timeout, a lost answer or an outage (issue 14, item 7).
+
+Faults are injected through botocore's event hooks at a known call (CompleteMultipartUpload, PutObject), and a
+pause the test holds stands for a slow server: nothing is raced against a sleep.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from datamover import Agent, DescList, XferState
+from datamover.errors import ObjectStoreError, TransferTimeout
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.s3server import S3Server
+
+MiB = 1 << 20
+P = 5 * MiB
+
+
+@pytest.fixture(scope="module")
+def server():
+    ok, reason = S3Server.available()
+    if not ok:
+        pytest.skip(reason)
+    with S3Server(bucket="outcomes") as srv:
+        yield srv
+
+
+def _agent(server, **params):
+    cfg = {"max_attempts": 2, "connect_timeout": 1.0, "read_timeout": 5.0, "concurrency": 4, **params}
+    return Agent("s3-outcomes", {"backends": {"s3": server.config(**cfg)}})
+
+
+def _multipart(agent, server, key, seed, timeout=30.0):
+    size = 2 * P
+    buf = HostBuffer(agent, size)
+    data = random_bytes(size, seed)
+    buf.write(0, data)
+    reg = agent.register_objects(server.bucket, keys=[key])
+    dst = DescList.objects(reg, [size], 0, keys=[key])
+    return agent.transfer("WRITE", buf.descs([0], [size]), dst, backends="s3", timeout=timeout), data
+
+
+def _body(server, key):
+    return server.client().get_object(Bucket=server.bucket, Key=key)["Body"].read()
+
+
+def _pending(server, key):
+    return server.client().list_multipart_uploads(Bucket=server.bucket, Prefix=key).get("Uploads") or []
+
+
+def test_a_timeout_during_complete_reports_the_object_committed(server):
+    key = "out/slow-complete"
+    server.client().put_object(Bucket=server.bucket, Key=key, Body=b"old")
+    entered, gate = threading.Event(), threading.Event()
+
+    def slow_server(request, **_):
+        entered.set()
+        gate.wait(30)  # the test holds CompleteMultipartUpload until the transfer has timed out
+
+    with _agent(server, part_size=P, multipart_threshold=P) as agent:
+        agent.backend("s3").client.meta.events.register("before-send.s3.CompleteMultipartUpload", slow_server)
+        xfer, data = _multipart(agent, server, key, 1, timeout=2.0)
+        assert entered.wait(30), "CompleteMultipartUpload was never sent"
+        with pytest.raises(TransferTimeout) as info:
+            xfer.wait()
+        gate.set()
+        xfer.release()  # returns once the backend settled what it started
+        assert info.value.outcomes == {0: "committed"}
+    assert _body(server, key) == data and not _pending(server, key)
+
+
+def test_a_complete_whose_answer_is_lost_is_found_committed(server):
+    from botocore.exceptions import ReadTimeoutError
+
+    key = "out/lost-answer"
+
+    def lose_answer(http_response, **_):
+        raise ReadTimeoutError(endpoint_url="http://s3")  # the server did complete; its answer never came
+
+    with _agent(server, part_size=P, multipart_threshold=P, max_attempts=1) as agent:
+        agent.backend("s3").client.meta.events.register("after-call.s3.CompleteMultipartUpload", lose_answer)
+        xfer, data = _multipart(agent, server, key, 2)
+        assert xfer.wait() == XferState.DONE
+    assert _body(server, key) == data
+
+
+def test_a_complete_that_never_arrived_is_aborted_and_reported(server):
+    from botocore.exceptions import ConnectionClosedError
+
+    key = "out/never-arrived"
+    server.client().put_object(Bucket=server.bucket, Key=key, Body=b"old")
+
+    def drop(request, **_):
+        raise ConnectionClosedError(endpoint_url=request.url)
+
+    with _agent(server, part_size=P, multipart_threshold=P) as agent:
+        agent.backend("s3").client.meta.events.register("before-send.s3.CompleteMultipartUpload", drop)
+        xfer, _ = _multipart(agent, server, key, 3)
+        with pytest.raises(ObjectStoreError) as info:
+            xfer.wait()
+        assert info.value.outcomes == {0: "aborted"}
+    assert _body(server, key) == b"old" and not _pending(server, key)
+
+
+def test_retries_do_not_run_out_after_an_outage(server):
+    """Dozens of calls fail in an outage (botocore's retry quota would be spent); then one dropped connection."""
+    from botocore.exceptions import ConnectionClosedError
+
+    state = {"outage": True, "dropped": False}
+
+    def network(request, **_):
+        if state["outage"]:
+            raise ConnectionClosedError(endpoint_url=request.url)
+        if not state["dropped"]:
+            state["dropped"] = True
+            raise ConnectionClosedError(endpoint_url=request.url)
+
+    with _agent(server, max_attempts=2) as agent:
+        client = agent.backend("s3").client
+        client.meta.events.register("before-send.s3.PutObject", network)
+        for i in range(40):  # 40 calls x 1 retry x 14 = 560: more than botocore's whole quota of 500
+            with pytest.raises(ConnectionClosedError):
+                client.put_object(Bucket=server.bucket, Key=f"out/outage-{i}", Body=b"x")
+        state["outage"] = False
+        data = random_bytes(MiB, 4)
+        one = HostBuffer(agent, MiB)
+        one.write(0, data)
+        reg1 = agent.register_objects(server.bucket, keys=["out/after-outage"])
+        xfer = agent.transfer(
+            "WRITE", one.descs([0], [MiB]), DescList.objects(reg1, [MiB], 0, keys=["out/after-outage"]), backends="s3"
+        )
+        assert xfer.wait() == XferState.DONE, "one dropped connection after the outage failed the transfer"
+        assert state["dropped"]
+    assert _body(server, "out/after-outage") == data
