@@ -75,6 +75,10 @@ class BackendUnavailable(DatamoverError):
     """The backend cannot run here; ``reason`` says why (missing package, no driver)."""
 
 
+class UnknownBackend(BackendUnavailable, LookupError):
+    """No backend is registered under the name asked for; ``reason`` lists the known ones."""
+
+
 class BrokenBackend(BackendUnavailable):
     """A backend's module failed to import; ``reason`` says why (shown by ``datamover info``)."""
 

@@ -19,7 +19,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch: the CPU build (a plain "torch" would pull a multi-GB CUDA build)
 python -m pip install -q "torch==2.13.0" || echo "setup: torch 2.13.0 not installable here; torch-based tests will skip"
-python -m pip install -q -e ".[test,s3,ucx,policy,telemetry,bench]"
+python -m pip install -q -e ".[test,s3,ucx,policy,telemetry,bench,mooncake]"
 # etcd for the metadata-exchange tests (Debian package etcd-server)
 if ! command -v etcd >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -27,6 +27,16 @@ if ! command -v etcd >/dev/null 2>&1; then
       || echo "setup: could not install etcd-server; etcd tests will skip"
   else
     echo "setup: etcd not found and cannot apt-get install it; etcd tests will skip"
+  fi
+fi
+# libibverbs for Mooncake Store's import (Debian package libibverbs1; its TCP transport needs no RDMA device)
+if ! ldconfig -p 2>/dev/null | grep "libibverbs.so.1 " >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
+      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null)) \
+      || echo "setup: could not install libibverbs1; mooncake tests will skip"
+  else
+    echo "setup: libibverbs.so.1 not found and cannot apt-get install it; mooncake tests will skip"
   fi
 fi
 # Inference engines for tests/integrations (opt-in: about 1.5 GB and a minute or two)

@@ -11,7 +11,7 @@ import importlib
 import threading
 from importlib.metadata import entry_points
 
-from ..errors import BrokenBackend
+from ..errors import BackendUnavailable, BrokenBackend, UnknownBackend
 from .base import Backend, BackendHost, Completion, Op, TransferRequest
 
 ENTRY_POINT_GROUP = "datamover.backends"
@@ -62,7 +62,7 @@ def get_backend_class(name: str) -> type[Backend]:
     with _lock:
         target = _registered.get(name)
     if target is None:
-        raise KeyError(f"unknown backend {name!r}; known: {', '.join(backend_names())}")
+        raise UnknownBackend(f"unknown backend {name!r}; known: {', '.join(backend_names())}", backend=name)
     if isinstance(target, str):
         module_name, _, attr = target.partition(":")
         try:
@@ -79,8 +79,8 @@ def backend_status(name: str) -> tuple[bool, str]:
     """(usable here, reason) for the backend ``name``, never raising."""
     try:
         cls = get_backend_class(name)
-    except BrokenBackend as exc:
-        return False, str(exc)
+    except BackendUnavailable as exc:  # unknown, or its module does not import
+        return False, exc.reason
     try:
         return cls.available()
     except Exception as exc:  # availability probes must not take the CLI down
@@ -95,6 +95,7 @@ __all__ = [
     "Completion",
     "Op",
     "TransferRequest",
+    "UnknownBackend",
     "backend_names",
     "backend_status",
     "get_backend_class",

@@ -203,6 +203,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name, head in headers.items():
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
     print(format_table(results))
+    for backend in dict.fromkeys(r.backend for r in results):
+        summary = getattr(workload_class(backend), "summary", None)  # a workload's own verdicts, if it has any
+        if summary is not None:
+            for line in summary([r for r in results if r.backend == backend], headers.get(backend, {})):
+                print(line)
     if args.json or args.csv or args.plot:
         from . import output
 

@@ -51,6 +51,8 @@ class Result:
     vs_ratio_p50: float | None = None  # ours / theirs at the median transfer: robust to a noisy machine
     vs_ratio_lo: float | None = None  # 95% confidence interval of vs_ratio (paired bootstrap over rounds)
     vs_ratio_hi: float | None = None
+    ratio_lo: float | None = None  # 95% confidence interval of ratio (ours over raw; paired bootstrap over rounds)
+    ratio_hi: float | None = None
 
     def row(self) -> dict[str, Any]:
         return asdict(self)
@@ -240,6 +242,8 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
         raw_gbps=raw_gbps, ratio=(gbps / raw_gbps) if raw_gbps else None, raw=case.raw_name, checked=checked,
     )  # fmt: skip
     r.xfer_p50_us = float(np.median(s.totals) * 1e6)
+    if s.raws:
+        r.ratio_lo, r.ratio_hi = paired_ratio_ci(s.totals, s.raws)
     r.cpu_us_per_desc = s.cpu * 1e6 / (len(s.totals) * batch)
     if other is not None:
         r.vs, r.vs_error, r.vs_checked = "nixl", vs_error, vs_checked

@@ -91,6 +91,7 @@ WORKLOADS: dict[str, str] = {
     "gds": "datamover.bench.gpu:GdsWorkload",
     "ucx": "datamover.bench.ucx:UcxWorkload",
     "s3": "datamover.bench.s3:S3Workload",
+    "mooncake": "datamover.bench.mooncake:MooncakeWorkload",
 }
 
 

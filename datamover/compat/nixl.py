@@ -74,6 +74,9 @@ _DATAMOVER_TO_NIXL: dict[str, tuple[str, ...]] = {
     "s3": ("OBJ",),
     "memcpy": ("memcpy",),
     "cuda": ("cuda",),
+    # datamover's mooncake backend is Mooncake *Store* (objects in a shared pool); NIXL's Mooncake plugin is
+    # its transfer engine between agents, a different thing: no NIXL plugin answers for it
+    "mooncake": (),
 }
 # NIXL init-parameter names that mean "how many worker threads"
 _THREAD_PARAMS = ("num_threads", "thread_count", "num_cpus", "num_workers")

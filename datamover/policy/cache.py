@@ -5,6 +5,12 @@ decides placements, evictions, demotions and promotions (`engine.py`, the same `
 simulates) with its decisions recorded as slot-to-slot moves (`plan.py`), the executor that moves the bytes by
 Agent transfers (`mover.py`), and the persistent L3 index (`l3_index.py`).
 
+Sharing: with `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool other instances use too (`pool.py`):
+`lookup` extends the prefix this instance holds with the chunks the pool holds (one batched existence check),
+`get` adopts those into its L4 index and fetches them (promoting them as the policy decides), `put` also
+writes new chunks to the pool (`publish_on_put`), and `drain("l4_pool")` copies every chunk only this
+instance's memory holds to other members before it leaves, while lookups go on.
+
 Integrity: with `crc32c_check`, the CRC32C of each chunk is computed once when it is put, stored in the L3 index,
 and checked on every read from L3 or L4 (those reads land in a host staging area first); a mismatch drops the
 chunk from the cache, logs the key, and counts as a miss: get() returns only the verified prefix.
@@ -35,6 +41,7 @@ from .keys import ChunkKey
 from .l3_index import INDEX_FILE, L3Index
 from .mover import Mover
 from .plan import USER, Move, SlotEngine
+from .pool import SharedPool
 from .slabs import DATA_FILE, Slab, gpu_bytes, gpu_reason, host_slab, make_slab
 
 log = logging.getLogger("datamover.kvcache")
@@ -75,15 +82,20 @@ class TieredCache:
         self.checksum_failures = 0
         self._gone: set[ChunkKey] = set()
         self.index: L3Index | None = None
+        self.pool: SharedPool | None = None
         try:
             self.tiers = [make_slab(self.agent, config, name, self.notes) for name in config.enabled_tiers()]
             self.engine = SlotEngine(config, self._removed)
             self.names = self.engine.names
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
             self._stage = host_slab(self.agent, "stage", stage_pages, self.page)
+            shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
             self.mover = Mover(
-                self.agent, config, self.tiers, self._stage, self.crc, self._invalidate, metrics, self.spans
+                self.agent, config, self.tiers, self._stage, self.crc, self._invalidate, metrics, self.spans, shared
             )
+            if shared:
+                self.pool = SharedPool(self.agent, config.l4_pool)
+                self.notes.append(f"l4_pool: Mooncake Store pool, this instance is segment {self.pool.hostname}")
             self._invalid = self.mover.invalid
             self._check_crc = self.mover.check_crc
             if "l3_nvme" in self.names:
@@ -100,7 +112,16 @@ class TieredCache:
         params: dict[str, dict] = {"memcpy": {}, "posix": {}}
         if backend_status("cuda")[0]:
             params["cuda"] = {}
-        if l4.enabled:
+        if l4.enabled and l4.backend == "mooncake":
+            params["mooncake"] = {
+                "master_server_addr": l4.master_server_addr or None,
+                "metadata_server": l4.metadata_service_url or None,
+                "global_segment_size": int(l4.segment_gb * (1 << 30)),
+                "replica_count": l4.replica_count,
+                "preferred_segment": "local" if l4.placement_locality else "",
+                "write_mode": "keep",  # a chunk key names its content: the first copy in the pool is the copy
+            }
+        elif l4.enabled:
             params["s3"] = {"endpoint_url": l4.endpoint or None}
         return params
 
@@ -187,7 +208,8 @@ class TieredCache:
 
     # -- the API ------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
-        """Length of the longest cached prefix of `keys`, and the tier holding each of those chunks."""
+        """Length of the longest cached prefix of `keys`, and the tier holding each of those chunks. With a shared
+        pool, the prefix goes on through the chunks the pool holds (put there by any instance)."""
         with self._lock:
             tiers = []
             for key in keys:
@@ -195,7 +217,28 @@ class TieredCache:
                 if j < 0:
                     break
                 tiers.append(self.names[j])
+            if self.pool is not None and len(tiers) < len(keys):
+                rest = keys[len(tiers) :]
+                held = self.pool.held(rest)
+                for key in rest[:held]:
+                    j = self.engine.where(key)
+                    tiers.append(self.names[j] if j >= 0 else "l4_pool")
             return len(tiers), tiers
+
+    def _adopt(self, keys: Sequence[ChunkKey], now: float) -> None:
+        """Enter chunks the shared pool holds (and no tier here does) into this instance's L4 index, forgetting
+        the index's least valued entries if it is full (the pool keeps them: forgetting moves no byte)."""
+        eng = self.engine
+        j = self.names.index("l4_pool")
+        for key in keys:
+            if eng.where(key) >= 0:
+                continue
+            if not eng.free[j]:
+                for victim in eng.orders[j].evict(1, now, eng.pinned):
+                    eng.evict(j, victim, now)
+                if not eng.free[j]:
+                    continue  # everything indexed is pinned: read as a miss
+            eng.adopt(j, {key: eng.free[j][-1]}, now)
 
     def get(self, keys: Sequence[ChunkKey], dst: Any) -> int:
         """Copy the longest cached prefix of `keys` into `dst` (chunk i at offset i*page, the i-th buffer of a
@@ -211,9 +254,12 @@ class TieredCache:
             self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
+                if self.pool is not None:
+                    self._adopt(prefix, now)
                 for key in prefix:
                     eng.policy.observe(key, now)
-                    eng.hit(eng.where(key), key, now)
+                    if eng.where(key) >= 0:
+                        eng.hit(eng.where(key), key, now)
                 self._execute(eng.take_plan(), None)
                 plan = []
                 for i, key in enumerate(prefix):
@@ -258,6 +304,11 @@ class TieredCache:
                         eng.orders[j].touch(key, now)
                     else:
                         stored += eng.place(0, key, now, -1, PREFILL)
+                if self.pool is not None and self.config.l4_pool.publish_on_put:
+                    j4 = self.names.index("l4_pool")
+                    for key in keys:  # other instances find it in the pool at once, not when it is demoted
+                        if key not in eng.resident[j4]:
+                            eng.place(j4, key, now, -1, PREFILL)
                 # after planning: placing one chunk may have dropped another of these keys (and its old CRC)
                 self.crc.update((k, c) for k, c in fresh.items() if eng.where(k) >= 0)
                 self._execute(eng.take_plan(), user)
@@ -286,7 +337,10 @@ class TieredCache:
         with self._lock:
             n, tiers = self.lookup(keys)
             now = self.clock()
-            lower = [(k, t) for k, t in zip(keys[:n], tiers, strict=True) if t != self.names[0]]
+            if self.pool is not None:  # chunks other instances put: into this instance's L4 index first
+                self._adopt(keys[:n], now)
+                tiers = [self.names[self.engine.where(k)] if self.engine.where(k) >= 0 else "" for k in keys[:n]]
+            lower = [(k, t) for k, t in zip(keys[:n], tiers, strict=True) if t and t != self.names[0]]
             self.pin(keys[:n])
             before = list(self.engine.evictions)
             try:
@@ -317,6 +371,8 @@ class TieredCache:
         """Move every chunk held only by `tier` to the tiers below, close `tier` to new chunks and empty it
         (before shutting an instance down). Returns how many chunks were moved; chunks that fit nowhere below
         are dropped and logged."""
+        if tier == "l4_pool" and self.pool is not None:
+            return self._drain_pool()
         with self._lock:
             eng = self.engine
             j = self.names.index(tier)
@@ -342,6 +398,36 @@ class TieredCache:
             self._invalid.clear()
             return moved
 
+    def _drain_pool(self) -> int:
+        """Before this instance leaves a shared pool: write every chunk it holds that the pool lacks, then copy
+        every chunk whose only replicas are in this instance's memory to other members. Lookups and gets go on
+        meanwhile (the copies run without the cache's lock). Returns how many chunks were copied."""
+        assert self.pool is not None
+        with self._lock:
+            eng = self.engine
+            j4 = self.names.index("l4_pool")
+            now = self.clock()
+            known = set().union(*eng.resident)
+            local = [k for k in known if k not in eng.resident[j4]]
+            if local:
+                self.pin(local)
+                try:
+                    for key in local:
+                        eng.place(j4, key, now, -1, self.names[eng.where(key)])
+                    self._execute(eng.take_plan(), None)
+                finally:
+                    self.unpin(local)
+                    self._invalid.clear()
+            known = set(eng.resident[j4])
+        result = self.pool.drain(sorted(known, key=lambda k: k.digest()))
+        self.notes.append(
+            f"l4_pool drain: {result['unique']} of {result['candidates']} chunks only here, {result['copied']} "
+            f"copied to other members, {result['failed']} failed"
+        )
+        if result["failed"]:
+            log.warning("l4_pool drain: %d chunk(s) could not be copied off this instance", result["failed"])
+        return result["copied"]
+
     def stats(self) -> dict[str, Any]:
         """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, resident chunks."""
         with self._lock:
@@ -356,6 +442,7 @@ class TieredCache:
                 "moved_chunks": {f"{a}->{b}": n for (a, b), n in eng.moved.items()},
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
                 "checksum_failures": self.checksum_failures,
+                "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "notes": list(self.notes),
             }
 

@@ -93,18 +93,91 @@ class L3Config:
 
 @dataclass(frozen=True)
 class L4Config:
-    """L4: a remote pool (an S3-compatible object store)."""
+    """L4: a remote pool: S3-compatible objects, or a Mooncake Store pool that instances share."""
 
     enabled: bool = _f(False, "keep an L4 tier")
-    backend: str = _f("s3", "backend that reaches the pool", choices=("s3",))
-    endpoint: str = _f("", "endpoint URL of the store; empty means the backend's default")
-    bucket: str = _f("datamover-kv", "bucket (or namespace) holding the chunks")
-    replica_count: int = _f(1, "copies of each chunk written", ge=1)
-    capacity_gb: float = _f(1024.0, "L4 capacity in GiB", gt=0.0)
+    backend: str = _f(
+        "s3",
+        "s3: an S3-compatible object store, private to this instance; mooncake: a Mooncake Store pool shared by "
+        "every instance on the same master (lookups see chunks other instances put)",
+        choices=("s3", "mooncake"),
+    )
+    endpoint: str = _f("", "s3: endpoint URL of the store; empty means the backend's default")
+    bucket: str = _f("datamover-kv", "bucket (s3) or key namespace (mooncake) holding the chunks")
+    replica_count: int = _f(
+        1, "copies of each chunk written (s3: one object each; mooncake: memory replicas on distinct clients)", ge=1
+    )
+    capacity_gb: float = _f(
+        1024.0, "L4 capacity in GiB (mooncake: chunks this instance indexes; the pool evicts by itself)", gt=0.0
+    )
+    metadata_service_url: str = _f(
+        "",
+        "mooncake: the transfer engine's metadata service (http://host:port/metadata, etcd://host:port, or "
+        "P2PHANDSHAKE when empty); refused for s3",
+    )
+    master_server_addr: str = _f(
+        "", "mooncake: host:port of mooncake_master (empty: $MOONCAKE_MASTER, else 127.0.0.1:50051); refused for s3"
+    )
+    master_admin_url: str = _f(
+        "",
+        "mooncake: the master's HTTP admin endpoint (http://host:metrics_port), so drain finds every key held "
+        "only by this instance; empty: drain covers the chunks this instance knows; refused for s3",
+    )
+    segment_gb: float = _f(
+        0.0, "mooncake: memory this instance lends to the pool, GiB (0: lends none); refused for s3", ge=0.0
+    )
+    placement_locality: bool = _f(
+        False, "mooncake: the first replica of a chunk goes to this instance's own memory; refused for s3"
+    )
+    cross_region: bool = _f(False, "replicate chunks across regions: refused (neither backend does it)")
+    p99_latency_budget_ms: float = _f(
+        0.0, "mooncake: budget for the p99 of pool lookups; stats() and the bench report against it (0: none)", ge=0.0
+    )
+    publish_on_put: bool = _f(
+        True, "mooncake: a put also writes its chunks to the pool at once, so other instances find them"
+    )
     high_watermark: float = _f(
         1.0, "start evicting when occupancy would exceed this fraction of capacity", gt=0.0, le=1.0
     )
     low_watermark: float = _f(1.0, "evict down to this fraction of capacity", gt=0.0, le=1.0)
+
+
+#: L4 fields that only the mooncake backend uses, and their values when unset
+_MOONCAKE_ONLY = {
+    "metadata_service_url": "",
+    "master_server_addr": "",
+    "master_admin_url": "",
+    "segment_gb": 0.0,
+    "placement_locality": False,
+    "p99_latency_budget_ms": 0.0,
+}
+
+
+def _check_l4(obj: L4Config, path: str) -> None:
+    """Each L4 field is honoured by the chosen backend or refused with the reason, never ignored."""
+    if obj.cross_region:
+        why = (
+            "a Mooncake master serves one cluster and places replicas inside it"
+            if obj.backend == "mooncake"
+            else "replicate the bucket with S3's cross-region replication, not from the client"
+        )
+        raise ConfigError(f"{path}.cross_region", f"cross-region replication is not supported: {why}")
+    if obj.backend == "s3":
+        for name, unset in _MOONCAKE_ONLY.items():
+            if getattr(obj, name) != unset:
+                raise ConfigError(f"{path}.{name}", "only the mooncake backend uses it (l4_pool.backend is s3)")
+        return
+    if obj.endpoint:
+        raise ConfigError(f"{path}.endpoint", "the mooncake backend reaches its pool through master_server_addr")
+    for name in ("metadata_service_url", "master_admin_url"):
+        url = getattr(obj, name)
+        ok = (
+            url.startswith(("http://", "https://"))
+            if name == "master_admin_url"
+            else url == "P2PHANDSHAKE" or url.startswith(("http://", "https://", "etcd://"))
+        )
+        if url and not ok:
+            raise ConfigError(f"{path}.{name}", f"{url!r} is not a URL the backend understands")
 
 
 @dataclass(frozen=True)
@@ -285,6 +358,8 @@ def _check_section(obj: Any, path: str) -> None:
         )
     if isinstance(obj, L4Config) and obj.enabled and not obj.bucket:
         raise ConfigError(f"{path}.bucket", "an enabled L4 pool needs a bucket")
+    if isinstance(obj, L4Config):
+        _check_l4(obj, path)
     if isinstance(obj, TierConfig):
         page = obj.l1_hbm.page_size_bytes
         for name, key in (("l2_dram", "pinned_pool_gb"), ("l3_nvme", "capacity_gb"), ("l4_pool", "capacity_gb")):

@@ -43,8 +43,11 @@ class Mover:
         invalidate: Callable[[ChunkKey], None],
         metrics: CacheMetrics | None = None,
         spans: SpanRecorder | None = None,
+        shared_pool: bool = False,
     ) -> None:
         self.agent = agent
+        # L4 is a Mooncake pool: one object per chunk (replicas are the store's), verified by the backend
+        self.shared = shared_pool
         self.config = config
         self.page = config.l1_hbm.page_size_bytes
         self.tiers = tiers
@@ -67,7 +70,7 @@ class Mover:
 
     def _objects(self, keys: Sequence[ChunkKey], replica: int) -> Prepared:
         reg = self.tiers[self.names.index("l4_pool")].owner
-        names = [f"kv/{k.digest()}.{replica}" for k in keys]
+        names = [f"kv/{k.digest()}" if self.shared else f"kv/{k.digest()}.{replica}" for k in keys]
         return self.agent.prepare(DescList.objects(reg, np.full(len(names), self.page), keys=names))
 
     def _transfer(self, src: int, si: np.ndarray, dst: int, di: np.ndarray, user: Prepared | None) -> str:
@@ -90,6 +93,10 @@ class Mover:
     def _write_obj(self, src: int, si: np.ndarray, keys: Sequence[ChunkKey], user: Prepared | None) -> str:
         """Rows si of src (host memory) to the chunks' objects, replica_count copies each."""
         sprep = self._endpoint(src, user)[1]
+        if self.shared:  # one object; the pool keeps replica_count replicas of it
+            with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, 0), None) as xfer:
+                xfer.post().wait()
+            return "mooncake"
         for r in range(self.config.l4_pool.replica_count):
             with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, r), None) as xfer:
                 xfer.post().wait()
@@ -98,8 +105,15 @@ class Mover:
     def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
         """Read chunks of L4 into staging rows; returns which rows arrived (a failed replica tries the next)."""
         ok = np.zeros(len(keys), dtype=bool)
+        if self.shared:
+            try:  # the whole batch in one transfer; if a chunk fails, each is read alone to find which
+                with self.agent.make_transfer("READ", self.stage.prepared, rows, self._objects(keys, 0), None) as x:
+                    x.post().wait()
+                return np.ones(len(keys), dtype=bool)
+            except DatamoverError as exc:
+                log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
         for i, key in enumerate(keys):
-            for r in range(self.config.l4_pool.replica_count):
+            for r in range(1 if self.shared else self.config.l4_pool.replica_count):
                 try:
                     objects = self._objects([key], r)
                     with self.agent.make_transfer("READ", self.stage.prepared, rows[i : i + 1], objects, None) as x:
@@ -137,13 +151,19 @@ class Mover:
                 spans.append(span)
             self.spans.record(spans)
 
-    def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
-        """Which staged rows match their chunk's CRC32C (all, when checking is off)."""
+    def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray, learn: bool = False) -> np.ndarray:
+        """Which staged rows match their chunk's CRC32C (all, when checking is off). With ``learn`` (rows read
+        from the shared pool, whose backend checked each chunk against the CRC32C its writer stored), a chunk
+        this instance never put gets its CRC32C from the verified bytes."""
         if not self.check_crc:
             return np.ones(len(keys), dtype=bool)
         import crc32c
 
         view = self.stage.host
+        if learn:
+            for k, r in zip(keys, rows, strict=True):
+                if k not in self.crc:
+                    self.crc[k] = crc32c.crc32c(view[r])
         good = np.array([crc32c.crc32c(view[r]) == self.crc.get(k) for k, r in zip(keys, rows, strict=True)])
         for i in np.flatnonzero(~good):
             log.error("CRC32C mismatch for chunk %s: dropped, served as a miss", keys[i])
@@ -175,7 +195,7 @@ class Mover:
                 self._transfer(src, si, STAGE, rows, user)
                 good = np.ones(len(batch), dtype=bool)
             if smem in REMOTE:
-                good &= self._verify(keys, rows)
+                good &= self._verify(keys, rows, learn=self.shared and smem == MemType.OBJ)
             for i in np.flatnonzero(~good):
                 self.invalidate(keys[i])
             keep = np.flatnonzero(good)

@@ -1,0 +1,280 @@
+"""mooncake: DRAM <-> OBJ against a Mooncake Store pool (``mooncake_master`` and the clients lending memory).
+
+An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b addresses the pool's object
+``b/k``, so buckets are namespaces inside one pool:
+
+- WRITE (offset 0, length n) stores the whole object as n bytes plus datamover's trailer (its CRC32C and
+  length, see ``client.py``), zero-copy from the registered source through ``batch_put_from_multi_buffers``,
+  with ``replica_count`` replicas. Mooncake keeps the first object written under a key; with
+  ``write_mode="replace"`` (the default) the keys are removed first, so a WRITE's bytes are what the keys
+  hold after, as with any object store; ``"keep"`` is Mooncake's own put (one RPC less), right for keys that
+  name their content, as KV-cache chunk keys do. A non-zero offset on WRITE, and two WRITE rows naming one
+  object, are refused when the transfer is made.
+- READ (0, n) of an n-byte object lands zero-copy in the destination through ``batch_get_into_multi_buffers``
+  and is verified (trailer and CRC32C); a READ at another offset or of fewer bytes reads the whole object
+  into a bounce buffer, verifies it, and copies the range. A failed or mismatched row fails the transfer
+  with a typed error naming the key, and its destination holds zeros: a mismatch is a miss, never wrong
+  bytes. A get that failed in transfer (the holder of the chosen replica died) is asked again
+  ``read_retries`` times; Mooncake picks a replica per get.
+
+Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
+waiting caller runs parts itself), so checksums of one part overlap the transfer of the next and a release
+stops between parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device
+memory (datamover's tier cache stages VRAM through host memory).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import MemType
+from ...errors import (
+    ChecksumMismatch,
+    DatamoverError,
+    InvalidDescriptor,
+    InvalidParameter,
+    ObjectStoreError,
+    OverlappingDestination,
+    TransferTimeout,
+    UnsupportedTransfer,
+)
+from ..base import Backend, Completion, Op, TransferRequest, clock, run_inline, run_parts, split_by_bytes
+from . import codes
+from .client import DEFAULTS, PoolClient, store_import_error
+
+
+@dataclass
+class MooncakePlan:
+    """One request per row: the pool key, the memory address, the length and object offset, whether the row is
+    a whole object; and the ``parts`` (row ranges) the work is cut into."""
+
+    keys: list[str]
+    addrs: list[int]
+    sizes: list[int]
+    offsets: list[int]
+    whole: list[bool]
+    parts: list[tuple[int, int]]
+    inline: bool = False
+
+
+class MooncakeBackend(Backend):
+    """Host memory to and from objects of a Mooncake Store pool, batched and zero-copy, with CRC32C."""
+
+    name = "mooncake"
+    pairs = frozenset({(MemType.DRAM, MemType.OBJ), (MemType.VRAM, MemType.OBJ)})
+    default_params = {
+        **DEFAULTS,
+        "write_mode": "replace",  # or "keep": Mooncake's put (an existing key keeps its bytes)
+        "threads": 2,
+        "batch_keys": 1024,
+        # requests of at most this many bytes (in one part) run inside post(): one store call, no thread hop
+        "inline_bytes": 256 << 10,
+        "part_bytes": 32 << 20,
+    }
+
+    def __init__(self, host, params=None) -> None:
+        super().__init__(host, params)
+        p = self.params
+        if p["write_mode"] not in ("replace", "keep"):
+            mode = p["write_mode"]
+            raise InvalidParameter(f"write_mode must be 'replace' or 'keep', got {mode!r}", backend=self.name)
+        try:
+            self.client = PoolClient({k: p[k] for k in DEFAULTS})
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), backend=self.name) from exc
+        self._pool = ThreadPoolExecutor(max(1, int(p["threads"])), thread_name_prefix="dm-mooncake")
+
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        why = store_import_error()
+        if why:
+            return False, why
+        if importlib_find("crc32c") is None:
+            return False, "needs crc32c (pip install 'datamover[mooncake]')"
+        return True, "ok"
+
+    @classmethod
+    def environment(cls) -> dict[str, Any]:
+        from importlib.metadata import PackageNotFoundError, version
+
+        here: dict[str, Any] = {}
+        for pkg in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine", "crc32c"):
+            try:
+                here[pkg] = version(pkg)
+            except PackageNotFoundError:
+                pass
+        return here
+
+    def describe(self) -> dict[str, Any]:
+        p = self.client.params
+        return {
+            "master": p["master_server_addr"],
+            "metadata": p["metadata_server"],
+            "protocol": p["protocol"],
+            "segment": self.client.hostname,
+            "lends": p["global_segment_size"],
+            "replicas": p["replica_count"],
+            "write_mode": self.params["write_mode"],
+        }
+
+    # -- registration ----------------------------------------------------------
+    def register(self, reg) -> Any:
+        if reg.mem_type != MemType.DRAM:
+            return None
+        self.client.register(reg.addr, reg.length)
+        return reg.addr
+
+    def deregister(self, reg, handle: Any) -> None:
+        if handle is not None:
+            self.client.unregister(handle)
+
+    # -- planning ------------------------------------------------------------
+    def plan(self, req: TransferRequest) -> MooncakePlan:
+        if req.local.mem_type != MemType.DRAM:
+            raise UnsupportedTransfer(
+                f"{req.local.mem_type} <-> OBJ: this Mooncake build cannot address device memory "
+                "(stage through DRAM, as the tier cache does)",
+                backend=self.name,
+            )
+        obj, n = req.remote, len(req.remote)
+        write = req.op is Op.WRITE
+        regs = req.registrations
+        buckets = {r: regs[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
+        table = obj.keys or ()
+        names = np.array([f"{buckets[int(r)]}/{table[int(d)]}" for r, d in zip(req.remote_regions, obj.dev)], object)
+        if write and n and (obj.addr != 0).any():
+            row = int(np.flatnonzero(obj.addr != 0)[0])
+            raise InvalidDescriptor(
+                f"Mooncake stores whole objects: a WRITE must have offset 0, got {int(obj.addr[row])} "
+                f"for key {names[row]!r}",
+                index=req.caller_index(row),
+                backend=self.name,
+            )
+        if write and n > 1:
+            _, first, inverse = np.unique(names.astype(str), return_index=True, return_inverse=True)
+            seen = first[inverse.reshape(-1)]
+            dup = np.flatnonzero(seen != np.arange(n))
+            if dup.size:
+                row = int(dup[0])
+                raise OverlappingDestination(
+                    f"writes object {names[row]!r} that descriptor {req.caller_index(int(seen[row]))} writes too",
+                    index=req.caller_index(row),
+                    backend=self.name,
+                )
+        lengths = obj.length + 16
+        ranges = split_by_bytes(lengths, int(self.params["threads"]), int(self.params["part_bytes"]) // 4)
+        parts: list[tuple[int, int]] = []
+        step_keys, step_bytes = int(self.params["batch_keys"]), int(self.params["part_bytes"])
+        for a, z in ranges:
+            parts += _cut(lengths[a:z], a, step_keys, step_bytes)
+        return MooncakePlan(
+            names.tolist(),
+            req.local.addr.tolist(),
+            obj.length.tolist(),
+            obj.addr.tolist(),
+            (obj.addr == 0).tolist(),
+            parts,
+        )
+
+    # -- execution -----------------------------------------------------------
+    def post(self, req: TransferRequest) -> Completion:
+        p: MooncakePlan = req.plan
+        work = self._write if req.op is Op.WRITE else self._read
+
+        def part(a: int, z: int, c: Completion) -> None:
+            if c.cancelled:
+                return
+            late = "not started"
+            if clock() <= req.deadline:
+                work(req, a, z, c)
+                late = "not finished"
+                if clock() <= req.deadline:
+                    return
+            raise TransferTimeout(
+                f"{req.op} of {z - a} key(s) from {p.keys[a]!r} {late} within the {req.timeout:g} s deadline",
+                index=req.caller_index(a),
+                backend=self.name,
+            )
+
+        if p.inline:
+            return run_inline(p.parts, part, backend=self.name)
+        # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop)
+        return run_parts(self._pool, p.parts, part, backend=self.name)
+
+    def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
+        p: MooncakePlan = req.plan
+        st = self.client.put(p.keys[a:z], p.addrs[a:z], p.sizes[a:z], self.params["write_mode"] == "replace")
+        bad = np.flatnonzero(st != 0)
+        if bad.size:
+            row = a + int(bad[0])
+            raise self._error(req, row, int(st[bad[0]]), "put", failed=int(bad.size), of=z - a)
+
+    def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
+        p: MooncakePlan = req.plan
+        keys, addrs, sizes, offsets = p.keys, p.addrs, p.sizes, p.offsets
+        whole = [i for i in range(a, z) if p.whole[i]]
+        st = np.zeros(z - a, dtype=np.int64)
+        if len(whole) == z - a:
+            st[:] = self.client.get(keys[a:z], addrs[a:z], sizes[a:z])
+        elif whole:
+            st[np.array(whole) - a] = self.client.get(
+                [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole]
+            )
+        # ranged reads, and whole-row reads of objects that hold more (their prefix): verified in a bounce buffer
+        for i in range(a, z):
+            if not p.whole[i] or st[i - a] == codes.SIZE_MISMATCH:
+                st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i])[0]
+        bad = np.flatnonzero(st != 0)
+        if bad.size:
+            row = a + int(bad[0])
+            raise self._error(req, row, int(st[bad[0]]), "get", failed=int(bad.size), of=z - a)
+
+    def _error(self, req: TransferRequest, row: int, code: int, what: str, failed: int, of: int) -> DatamoverError:
+        """A typed error naming the key, Mooncake's code and how many keys of the part failed."""
+        key = req.plan.keys[row]
+        bucket, _, name = key.partition("/")
+        more = f" ({failed} of {of} keys in this part failed)" if failed > 1 else ""
+        reason = f"{what} {key!r} failed: {codes.name(code)}{more}"
+        if code == codes.SIZE_MISMATCH:
+            size = self.client.size(key)
+            if size is not None:
+                off, n = req.plan.offsets[row], req.plan.sizes[row]
+                reason = f"{what} {key!r}: the object holds {size} bytes, [{off}, {off + n}) reads past its end"
+        if code in (codes.CHECKSUM_MISMATCH, codes.NOT_DATAMOVER):
+            err: DatamoverError = ChecksumMismatch(reason, index=req.caller_index(row), backend=self.name)
+            err.bucket, err.key = bucket, name  # type: ignore[attr-defined]
+            return err
+        return ObjectStoreError(
+            reason, bucket=bucket, key=name, status=None, code=codes.name(code).split(" ")[0],
+            errno=codes.errno_of(code) if code != codes.NO_ANSWER else errno_mod.EIO,
+            index=req.caller_index(row), backend=self.name,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.client.close()
+
+
+def _cut(lengths: np.ndarray, base: int, keys: int, nbytes: int) -> list[tuple[int, int]]:
+    """Cut rows [base, base + len) into runs of at most ``keys`` rows and about ``nbytes`` bytes."""
+    out, n = [], int(lengths.shape[0])
+    cum = np.cumsum(lengths)
+    a = 0
+    while a < n:
+        z = min(n, a + keys)
+        before = int(cum[a - 1]) if a else 0
+        z = max(a + 1, min(z, int(np.searchsorted(cum, before + nbytes, side="right"))))
+        out.append((base + a, base + z))
+        a = z
+    return out
+
+
+def importlib_find(name: str) -> Any:
+    import importlib.util
+
+    return importlib.util.find_spec(name)

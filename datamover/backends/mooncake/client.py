@@ -1,0 +1,292 @@
+"""PoolClient: one Mooncake Store client (``MooncakeDistributedStore``) set up from datamover parameters.
+
+It registers memory, puts and gets datamover's objects (payload and CRC32C trailer, ``objects.py``) in
+batches with one status per key (``codes.py``), never an exception for a key that is absent, retries gets
+that failed in transfer, bounds every size the store reports before allocating for it, and answers what
+the pool holds (``exists``, ``replicas``), removes, and copies objects between members (copy tasks). The
+backend (``backend.py``) and the shared L4 pool of the tier cache both use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import host_view
+from . import codes
+from .objects import MAGIC, TRAILER, Arena, answers, get_objects, put_objects
+
+__all__ = ["DEFAULTS", "MAGIC", "TRAILER", "PoolClient", "resolve", "store_import_error"]
+
+#: the most keys in one batched call of the store
+BATCH_KEYS = 4096
+
+#: what a PoolClient takes, with defaults: Mooncake's own setup() arguments first
+DEFAULTS: dict[str, Any] = {
+    "master_server_addr": None,  # host:port of mooncake_master; None: $MOONCAKE_MASTER, else 127.0.0.1:50051
+    "metadata_server": None,  # "P2PHANDSHAKE", an http://.../metadata URL, or etcd://...; None: $MOONCAKE_...
+    "local_hostname": "127.0.0.1",
+    "protocol": "tcp",
+    "rdma_devices": "",
+    "global_segment_size": 256 << 20,  # the memory this client lends to the pool (0: lends none)
+    "local_buffer_size": 16 << 20,
+    # the address the transfer engine listens on (MC_TCP_BIND_ADDRESS): None keeps the process's setting,
+    # else the local_hostname; Mooncake would otherwise pick the first non-loopback interface
+    "bind_address": None,
+    # placement
+    "replica_count": 1,
+    "preferred_segment": "",  # a segment (host:port) new replicas go to first; "local": this client's own
+    "hard_pin": False,  # objects this client writes are never evicted
+    # bounds and retries
+    "max_object_bytes": 1 << 30,
+    # how objects move: "staged" (one buffer per object through a registered arena, verified before the
+    # caller sees it) or "zero_copy" (payload and trailer as two buffers of one object, from/to the caller)
+    "transfer_mode": "staged",
+    "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
+    "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
+    "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
+    "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
+}
+
+
+def store_import_error() -> str | None:
+    """Why ``mooncake.store`` cannot be used here (None when it can), found without importing it."""
+    import ctypes.util
+
+    if importlib.util.find_spec("mooncake") is None:
+        return "needs mooncake-transfer-engine-non-cuda (pip install 'datamover[mooncake]')"
+    if ctypes.util.find_library("ibverbs") is None:
+        return "mooncake.store needs libibverbs.so.1 to import (Debian: apt-get install libibverbs1)"
+    return None
+
+
+def resolve(params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``params`` over the defaults, with the environment's master and metadata server where not given."""
+    p = {**DEFAULTS, **(params or {})}
+    unknown = set(p) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"mooncake: unknown parameter(s) {sorted(unknown)}; known: {', '.join(sorted(DEFAULTS))}")
+    p["master_server_addr"] = p["master_server_addr"] or os.environ.get("MOONCAKE_MASTER") or "127.0.0.1:50051"
+    p["metadata_server"] = p["metadata_server"] or os.environ.get("MOONCAKE_TE_META_DATA_SERVER") or "P2PHANDSHAKE"
+    if int(p["replica_count"]) < 1:
+        raise ValueError(f"mooncake: replica_count must be >= 1, got {p['replica_count']}")
+    if int(p["max_object_bytes"]) < 1:
+        raise ValueError("mooncake: max_object_bytes must be >= 1")
+    if p["transfer_mode"] not in ("staged", "zero_copy"):
+        raise ValueError(f"mooncake: transfer_mode must be 'staged' or 'zero_copy', got {p['transfer_mode']!r}")
+    return p
+
+
+class PoolClient:
+    """A set-up store client: register memory, put and get objects with trailers, check, remove, replicate."""
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        p = self.params = resolve(params)
+        if p["quiet"]:
+            os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        bind = p["bind_address"] or p["local_hostname"]
+        if bind and "MC_TCP_BIND_ADDRESS" not in os.environ:
+            os.environ["MC_TCP_BIND_ADDRESS"] = str(bind)
+        why = store_import_error()
+        if why:
+            raise RuntimeError(why)
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise RuntimeError(f"mooncake.store does not import: {exc}") from exc
+
+        _probe_master(str(p["master_server_addr"]), float(p["connect_timeout"]))
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            str(p["local_hostname"]), str(p["metadata_server"]), int(p["global_segment_size"]),
+            int(p["local_buffer_size"]), str(p["protocol"]), str(p["rdma_devices"]), str(p["master_server_addr"]),
+        )  # fmt: skip
+        if rc != 0:
+            raise ConnectionError(
+                f"mooncake: setup against master {p['master_server_addr']} (metadata {p['metadata_server']}) "
+                f"failed with {rc} ({codes.name(rc)})"
+            )
+        self.hostname: str = self._store.get_hostname()
+        cfg = ReplicateConfig()
+        cfg.replica_num = int(p["replica_count"])
+        seg = p["preferred_segment"]
+        if seg:
+            cfg.preferred_segment = self.hostname if seg == "local" else str(seg)
+        cfg.with_hard_pin = bool(p["hard_pin"])
+        self._config = cfg
+        self.staged = p["transfer_mode"] == "staged"
+        self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
+        self._closed = False
+
+    # -- memory --------------------------------------------------------------
+    def register(self, addr: int, nbytes: int) -> None:
+        rc = self._store.register_buffer(int(addr), int(nbytes))
+        if rc != 0:
+            raise OSError(f"mooncake: register_buffer({addr:#x}, {nbytes}) failed with {rc} ({codes.name(rc)})")
+
+    def unregister(self, addr: int) -> None:
+        self._store.unregister_buffer(int(addr))
+
+    def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes."""
+        limit = int(self.params["staging_bytes"])
+        out, a, used = [], 0, 0
+        for i, s in enumerate(sizes):
+            if i > a and (i - a >= BATCH_KEYS or used + s + TRAILER > limit):
+                out.append((a, i))
+                a, used = i, 0
+            used += s + TRAILER
+        if a < len(sizes):
+            out.append((a, len(sizes)))
+        return out
+
+    # -- puts and gets -------------------------------------------------------
+    def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], replace: bool = False) -> np.ndarray:
+        """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
+
+        Mooncake keeps the first object written under a key: a put of an existing key succeeds and leaves it
+        as it was. ``replace`` removes the keys first, so what is written is what the keys hold after.
+        """
+        if replace and len(keys):
+            self._store.batch_remove(list(keys), True)
+        out: list[int] = []
+        for a, z in self._groups(sizes):
+            out += put_objects(self._store, self._config, self._arena, keys[a:z], addrs[a:z], sizes[a:z], self.staged)
+        return np.asarray(out, dtype=np.int64)
+
+    def get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+        """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
+        and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
+        replica per get, so another try may reach a live holder)."""
+        n = len(keys)
+        status = [codes.NO_ANSWER] * n
+        todo = list(range(n))
+        for _ in range(1 + max(0, int(self.params["read_retries"]))):
+            ks, ad, sz = [keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
+            for a, z in self._groups(sz):
+                got = get_objects(self._store, self._arena, ks[a:z], ad[a:z], sz[a:z], self.staged)
+                for i, st in zip(todo[a:z], got):
+                    status[i] = st
+            todo = [i for i in todo if status[i] in codes.RETRYABLE]
+            if not todo:
+                break
+        for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
+            size = self._size(keys[i])  # too small a buffer (-600) or a shorter object (-800): say which
+            if size >= 0 and size != sizes[i]:
+                status[i] = codes.SIZE_MISMATCH
+            elif size in (codes.TOO_LARGE, codes.NOT_DATAMOVER):
+                status[i] = size
+        return np.asarray(status, dtype=np.int64)
+
+    def size(self, key: str) -> int | None:
+        """The payload size of ``key`` as the store reports it; None when absent, not ours, or too large."""
+        size = self._size(key)
+        return size if size >= 0 else None
+
+    def _size(self, key: str) -> int:
+        """The payload size of ``key``, or a negative status (absent, too small to be ours, too large)."""
+        total = int(self._store.get_size(key))
+        if total < 0:
+            return total
+        if total < TRAILER:
+            return codes.NOT_DATAMOVER
+        if total - TRAILER > int(self.params["max_object_bytes"]):
+            return codes.TOO_LARGE
+        return total - TRAILER
+
+    def get_range(self, key: str, offset: int, addr: int, nbytes: int) -> tuple[int, int | None]:
+        """Read ``nbytes`` at ``offset`` of object ``key`` into ``addr``: the whole object is read into a
+        bounce buffer and verified first. Returns (status, the object's payload size or None)."""
+        size = self._size(key)
+        if size < 0:
+            return size, None
+        if offset + nbytes > size:
+            return codes.SIZE_MISMATCH, size
+        bounce = np.empty(max(size, 1), dtype=np.uint8)
+        self.register(bounce.ctypes.data, bounce.nbytes)
+        try:
+            st = int(self.get([key], [bounce.ctypes.data], [size])[0])
+        finally:
+            self.unregister(bounce.ctypes.data)
+        if st == 0 and nbytes:
+            host_view(addr, nbytes)[:] = bounce[offset : offset + nbytes]
+        return st, size
+
+    # -- the pool's view -----------------------------------------------------
+    def exists(self, keys: Sequence[str]) -> np.ndarray:
+        """1 where the pool holds ``keys[i]``, 0 where not, -1 where it could not tell."""
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        res = self._store.batch_is_exist(list(keys))
+        if len(res) != len(keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        return np.clip(np.asarray(res, dtype=np.int64), -1, 1)
+
+    def remove(self, keys: Sequence[str], force: bool = True) -> np.ndarray:
+        if not keys:
+            return np.zeros(0, dtype=np.int64)
+        return np.asarray(answers(self._store.batch_remove(list(keys), bool(force)), len(keys)), dtype=np.int64)
+
+    def replicas(self, keys: Sequence[str]) -> dict[str, list[str]]:
+        """The segments (host:port) holding a complete memory replica of each key."""
+        out: dict[str, list[str]] = {}
+        for key, descs in self._store.batch_get_replica_desc(list(keys)).items():
+            holders = []
+            for d in descs:
+                if d.is_memory_replica() and str(d.status).endswith("COMPLETE"):
+                    holders.append(str(d.get_memory_descriptor().buffer_descriptor.transport_endpoint))
+            out[str(key)] = holders
+        return out
+
+    def copy_to(self, key: str, targets: Sequence[str]) -> tuple[Any, int]:
+        """Ask the master to copy ``key`` to ``targets`` (segments); (task id, status)."""
+        task, rc = self._store.create_copy_task(key, list(targets))
+        return task, int(rc)
+
+    def task_state(self, task: Any) -> str:
+        """PENDING, PROCESSING, SUCCESS, FAILED, or UNKNOWN for a copy/move task."""
+        resp, rc = self._store.query_task(task)
+        if rc != 0 or resp is None:
+            return "UNKNOWN"
+        return str(resp.status).rpartition(".")[2]
+
+    def healthy(self) -> bool:
+        return self._store.health_check() == 0
+
+    @property
+    def store(self) -> Any:
+        """The underlying ``MooncakeDistributedStore`` (for the benchmark's raw baseline)."""
+        return self._store
+
+    @property
+    def replicate_config(self) -> Any:
+        return self._config
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._arena.close()
+        self._store.close()
+
+
+def _probe_master(addr: str, timeout: float) -> None:
+    """Fail at once, naming the address, when no master accepts there: Mooncake's setup would wait for it."""
+    import socket
+
+    if "://" in addr:  # etcd://... (HA leader discovery): Mooncake resolves it
+        return
+    host, _, port = addr.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"mooncake: master_server_addr must be host:port, got {addr!r}")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"mooncake: no mooncake_master answers at {addr} ({exc.strerror or exc}); start one, or set "
+            "master_server_addr (or $MOONCAKE_MASTER)"
+        ) from exc

@@ -1,0 +1,154 @@
+"""The shared L4 pool as one cache instance sees it: lookups of what every instance put, and drain on retirement.
+
+With `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool that many instances share. A chunk is the pool
+object `<bucket>/kv/<ChunkKey.digest()>`; the digest covers the model and tokenizer versions, so a chunk of
+another model never matches. This module holds what the instance asks the pool directly (through the
+mooncake backend's client, not through transfers): which keys it holds (`exists`, timed against
+`p99_latency_budget_ms`), and `drain`, which copies every chunk whose only replicas live in this instance's
+memory to other members of the pool (Mooncake copy tasks) before the instance leaves. Chunk bytes still move
+only through Agent transfers (`mover.py`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..agents import Agent
+from .config import L4Config
+from .keys import ChunkKey
+
+log = logging.getLogger("datamover.kvcache")
+
+#: the most bytes read from the master's admin endpoint (key and segment listings): input from another process
+ADMIN_LIMIT = 64 << 20
+_LATENCY_WINDOW = 4096
+
+
+class SharedPool:
+    """One instance's view of a Mooncake Store pool that other instances share."""
+
+    def __init__(self, agent: Agent, config: L4Config) -> None:
+        self.config = config
+        self.client = agent.backend("mooncake").client
+        self.prefix = f"{config.bucket}/kv/"
+        self.budget_ms = float(config.p99_latency_budget_ms)
+        self._lookup_s: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+        self._warned = False
+
+    def name(self, key: ChunkKey) -> str:
+        """The chunk's object name inside the L4 registration (prefix ``kv/``)."""
+        return f"kv/{key.digest()}"
+
+    def pool_key(self, key: ChunkKey) -> str:
+        return f"{self.config.bucket}/{self.name(key)}"
+
+    @property
+    def hostname(self) -> str:
+        """This instance's segment in the pool."""
+        return self.client.hostname
+
+    # -- lookups -------------------------------------------------------------
+    def held(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, the pool holds (one batched existence check, timed)."""
+        if not keys:
+            return 0
+        t0 = time.perf_counter()
+        found = self.client.exists([self.pool_key(k) for k in keys])
+        self._lookup_s.append(time.perf_counter() - t0)
+        self._check_budget()
+        miss = np.flatnonzero(found != 1)
+        return int(miss[0]) if miss.size else len(keys)
+
+    def _check_budget(self) -> None:
+        if not self.budget_ms or self._warned or len(self._lookup_s) < 100:
+            return
+        p99 = float(np.percentile(self._lookup_s, 99)) * 1e3
+        if p99 > self.budget_ms:
+            self._warned = True
+            log.warning("l4_pool: p99 of pool lookups is %.3f ms, over the %.3f ms budget", p99, self.budget_ms)
+
+    def latency(self) -> dict[str, Any]:
+        """p50/p99 of the last pool lookups (microseconds) against the budget."""
+        s = np.asarray(self._lookup_s) * 1e6
+        out: dict[str, Any] = {"lookups": int(s.size), "budget_ms": self.budget_ms or None}
+        if s.size:
+            out["p50_us"] = float(np.percentile(s, 50))
+            out["p99_us"] = float(np.percentile(s, 99))
+            if self.budget_ms:
+                out["within_budget"] = out["p99_us"] <= self.budget_ms * 1e3
+        return out
+
+    # -- drain ---------------------------------------------------------------
+    def admin(self, path: str) -> list[str]:
+        """Lines of the master's admin endpoint ``path``, bounded; [] without one."""
+        url = self.config.master_admin_url
+        if not url:
+            return []
+        with urllib.request.urlopen(url.rstrip("/") + path, timeout=10) as resp:
+            body = resp.read(ADMIN_LIMIT + 1)
+        if len(body) > ADMIN_LIMIT:
+            raise ValueError(f"l4_pool: the master's {path} answered more than {ADMIN_LIMIT} bytes")
+        return [line for line in body.decode(errors="replace").splitlines() if line]
+
+    def segments(self) -> list[str]:
+        """Other members' segments: the master's list, else the holders seen in replica descriptors."""
+        listed = self.admin("/get_all_segments")
+        return [s for s in listed if s != self.hostname]
+
+    def unique(self, names: Sequence[str]) -> tuple[list[str], set[str]]:
+        """Of pool keys ``names``, those whose every replica is in this instance's memory; and other holders seen."""
+        mine, others = [], set()
+        for lo in range(0, len(names), 1024):
+            for key, holders in self.client.replicas(list(names[lo : lo + 1024])).items():
+                if holders and all(h == self.hostname for h in holders):
+                    mine.append(key)
+                others.update(h for h in holders if h != self.hostname)
+        return mine, others
+
+    def drain(self, known: Sequence[ChunkKey], timeout: float | None = None) -> dict[str, int]:
+        """Copy every chunk held only in this instance's memory to another member; returns counts.
+
+        The candidates are the chunks this instance knows (``known``) and, with ``master_admin_url``, every
+        key of this cache's namespace the master lists. The pool keeps serving every chunk meanwhile: the
+        copies are Mooncake copy tasks (the members run them, 16 per client per poll second), and the source
+        replica stays until the instance leaves. Progress is read from the replicas themselves, one batched
+        call per round; ``timeout`` (default: 30 s plus 0.2 s a chunk) bounds the wait.
+        """
+        names = {self.pool_key(k) for k in known}
+        names.update(k for k in self.admin("/get_all_keys") if k.startswith(self.prefix))
+        mine, seen = self.unique(sorted(names))
+        targets = self.segments() or sorted(seen)
+        out = {"candidates": len(names), "unique": len(mine), "copied": 0, "failed": 0}
+        if not mine:
+            return out
+        if not targets:
+            raise RuntimeError("l4_pool: drain found no other member of the pool to copy this instance's chunks to")
+        tasks = {}
+        for i, key in enumerate(mine):
+            task, rc = self.client.copy_to(key, [targets[i % len(targets)]])
+            if rc != 0:
+                log.warning("l4_pool: drain could not start copying %s (status %d)", key, rc)
+                out["failed"] += 1
+            else:
+                tasks[key] = task
+        deadline = time.monotonic() + (30.0 + 0.2 * len(tasks) if timeout is None else timeout)
+        pending = sorted(tasks)
+        while pending:
+            holders = self.client.replicas(pending)
+            left = [k for k in pending if not any(h != self.hostname for h in holders.get(k, ()))]
+            out["copied"] += len(pending) - len(left)
+            pending = left
+            if not pending or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        for key in pending:
+            log.warning("l4_pool: drain copy of %s ended %s", key, self.client.task_state(tasks[key]))
+        out["failed"] += len(pending)
+        return out

@@ -1,0 +1,259 @@
+"""mooncake beyond the kit, against real Mooncake processes: integrity, typed misses, write modes, bounds,
+replicas with a holder killed, a master restart, and P2PHANDSHAKE metadata.
+
+Faults are injected at known points: a holder is SIGKILLed and reaped before anything is read, the master is
+stopped and started again between two steps. Where the pool takes time to notice (the master drops a dead
+client's segment after its TTL, a client re-mounts after a master restart), the test waits for that
+condition itself, with a deadline, never for a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import numpy as np
+import pytest
+
+from datamover import Agent, DescList, XferState
+from datamover.errors import ChecksumMismatch, DatamoverError, InvalidDescriptor, ObjectStoreError
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.mooncake import MooncakeMaster, PoolMember
+
+from .conftest import RawStore, pack
+
+MiB = 1 << 20
+
+
+def mooncake_agent(master: MooncakeMaster, name: str = "mc", **params) -> Agent:
+    """An agent running only the mooncake backend, started now (so its client lends its memory at once)."""
+    params.setdefault("global_segment_size", 64 * MiB)
+    agent = Agent(name, {"backends": {"mooncake": master.config(**params)}})
+    agent.backend("mooncake")
+    return agent
+
+
+def until(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    """Wait for ``cond()`` to hold (polling, bounded): for the pool to notice a fault, not a race."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def read(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int, at: int = 0):
+    """READ ``keys`` (``size`` bytes each) into ``buf`` from offset ``at`` on, one after the other."""
+    dst = DescList.objects(reg, [size] * len(keys), 0, keys=keys)
+    return agent.transfer("READ", buf.descs(at + np.arange(len(keys)) * size, size), dst, backends="mooncake")
+
+
+def write(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int) -> None:
+    dst = DescList.objects(reg, [size] * len(keys), 0, keys=keys)
+    assert agent.transfer("WRITE", buf.descs(np.arange(len(keys)) * size, size), dst).wait() == XferState.DONE
+
+
+@pytest.fixture(scope="module", params=["staged", "zero_copy"])
+def agent(master, request):
+    """One agent per transfer mode for the module's plain tests (a store client takes ~1 s to close)."""
+    with mooncake_agent(master, f"mc-{request.param}", transfer_mode=request.param) as a:
+        yield a
+
+
+def after_failure(agent: Agent, before: bytes) -> bytes:
+    """What a row whose read failed holds after: untouched when staged (checked before it is copied), zeros
+    with zero-copy (the bytes landed, then failed)."""
+    staged = agent.backend("mooncake").params["transfer_mode"] == "staged"
+    return before if staged else bytes(len(before))
+
+
+def test_corrupt_object_is_a_miss(agent, raw):
+    """An object whose CRC32C does not match fails with ChecksumMismatch naming the key; the row never keeps its
+    bytes."""
+    reg = agent.register_objects("it", prefix="crc/")
+    payload = random_bytes(5000, 1)
+    raw.put("it/crc/bad", pack(payload, crc=12345))
+    raw.put("it/crc/good", pack(payload))
+    buf = HostBuffer(agent, 10_000)
+    buf.write(0, b"\xff" * 10_000)
+    with pytest.raises(ChecksumMismatch) as info:
+        read(agent, buf, reg, ["crc/good", "crc/bad"], 5000).wait()
+    assert info.value.index == 1 and "it/crc/bad" in str(info.value) and info.value.key == "crc/bad"
+    assert buf.read(5000, 5000) == after_failure(agent, b"\xff" * 5000), "bytes that failed their checksum stayed"
+
+
+def test_foreign_objects_refused(agent, raw):
+    """Objects not in datamover's format are misses: no trailer of the right size, or a wrong magic."""
+    reg = agent.register_objects("it", prefix="foreign/")
+    raw.put("it/foreign/bare", random_bytes(4096 + 16, 2))  # the right size, no magic
+    raw.put("it/foreign/short", random_bytes(100, 3))
+    buf = HostBuffer(agent, 4096)
+    buf.write(0, b"\x05" * 4096)
+    with pytest.raises(ChecksumMismatch, match="not a datamover object"):
+        read(agent, buf, reg, ["foreign/bare"], 4096).wait()
+    with pytest.raises(ObjectStoreError) as info:
+        read(agent, buf, reg, ["foreign/short"], 4096).wait()
+    assert "it/foreign/short" in str(info.value)
+    assert buf.read(0, 4096) in (after_failure(agent, b"\x05" * 4096), bytes(4096))
+
+
+def test_missing_key_is_typed(agent):
+    reg = agent.register_objects("it", prefix="miss/")
+    buf = HostBuffer(agent, 8192)
+    buf.write(0, b"\x07" * 8192)
+    with pytest.raises(ObjectStoreError) as info:
+        read(agent, buf, reg, ["miss/none", "miss/never"], 4096).wait()
+    err = info.value
+    assert err.code == "OBJECT_NOT_FOUND" and err.errno == errno.ENOENT and err.key == "miss/none"
+    assert err.bucket == "it" and err.index == 0 and "2 of 2 keys" in str(err)
+    assert buf.read(0, 8192) == after_failure(agent, b"\x07" * 8192), "a miss wrote to the destination"
+
+
+def test_write_modes(master, agent):
+    """replace (default): a WRITE's bytes are what the key holds after; keep: Mooncake's first writer wins."""
+    with mooncake_agent(master, "wm-keep", write_mode="keep") as keeper:
+        for a, mode, second_wins in ((agent, "replace", True), (keeper, "keep", False)):
+            reg = a.register_objects("wm", prefix=f"{mode}/")
+            buf = HostBuffer(a, 4096)
+            first, second = random_bytes(4096, 10), random_bytes(4096, 11)
+            for data in (first, second):
+                buf.write(0, data)
+                write(a, buf, reg, [f"{mode}/k"], 4096)
+            buf.write(0, bytes(4096))
+            read(a, buf, reg, [f"{mode}/k"], 4096).wait()
+            assert buf.read(0, 4096) == (second if second_wins else first), mode
+
+
+def test_write_with_offset_refused(agent):
+    reg = agent.register_objects("it", prefix="off/")
+    buf = HostBuffer(agent, 4096)
+    dst = DescList.objects(reg, [100, 100], [0, 7], keys=["off/a", "off/b"])
+    with pytest.raises(InvalidDescriptor) as info:
+        agent.transfer("WRITE", buf.descs([0, 100], [100, 100]), dst)
+    assert info.value.index == 1 and "offset 0" in str(info.value) and "it/off/b" in str(info.value)
+
+
+def test_sizes_from_the_store_are_bounded(master, raw):
+    """An object larger than max_object_bytes is refused before anything is allocated for it."""
+    with mooncake_agent(master, "bound", max_object_bytes=1 * MiB) as a:
+        reg = a.register_objects("it", prefix="big/")
+        raw.put("it/big/x", pack(random_bytes(2 * MiB, 4)))
+        buf = HostBuffer(a, 4096)
+        src = DescList.objects(reg, [100], [10], keys=["big/x"])
+        with pytest.raises(ObjectStoreError, match="max_object_bytes"):
+            a.transfer("READ", buf.descs([0], [100]), src).wait()
+        with pytest.raises(ObjectStoreError, match="max_object_bytes"):
+            read(a, buf, reg, ["big/x"], 4096).wait()
+
+
+def test_prefix_and_past_the_end(agent, raw):
+    """A READ of fewer bytes than the object is its prefix (verified whole first); past the end is refused."""
+    reg = agent.register_objects("it", prefix="pre/")
+    data = random_bytes(9000, 5)
+    raw.put("it/pre/o", pack(data))
+    buf = HostBuffer(agent, 10_000)
+    read(agent, buf, reg, ["pre/o"], 4000).wait()
+    assert buf.read(0, 4000) == data[:4000]
+    with pytest.raises(ObjectStoreError, match="reads past its end"):
+        read(agent, buf, reg, ["pre/o"], 10_000).wait()
+
+
+def test_p2p_handshake_metadata():
+    """Without a metadata server (P2PHANDSHAKE) a second client reads what the agent wrote."""
+    with MooncakeMaster(metadata="p2p") as m, mooncake_agent(m, "p2p") as a:
+        assert m.metadata_url == "P2PHANDSHAKE"
+        reg = a.register_objects("p2p", prefix="")
+        buf = HostBuffer(a, 3 * 65536)
+        data = random_bytes(3 * 65536, 6)
+        buf.write(0, data)
+        write(a, buf, reg, ["a", "b", "c"], 65536)
+        other = RawStore(m)
+        try:
+            from .conftest import unpack
+
+            assert unpack(other.get("p2p/b")) == data[65536:131072]
+        finally:
+            other.close()
+
+
+# -- faults ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def fault_master():
+    with MooncakeMaster() as m:
+        yield m
+
+
+def test_killed_holder_reads_other_replica_or_miss(fault_master):
+    """Two replicas on two holder processes; one holder is killed: every read is the right bytes or a typed
+    miss (zeros in the row), never wrong bytes; once the master has dropped the dead segment, every key reads
+    from the surviving replica."""
+    m = fault_master
+    n, size = 32, 65536
+    a, b = PoolMember.start_many(m, 2, 32 * MiB)
+    try:
+        with mooncake_agent(m, "writer", global_segment_size=0, replica_count=2) as agent:
+            reg = agent.register_objects("rep", prefix="")
+            keys = [f"k{i}" for i in range(n)]
+            buf = HostBuffer(agent, n * size)
+            data = random_bytes(n * size, 7)
+            buf.write(0, data)
+            write(agent, buf, reg, keys, size)
+            client = agent.backend("mooncake").client
+            holders = client.replicas([f"rep/{k}" for k in keys])
+            assert all(sorted(h) == sorted([a.hostname, b.hostname]) for h in holders.values()), holders
+
+            a.kill()  # the fault: one replica of every key is gone with its process
+            outcomes = {"bytes": 0, "miss": 0}
+            for i, key in enumerate(keys):
+                buf.write(i * size, b"\xee" * size)
+                xfer = read(agent, buf, reg, [key], size, at=i * size)
+                try:
+                    xfer.wait()
+                    outcomes["bytes"] += 1
+                    assert buf.read(i * size, size) == data[i * size : (i + 1) * size], f"{key}: wrong bytes"
+                except DatamoverError:
+                    outcomes["miss"] += 1
+                    assert buf.read(i * size, size) == after_failure(agent, b"\xee" * size), f"{key}: bytes left"
+                xfer.release()
+            assert outcomes["bytes"] + outcomes["miss"] == n
+
+            def dropped() -> bool:
+                return all(h == [b.hostname] for h in client.replicas([f"rep/{k}" for k in keys]).values())
+
+            until(dropped, what="the master dropping the killed holder's replicas")
+            buf.write(0, bytes(n * size))
+            assert read(agent, buf, reg, keys, size).wait() == XferState.DONE
+            assert buf.read(0, n * size) == data, "the surviving replica returned wrong bytes"
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_master_restart_misses_then_recovers(fault_master):
+    """After the master restarts, what it knew reads as misses (typed), and the pool takes writes again."""
+    m = fault_master
+    with mooncake_agent(m, "restart", global_segment_size=32 * MiB) as agent:
+        reg = agent.register_objects("mr", prefix="")
+        buf = HostBuffer(agent, 2 * 4096)
+        data = random_bytes(4096, 8)
+        buf.write(0, data)
+        write(agent, buf, reg, ["before"], 4096)
+
+        m.restart()  # the fault: every object the old master placed is forgotten
+        with pytest.raises(ObjectStoreError) as info:
+            read(agent, buf, reg, ["before"], 4096).wait()
+        assert info.value.key == "before"
+        assert buf.read(0, 4096) == data, "a miss wrote to the destination"
+
+        def writes() -> bool:
+            buf.write(4096, data)
+            dst = DescList.objects(reg, [4096], 0, keys=["after"])
+            try:
+                return agent.transfer("WRITE", buf.descs([4096], [4096]), dst).wait() == XferState.DONE
+            except ObjectStoreError:
+                return False
+
+        until(writes, what="a write after the master restart")
+        buf.write(0, bytes(8192))
+        read(agent, buf, reg, ["after"], 4096).wait()
+        assert buf.read(0, 4096) == data
