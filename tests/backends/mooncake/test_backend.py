@@ -53,7 +53,7 @@ def write(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int) -> Non
     assert agent.transfer("WRITE", buf.descs(np.arange(len(keys)) * size, size), dst).wait() == XferState.DONE
 
 
-@pytest.fixture(scope="module", params=["staged", "zero_copy"])
+@pytest.fixture(scope="module", params=["auto", "zero_copy"])
 def agent(master, request):
     """One agent per transfer mode for the module's plain tests (a store client takes ~1 s to close)."""
     with mooncake_agent(master, f"mc-{request.param}", transfer_mode=request.param) as a:
@@ -63,7 +63,7 @@ def agent(master, request):
 def after_failure(agent: Agent, before: bytes) -> bytes:
     """What a row whose read failed holds after: untouched when staged (checked before it is copied), zeros
     with zero-copy (the bytes landed, then failed)."""
-    staged = agent.backend("mooncake").params["transfer_mode"] == "staged"
+    staged = agent.backend("mooncake").client.staged(len(before))
     return before if staged else bytes(len(before))
 
 

@@ -20,7 +20,7 @@ from .conftest import ObjectBuffer
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module", params=["staged", "zero_copy"])
+@pytest.fixture(scope="module", params=["auto", "staged", "zero_copy"])
 def shared_agent(master, request):
     """One agent (one store client lending 512 MiB) per transfer mode: a client takes ~1 s to close."""
     params = master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=request.param)
