@@ -52,6 +52,10 @@ DEFAULTS: dict[str, Any] = {
     "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
+    # the transfer engine's slice (MC_SLICE_SIZE, unless the process set it): Mooncake's 64 KiB plus 4 KiB, so
+    # an object's 16-byte trailer never costs one more slice (a round trip over TCP) and a value of up to
+    # 16 x 64 KiB takes as many slices as without it; None leaves Mooncake's default
+    "slice_bytes": 65536 + 4096,
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
 
@@ -92,6 +96,8 @@ class PoolClient:
         p = self.params = resolve(params)
         if p["quiet"]:
             os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if p["slice_bytes"]:
+            os.environ.setdefault("MC_SLICE_SIZE", str(int(p["slice_bytes"])))
         bind = p["bind_address"] or p["local_hostname"]
         if bind and "MC_TCP_BIND_ADDRESS" not in os.environ:
             os.environ["MC_TCP_BIND_ADDRESS"] = str(bind)
