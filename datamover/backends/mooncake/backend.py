@@ -73,8 +73,9 @@ class MooncakeBackend(Backend):
         "threads": 2,
         "batch_keys": 1024,
         "split_bytes": 8 << 20,
-        # requests of at most this many bytes (in one part) run inside post(): one store call, no thread hop
-        "inline_bytes": 256 << 10,
+        # requests of at most this many bytes (in one part; 16 values of 64 KiB with their trailers) run inside
+        # post(): one store call, no thread hop
+        "inline_bytes": (1 << 20) + (64 << 10),
         "part_bytes": 32 << 20,
     }
 

@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     # "auto": staged below zero_copy_bytes (where a second buffer's round trip costs more than a copy),
     # zero-copy from there on (where a copy costs more than the round trip)
     "transfer_mode": "auto",
-    "zero_copy_bytes": 256 << 10,
+    "zero_copy_bytes": 4 << 20,
     "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
