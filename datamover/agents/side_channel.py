@@ -10,7 +10,8 @@ included when it fetches again.
 
 The server is one thread multiplexing every connection (``selectors``), so an
 idle or slow client holds no thread and blocks nobody: each connection must
-deliver its request and take its reply within ``deadline_s``; at most
+deliver its request within ``deadline_s``, and take its reply within as
+long again once it is ready (the handler's own time is not counted); at most
 ``max_connections`` are open (a new one evicts the oldest still sending its
 request); a length over ``max_request_bytes``, or one that would take the
 bytes buffered for all requests past ``max_buffered_bytes``, is refused from
@@ -123,7 +124,7 @@ class MetadataServer:
     def _serve(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic()
-            soonest = min((c.deadline for c in self._conns.values()), default=now + 1.0)
+            soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
             try:
                 events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
             except OSError:
@@ -140,7 +141,7 @@ class MetadataServer:
                     if conn is not None:
                         self._step(conn, mask)
             now = time.monotonic()
-            for conn in [c for c in self._conns.values() if c.deadline <= now]:
+            for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
                 self.expired += 1
                 log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
                 self._close(conn)
@@ -265,6 +266,8 @@ class MetadataServer:
 
     def _reply(self, conn: _Conn, data: bytes) -> None:
         self._release(conn)
+        if conn.state == "busy":  # the time this agent took to answer is not the client's: it gets its own
+            conn.deadline = time.monotonic() + self.limits.deadline_s
         conn.state, conn.out = "reply", memoryview(data)
         self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, None)
         self._send(conn)
@@ -300,7 +303,7 @@ class MetadataServer:
         self._thread.join(5)
         for conn in list(self._conns.values()):
             self._close(conn)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)  # a handler may wait on the agent closing this
         for s in (self._sock, self._wake_r, self._wake_w):
             s.close()
         self._sel.close()

@@ -246,7 +246,7 @@ class TransferRequest:
 
     def caller_index(self, row: int, offset: int = 0) -> int:
         """The caller's descriptor index for byte ``offset`` of coalesced row ``row`` (its first byte by default)."""
-        if offset <= 0 or self.caller_lengths is None:
+        if self.caller_lengths is None:
             return int(self.first_index[row])
         return caller_index_at(self.first_index, self.caller_lengths, row, offset)
 

@@ -42,10 +42,11 @@ def caller_index_at(first_index: np.ndarray, lengths: np.ndarray | None, row: in
 
     ``first_index`` are the runs' first rows (``coalesce_runs``), ``lengths``
     the caller's descriptor lengths before merging (None: nothing merged).
-    Zero-length descriptors inside a run are skipped over.
+    Zero-length descriptors are skipped over (they hold no byte); a run of
+    only zero-length ones names its last.
     """
     first = int(first_index[row])
-    if lengths is None or offset <= 0:
+    if lengths is None:
         return first
     stop = int(first_index[row + 1]) if row + 1 < first_index.shape[0] else int(lengths.shape[0])
     ends = np.cumsum(lengths[first:stop])

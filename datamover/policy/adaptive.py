@@ -12,8 +12,11 @@ How it decides, for one tier of C chunks:
    (2 x sqrt(sum), counting hits as Poisson), the tier switches to it: the new policy takes over the resident
    chunks in their recency order, and nothing is moved. A switch costs the state the old policy had learnt,
    so it happens only on clear evidence.
-4. The engine hands each request's chunks to the policy leaf first, so within a request the first chunk is
-   the most recent: evictions take the ends of prefixes before their beginnings, as a radix tree does.
+4. Prefixes: the engine hands each request's chunks to the policy leaf first (the request's first chunk ends
+   most recent), and tells it each chunk's parent. When the leading policy picks a victim that still has
+   children in the tier, the victim is handed back (as just used) and the policy picks again (up to 8
+   times, then a leaf below the victim goes instead), so leaves go first, as in a radix tree: a chunk whose
+   parent is gone can never be part of a usable prefix.
 
 Why these two: across the generated workload family, S3-FIFO (quick demotion of one-time chunks, a ghost queue
 for ones that come back) is the best classic policy at most sizes, and W-TinyLFU (frequency-sketch admission)
@@ -33,6 +36,8 @@ from .s3fifo import S3FIFOTier
 from .tinylfu import SAMPLE_FACTOR, FrequencySketch, WTinyLFUTier
 
 SHADOW_MIN = 256  # chunks a shadow holds at least (when the tier holds that many)
+LEAF_TRIES = 8  # victims with children handed back before one is taken anyway
+LEAF_DEPTH = 4096  # longest walk down to a leaf (a 2M-token prompt in 512-token chunks)
 SIGMAS = 2.0  # a challenger must lead by two standard deviations of the difference of (Poisson) hit counts
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -66,8 +71,13 @@ class Shadow:
 class AdaptiveTier(TierPolicy):
     """One tier run by the leading expert; the experts' shadows pick the leader."""
 
-    def __init__(self, capacity: int, experts: list[Callable[[int], TierPolicy]]) -> None:
+    def __init__(
+        self, capacity: int, experts: list[Callable[[int], TierPolicy]], parents: dict[Key, Key] | None = None
+    ) -> None:
         super().__init__(capacity)
+        self.parents = parents if parents is not None else {}
+        self._up: dict[Key, Key] = {}  # resident chunk -> its parent (when known)
+        self.children: dict[Key, set[Key]] = {}  # chunk -> its resident children in this tier
         self.experts = experts
         rate = min(1.0, SHADOW_MIN / capacity) if capacity > 0 else 1.0
         self.threshold = int(rate * (1 << 64))
@@ -107,8 +117,25 @@ class AdaptiveTier(TierPolicy):
 
     def insert(self, key: Key, now: float, ref: int = -1) -> None:
         self.recency[key] = None
+        parent = self.parents.get(key)
+        if parent is not None:
+            self._up[key] = parent
+            kids = self.children.get(parent)
+            if kids is None:
+                self.children[parent] = {key}
+            else:
+                kids.add(key)
         self.real.insert(key, now, ref)
         self._sample(key, now)
+
+    def _gone(self, key: Key) -> None:
+        del self.recency[key]
+        parent = self._up.pop(key, None)
+        if parent is not None:
+            kids = self.children[parent]
+            kids.discard(key)
+            if not kids:
+                del self.children[parent]
 
     def touch(self, key: Key, now: float, ref: int = -1) -> None:
         self.recency.move_to_end(key)
@@ -116,14 +143,45 @@ class AdaptiveTier(TierPolicy):
         self._sample(key, now)
 
     def remove(self, key: Key) -> None:
-        del self.recency[key]
+        self._gone(key)
         self.real.remove(key)
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
-        out = self.real.evict(count, now, pinned)
-        for key in out:
-            del self.recency[key]
+        """The leading policy's victims, leaves only: a victim that still has children in the tier is handed
+        back to the policy (as a chunk just used) and the policy is asked again, up to LEAF_TRIES times; then
+        a leaf below the last one goes instead (a chunk whose parent is gone is of no use: evict leaves
+        first, as a radix tree does)."""
+        out: list[Key] = []
+        real, children = self.real, self.children
+        while len(out) < count:
+            got = real.evict(1, now, pinned)
+            for _ in range(LEAF_TRIES):
+                if not got or got[0] not in children:
+                    break
+                real.insert(got[0], now)
+                got = real.evict(1, now, pinned)
+            if not got:
+                break
+            key = got[0]
+            if key in children:  # still a parent: a leaf below it goes instead
+                leaf = self._leaf_under(key, pinned)
+                if leaf is not None and leaf not in out:
+                    real.insert(key, now)
+                    real.remove(leaf)
+                    key = leaf
+            self._gone(key)
+            out.append(key)
         return out
+
+    def _leaf_under(self, key: Key, pinned: Container[Key]) -> Key | None:
+        """A resident chunk with no resident children below `key` (None if none, or it is pinned)."""
+        node = key
+        for _ in range(LEAF_DEPTH):  # keys that are not prefix hashes may link in a cycle: walk a bounded way
+            kids = self.children.get(node)
+            if not kids:
+                return None if node == key or node in pinned else node
+            node = next(iter(kids))
+        return None
 
     def __len__(self) -> int:
         return len(self.recency)
@@ -137,12 +195,23 @@ class AdaptivePolicy(Policy):
     def __init__(self, settings: PolicySettings | None = None) -> None:
         self.sketch = FrequencySketch()
         self.chunks = 0
+        self.parents: OrderedDict[Key, Key] = OrderedDict()  # recent chunks -> the chunk before them
 
     def tier(self, capacity: int) -> TierPolicy:
         self.chunks += capacity
         self.sketch.period = max(64, SAMPLE_FACTOR * self.chunks)
         sketch = self.sketch
-        return AdaptiveTier(capacity, [S3FIFOTier, lambda c: WTinyLFUTier(c, sketch)])
+        return AdaptiveTier(capacity, [S3FIFOTier, lambda c: WTinyLFUTier(c, sketch)], self.parents)
+
+    def link(self, key: Key, parent: Key | None) -> None:
+        if parent is None:
+            return
+        parents = self.parents
+        if key in parents:
+            parents.move_to_end(key)
+        parents[key] = parent
+        if len(parents) > 2 * self.chunks + 1024:
+            parents.popitem(last=False)
 
     def observe(self, key: Key, now: float, ref: int = -1) -> None:
         self.sketch.add(key)

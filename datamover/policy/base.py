@@ -79,6 +79,10 @@ class Policy(ABC):
     def observe(self, key: Key, now: float, ref: int = -1) -> None:
         """Every reference, once, before the cache looks the key up (default: nothing to learn)."""
 
+    def link(self, key: Key, parent: Key | None) -> None:
+        """The chunk before `key` in the request being served (None for a request's first chunk), told just
+        before `observe`, for policies that use the prefix structure (default: ignored)."""
+
 
 def first_unpinned(order, pinned: Container[Key]) -> Key | None:
     """The first key of an iterable order that is not pinned (None if all are)."""

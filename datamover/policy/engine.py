@@ -71,9 +71,9 @@ class TierStack:
         """Replay one request, its chunks first to last (a prefix chain), as the cache serves it: the longest
         found prefix is pinned and served (hits, promoted as the policy says), then the rest is stored (a chunk
         already held only counts as used). With `leaf_first` each phase hands its chunks to the policy last
-        chunk first, so the request's first chunk ends most recent (without it, in order, as TieredCache's
-        get and put do today). Every found chunk counts in `hits`; returns the usable prefix, the number of
-        leading chunks found."""
+        chunk first, so the request's first chunk ends most recent, and tells the policy each chunk's parent
+        (without it, in order and without parents, as TieredCache's get and put do today). Every found chunk
+        counts in `hits`; returns the usable prefix, the number of leading chunks found."""
         where, pinned, policy = self.where, self.pinned, self.policy
         n = len(keys)
         for i, key in enumerate(keys):
@@ -82,8 +82,10 @@ class TierStack:
                 break
         held = [k for k in keys[:n] if k not in pinned]
         pinned.update(held)
+        link = policy.link if leaf_first else _no_link
         for i in range(n - 1, -1, -1) if leaf_first else range(n):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
+            link(key, keys[i - 1] if i else None)
             policy.observe(key, now, ref)
             j = where(key)
             if j >= 0:  # (a key repeated in one request may have gone since the lookup)
@@ -94,6 +96,7 @@ class TierStack:
         pinned.difference_update(held)
         for i in range(len(keys) - 1, n - 1, -1) if leaf_first else range(n, len(keys)):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
+            link(key, keys[i - 1] if i else None)
             policy.observe(key, now, ref)
             j = where(key)
             if j >= 0:
@@ -160,6 +163,10 @@ class TierStack:
 
     def _removed(self, j: int, key: Hashable) -> None:
         """Hook: `key` left tier `j`, after any demotion copy of it was placed (its slot may be reused now)."""
+
+
+def _no_link(key: Hashable, parent: Hashable | None) -> None:
+    """Tell a policy nothing about prefixes."""
 
 
 def tier_specs(config: TierConfig) -> list[TierSpec]:

@@ -25,7 +25,8 @@ class MidTransferPause:
         self._gate.wait()
 
     def install(self) -> MidTransferPause:
-        from ..backends import cma, ucx_rma
+        from ..backends.ucx import cma
+        from ..backends.ucx import rma as ucx_rma
 
         real_run, real_post = cma.CmaPlan.run, ucx_rma.post_rows
         chunks = [0]

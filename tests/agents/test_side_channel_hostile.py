@@ -11,6 +11,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.agents.metadata import encode_metadata
@@ -41,9 +43,7 @@ def test_200_idle_connections_do_not_stop_a_fetch():
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(200)]
         try:
             assert _until(lambda: b._side.open_connections == 200, 10)
-            t0 = time.monotonic()
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
-            assert time.monotonic() - t0 < 3
+            assert a.fetch_remote(*b.listen_address, timeout=10) == "b"  # the old server: 200 x 5 s before it
         finally:
             for s in idle:
                 s.close()
@@ -54,7 +54,7 @@ def test_past_the_cap_the_oldest_idle_connection_makes_room():
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(8)]
         try:
             assert _until(lambda: b._side.open_connections == 8, 10)
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"
+            assert a.fetch_remote(*b.listen_address, timeout=10) == "b"
             assert b._side.evicted >= 1
             assert idle[0].recv(1) == b""  # the oldest was closed for it
         finally:
@@ -67,7 +67,7 @@ def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
         slow = socket.create_connection(b.listen_address, timeout=10)
         try:
             slow.sendall(PUSH + struct.pack("!I", 1000))  # then the body a byte at a time: a slow-loris
-            assert a.fetch_remote(*b.listen_address, timeout=3) == "b"  # served while the slow one dawdles
+            assert a.fetch_remote(*b.listen_address, timeout=4) == "b"  # not after it (the old server: 5 s)
             slow.settimeout(0.2)
             t0, cut = time.monotonic(), False
             while not cut and time.monotonic() - t0 < 10:
@@ -148,3 +148,35 @@ def test_an_unauthenticated_client_cannot_drop_or_replace_a_peer():
         a.invalidate_at(*b.listen_address)
         assert b.remotes == []
         assert len(fetch_metadata(*b.listen_address)) > 0
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    with _agent("a") as a, _agent("b", side_channel={"deadline_s": 0.5}) as b:
+        a.register_memory(np.zeros(4096, np.uint8))
+        a.send_metadata(*b.listen_address)
+        yield a, b
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.tuples(
+            st.sampled_from([PUSH, DROP, b"GET ", b"PUS"]), st.integers(0, (1 << 32) - 1), st.binary(max_size=64)
+        ).map(lambda t: t[0] + struct.pack("!I", t[1]) + t[2]),
+    )
+)
+def test_any_bytes_leave_the_peers_and_the_server_as_they_were(fuzzed, data):
+    _, b = fuzzed
+    before = b.remote_metadata("a")
+    with socket.create_connection(b.listen_address, timeout=5) as s:
+        try:  # the server may answer and cut the client at any point: that is its right
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):
+                pass
+        except OSError:
+            pass
+    assert b.remotes == ["a"] and b.remote_metadata("a") is before
+    assert len(fetch_metadata(*b.listen_address, timeout=5)) > 0

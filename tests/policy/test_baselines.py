@@ -167,3 +167,33 @@ def test_every_policy_keeps_its_books_straight_with_pins(name):
         for j, order in enumerate(stack.orders):
             assert len(order) == len(stack.resident[j]) <= stack.specs[j].capacity
     assert not stack.pinned
+
+
+def test_the_replay_counts_the_usable_prefix_and_serves_leaf_first():
+    """Two identical requests [1, 2, 3] through LRU of 2 chunks. Leaf first, the first request leaves 1 and 2
+    (3, the leaf, was least recent): the second request finds a usable prefix of 2. In key order LRU keeps 2
+    and 3: the second request's 1 misses, and storing it and 2 again pushes out the very chunks that follow."""
+    for leaf_first, usable, found in ((True, 2, 2), (False, 0, 0)):
+        s = TierStack(make_policy("lru"), [TierSpec("l1_hbm", 2)])
+        s.access_request([1, 2, 3], 0.0, 0, leaf_first)
+        assert s.access_request([1, 2, 3], 1.0, 3, leaf_first) == usable
+        assert sum(s.hits) == found
+
+
+def test_the_default_evicts_leaves_before_their_parents():
+    """A chain 0 -> 1 -> ... -> 9 fills a tier of 10; a new request's chunk must come in. S3-FIFO alone takes
+    the oldest chunk of its small queue, which, the chain having been served leaf first, is the leaf 9; then
+    the chain is touched in key order, so S3-FIFO's next victim would be the root 0, which still has children:
+    the default hands it back and takes a leaf."""
+    policy = make_policy("default")
+    s = TierStack(policy, [TierSpec("l1_hbm", 10)])
+    chain = list(range(10))
+    s.access_request(chain, 0.0)
+    for key in chain:  # used again, in key order: the root becomes the oldest use
+        s.access(key, 1.0)
+    tier = s.orders[0]
+    assert tier.children[0] == {1} and not tier.children.get(9)
+    s.access_request([100], 2.0)
+    assert 0 in s.resident[0] and 100 in s.resident[0] and len(s.resident[0]) == 10
+    gone = set(chain) - s.resident[0]
+    assert len(gone) == 1 and not tier.children.get(gone.pop())  # what left had no children

@@ -18,7 +18,7 @@ import pytest
 
 rt_real = pytest.importorskip("cuda.bindings.runtime", reason="cuda-python (cuda.bindings) is not installed")
 
-from datamover import Agent, DescList  # noqa: E402
+from datamover import Agent, DescList, XferState  # noqa: E402
 from datamover.backends.cuda import backend as cuda_mod  # noqa: E402
 from datamover.errors import CudaError, DatamoverError, PinnedPoolExhausted, TransferIOError, TransferTimeout  # noqa: E402
 from datamover.testing import BackendConformance, HostBuffer, cuda_sim, random_bytes  # noqa: E402
@@ -232,9 +232,11 @@ def test_completion_after_the_deadline_is_a_timeout(sim):
         gate = threading.Event()
         sim.streams[0].ops.put(("wait", gate))
         x.post()
-        threading.Timer(0.2, gate.set).start()
-        with pytest.raises(TransferTimeout):
+        with pytest.raises(TransferTimeout):  # the copy is held: the deadline passes first, whatever the load
             x.wait()
+        gate.set()  # now the copy completes, after the deadline
+        assert x._completion.wait(10)
+        assert x.state == XferState.ERR and isinstance(x.error, TransferTimeout)
         x.release()
         agent.transfer("WRITE", vram.descs([0], [4096]), host.descs([0], [4096])).wait()  # still usable
 

@@ -156,10 +156,10 @@ _row = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(st.one_of(st.lists(_row, max_size=4), st.integers(), st.binary(max_size=16), st.none()))
 def test_hostile_rkey_offers_raise_invalid_metadata(rows):
-    from datamover.backends.ucx import _parse_rkeys
+    from datamover.backends.ucx import parse_rkeys
 
     try:
-        out = _parse_rkeys("peer", rows)
+        out = parse_rkeys("peer", rows)
     except InvalidMetadata:
         return
     for rid, (mem, dev, addr, length, key) in out.items():
@@ -168,14 +168,14 @@ def test_hostile_rkey_offers_raise_invalid_metadata(rows):
 
 
 def test_a_valid_rkey_offer_parses():
-    from datamover.backends.ucx import _parse_rkeys
+    from datamover.backends.ucx import parse_rkeys
 
-    out = _parse_rkeys("peer", [[3, "DRAM", 0, 4096, 8192, b"k"], [4, "VRAM", 1, 1 << 40, 1, b"x" * 4096]])
+    out = parse_rkeys("peer", [[3, "DRAM", 0, 4096, 8192, b"k"], [4, "VRAM", 1, 1 << 40, 1, b"x" * 4096]])
     assert out == {3: ("DRAM", 0, 4096, 8192, b"k"), 4: ("VRAM", 1, 1 << 40, 1, b"x" * 4096)}
     with pytest.raises(InvalidMetadata):
-        _parse_rkeys("peer", [[3, "FILE", 0, 4096, 8192, b"k"]])
+        parse_rkeys("peer", [[3, "FILE", 0, 4096, 8192, b"k"]])
     with pytest.raises(InvalidMetadata):
-        _parse_rkeys("peer", [[3, "DRAM", 0, (1 << 63) - 10, 20, b"k"]])
+        parse_rkeys("peer", [[3, "DRAM", 0, (1 << 63) - 10, 20, b"k"]])
 
 
 def test_large_requests_go_to_the_owner_when_put_is_only_emulated(target):
@@ -279,13 +279,13 @@ def test_the_service_thread_leaves_ucx_to_a_driving_waiter_and_takes_it_back(tar
         mine, theirs = HostBuffer(agent, 1 << 20), RemoteBuffer(target, 1 << 20)
         agent.add_remote(target.metadata())
         seen = []
-        real = type(backend)._finish_direct
+        real = type(backend.one_sided)._finish_direct
 
         def spy(self, direct, why=None):
-            seen.append(self._ucx_watched)
+            seen.append(backend._ucx_watched)
             return real(self, direct, why)
 
-        monkeypatch.setattr(type(backend), "_finish_direct", spy)
+        monkeypatch.setattr(type(backend.one_sided), "_finish_direct", spy)
         rows = np.arange(16) * 65536
         try:
             for _ in range(50):  # 1 MiB of emulated gets: the waiter drives UCX for a while each time

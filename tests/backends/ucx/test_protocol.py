@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from datamover.backends.ucx_protocol import MAX_FRAME, FrameConn
+from datamover.backends.ucx.protocol import MAX_FRAME, FrameConn
 from datamover.errors import AuthenticationError, InvalidMetadata
 
 
@@ -50,7 +50,7 @@ def test_oversized_frame_is_refused():
 
 def test_frames_round_trip_in_order_and_split_reads():
     tx, rx = _pair()
-    msgs = [{"t": "req", "id": i, "addr": bytes(range(i % 256)) * 10} for i in range(200)]
+    msgs = [{"t": "notif", "msg": bytes(range(i % 256)) * 10} for i in range(200)]
     for m in msgs:
         tx.send(m)
     got = []

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .base import cap_runs
+from ..base import cap_runs
 
 _TOKEN_BYTES = 32
 

@@ -17,7 +17,7 @@ import functools
 import os
 from typing import Any
 
-from ..errors import UcpError
+from ...errors import UcpError
 
 UCS_OK = 0
 UCS_INPROGRESS = 1

@@ -1,4 +1,4 @@
-"""Cross-memory attach (``datamover.backends.cma``): chunking, copies, where a failed copy stopped, the probe."""
+"""Cross-memory attach (``datamover.backends.ucx.cma``): chunking, copies, where a failed copy stopped, the probe."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datamover.backends import cma
 from datamover.backends.base import IOV_MAX
+from datamover.backends.ucx import cma
 
 pytestmark = pytest.mark.skipif(cma._calls() is None, reason="process_vm_readv/writev unavailable here")
 SELF = os.getpid()  # a process may attach to itself: the copies below need no second process

@@ -24,9 +24,13 @@ from typing import Any
 
 import msgpack
 
-from ..errors import AuthenticationError, InvalidMetadata
+from ...errors import AuthenticationError, InvalidMetadata
 
-MAX_FRAME = 256 << 20
+MAX_FRAME = 64 << 20  # after the handshake: a request of MAX_ROWS rows (24 bytes each) fits with room to spare
+MAX_HELLO_FRAME = 64 << 10  # before it: challenge, hello, welcome carry an address, a token and small keys
+MAX_ROWS = 1 << 20  # descriptors in one request
+MAX_NOTIFY = 1 << 20
+MAX_RKEYS_BYTES = 16 << 20
 MAC_LEN = 16
 _LEN = struct.Struct("!I")
 
@@ -66,6 +70,7 @@ class FrameConn:
         self._send_seq = 0
         self._recv_seq = 0
         self.closed = False
+        self.max_frame = MAX_HELLO_FRAME  # raised by ``authenticate``/``open_up`` once the handshake is done
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -73,6 +78,11 @@ class FrameConn:
     def authenticate(self, key: bytes) -> None:
         """From now on sign every frame sent and require a valid MAC on every frame received."""
         self._key = key
+        self.open_up()
+
+    def open_up(self) -> None:
+        """The handshake is done: frames up to MAX_FRAME are read from now on (a request of MAX_ROWS rows)."""
+        self.max_frame = MAX_FRAME
 
     def _mac(self, direction: bytes, seq: int, payload: bytes) -> bytes:
         assert self._key is not None
@@ -125,8 +135,8 @@ class FrameConn:
         out = []
         while len(self._in) >= 4:
             (n,) = _LEN.unpack_from(self._in)
-            if n > MAX_FRAME:
-                raise InvalidMetadata(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+            if n > self.max_frame:
+                raise InvalidMetadata(f"control frame of {n} bytes exceeds {self.max_frame}")
             if len(self._in) < 4 + n:
                 break
             payload = bytes(self._in[4 : 4 + n])
@@ -143,9 +153,7 @@ class FrameConn:
                 msg = msgpack.unpackb(payload, raw=False)
             except Exception as exc:
                 raise InvalidMetadata(f"control frame is not valid msgpack: {type(exc).__name__}") from None
-            if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-                raise InvalidMetadata("control frame must be a map with a string 't' (type)")
-            out.append(msg)
+            out.append(check_message(msg))
         return out
 
     def close(self) -> None:
@@ -154,6 +162,57 @@ class FrameConn:
             self.sock.close()
         except OSError:
             pass
+
+
+# every field each message type may carry: (types, bound on its length or value); a field named here is required
+# unless its name ends in "?". A message is checked against this before any of it is used.
+_U64 = 1 << 64
+_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], int]]] = {
+    "challenge": {"nonce": ((bytes,), 64)},
+    "hello": {"name": ((str,), 255), "address": ((bytes,), 1 << 16), "nonce": ((bytes,), 64), "mac?": ((bytes,), 64)},
+    "welcome": {
+        "conn_id": ((int,), _U64), "address": ((bytes,), 1 << 16), "rkeys?": ((bytes,), MAX_RKEYS_BYTES),
+        "local?": ((bytes,), 4096), "mac?": ((bytes,), 64),
+    },
+    "error": {"reason?": ((str,), 4096), "auth?": ((bool,), 1)},
+    "notif": {"msg": ((bytes,), MAX_NOTIFY)},
+    "rkeys": {"add": ((list,), 1 << 16)},
+    "revoke": {"id": ((int,), _U64)},
+    "revoked": {"id": ((int,), _U64)},
+    "cancel": {"id": ((int,), _U64)},
+    "req": {
+        "id": ((int,), _U64), "op": ((str,), 8), "mem": ((str,), 16), "addr": ((bytes,), 8 * MAX_ROWS),
+        "len": ((bytes,), 8 * MAX_ROWS), "dev": ((bytes,), 8 * MAX_ROWS), "tag": ((int,), _U64),
+        "notify?": ((bytes, type(None)), MAX_NOTIFY),
+    },
+    "refuse": {"id": ((int,), _U64), "row?": ((int, type(None)), _U64), "reason": ((str,), 4096)},
+    "done": {"id": ((int,), _U64)},
+    "fail": {"id": ((int,), _U64), "reason": ((str,), 4096)},
+}  # fmt: skip
+
+
+def check_message(msg: Any) -> dict[str, Any]:
+    """``msg`` if it is a known control message whose every field has its type and bound; else InvalidMetadata."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise InvalidMetadata("control frame must be a map with a string 't' (type)")
+    t = msg["t"]
+    spec = _SCHEMA.get(t)
+    if spec is None:
+        raise InvalidMetadata(f"unknown control message type {t[:32]!r}")
+    for key, (types, bound) in spec.items():
+        name = key.rstrip("?")
+        if name not in msg:
+            if key.endswith("?"):
+                continue
+            raise InvalidMetadata(f"control message {t!r} lacks {name!r}")
+        value = msg[name]
+        if type(value) not in types:  # exact types: bool is not an int here, nor an int a bool
+            raise InvalidMetadata(f"control message {t!r}: {name!r} is a {type(value).__name__}")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < bound:
+            raise InvalidMetadata(f"control message {t!r}: {name!r} is out of range")
+        if isinstance(value, (bytes, str, list)) and len(value) > bound:
+            raise InvalidMetadata(f"control message {t!r}: {name!r} is longer than {bound}")
+    return msg
 
 
 def _keepalive(sock: socket.socket) -> None:

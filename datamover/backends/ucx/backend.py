@@ -1,0 +1,469 @@
+"""ucx: one-sided WRITE/READ into a remote agent's registered DRAM/VRAM.
+
+Two data paths, one protocol around them:
+
+- **One-sided** (default, ``one_sided``): a target maps each registered
+  region with ``ucp_mem_map`` and hands peers its packed rkey, with the
+  region's bounds, over the authenticated control connection (in the
+  welcome, then as regions come and go). The initiator checks every row
+  against those bounds and posts one ``ucp_put_nbi``/``ucp_get_nbi`` per
+  row and one endpoint flush; the target's CPU stays out of the data path,
+  as with NIXL. ucxx's Python layer has no RMA, so ``rma`` binds these
+  calls through ctypes on ucxx's own handles. A peer on the same host that
+  the kernel lets this process attach to (``direct_cma``, see ``cma``) is
+  instead written and read with process_vm_writev/readv, ``IOV_MAX`` rows
+  per syscall, against the same rkey bounds. Deregistration revokes the
+  rkey and waits until every connected peer confirms its operations on the
+  region ended.
+- **Served by the owner** (rows the target did not offer, e.g. a stale or
+  forged blob, or ``one_sided: False``): the initiator sends the remote
+  descriptors over TCP and posts one tag send (WRITE) or receive (READ) per
+  row; the target checks every descriptor against its own registrations
+  before posting the matching receives or sends on the registered buffer
+  itself. A refused request names the descriptor, and the data of a refused
+  WRITE is drained into scratch memory.
+
+Notifications ride the control connection after the data (after the flush,
+one-sided). Data endpoints come from worker addresses with UCX error
+handling off, which lets UCX pick shared memory on one host. A dead peer is
+noticed through the control connection: the kernel closes a killed
+process's sockets, TCP keepalive covers a vanished host, and every request
+to that peer ends in ERR with RemoteDisconnected. Two things keep the
+survivor alive: cma is off by default (UCX aborts a process whose
+process_vm_readv/writev hits a dead peer), and when a peer dies while
+sending to us the worker is replaced (its shared-memory receive queue can
+stay blocked); the target's welcome carries its current worker address, so
+peers reconnect transparently.
+
+One service thread owns the UCX worker and every socket: it spins on UCX
+progress while requests are in flight and sleeps in epoll otherwise."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import MemType
+from ...errors import (
+    InvalidMetadata,
+    RemoteDisconnected,
+)
+from ..base import (
+    Backend,
+    BackendHost,
+    Completion,
+    TransferRequest,
+    finished_completion,
+)
+from ..workers import Workers
+from . import cma, rma
+from .address import AddressCheck
+from .config import (
+    _MAX_ADDRESS,
+    _NATIVE_RMA,
+    features,
+    import_ucxx,
+    log,
+    probe_transports,
+    transports_of,
+    ucx_config,
+)
+from .direct_cma import DirectCma
+from .fence import Fencing
+from .one_sided import OneSided
+from .outbound import Outbound
+from .service import ServiceLoop
+from .serving import Serving
+from .state import Direct, Drain, Inbound, OutOp, Peer, UcxPlan, row_views
+from .tagged import Tagged
+
+
+class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
+    """Transfers to and from other agents' registered DRAM/VRAM through UCX."""
+
+    name = "ucx"
+    pairs = frozenset(
+        {(MemType.DRAM, MemType.DRAM), (MemType.DRAM, MemType.VRAM), (MemType.VRAM, MemType.DRAM),
+         (MemType.VRAM, MemType.VRAM)}
+    )  # fmt: skip
+    supports_local = False
+    supports_remote = True
+    supports_notifications = True
+    default_params = {
+        # control listener: bound here and advertised in the metadata
+        "host": "127.0.0.1",
+        "port": 0,
+        # UCX settings passed to the context, e.g. {"TLS": "tcp"}
+        "ucx_config": {},
+        # cma lets UCX read a peer's memory with process_vm_readv; when that peer dies mid-transfer UCX
+        # (error handling off) aborts the survivor, so unless this is on, TLS defaults to everything but cma
+        "cma": False,
+        # UCX endpoint error handling: on forces transports that report peer failure (tcp, much slower)
+        "error_handling": False,
+        # let peers put into and get from this agent's registered memory directly (UCP RMA, as NIXL does:
+        # the owner's CPU stays out of the data path) and do the same to peers that allow it; off, every
+        # request is checked and served by the owner over tag send/recv
+        "one_sided": True,
+        # one-sided to a peer on this host that the kernel lets this process attach to (a probe at connect time
+        # tells): DRAM rows go with process_vm_writev/readv, up to IOV_MAX rows per syscall, instead of one UCX
+        # put/get per row; a peer dying mid-copy makes the copy fail (not this process abort, as UCX's cma does)
+        "direct_cma": True,
+        # direct cma requests of up to this many bytes are copied inside post() (as posix's inline_bytes): 1 MiB
+        # copied there ran about 25% faster than handed to a thread; larger ones in parts on up to
+        # cma_threads threads (a waiting caller copies parts too), so that post() returns at once and large
+        # copies use more than one core
+        "cma_inline_bytes": 1 << 20,
+        "cma_threads": 2,
+        # a part is a run of chunks of one syscall each: a quarter of a request per thread, 1 MiB to this
+        "cma_chunk_bytes": 8 << 20,
+        # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
+        # requests with a row larger than this go through the owner, whose tag rendezvous streams large
+        # messages faster
+        "emulated_max_bytes": 8 << 20,
+        # keep polling UCX this long after the last activity before sleeping in epoll
+        "spin_us": 2000,
+        "connect_timeout_s": 5.0,
+        # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
+        "max_inbound": 1024,
+        # a request with less than this left of its timeout is not started: it could not finish, and once
+        # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
+        "launch_margin_s": 0.001,
+    }
+
+    def __init__(self, host: BackendHost, params=None) -> None:
+        super().__init__(host, params)
+        ucx_api, Array = import_ucxx()
+        self._ucx, self._Array = ucx_api, Array
+        # the data paths; this object chooses between them per request
+        self.one_sided, self.cma_path, self.tagged = OneSided(self), DirectCma(self), Tagged(self)
+        config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
+        self._ctx = ucx_api.UCXContext(config, feature_flags=features(ucx_api))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._address = self._worker.address.tobytes()
+        # peers' worker addresses are parsed against this worker's own before UCX unpacks them
+        self._addr_check = AddressCheck(self._address)
+        self._secret: bytes | None = host.secret
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((self.params["host"], int(self.params["port"])))
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._port = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._cmds: collections.deque[Callable[[], None]] = collections.deque()
+        self._peers: dict[str, Peer] = {}
+        self._inbound: dict[int, Inbound] = {}
+        self._next_conn_id = 1
+        self._next_op = 1
+        self._tag_ctr = 0
+        self._active_out: dict[int, OutOp] = {}
+        self._active_in: dict[tuple[int, int], Inbound] = {}
+        self._graveyard: list[tuple[float, Any]] = []
+        self._self_ep: Any = None
+        self._draining: list[Drain] = []
+        self._checked: dict[tuple, tuple] = {}  # request descriptors -> (region table, views, region ids)
+        # replaced workers with a cancelled READ's gets or receives still posted into a caller's memory: never
+        # progressed again (so none of those bytes can land), freed by close()
+        self._quarantined: list[tuple] = []
+        self._one_sided = bool(self.params["one_sided"])
+        self._emulated_max = int(self.params["emulated_max_bytes"])
+        self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
+        self._mapped: dict[int, tuple[int, list]] = {}  # region id -> (memh, [id, mem, dev, addr, length, rkey])
+        self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
+        self._revokes: list[tuple[Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
+        self._epochs = itertools.count(1)
+        # callers post one-sided requests themselves (see _post_direct); this orders those posts against the
+        # service thread changing a peer's endpoint, rkeys or regions
+        self._rma_lock = threading.RLock()
+        self._directs: list[Direct] = []
+        self._drivers: set[Direct] = set()  # requests a waiter is progressing UCX for right now
+        self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
+        # requests this agent started one-sided / through the owner, and requests it served as the owner
+        self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
+        self._cma_token = cma.Token() if self._one_sided and self.params["direct_cma"] else None
+        self._cma_pool: Workers | None = None
+        # id -> (peer, local regions) of direct cma requests copying in parts: a revocation from that peer is
+        # confirmed, and a local region they touch unmapped, only once they ended
+        self._cma_ops: dict[int, tuple[Peer, frozenset]] = {}
+        self._cma_ids = itertools.count(1)
+        self.resets = 0
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self._ucx_watched = True  # UCX's event fd is in the selector (not while a waiter progresses UCX)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
+        self._thread.start()
+
+    # -- class-level facts -----------------------------------------------------
+    @classmethod
+    def available(cls) -> tuple[bool, str]:
+        try:
+            ucx_api, _ = import_ucxx()
+            import ucxx
+        except Exception as exc:
+            return False, f"ucxx is not importable ({type(exc).__name__}: {exc}); pip install ucxx-cu12"
+        major, minor, patch = ucx_api.get_ucx_version()
+        return True, f"ucxx {ucxx.__version__}, UCX {major}.{minor}.{patch}"
+
+    @classmethod
+    def environment(cls) -> dict[str, Any]:
+        """UCX version and the transports this machine offers (the data path picks among them)."""
+        try:
+            ucx_api, _ = import_ucxx()
+            ctx = ucx_api.UCXContext(ucx_config({}, False), feature_flags=features(ucx_api))
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "ucx": ".".join(map(str, ucx_api.get_ucx_version())),
+            "transports available": ", ".join(transports_of(ctx.info)),
+            "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
+            "UCX_TLS": ctx.config.get("TLS", "?"),
+            "direct cma": cma.availability(),
+            "data path": "one-sided put/get (UCP RMA, rkeys over the control connection; same-host peers "
+            "this process may attach to: process_vm_writev/readv, IOV_MAX rows per call), or tag send/recv "
+            "served by the owner; endpoints from worker addresses, UCX error handling off; peer failure via "
+            "control TCP",
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "transports": ", ".join(transports_of(self._ctx.info)),
+            "UCX_TLS": self._ctx.config.get("TLS", "?"),
+            "error_handling": bool(self.params["error_handling"]),
+            "data path": (
+                (
+                    "one-sided put/get"
+                    if self._rma_native
+                    else f"one-sided put/get (emulated by UCX) up to "
+                    f"{self._emulated_max} B rows, served by the owner above"
+                )
+                if self._one_sided
+                else "tag send/recv served by the owner"
+            ),
+            "direct cma": {
+                name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
+            },
+            "control": f"{self.params['host']}:{self._port}",
+            "worker resets": self.resets,
+            "requests": dict(self.counts),
+        }
+
+    # -- metadata and peers ---------------------------------------------------
+    def connection_info(self) -> dict[str, Any]:
+        host = self.params["host"]
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return {"address": self._address, "host": host, "port": self._port}
+
+    def add_remote(self, name: str, info: Mapping[str, Any]) -> None:
+        address, host, port = info.get("address"), info.get("host"), info.get("port")
+        if not isinstance(address, bytes) or not 0 < len(address) <= _MAX_ADDRESS:
+            raise InvalidMetadata(f"ucx connection info of {name!r}: 'address' must be 1..{_MAX_ADDRESS} bytes")
+        if not isinstance(host, str) or not host or len(host) > 255:
+            raise InvalidMetadata(f"ucx connection info of {name!r}: 'host' must be a host name")
+        if type(port) is not int or not 0 < port < 65536:
+            raise InvalidMetadata(f"ucx connection info of {name!r}: 'port' must be 1..65535")
+        info = {"address": address, "host": host, "port": port}
+        self._call(lambda: self._add_peer(name, info))
+
+    def remove_remote(self, name: str) -> None:
+        self._call(lambda: self._drop_peer(name, RemoteDisconnected(f"agent {name!r} was removed", backend=self.name)))
+
+    def register(self, reg: Any) -> int | None:
+        """Map the region for one-sided access and hand its rkey to every connected peer."""
+        if not self._one_sided:
+            return None
+        box: list[int] = []
+        self._call(lambda: box.append(self._map(reg)))
+        return box[0]
+
+    def _map(self, reg: Any) -> int:
+        memh = rma.mem_map(self._ctx.handle, reg.addr, reg.length, cuda=reg.mem_type == MemType.VRAM)
+        try:
+            entry = [reg.id, reg.mem_type.value, reg.dev, reg.addr, reg.length, rma.rkey_pack(self._ctx.handle, memh)]
+        except BaseException:
+            rma.mem_unmap(self._ctx.handle, memh)
+            raise
+        self._mapped[reg.id] = (memh, entry)
+        if reg.mem_type == MemType.VRAM:
+            self._params[reg.id] = rma.memh_param(memh)
+        for inbound in self._inbound.values():
+            if inbound.name:
+                inbound.conn.send({"t": "rkeys", "add": [entry]})
+        return memh
+
+    def deregister(self, reg: Any, handle: Any) -> None:
+        """Make sure no peer still reads or writes ``reg``, then unmap it.
+
+        Peers holding its rkey are told to drop it and confirm once their
+        operations on us have ended; then served operations are waited for.
+        """
+        if threading.current_thread() is self._thread or self._stop:
+            return
+        deadline = time.monotonic() + self.host.timeout_s
+        box: list[bool] = []
+        if handle is not None:
+            self._call(lambda: self._revoke(reg.id))
+            self._wait_until(lambda: box.append(bool(self._revoking.get(reg.id))), box, deadline)
+            self._call(lambda: self._revoke_done(reg.id, handle))
+
+        def probe() -> None:
+            box.append(self._in_use(reg.id))
+
+        if not self._wait_until(probe, box, deadline):
+            log.warning("deregistering region %d while UCX operations on it are still pending", reg.id)
+
+    def _revoke(self, rid: int) -> None:
+        self._mapped.pop(rid, None)
+        self._params.pop(rid, None)
+        waiting = set()
+        for inbound in self._inbound.values():
+            if inbound.name:
+                inbound.conn.send({"t": "revoke", "id": rid})
+                waiting.add(inbound.conn_id)
+        if waiting:
+            self._revoking[rid] = waiting
+
+    def _revoke_done(self, rid: int, memh: int) -> None:
+        late = self._revoking.pop(rid, set())
+        if late:
+            # a peer that neither confirmed nor disconnected may still write: cut it off before unmapping
+            for inbound in [i for i in self._inbound.values() if i.conn_id in late]:
+                log.warning("agent %r did not confirm dropping region %d; disconnecting it", inbound.name, rid)
+                self._drop_inbound(inbound)
+            self._reset_worker(f"peers {sorted(late)} kept region {rid} after it was deregistered")
+        rma.mem_unmap(self._ctx.handle, memh)
+
+    def _in_use(self, rid: int) -> bool:
+        if any(rid in op.req.plan.regions for op in self._active_out.values()):
+            return True
+        if any(rid in d.regions for d in self._directs if not d.done):
+            return True
+        if any(rid in regions for _, regions in list(self._cma_ops.values())):
+            return True
+        for peer in self._peers.values():  # requests waiting for the handshake will post soon
+            if any(rid in op.req.plan.regions for op in peer.ops.values() if op.reqs is None and not op.abandoned):
+                return True
+        return any(rid in entry[4] for inbound in self._inbound.values() for entry in inbound.ops.values())
+
+    # -- transfers -------------------------------------------------------------
+    def plan(self, req: TransferRequest) -> UcxPlan:
+        return UcxPlan(
+            views=row_views(req.registrations, req.local_regions, req.local.addr, req.local.length, self._Array),
+            regions=frozenset(np.unique(req.local_regions).tolist()),
+            msg={
+                "t": "req",
+                "op": req.op,
+                "mem": req.remote.mem_type.value,
+                "addr": np.ascontiguousarray(req.remote.addr, dtype="<i8").tobytes(),
+                "len": np.ascontiguousarray(req.remote.length, dtype="<i8").tobytes(),
+                "dev": np.ascontiguousarray(req.remote.dev, dtype="<i8").tobytes(),
+                "notify": req.notify,
+            },
+        )
+
+    def post(self, req: TransferRequest) -> Completion:
+        if len(req.local) == 0:
+            return finished_completion()
+        deadline = req.deadline
+        if self._one_sided:
+            completion = self._post_direct(req, deadline)
+            if completion is not None:
+                return completion
+        completion = self._fenced()
+        self._submit(lambda: self._start(req, completion, deadline))
+        return completion
+
+    def _post_direct(self, req: TransferRequest, deadline: float) -> Completion | None:
+        """Post a one-sided request from the caller's thread; None when it must go through the service thread.
+
+        The worker is thread-safe (ucxx creates it multi-threaded). A waiter
+        progresses UCX until the flush ends (no thread hop); the service thread
+        polls the flush of callers that never wait. Rows copied with direct cma
+        are done when ``post`` returns.
+        """
+        peer = self._peers.get(req.remote_agent)  # type: ignore[arg-type]
+        if peer is None or peer.state != "ready" or not peer.regions or req.plan.regions - self.host.regions.keys():
+            return None
+        with self._rma_lock:
+            if peer.state != "ready" or peer.ep is None:
+                return None
+            rows = self.one_sided._one_sided_rows(peer, req)
+            if rows is None:
+                return None
+            in_parts = isinstance(rows, cma.CmaPlan) and rows.nbytes > int(self.params["cma_inline_bytes"])
+            if in_parts:
+                # checked against the rkeys the peer holds now: its revocations, and our deregistrations of the
+                # local regions, wait for the parts
+                op_id = next(self._cma_ids)
+                self._cma_ops[op_id] = (peer, req.plan.regions)
+            elif isinstance(rows, cma.CmaPlan):
+                error = self.cma_path._copy_cma(peer, req, rows, deadline)
+            else:
+                flush, status = self.one_sided._post_one_sided(peer, req.op, rows)
+        if in_parts:
+            return self.cma_path._start_cma_parts(peer, req, rows, deadline, op_id)  # type: ignore[arg-type]
+        if isinstance(rows, cma.CmaPlan):
+            if error is None:
+                if req.notify:
+                    self._submit(lambda: self._send_after(peer, req.notify))
+                return finished_completion()
+            completion = Completion(1)
+            completion.finish_part(error)
+            return completion
+        completion = self._fenced()
+        if flush is None:
+            completion.finish_part(self.one_sided._status_error(status, peer))
+            return completion
+        direct = Direct(peer, req, completion, flush, deadline)
+        if not self.one_sided._finish_direct(direct):
+            # the waiter progresses UCX itself (no thread hop); the service thread picks it up at its next
+            # turn for callers that never wait
+            self._directs.append(direct)
+            completion.set_assist(lambda: self.one_sided._drive(direct))
+        return completion
+
+    def send_notification(self, remote: str, message: bytes) -> None:
+        done = Completion(1)
+        self._submit(lambda: self._notify(remote, bytes(message), done))
+        if not done.wait(float(self.params["connect_timeout_s"]) + 1.0):
+            raise RemoteDisconnected(f"notification to {remote!r} was not sent in time", backend=self.name)
+        if done.error is not None:
+            raise done.error
+
+    def close(self) -> None:
+        if self._stop:
+            return
+        self._submit(lambda: None)
+        self._stop = True
+        self._wake()
+        self._thread.join(10)
+        if self._cma_pool is not None:
+            self._cma_pool.shutdown(wait=True)
+        self._sel.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+        # UCX's objects go with the last reference: endpoints, then workers (their fds, shared memory, the
+        # async thread's events), then the context
+        self._peers.clear()
+        self._inbound.clear()
+        self._directs.clear()
+        self._checked.clear()
+        self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        self._worker = self._ctx = None  # type: ignore[assignment]
+        gc.collect()

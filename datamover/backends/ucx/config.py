@@ -1,0 +1,234 @@
+"""ucx settings, UCX facts and helpers: the context configuration, TLS reading, transport probes, error mapping."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ...descriptors import MemType
+from ...errors import (
+    DatamoverError,
+    InvalidMetadata,
+    RemoteDisconnected,
+)
+
+log = logging.getLogger("datamover.ucx")
+
+
+_MASK40 = (1 << 40) - 1
+
+
+_READ_TAG = 1 << 63
+
+
+_MAX_ADDRESS = 1 << 16
+
+
+_FENCE_S = 10.0  # the longest a cancel waits for its request's fence (a cma chunk in progress, the service thread)
+
+
+_CACHE_ROWS = 4096  # a served request's checked views are kept for reuse up to this many rows
+
+
+_DRAIN_MAX = 1 << 20  # scratch for the data of a refused WRITE; longer messages are truncated into it
+
+
+_DRAIN_WINDOW = 256  # receives a refused WRITE's drain has posted at a time
+
+
+_DRAINS_PER_PEER = 4  # refused WRITEs being drained for one connection; a peer sending more is dropped
+
+
+_DRAIN_IDLE_S = 60.0  # a drain whose window saw nothing arrive this long is given up
+
+
+_MAX_RKEYS = 1 << 16
+
+
+# UCX transports that move put/get without the target's CPU (others emulate them over active messages)
+_NATIVE_RMA = frozenset({"cma", "knem", "xpmem", "rc_verbs", "rc_mlx5", "dc_mlx5", "cuda_ipc", "gdr_copy"})
+
+
+# a caller's own request is left to its waiter this long before the service thread progresses it
+_DIRECT_GRACE_S = 0.002
+
+
+_MAX_RKEY_BYTES = 4096
+
+
+def import_ucxx():
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    from ucxx._lib import libucxx as ucx_api
+    from ucxx._lib.arr import Array
+
+    return ucx_api, Array
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still exists (a copy into a dying peer can fail with EFAULT before ESRCH)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def features(ucx_api: Any) -> tuple:
+    return (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP, ucx_api.Feature.RMA)
+
+
+def parse_rkeys(peer: str, rows: Any) -> dict[int, tuple[str, int, int, int, bytes]]:
+    """A target's ``[[id, mem, dev, addr, length, rkey], ...]`` checked field by field; raises InvalidMetadata."""
+    if not isinstance(rows, list) or len(rows) > _MAX_RKEYS:
+        raise InvalidMetadata(f"agent {peer!r} sent rkeys that are not a list of at most {_MAX_RKEYS} rows")
+    out = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 6):
+            raise InvalidMetadata(f"agent {peer!r} sent an rkey row that is not [id, mem, dev, addr, length, rkey]")
+        rid, mem, dev, addr, length, key = row
+        ints = (rid, dev, addr, length)
+        if not all(type(v) is int and 0 <= v < 1 << 63 for v in ints) or length == 0 or addr + length >= 1 << 63:
+            raise InvalidMetadata(f"agent {peer!r} sent rkey row {rid!r} with a bad id, device or range")
+        if mem not in (MemType.DRAM.value, MemType.VRAM.value):
+            raise InvalidMetadata(f"agent {peer!r} sent rkey row {rid} for memory type {mem!r}")
+        if not isinstance(key, bytes) or not 0 < len(key) <= _MAX_RKEY_BYTES:
+            raise InvalidMetadata(f"agent {peer!r} sent rkey row {rid} whose key is not 1..{_MAX_RKEY_BYTES} bytes")
+        out[rid] = (mem, dev, addr, length, key)
+    return out
+
+
+def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
+    """UCX context settings: the user's, plus our defaults for what neither they nor the environment set.
+
+    TLS without cma unless cma is allowed, tcp's own put off where shared memory can carry puts instead, and
+    cma's copies per progress call raised.
+    """
+    config = {str(k): str(v) for k, v in dict(user).items()}
+    if not cma and "TLS" not in config and "UCX_TLS" not in os.environ:
+        config["TLS"] = "^cma"
+    tls = config.get("TLS", os.environ.get("UCX_TLS"))
+    shared_memory = any(tls_includes(tls, t, frozenset({"mm", "sm", "shm"})) for t in ("posix", "sysv"))
+    if shared_memory and "TCP_PUT_ENABLE" not in config and "UCX_TCP_PUT_ENABLE" not in os.environ:
+        # with tcp's own put, UCX carries puts between two processes of one host over loopback TCP (0.4-2.2 GB/s
+        # for 64 KiB-1 MiB rows) rather than emulating them over shared memory (1.9-3.2 GB/s). Where no shared
+        # memory is left (TLS tcp only, as between hosts without RDMA) it stays on: emulated over tcp, puts ran
+        # 4x slower (0.5-0.6 GB/s against 2.5-3.1 for 1 MiB rows)
+        config["TCP_PUT_ENABLE"] = "n"
+    if "CMA_TX_QUOTA" not in config and "UCX_CMA_TX_QUOTA" not in os.environ:
+        # cma copies a queued put/get per worker progress call by default (quota 1): one Python-level progress
+        # per row; 64 per call measured 8-16% faster for 4-64 KiB rows, and equal for 1 MiB ones
+        config["CMA_TX_QUOTA"] = "64"
+    return config
+
+
+def tls_includes(tls: str | None, transport: str, groups: frozenset[str] = frozenset()) -> bool:
+    """Whether a UCX_TLS value lets UCX use ``transport``.
+
+    'a,b' names what to use ('all', or one of the ``groups`` the transport belongs to, names it too); '^a,b' names
+    what not to; unset or empty means everything.
+    """
+    tls = (tls or "").strip()
+    if not tls:
+        return True
+    names = {t.strip() for t in tls.lstrip("^").split(",") if t.strip()}
+    named = transport in names or bool(groups & names)
+    return not named if tls.startswith("^") else named or "all" in names
+
+
+# ucs_status_t values meaning the peer is gone: IO error, unreachable, canceled, connection reset, endpoint timeout
+_PEER_GONE = frozenset({-3, -6, -16, -25, -80})
+
+
+def ucx_error(exc: BaseException, peer: str, index: int, backend: str) -> DatamoverError:
+    """A UCX request error as a typed one: a peer-side failure means the peer is gone."""
+    name = type(exc).__name__
+    status = getattr(exc, "status", 0)
+    if status in _PEER_GONE or any(
+        k in name for k in ("Canceled", "ConnectionReset", "Shmem", "Unreachable", "EndpointTimeout", "IOError")
+    ):
+        return RemoteDisconnected(f"agent {peer!r} went away: {name}: {exc}", index=index, backend=backend)
+    return DatamoverError(f"UCX request to agent {peer!r} failed: {name}: {exc}", index=index, backend=backend)
+
+
+def transports_of(info: str) -> list[str]:
+    """Transport/device names from UCX's context info ('tcp/lo', 'cma/memory', ...)."""
+    out = []
+    for line in info.splitlines():
+        if "resource" in line and "flags" in line:
+            tl = line.rsplit(" ", 1)[-1].strip()
+            if tl and tl not in out:
+                out.append(tl)
+    return out
+
+
+_ROW = re.compile(r"\|\s*([0-9KMGinf.]+)\s*\|\s*(?:\(\?\)\s*)?([^|]+?)\s*\|\s*([\w/]+)\s*\|")
+
+
+_TABLES = {
+    "tagged message by ucp_tag_send* from host memory": "tag",
+    "remote memory write by ucp_put* from host memory": "put",
+    "remote memory read by ucp_get* into host memory": "get",
+}
+
+
+def transports_in_use(log: str) -> list[str]:
+    """'<op> <sizes>: <protocol> over <transport>' rows of the tag, put and get tables in UCX_PROTO_INFO output."""
+    out: list[str] = []
+    table = None
+    for line in log.splitlines():
+        if "ucp_context" in line:
+            table = next((name for title, name in _TABLES.items() if title in line), None)
+            continue
+        m = _ROW.search(line) if table else None
+        if m:
+            row = f"{table} {m.group(1)}: {m.group(2)} over {m.group(3)}"
+            if row not in out:
+                out.append(row)
+    return out
+
+
+_PROBE = """
+import numpy as np
+from datamover.backends.ucx import rma
+from datamover.backends.ucx.config import features, import_ucxx, ucx_config
+u, Array = import_ucxx()
+ctxs = [u.UCXContext(ucx_config({}, False), feature_flags=features(u)) for _ in range(2)]
+ws = [u.UCXWorker(c) for c in ctxs]
+ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)
+def wait(done):
+    while not done():
+        ws[0].progress(); ws[1].progress()
+for n in (64, 1 << 20):
+    a, b = np.ones(n, np.uint8), np.zeros(n, np.uint8)
+    rs = [ep.tag_send(Array(a), u.UCXXTag(n)), ws[1].tag_recv(Array(b), u.UCXXTag(n))]
+    wait(lambda: all(r.completed for r in rs))
+    memh = rma.mem_map(ctxs[1].handle, b.ctypes.data, n)
+    rkey = rma.rkey_unpack(ep.handle, rma.rkey_pack(ctxs[1].handle, memh))
+    for get in (False, True):
+        rma.post_rows(get, ep.handle, [rma.make_row(a.ctypes.data, n, b.ctypes.data, rkey, None)])
+        flush = rma.Flush(ep.handle)
+        wait(lambda: flush.poll() != rma.UCS_INPROGRESS)
+    rma.rkey_destroy(rkey)
+    rma.mem_unmap(ctxs[1].handle, memh)
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def probe_transports(timeout: float = 30.0) -> list[str]:
+    """Which transports UCX picks for tag messages between two workers on this host (a subprocess probe)."""
+    env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"probe failed: {exc}"]
+    return transports_in_use(res.stdout + res.stderr)

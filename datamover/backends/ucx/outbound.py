@@ -1,0 +1,295 @@
+"""The initiator side of the control protocol: connecting to peers, the handshake, requests queued behind it."""
+
+from __future__ import annotations
+
+import hmac
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ...errors import (
+    AuthenticationError,
+    DatamoverError,
+    InvalidMetadata,
+    NotRegistered,
+    RemoteDisconnected,
+    RemoteRefused,
+)
+from ..base import (
+    Completion,
+    TransferRequest,
+)
+from . import cma, rma
+from .config import _MASK40, _READ_TAG, parse_rkeys
+from .protocol import FrameConn, handshake_mac, new_nonce, session_key
+from .state import OutOp, Peer
+
+
+class Outbound:
+    """The initiator side of the control protocol: connecting to peers, the handshake, requests queued behind it."""
+
+    # -- initiator side ---------------------------------------------------------
+    def _peer(self, name: str) -> Peer:
+        peer = self._peers.get(name)
+        if peer is None:
+            raise RemoteDisconnected(f"agent {name!r} is not loaded into the ucx backend", backend=self.name)
+        if peer.state == "idle":
+            self._connect(peer)
+        return peer
+
+    def _connect(self, peer: Peer) -> None:
+        host, port = peer.info["host"], peer.info["port"]
+        try:
+            sock = socket.create_connection((host, port), timeout=float(self.params["connect_timeout_s"]))
+        except OSError as exc:
+            raise RemoteDisconnected(
+                f"cannot reach agent {peer.name!r} at {host}:{port}: {exc.strerror or exc}", backend=self.name
+            ) from None
+        peer.conn = FrameConn(sock, outbound=True)
+        peer.nonce = new_nonce()
+        peer.state = "connecting"
+        self._sel.register(sock, selectors.EVENT_READ, peer)
+
+    def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
+        for op in list(peer.ops.values()):
+            self._active_out.pop(op.id, None)
+            op.finish(why)
+        peer.ops.clear()
+        for direct in [d for d in self._directs if d.peer is peer]:
+            self.one_sided._finish_direct(direct, why)
+            self._directs.remove(direct)
+        for entry in [r for r in self._revokes if r[0] is peer]:
+            entry[2].abandon()
+            self._revokes.remove(entry)
+        with self._rma_lock:
+            peer.state = "closing"
+            for rkey in peer.rkeys.values():
+                rma.rkey_destroy(rkey)
+            peer.rkeys.clear()
+            peer.regions = {}
+            peer.epoch = next(self._epochs)
+        for kind, item in peer.queue:
+            if kind == "notify":
+                item[1].finish_part(why)
+        peer.queue.clear()
+        if peer.conn is not None:
+            try:
+                self._sel.unregister(peer.conn.sock)
+            except (KeyError, ValueError):
+                pass
+            peer.conn.close()
+            peer.conn = None
+        self._retire_ep(peer.ep)
+        peer.ep = None
+        peer.state = "idle"
+
+    def _drop_peer(self, name: str, why: BaseException) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is not None:
+            self._disconnect_peer(peer, why)
+
+    def _add_peer(self, name: str, info: dict[str, Any]) -> None:
+        old = self._peers.get(name)
+        if old is not None and old.info == info:
+            return
+        if old is not None:
+            self._drop_peer(name, RemoteDisconnected(f"agent {name!r} came back with new metadata", backend=self.name))
+        self._peers[name] = Peer(name, info)
+
+    def _start(self, req: TransferRequest, completion: Completion, deadline: float) -> None:
+        try:
+            peer = self._peer(req.remote_agent)  # type: ignore[arg-type]
+        except Exception as exc:
+            err = exc if isinstance(exc, DatamoverError) else DatamoverError(f"{exc}", backend=self.name)
+            completion.finish_part(err)
+            return
+        op = OutOp(self._next_op, peer, req, completion, deadline)
+        self._next_op += 1
+        peer.ops[op.id] = op
+        if peer.state == "ready":
+            self._launch(peer, op)
+        else:
+            peer.queue.append(("req", op))
+
+    def _notify(self, name: str, message: bytes, done: Completion) -> None:
+        try:
+            peer = self._peer(name)
+        except DatamoverError as exc:
+            done.finish_part(exc)
+            return
+        if peer.state == "ready":
+            peer.conn.send({"t": "notif", "msg": message})  # type: ignore[union-attr]
+            done.finish_part()
+        else:
+            peer.queue.append(("notify", (message, done)))
+
+    def _launch(self, peer: Peer, op: OutOp) -> None:
+        """Send the request and post this side's UCX operations at once (no round trip first).
+
+        READ posts its receives before the request leaves, so the target's
+        sends always find them; WRITE posts its sends right after the request.
+        """
+        if op.completion.cancelled or time.monotonic() > op.deadline - float(self.params["launch_margin_s"]):
+            self.tagged._end(op, op.completion.error or self.tagged._late(op))
+            return
+        gone = op.req.plan.regions - self.host.regions.keys()
+        if gone:
+            self.tagged._end(op, NotRegistered(f"local region(s) {sorted(gone)} were deregistered", backend=self.name))
+            return
+        rows = self.one_sided._one_sided_rows(peer, op.req) if peer.regions else None
+        if rows is not None:
+            self.one_sided._launch_one_sided(peer, op, rows)
+            return
+        self.counts["served by the owner"] += 1
+        n = len(op.req.local)
+        if op.req.op == "WRITE":
+            if (self._tag_ctr & _MASK40) + n > _MASK40:
+                self._tag_ctr = (self._tag_ctr | _MASK40) + 1
+            op.tag0 = (peer.conn_id << 40) | (self._tag_ctr & _MASK40)
+        else:
+            op.tag0 = _READ_TAG | (self._tag_ctr & ((1 << 62) - 1))
+        self._tag_ctr += n
+        msg = dict(op.req.plan.msg)
+        msg["id"] = op.id
+        msg["tag"] = op.tag0
+        if op.req.op == "READ" and not self.tagged._post_local(peer, op):
+            return
+        peer.conn.send(msg)  # type: ignore[union-attr]
+        if op.req.op == "WRITE":
+            self.tagged._post_local(peer, op)
+
+    def _on_peer_msg(self, peer: Peer, msg: dict[str, Any]) -> None:
+        """Dispatch a message from a target (already checked against the protocol's schema) by its type."""
+        t = msg["t"]
+        if (t in ("challenge", "welcome")) != (peer.state == "connecting") and t != "error":
+            raise InvalidMetadata(f"control message {t!r} out of order (connection {peer.state})")
+        handler = _FROM_TARGET.get(t)
+        if handler is None:
+            raise InvalidMetadata(f"control message {t!r} is not one a target sends")
+        if t in _ABOUT_AN_OP:
+            op = peer.ops.get(msg["id"])
+            if op is not None:
+                handler(self, peer, op, msg)
+            return
+        handler(self, peer, msg)
+
+    def _on_error(self, peer: Peer, msg: dict[str, Any]) -> None:
+        kind = AuthenticationError if msg.get("auth") else RemoteRefused
+        self._disconnect_peer(peer, kind(f"agent {peer.name!r} refused the connection: {msg.get('reason')}"))
+
+    def _on_notif(self, peer: Peer, msg: dict[str, Any]) -> None:
+        self.host.deliver_notification(peer.name, bytes(msg["msg"]))
+
+    def _on_rkeys(self, peer: Peer, msg: dict[str, Any]) -> None:
+        if self._one_sided:
+            offered = parse_rkeys(peer.name, msg["add"])
+            with self._rma_lock:
+                peer.regions = {**peer.regions, **offered}
+                peer.epoch = next(self._epochs)
+
+    def _on_revoke(self, peer: Peer, msg: dict[str, Any]) -> None:
+        self.one_sided._forget_region(peer, int(msg["id"]))
+
+    def _on_refuse(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
+        row = int(msg["row"]) if msg.get("row") is not None else None
+        index = op.req.caller_index(row) if row is not None and 0 <= row < len(op.req.local) else None
+        self.tagged._end(
+            op, RemoteRefused(f"agent {peer.name!r} refused: {msg['reason']}", index=index, backend=self.name)
+        )
+        if op.req.op == "READ" and op.reqs is not None:
+            # the target sent nothing: complete our receives with empty messages from ourselves
+            self.tagged._self_complete(op.tag0, op.reqs.pending())
+
+    def _on_done(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
+        op.done_msg = True
+        self.tagged._maybe_done(op)
+
+    def _on_fail(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
+        self.tagged._end(
+            op, RemoteDisconnected(f"agent {peer.name!r} failed the transfer: {msg['reason']}", backend=self.name)
+        )
+
+    def _hello(self, peer: Peer, msg: dict[str, Any]) -> None:
+        peer.nonce_t = nonce_t = bytes(msg["nonce"])
+        body = self.host.name.encode() + self._address
+        mac = handshake_mac(self._secret, b"hello", nonce_t, peer.nonce, body) if self._secret else b""
+        peer.conn.send(  # type: ignore[union-attr]
+            {"t": "hello", "name": self.host.name, "address": self._address, "nonce": peer.nonce, "mac": mac}
+        )
+
+    def _welcome(self, peer: Peer, msg: dict[str, Any]) -> None:
+        conn_id, address, rkeys = int(msg["conn_id"]), bytes(msg["address"]), bytes(msg.get("rkeys") or b"")
+        local = bytes(msg.get("local") or b"")
+        nonce_t = peer.nonce_t
+        if self._secret:
+            body = conn_id.to_bytes(8, "big") + address + rkeys + local
+            want = handshake_mac(self._secret, b"welcome", nonce_t, peer.nonce, body)
+            if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
+                raise AuthenticationError(f"agent {peer.name!r} does not know the shared secret")
+            peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
+        else:
+            peer.conn.open_up()  # type: ignore[union-attr]
+        self._addr_check.check(address, f"agent {peer.name!r}")
+        try:  # the target's current worker (it may have been reset since its metadata was published)
+            ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
+            peer.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
+        except Exception as exc:
+            raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
+        peer.conn_id = conn_id
+        regions = parse_rkeys(peer.name, msgpack.unpackb(rkeys) if rkeys else []) if self._one_sided else {}
+        pid, why = 0, "direct_cma is off here" if self._cma_token is None else "the peer offered no token"
+        if self._cma_token is not None and local:
+            try:
+                offer = msgpack.unpackb(local)
+            except Exception:
+                offer = None
+            pid, why = cma.probe(offer if isinstance(offer, dict) else None)
+        with self._rma_lock:
+            peer.epoch = next(self._epochs)
+            peer.regions = regions
+            peer.cma_pid, peer.cma_why = pid, why
+        self._ready(peer)
+
+    def _ready(self, peer: Peer) -> None:
+        peer.state = "ready"
+        queue, peer.queue = peer.queue, []
+        for kind, item in queue:
+            if kind == "req":
+                self._launch(peer, item)
+            else:
+                peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
+                item[1].finish_part()
+
+    def _send_after(self, peer: Peer, message: bytes) -> None:
+        """A notification for a request that already completed (its data has landed)."""
+        if peer.conn is not None and peer.state == "ready":
+            peer.conn.send({"t": "notif", "msg": message})
+
+    def _check_cancelled(self) -> None:
+        """Ops still waiting for the handshake give up when released or late; launched ones run to the end."""
+        now = time.monotonic()
+        for peer in self._peers.values():
+            if peer.state == "ready":
+                continue
+            for op in list(peer.ops.values()):
+                if op.reqs is None and not op.abandoned and (op.completion.cancelled or now > op.deadline):
+                    op.finish(op.completion.error or self.tagged._late(op))
+
+
+# what a target may send an initiator, by message type; the last three are about one of its requests
+_FROM_TARGET: dict[str, Callable[..., None]] = {
+    "challenge": Outbound._hello,
+    "welcome": Outbound._welcome,
+    "error": Outbound._on_error,
+    "notif": Outbound._on_notif,
+    "rkeys": Outbound._on_rkeys,
+    "revoke": Outbound._on_revoke,
+    "refuse": Outbound._on_refuse,
+    "done": Outbound._on_done,
+    "fail": Outbound._on_fail,
+}
+_ABOUT_AN_OP = frozenset({"refuse", "done", "fail"})

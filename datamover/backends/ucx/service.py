@@ -1,0 +1,301 @@
+"""The service thread: one loop owns the UCX worker and every control socket; callers hand it commands."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ...errors import (
+    AuthenticationError,
+    DatamoverError,
+    InvalidMetadata,
+    RemoteDisconnected,
+)
+from . import rma
+from .config import log
+from .protocol import FrameConn
+from .state import Inbound, Peer
+
+
+class ServiceLoop:
+    """The service thread: one loop owns the UCX worker and every control socket; callers hand it commands."""
+
+    # -- plumbing between caller threads and the service thread ---------------
+    def _submit(self, fn: Callable[[], None]) -> None:
+        if self._stop:
+            raise RemoteDisconnected("the ucx backend is closed", backend=self.name)
+        self._cmds.append(fn)
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the service thread from its wait in select (a full pipe already will; a closed one means stopped)."""
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _watch_ucx(self, on: bool) -> None:
+        """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""
+        if on != self._ucx_watched:
+            if on:
+                self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+            else:
+                self._sel.unregister(self._worker.epoll_file_descriptor)
+            self._ucx_watched = on
+
+    def _call(self, fn: Callable[[], None], timeout: float | None = None) -> bool:
+        """Run ``fn`` on the service thread and wait for it; its exception is re-raised here.
+
+        With ``timeout``, False when the service thread did not get to it in time (it still runs it later).
+        """
+        if threading.current_thread() is self._thread:
+            fn()
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        box: list[BaseException] = []
+        ev = threading.Event()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                box.append(exc)
+            ev.set()
+
+        self._submit(run)
+        while not ev.wait(1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                raise RemoteDisconnected("the ucx service thread is not running", backend=self.name)
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        if box:
+            raise box[0]
+        return True
+
+    # -- service thread ---------------------------------------------------------
+    def _run(self) -> None:
+        spin = float(self.params["spin_us"]) * 1e-6
+        last = time.monotonic()
+        last_scan = 0.0
+        try:
+            while not self._stop:
+                worker = self._worker
+                busy = False
+                while self._cmds:
+                    busy = True
+                    try:
+                        self._cmds.popleft()()
+                    except Exception:  # a bug in one command must not stop the service for every peer
+                        log.exception("ucx command failed")
+                n = 0
+                # a waiter progressing the same worker does this thread's UCX work too; two threads
+                # progressing one worker only contend for its lock (and the GIL)
+                while not self._drivers and worker.progress_once() and n < 64:
+                    n += 1
+                busy |= n > 0
+                if self._active_out or self._active_in or self._revokes:
+                    busy |= self.tagged._check_requests()
+                if self._directs:
+                    self.one_sided._check_directs()
+                now = time.monotonic()
+                if now - last_scan > 0.005:
+                    last_scan = now
+                    self._check_cancelled()
+                    self._bury()
+                    self._drop_silent(now)
+                if busy:
+                    last = now
+                if self._drivers:
+                    # a waiter progresses UCX: sleep on sockets and commands only, leaving it the GIL (UCX's
+                    # event fd stays readable while nobody arms the worker, so it is left out of the wait)
+                    self._watch_ucx(False)
+                    self._poll(0.005)
+                    continue
+                self._watch_ucx(True)
+                if self._poll(0.0):
+                    last = now
+                    continue
+                if now - last < spin or self._cmds:
+                    # spinning: let the caller's threads take the GIL now rather than at the next switch interval
+                    time.sleep(0)
+                    continue
+                if not worker.arm():
+                    continue
+                # with requests in flight wake often: ucxx can finish a request without a UCX event firing
+                in_flight = self._active_out or self._active_in or self._revokes or self._directs
+                if self._poll(0.001 if in_flight else 0.05):
+                    last = time.monotonic()
+        except BaseException:
+            log.exception("ucx service thread of %s died", self.host.name)
+            raise
+        finally:
+            self._shutdown()
+
+    def _poll(self, timeout: float) -> bool:
+        """Handle ready sockets (waiting up to ``timeout`` s); True when something happened."""
+        for conn in self._all_conns():
+            want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.wants_write else 0)
+            key = self._sel.get_map().get(conn.sock)
+            if key is not None and key.events != want:
+                self._sel.modify(conn.sock, want, key.data)
+        events = self._sel.select(timeout)
+        woke = False
+        for key, mask in events:
+            what = key.data
+            # UCX's event fd stays readable until the next arm(): not a reason to keep spinning
+            woke |= what != "ucx" or timeout > 0
+            if what == "wake":
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            elif what == "listen":
+                self._accept()
+            elif what == "ucx":
+                pass
+            elif what.conn is not None:
+                if mask & selectors.EVENT_WRITE:
+                    what.conn.flush()
+                if mask & selectors.EVENT_READ:
+                    self._read(what)
+        return woke
+
+    def _all_conns(self) -> list[FrameConn]:
+        out = [p.conn for p in self._peers.values() if p.conn is not None]
+        out += [i.conn for i in self._inbound.values()]
+        return out
+
+    def _wait_until(self, probe: Callable[[], None], box: list[bool], deadline: float) -> bool:
+        """Run ``probe`` on the service thread until it reports False (True) or the deadline passes (False)."""
+        while True:
+            box.clear()
+            self._call(probe)
+            if not box[0]:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0005)
+
+    def _read(self, owner: Peer | Inbound) -> None:
+        conn = owner.conn
+        try:
+            msgs = conn.feed()
+        except (AuthenticationError, InvalidMetadata) as exc:
+            self._lost(owner, exc)
+            return
+        # a request cancelled by its initiator before this side read it is never started: its cancel comes in
+        # the same read or a later one, so look ahead
+        cancelled = {m["id"] for m in msgs if m["t"] == "cancel"} if isinstance(owner, Inbound) else ()
+        for msg in msgs:
+            if cancelled and msg["t"] == "req" and msg["id"] in cancelled:
+                log.info("not serving request %d of %r: cancelled by its initiator", msg["id"], owner.name)
+                continue
+            try:
+                if isinstance(owner, Peer):
+                    self._on_peer_msg(owner, msg)
+                else:
+                    self._on_inbound_msg(owner, msg)
+            except (AuthenticationError, InvalidMetadata) as exc:
+                self._lost(owner, exc)
+                return
+            except (KeyError, TypeError, ValueError) as exc:
+                self._lost(owner, InvalidMetadata(f"malformed control message {msg.get('t')!r}: {exc}"))
+                return
+            except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
+                log.exception("handling control message %r failed", msg.get("t"))
+                self._lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
+                return
+        if conn.closed:
+            self._lost(owner, None)
+
+    def _lost(self, owner: Peer | Inbound, why: BaseException | None) -> None:
+        quarantine = False
+        if isinstance(owner, Peer):
+            # our READs from it with receives or gets still posted into their callers' memory: what the peer
+            # queued before it went must not land after their ERR
+            quarantine = receiving = any(
+                op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
+            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in self._directs)
+            if why is None:
+                why = RemoteDisconnected(
+                    f"agent {owner.name!r} disconnected (control connection closed)", backend=self.name
+                )
+            self._disconnect_peer(owner, why)
+        else:
+            receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
+            if why is not None:
+                log.warning("dropping connection from %r: %s", owner.name or "?", why)
+            self._drop_inbound(owner)
+        if receiving:
+            # a peer that died while sending to us can leave our shared-memory receive queue blocked for
+            # every sender; only a fresh worker gets past it
+            self._reset_worker(f"agent {owner.name!r} died while sending to this agent", quarantine=quarantine)
+
+    def _reset_worker(self, reason: str, quarantine: bool = False) -> None:
+        """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
+
+        The old worker is freed at once (its file descriptors and memory with
+        it) unless ``quarantine``: then a cancelled READ still has gets or
+        receives posted into its caller's memory, and the old worker is kept,
+        never progressed again, until ``close()``.
+        """
+        log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
+        why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
+        for peer in list(self._peers.values()):
+            self._disconnect_peer(peer, why)
+        for inbound in list(self._inbound.values()):
+            self._drop_inbound(inbound)
+        if self._ucx_watched:
+            self._sel.unregister(self._worker.epoll_file_descriptor)
+        self._retire_ep(self._self_ep)  # every endpoint closed, so that freeing them does not wait on a peer
+        old = (self._worker, self._graveyard, self._draining)
+        if quarantine:
+            self._quarantined.append(old)
+        self._graveyard, self._draining, self._self_ep = [], [], None
+        del old
+        self._worker = self._ucx.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()
+        self._address = self._worker.address.tobytes()
+        if self._ucx_watched:
+            self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self.resets += 1
+
+    def _bury(self) -> None:
+        """Let closed endpoints go once their cancelled requests had time to finish."""
+        now = time.monotonic()
+        self._graveyard = [(t, ep) for t, ep in self._graveyard if now - t < 10.0]
+        self._draining = [d for d in self._draining if d.step(now)]
+
+    def _retire_ep(self, ep: Any) -> None:
+        if ep is None:
+            return
+        try:
+            ep.close()
+        except Exception as exc:
+            log.debug("closing endpoint: %s", exc)
+        self._graveyard.append((time.monotonic(), ep))
+
+    # -- lifetime ---------------------------------------------------------------
+    def _shutdown(self) -> None:
+        why = RemoteDisconnected("the ucx backend was closed", backend=self.name)
+        for name in list(self._peers):
+            self._drop_peer(name, why)
+        for inbound in list(self._inbound.values()):
+            self._drop_inbound(inbound)
+        for memh, _ in self._mapped.values():
+            rma.mem_unmap(self._ctx.handle, memh)
+        self._mapped.clear()
+        for fn in list(self._cmds):
+            try:
+                fn()
+            except Exception:
+                pass
+        self._cmds.clear()
+        try:
+            self._listener.close()
+        except OSError:
+            pass

@@ -1,0 +1,133 @@
+"""The target side of the control protocol: accepting initiators, their hello, and what they ask for."""
+
+from __future__ import annotations
+
+import hmac
+import selectors
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from ...errors import (
+    AuthenticationError,
+    InvalidMetadata,
+)
+from .config import _MAX_ADDRESS, log
+from .protocol import FrameConn, handshake_mac, session_key
+from .state import Inbound
+
+
+class Serving:
+    """The target side of the control protocol: accepting initiators, their hello, and what they ask for."""
+
+    # -- target side --------------------------------------------------------------
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            if len(self._inbound) >= int(self.params["max_inbound"]):
+                log.warning("refusing a control connection: %d already open", len(self._inbound))
+                sock.close()
+                continue
+            inbound = Inbound(FrameConn(sock, outbound=False), self._next_conn_id)
+            self._next_conn_id = self._next_conn_id % ((1 << 22) - 1) + 1
+            self._inbound[sock.fileno()] = inbound
+            self._sel.register(sock, selectors.EVENT_READ, inbound)
+            inbound.conn.send({"t": "challenge", "nonce": inbound.nonce})
+
+    def _drop_silent(self, now: float) -> None:
+        """Hang up on connections that never completed the handshake in time (they hold a socket and a buffer)."""
+        late = now - float(self.params["connect_timeout_s"])
+        for inbound in [i for i in self._inbound.values() if not i.name and i.since < late]:
+            log.warning("dropping a control connection that did not say hello in time")
+            self._drop_inbound(inbound)
+
+    def _drop_inbound(self, inbound: Inbound) -> None:
+        for waiting in self._revoking.values():
+            waiting.discard(inbound.conn_id)
+        for op_id in inbound.ops:
+            self._active_in.pop((inbound.conn_id, op_id), None)
+        inbound.ops.clear()
+        try:
+            self._sel.unregister(inbound.conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self._inbound = {k: v for k, v in self._inbound.items() if v is not inbound}
+        inbound.conn.close()
+        self._retire_ep(inbound.ep)
+        inbound.ep = None
+
+    def _on_inbound_msg(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        """Dispatch a message from an initiator (already checked against the protocol's schema) by its type."""
+        t = msg["t"]
+        if t == "hello":
+            if inbound.name:
+                raise InvalidMetadata("a second hello on one connection")
+            self._on_hello(inbound, msg)
+            return
+        if not inbound.name:
+            raise InvalidMetadata(f"control message {t!r} before hello")
+        handler = _FROM_INITIATOR.get(t)
+        if handler is None:
+            raise InvalidMetadata(f"control message {t!r} is not one an initiator sends")
+        handler(self, inbound, msg)
+
+    def _on_req(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        self.tagged._serve(inbound, msg)
+
+    def _on_notif_from(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        self.host.deliver_notification(inbound.name, bytes(msg["msg"]))
+
+    def _on_revoked(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        self._revoking.get(int(msg["id"]), set()).discard(inbound.conn_id)
+
+    def _on_cancel(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        self.tagged._cancel_served(inbound, msg["id"])
+
+    def _on_hello(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+        name, address, nonce_i = msg["name"], bytes(msg["address"]), bytes(msg["nonce"])
+        if not isinstance(name, str) or not name or not 0 < len(address) <= _MAX_ADDRESS:
+            raise InvalidMetadata("hello carries no valid name and UCX address")
+        if self._secret:
+            want = handshake_mac(self._secret, b"hello", inbound.nonce, nonce_i, name.encode() + address)
+            if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
+                inbound.conn.send({"t": "error", "auth": True, "reason": "authentication failed (shared secret)"})
+                raise AuthenticationError(f"agent {name!r} failed authentication")
+        try:
+            self._addr_check.check(address, f"agent {name!r}")
+        except InvalidMetadata as exc:
+            inbound.conn.send({"t": "error", "reason": exc.reason})
+            raise
+        try:
+            ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
+            inbound.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
+        except Exception as exc:
+            inbound.conn.send({"t": "error", "reason": f"cannot reach your UCX worker: {exc}"})
+            raise InvalidMetadata(f"agent {name!r} sent an unusable UCX address: {exc}") from None
+        inbound.name = name
+        rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
+        local = msgpack.packb(self._cma_token.offer()) if self._cma_token is not None else b""
+        mac = b""
+        if self._secret:
+            body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys + local
+            mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
+        inbound.conn.send(
+            {"t": "welcome", "conn_id": inbound.conn_id, "address": self._address, "rkeys": rkeys, "local": local,
+             "mac": mac}
+        )  # fmt: skip
+        if self._secret:
+            inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
+        else:
+            inbound.conn.open_up()
+
+
+# what an initiator may send after its hello, by message type
+_FROM_INITIATOR: dict[str, Callable[..., None]] = {
+    "req": Serving._on_req,
+    "notif": Serving._on_notif_from,
+    "revoked": Serving._on_revoked,
+    "cancel": Serving._on_cancel,
+}

@@ -1,0 +1,226 @@
+"""The ucx backend's bookkeeping: peers, inbound connections, requests in flight, fenced completions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import MemType
+from ..base import (
+    Completion,
+    TransferRequest,
+)
+from . import rma
+from .config import _DRAIN_IDLE_S, _DRAIN_WINDOW
+from .protocol import FrameConn, new_nonce
+
+
+class CudaView:
+    """A device range as ``__cuda_array_interface__``, so ucxx moves VRAM without a host copy."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }  # fmt: skip
+
+
+def row_views(regs: Mapping[int, Any], rids: np.ndarray, addr: np.ndarray, length: np.ndarray, Array) -> list:
+    """One ucxx Array per row, viewing the registered memory itself (no staging copy)."""
+    out = []
+    off = addr.tolist()
+    ln = length.tolist()
+    cache: dict[int, Any] = {}
+    for rid, a, n in zip(rids.tolist(), off, ln):
+        base = cache.get(rid)
+        if base is None:
+            reg = regs[rid]
+            base = cache[rid] = (reg, memoryview(reg.array) if reg.mem_type == MemType.DRAM else None)
+        reg, mv = base
+        if mv is not None:
+            start = a - reg.addr
+            out.append(Array(mv[start : start + n]))
+        else:
+            out.append(Array(CudaView(a, n)))
+    return out
+
+
+class Fenced(Completion):
+    """A completion whose ``cancel`` returns only once the request's bytes can no longer touch the caller's memory.
+
+    ``Transfer`` reports ERR (timeout or release) right after cancelling, so the
+    fence runs inside ``cancel``: the backend stops, cancels or quarantines what
+    is still in flight before the caller is told.
+    """
+
+    __slots__ = ("fence",)
+
+    def __init__(self, parts: int = 1) -> None:
+        super().__init__(parts)
+        self.fence: Callable[[Fenced], None] | None = None
+
+    def cancel(self, error: BaseException | None = None) -> None:
+        super().cancel(error)
+        fence, self.fence = self.fence, None
+        if fence is not None and self.finished_at is None:
+            fence(self)
+
+
+class Requests:
+    """UCX requests of one operation, checked for completion in posting order."""
+
+    __slots__ = ("k", "reqs")
+
+    def __init__(self, reqs: list) -> None:
+        self.reqs = reqs
+        self.k = 0
+
+    def poll(self) -> BaseException | bool:
+        """True when all completed, an exception on the first failure, False while pending."""
+        reqs, k, n = self.reqs, self.k, len(self.reqs)
+        while k < n:
+            r = reqs[k]
+            if not r.completed:
+                self.k = k
+                return False
+            try:
+                r.check_error()
+            except Exception as exc:  # a UCX error object: map it for the caller
+                self.k = k
+                return exc
+            k += 1
+        self.k = n
+        return True
+
+    def pending(self) -> list[int]:
+        return [i for i in range(self.k, len(self.reqs)) if not self.reqs[i].completed]
+
+
+@dataclass(eq=False)
+class UcxPlan:
+    """One request, prepared once: local row views, the local regions it touches, the control message to the
+    owner, and (cached by the first one-sided post) the peer epoch and rows it was planned against."""
+
+    views: Any
+    regions: frozenset[int]
+    msg: dict[str, Any]
+    one_sided: Any = None
+
+
+class Direct:
+    """A one-sided request's puts/gets, posted by the caller (or, queued behind the handshake, by the service
+    thread), until the endpoint flush after them ends; finished once, by whoever sees it end."""
+
+    __slots__ = (
+        "completion", "deadline", "done", "driven", "flush", "lock", "notify", "op", "peer", "regions", "since",
+    )  # fmt: skip
+
+    def __init__(
+        self, peer: Peer, req: TransferRequest, completion: Completion, flush: rma.Flush, deadline: float
+    ) -> None:
+        self.peer = peer
+        self.deadline = deadline
+        self.completion = completion
+        self.flush = flush
+        self.notify = req.notify
+        self.op = req.op
+        self.regions = req.plan.regions
+        self.lock = threading.Lock()
+        self.done = False
+        self.driven = False  # a waiter progresses UCX for it: the service thread keeps out of its way
+        self.since = time.monotonic()
+
+
+class Drain:
+    """A refused WRITE's rows consumed into scratch memory, ``_DRAIN_WINDOW`` receives at a time.
+
+    Its memory stays bounded whatever row count the request claimed; it ends
+    when every row arrived, its connection dropped, or nothing came for
+    ``_DRAIN_IDLE_S``.
+    """
+
+    __slots__ = ("Tag", "inbound", "n", "next", "reqs", "since", "sink", "tag0")
+
+    def __init__(self, inbound: Inbound, tag0: int, n: int, scratch: int, Array: Any, Tag: Any) -> None:
+        self.inbound, self.tag0, self.n, self.next, self.Tag = inbound, tag0, n, 0, Tag
+        self.sink = Array(memoryview(bytearray(scratch)))
+        self.reqs: list = []
+        self.since = time.monotonic()
+
+    def step(self, now: float) -> bool:
+        """Post the next window once the current one is in; False when the drain is over."""
+        if self.inbound.ep is None:
+            return False
+        if not all(r.completed for r in self.reqs):
+            return now - self.since < _DRAIN_IDLE_S
+        if self.next >= self.n:
+            return False
+        ep, last = self.inbound.ep, min(self.n, self.next + _DRAIN_WINDOW)
+        self.reqs = [ep.tag_recv(self.sink, self.Tag(self.tag0 + i)) for i in range(self.next, last)]
+        self.next, self.since = last, now
+        return True
+
+
+class OutOp:
+    """A request this agent initiated, from post to completion."""
+
+    __slots__ = ("abandoned", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
+
+    def __init__(self, op_id: int, peer: Peer, req: TransferRequest, completion: Completion, deadline: float) -> None:
+        self.id = op_id
+        self.deadline = deadline
+        self.peer = peer
+        self.req = req
+        self.completion = completion
+        self.abandoned = False
+        self.done_msg = req.op == "READ"
+        self.reqs: Requests | None = None
+        self.tag0 = 0
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if self.completion.finished_at is None and not self.abandoned:
+            self.completion.finish_part(error)
+        self.abandoned = True
+
+
+class Peer:
+    """An outbound connection to one remote agent: control socket plus UCX data endpoint."""
+
+    def __init__(self, name: str, info: Mapping[str, Any]) -> None:
+        self.name = name
+        self.info = dict(info)
+        self.conn: FrameConn | None = None
+        self.ep: Any = None
+        self.state = "idle"  # idle -> connecting -> ready; back to idle when the connection drops
+        self.nonce = b""
+        self.nonce_t = b""
+        self.conn_id = 0
+        self.queue: list[tuple[str, Any]] = []  # what waits for the handshake
+        self.ops: dict[int, OutOp] = {}
+        # the target's regions open to put/get: id -> (mem type, dev, addr, length, packed rkey); and the
+        # rkeys unpacked on the current endpoint. ``epoch`` changes with either, invalidating cached plans.
+        self.regions: dict[int, tuple[str, int, int, int, bytes]] = {}
+        self.rkeys: dict[int, int] = {}
+        self.epoch = 0
+        self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
+        self.cma_why = "not connected"  # why not, for describe()
+
+
+class Inbound:
+    """A connection from an initiator that this agent serves."""
+
+    def __init__(self, conn: FrameConn, conn_id: int) -> None:
+        self.conn = conn
+        self.conn_id = conn_id
+        self.nonce = new_nonce()
+        self.since = time.monotonic()  # a connection that has not said hello within connect_timeout_s is dropped
+        self.name = ""
+        self.ep: Any = None
+        # op id -> (requests, op, notify, first tag, ids of the registered regions it touches)
+        self.ops: dict[int, tuple[Requests, str, bytes, int, frozenset[int]]] = {}

@@ -1,0 +1,43 @@
+"""Speaking the ucx control protocol by hand, as a hostile or dying peer would (tests only)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import msgpack
+
+from datamover.agents.metadata import decode_metadata
+
+
+def control_of(blob: bytes) -> tuple[str, int]:
+    """The ucx control port an agent's metadata blob advertises."""
+    info = decode_metadata(blob).backends["ucx"]
+    return info["host"], info["port"]
+
+
+def send(sock: socket.socket, msg: dict) -> None:
+    payload = msgpack.packb(msg, use_bin_type=True)
+    sock.sendall(struct.pack("!I", len(payload)) + payload)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+def recv(sock: socket.socket) -> dict | None:
+    """The next frame, or None once the other side hung up."""
+    try:
+        head = recv_exact(sock, 4)
+        if head is None:
+            return None
+        body = recv_exact(sock, struct.unpack("!I", head)[0])
+    except (ConnectionResetError, TimeoutError):
+        return None
+    return None if body is None else msgpack.unpackb(body, raw=False)

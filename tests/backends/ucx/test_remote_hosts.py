@@ -1,0 +1,190 @@
+"""The remote tests across two test hosts (network namespaces joined by veth pairs, the peer in its own pid
+namespace; UCX over tcp as between machines): SIGKILL mid-transfer, reconnect, refused descriptors,
+revocation, auth, and a link taken down mid-transfer.
+
+Every fault comes at a known point: "mid-transfer" is made certain by freezing the peer (SIGSTOP) once it
+answered on its pipe, posting, then killing it or taking its link down; the peer's CPU is needed to serve
+tcp gets, so the transfer cannot have finished first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from datamover import Agent, XferState
+from datamover.agents.metadata import encode_metadata
+from datamover.backends import backend_status
+from datamover.errors import (
+    AuthenticationError,
+    DatamoverError,
+    NotRegistered,
+    RemoteDisconnected,
+    RemoteRefused,
+    TransferTimeout,
+)
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+TCP = {"UCX_TLS": "tcp,self"}
+SIZE, BS = 16 << 20, 1 << 20
+
+
+def _far(hosts, name, secret=None, **params):
+    there = hosts[1]
+    cfg = {"backends": {"ucx": {"host": there.address, **params}}}
+    if secret is not None:
+        cfg["secret"] = secret
+    return RemotePeer(name, cfg, env=TCP, host=there)
+
+
+def _near(hosts, name, secret=None, **params):
+    here = hosts[0]
+    cfg = {
+        "backends": {"ucx": {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}, **params}}
+    }
+    if secret is not None:
+        cfg["secret"] = secret
+    return Agent(name, cfg)
+
+
+def _rows(buf_or_local, n=SIZE // BS):
+    return buf_or_local.descs(np.arange(n) * BS, BS)
+
+
+def _roundtrip(agent, peer, nbytes=1 << 16, seed=3):
+    """A WRITE then a READ of ``nbytes`` with ``peer``, every byte checked."""
+    local, remote = HostBuffer(agent, 2 * nbytes), RemoteBuffer(peer, nbytes)
+    agent.add_remote(peer.metadata())  # the buffer was registered after the metadata this agent holds
+    try:
+        data = random_bytes(nbytes, seed)
+        local.write(0, data)
+        assert agent.transfer("WRITE", local.descs([0], [nbytes]), remote.descs([0], [nbytes]), peer.name).wait()
+        assert remote.read(0, nbytes) == data
+        assert agent.transfer("READ", local.descs([nbytes], [nbytes]), remote.descs([0], [nbytes]), peer.name).wait()
+        assert local.read(nbytes, nbytes) == data
+    finally:
+        agent.deregister_memory(local.registration)
+        remote.free()
+
+
+def _frozen_read(agent, peer, remote, local, timeout):
+    """Freeze ``peer`` once idle and post a READ from it: in flight for certain."""
+    peer.call("ping")  # answered: idle in its command loop
+    os.kill(peer.pid, signal.SIGSTOP)
+    xfer = agent.transfer("READ", _rows(local), _rows(remote), peer.name, timeout=timeout)
+    assert xfer.state == XferState.PROC
+    return xfer
+
+
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_sigkill_mid_transfer_across_hosts_then_the_peer_comes_back(test_hosts, op):
+    with _near(test_hosts, "near-kill") as agent:
+        local = HostBuffer(agent, SIZE)
+        victim = _far(test_hosts, "victim")
+        try:
+            remote = RemoteBuffer(victim, SIZE)
+            agent.add_remote(victim.metadata())
+            _roundtrip(agent, victim)
+            victim.call("ping")  # answered: idle in its command loop
+            os.kill(victim.pid, signal.SIGSTOP)  # idle, connected: the transfer below cannot finish
+            xfer = agent.transfer(op, _rows(local), _rows(remote), "victim", timeout=30)
+            assert xfer.state == XferState.PROC
+            t0 = time.monotonic()
+            os.kill(victim.pid, signal.SIGKILL)
+            with pytest.raises(RemoteDisconnected) as info:
+                xfer.wait()
+            assert time.monotonic() - t0 < 10 and "victim" in str(info.value)
+        finally:
+            victim.close()
+        with _far(test_hosts, "victim") as again:  # same name, new metadata: reconnects
+            agent.add_remote(again.metadata())
+            _roundtrip(agent, again, seed=4)
+        agent.deregister_memory(local.registration)
+
+
+def test_refused_descriptors_across_hosts(test_hosts):
+    with _far(test_hosts, "owner-far") as peer, _near(test_hosts, "forger") as agent:
+        buf = RemoteBuffer(peer, 2 * 4096)
+        agent.add_remote(peer.metadata())
+        real = agent.remote_metadata("owner-far")
+        regions = [(m, d, s, (n + 4096 if s == buf.addr else n), r) for m, d, s, n, r in real.regions]
+        agent.add_remote(encode_metadata("owner-far", real.backends, regions))
+        local = HostBuffer(agent, 3 * 4096)
+        local.write(0, random_bytes(3 * 4096, 9))
+        before = buf.read(0, 2 * 4096)
+        xfer = agent.transfer("WRITE", local.descs([0, 4096], [100, 8000]), buf.descs([0, 200], [100, 8000]),
+                              "owner-far")  # fmt: skip
+        with pytest.raises(RemoteRefused) as info:
+            xfer.wait()
+        assert info.value.index == 1 and "outside every region" in str(info.value)
+        assert buf.read(0, 2 * 4096) == before
+
+
+def test_revocation_across_hosts(test_hosts):
+    with _far(test_hosts, "revoker") as peer, _near(test_hosts, "stale") as agent:
+        local, buf = HostBuffer(agent, 8192), RemoteBuffer(peer, 8192)
+        agent.add_remote(peer.metadata())
+        local.write(0, random_bytes(8192, 3))
+        assert agent.transfer("WRITE", local.descs([0], [8192]), buf.descs([0], [8192]), "revoker").wait()
+        stale = buf.descs([0], [8192])
+        one_sided = agent.backend("ucx").describe()["requests"]["one-sided"]
+        buf.free()  # returns once this agent confirmed dropping the rkey, over the veth
+        with pytest.raises((RemoteRefused, NotRegistered)):
+            agent.transfer("WRITE", local.descs([0], [8192]), stale, "revoker").wait()
+        assert agent.backend("ucx").describe()["requests"]["one-sided"] == one_sided
+
+
+def test_auth_across_hosts(test_hosts):
+    with _far(test_hosts, "sec-far", secret=b"s3cret") as peer:
+        buf = RemoteBuffer(peer, 4096)
+        with _near(test_hosts, "sec-near", secret=b"s3cret") as agent:
+            agent.add_remote(peer.metadata())
+            _roundtrip(agent, peer, 4096)
+        blob = peer.metadata()
+        with _near(test_hosts, "no-secret") as agent:
+            agent.add_remote(blob[36:])  # the signature stripped: the control handshake still refuses
+            local = HostBuffer(agent, 4096)
+            before = buf.read(0, 4096)
+            xfer = agent.transfer("WRITE", local.descs([0], [4096]), buf.descs([0], [4096]), "sec-far")
+            with pytest.raises(AuthenticationError):
+                xfer.wait()
+            assert buf.read(0, 4096) == before
+
+
+def test_link_down_mid_transfer_ends_in_err_within_its_timeout_and_traffic_resumes(test_hosts):
+    there = test_hosts[1]
+    with _far(test_hosts, "far-link") as peer, _near(test_hosts, "near-link") as agent:
+        remote, local = RemoteBuffer(peer, SIZE), HostBuffer(agent, SIZE)
+        remote.write(0, b"\x5a" * SIZE)
+        agent.add_remote(peer.metadata())
+        _roundtrip(agent, peer)
+        timeout = 3.0
+        xfer = _frozen_read(agent, peer, remote, local, timeout)
+        t0 = time.monotonic()
+        there.link_down()
+        try:
+            os.kill(peer.pid, signal.SIGCONT)  # the peer runs again: only the link stops the transfer now
+            with pytest.raises((TransferTimeout, RemoteDisconnected)):
+                xfer.wait()
+            elapsed = time.monotonic() - t0
+            assert xfer.state == XferState.ERR and elapsed < timeout + 2.0, elapsed
+        finally:
+            there.link_up()
+        local.array[:] = 0
+        # traffic resumes once the link is back (the agent reconnects by itself); nothing of the ERR'd READ lands
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                _roundtrip(agent, peer, seed=8)
+                break
+            except DatamoverError:
+                assert time.monotonic() < deadline, "traffic did not resume after the link came back"
+        assert np.count_nonzero(local.array) == 0, "bytes of the READ that ended in ERR landed later"

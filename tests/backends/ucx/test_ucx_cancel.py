@@ -1,0 +1,138 @@
+"""After ERR (a timeout) or release, no byte of that transfer touches the caller's memory.
+
+As the fault matrix found it: a READ from a frozen (SIGSTOPped) peer times
+out, the caller reuses its buffer for a READ from a healthy peer, the frozen
+peer is thawed. The freeze comes at a known point: the peer has answered a
+command over its pipe and the data connection is up and idle. After the thaw a
+full READ from the thawed peer runs, so whatever it had queued for the old
+request has had its chance to arrive before the buffer is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from datamover import Agent, XferState
+from datamover.backends import backend_status
+from datamover.errors import TransferTimeout
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+PATHS = {
+    "one-sided": {"direct_cma": False},  # UCX put/get (emulated over shared memory here: the peer's CPU answers)
+    "owner-served": {"one_sided": False},  # tag send/recv, the owner posts the sends
+}
+SIZE, BS = 32 << 20, 1 << 20
+
+
+def _frozen_read(agent, frozen, fbuf, local, how):
+    """Post a READ of all of ``fbuf`` while its owner is frozen; end it by timeout or release."""
+    n = SIZE // BS
+    xfer = agent.transfer(
+        "READ", local.descs(np.arange(n) * BS, BS), fbuf.descs(np.arange(n) * BS, BS), frozen.name, timeout=0.5
+    )
+    if how == "timeout":
+        with pytest.raises(TransferTimeout):
+            xfer.wait()
+    else:
+        assert xfer.state == XferState.PROC
+        xfer.release()
+    return xfer
+
+
+@pytest.mark.parametrize("how", ["timeout", "release"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
+    cfg = {"backends": {"ucx": PATHS[path]}}
+    with (
+        RemotePeer("frozen", cfg) as frozen,
+        RemotePeer("healthy", cfg) as healthy,
+        Agent("reader", cfg) as agent,
+    ):
+        fbuf, hbuf = RemoteBuffer(frozen, SIZE), RemoteBuffer(healthy, SIZE)
+        fbuf.write(0, b"\xaa" * SIZE)
+        healthy_data = random_bytes(SIZE, 5)
+        hbuf.write(0, healthy_data)
+        agent.add_remote(frozen.metadata())
+        agent.add_remote(healthy.metadata())
+        local = HostBuffer(agent, SIZE)
+        # connect to both first, so the freeze comes with the data connection up and idle
+        for peer, buf in ((frozen, fbuf), (healthy, hbuf)):
+            assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        assert frozen.call("ping") == frozen.pid  # the peer is idle in its command loop now
+        os.kill(frozen.pid, signal.SIGSTOP)
+        try:
+            _frozen_read(agent, frozen, fbuf, local, how)
+            # the caller reuses its buffer for a READ from a healthy peer, which verifies
+            n = SIZE // BS
+            again = agent.transfer("READ", local.descs(np.arange(n) * BS, BS), hbuf.descs(np.arange(n) * BS, BS),
+                                   "healthy")  # fmt: skip
+            assert again.wait() == XferState.DONE
+            assert local.read(0, SIZE) == healthy_data
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        assert frozen.call("ping") == frozen.pid
+        # a full READ from the thawed peer, into other memory: what it still had for the old request came first
+        other = HostBuffer(agent, 1 << 20)
+        assert agent.transfer("READ", other.descs([0], [1 << 20]), fbuf.descs([0], [1 << 20]), "frozen").wait()
+        assert other.read(0, 1 << 20) == b"\xaa" * (1 << 20)
+        got = local.read(0, SIZE)
+        changed = int(np.count_nonzero(np.frombuffer(got, np.uint8) != np.frombuffer(healthy_data, np.uint8)))
+        assert changed == 0, f"{changed} bytes of the cancelled READ landed after it ended"
+
+
+def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch):
+    """A part copying when the caller's deadline passes: ERR comes only once no chunk can copy any more.
+
+    The second chunk's copy is held at a known point (after its part checked for
+    cancellation, before the syscall) until the transfer was cancelled, and then
+    until the caller heard of the ERR or 2 s passed. Had ERR come first, that
+    chunk would be copied into a buffer the caller already reuses.
+    """
+    from datamover.backends import base
+    from datamover.backends.ucx import cma
+
+    cfg = {"backends": {"ucx": {}}}
+    with RemotePeer("cma-peer", cfg) as peer, Agent("cma-reader", cfg) as agent:
+        size = 64 << 20
+        buf = RemoteBuffer(peer, size)
+        buf.write(0, b"\x11" * size)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, size)
+        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        if not str(agent.backend("ucx").describe()["direct cma"].get(peer.name, "")).startswith("pid"):
+            pytest.skip("direct cma is not allowed between these processes here")
+        held, cancelled, told, copied = (threading.Event() for _ in range(4))
+        real_run, real_cancel = cma.CmaPlan.run, base.Completion.cancel
+
+        def run(plan, pid, write, first=0, last=None):
+            if first == 1 and not held.is_set():
+                held.set()
+                assert cancelled.wait(30), "the transfer was never cancelled"
+                told.wait(2.0)
+                out = real_run(plan, pid, write, first, last)
+                copied.set()
+                return out
+            return real_run(plan, pid, write, first, last)
+
+        def cancel(self, error=None):
+            real_cancel(self, error)
+            cancelled.set()
+
+        monkeypatch.setattr(cma.CmaPlan, "run", run)
+        monkeypatch.setattr(base.Completion, "cancel", cancel)
+        xfer = agent.transfer("READ", local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=0.5)
+        assert held.wait(30)
+        with pytest.raises(TransferTimeout):
+            xfer.wait(30)  # a bounded wait leaves the copying to the cma threads
+        copied_first = copied.is_set()
+        told.set()
+        assert copied_first, "ERR was reported while a cma chunk was still to be copied into the caller's buffer"

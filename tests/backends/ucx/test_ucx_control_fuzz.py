@@ -1,0 +1,266 @@
+"""The ucx control port under hostile input, the target in another process: an abort there fails the test.
+
+Hellos with malformed UCX worker addresses (mutations of a real one), welcomes
+with them (the initiator in another process), random control messages after a
+valid hello, oversized frames before the handshake, and refused requests that
+claim a million rows: the peer must answer with a refusal or a hang-up, keep
+serving, and keep its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover import Agent, XferState
+from datamover.agents.metadata import encode_metadata
+from datamover.backends import backend_status
+from datamover.backends.ucx.address import AddressCheck, parse
+from datamover.errors import DatamoverError, InvalidMetadata
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+from .control import control_of, recv, send
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+UCX = {"backends": {"ucx": {}}}
+
+
+@pytest.fixture(scope="module")
+def target():
+    with RemotePeer("fuzz-target", UCX) as peer:
+        yield peer
+
+
+@pytest.fixture(scope="module")
+def agent(target):
+    with Agent("fuzz-init", UCX) as agent:
+        agent.add_remote(target.metadata())
+        yield agent
+
+
+@pytest.fixture(scope="module")
+def real_address(agent) -> bytes:
+    return agent.backend("ucx").connection_info()["address"]
+
+
+def _control(target) -> tuple[str, int]:
+    return control_of(target.metadata())
+
+
+def _hello(target, address: bytes, name: str = "fuzzer") -> dict | None:
+    """Say hello with ``address``; the target's answer (welcome or error), or None when it hung up."""
+    with socket.create_connection(_control(target), timeout=10) as sock:
+        challenge = recv(sock)
+        assert challenge is not None and challenge["t"] == "challenge"
+        send(sock, {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "mac": b""})
+        return recv(sock)
+
+
+def _mutations(base: bytes):
+    n = len(base)
+    flips = st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 255)), min_size=1, max_size=6)
+    return st.one_of(
+        flips.map(lambda fl: bytes(_apply(base, fl))),
+        st.integers(1, n - 1).map(lambda k: base[:k]),
+        st.binary(min_size=1, max_size=64).map(lambda tail: base + tail),
+        st.integers(0, 255).map(lambda v: bytes([v]) + base[1:]),
+        st.binary(min_size=1, max_size=512),
+    )
+
+
+def _apply(base: bytes, flips) -> bytearray:
+    out = bytearray(base)
+    for pos, val in flips:
+        out[pos] = val
+    return out
+
+
+def _serves(agent, target) -> None:
+    """The target still moves bytes for a legitimate peer."""
+    buf = RemoteBuffer(target, 1 << 16)
+    local = HostBuffer(agent, 1 << 16)
+    try:
+        agent.add_remote(target.metadata())
+        data = random_bytes(1 << 16, 77)
+        local.write(0, data)
+        xfer = agent.transfer("WRITE", local.descs([0], [1 << 16]), buf.descs([0], [1 << 16]), "fuzz-target")
+        assert xfer.wait() == XferState.DONE
+        assert buf.read(0, 1 << 16) == data
+    finally:
+        agent.deregister_memory(local.registration)
+        buf.free()
+
+
+@pytest.mark.parametrize("first", [6, 9, 0x0F, 0xF2])
+def test_hello_with_an_unknown_address_version_is_refused(agent, target, real_address, first):
+    """The fault matrix's frame: UCX asserted on the version nibble and aborted the whole agent (SIGABRT)."""
+    answer = _hello(target, bytes([first]) + real_address[1:])
+    assert answer is not None and answer["t"] == "error" and "version" in answer["reason"], answer
+    assert target.call("ping", timeout=10) == target.pid
+    _serves(agent, target)
+
+
+@settings(max_examples=150)
+@given(data=st.data())
+def test_fuzzed_hello_addresses_never_kill_the_target(target, real_address, data):
+    address = data.draw(_mutations(real_address))
+    answer = _hello(target, address)
+    assert answer is None or answer["t"] in ("welcome", "error"), answer
+    assert target.call("ping", timeout=10) == target.pid, "the target died on a hello"
+
+
+def test_fuzzed_hellos_leave_the_target_serving(agent, target):
+    _serves(agent, target)
+
+
+_FIELDS = ["id", "op", "mem", "addr", "len", "dev", "tag", "notify", "msg", "add", "row", "reason", "nonce", "conn_id"]
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.binary(max_size=64), st.text(max_size=16),
+    st.lists(st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.binary(max_size=8)), max_size=4),
+    st.sampled_from(["WRITE", "READ", "DRAM", "VRAM"]),
+)  # fmt: skip
+_TYPES = ["req", "notif", "rkeys", "revoke", "revoked", "cancel", "hello", "welcome", "done", "refuse", "x"]
+
+
+@settings(max_examples=100)
+@given(msgs=st.lists(st.fixed_dictionaries({"t": st.sampled_from(_TYPES)}, optional=dict.fromkeys(_FIELDS, _VALUES)),
+                     min_size=1, max_size=5))  # fmt: skip
+def test_random_messages_after_a_valid_hello_never_kill_the_target(target, real_address, msgs):
+    with socket.create_connection(_control(target), timeout=10) as sock:
+        assert recv(sock)["t"] == "challenge"
+        send(sock, {"t": "hello", "name": "fuzzer", "address": real_address, "nonce": os.urandom(16), "mac": b""})
+        assert recv(sock)["t"] == "welcome"
+        for m in msgs:
+            try:
+                send(sock, m)
+            except OSError:
+                break  # the target hung up on an earlier one
+    assert target.call("ping", timeout=10) == target.pid
+
+
+def test_random_messages_leave_the_target_serving(agent, target):
+    _serves(agent, target)
+
+
+def test_a_large_frame_before_the_handshake_is_refused_at_its_header(target):
+    """An unauthenticated connection cannot make the target buffer a big frame: it hangs up on the length."""
+    with socket.create_connection(_control(target), timeout=10) as sock:
+        assert recv(sock)["t"] == "challenge"
+        sock.sendall(struct.pack("!I", 1 << 20) + b"\x00" * 1024)
+        sock.settimeout(4.0)  # under the target's 5 s handshake deadline: the hang-up must come from the header
+        assert sock.recv(4096) == b"", "the target kept reading a 1 MiB frame from a connection that never said hello"
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def test_refused_million_row_writes_keep_the_targets_memory(target, real_address):
+    """Three refused 1M-row WRITEs took the target's RSS to 3.1 GB (one posted receive per claimed row)."""
+    n = 1 << 20
+    cols = np.full(n, 1 << 40, dtype="<i8").tobytes()  # an address no one registered
+    before = _rss(target.pid)
+    socks = []
+    try:
+        for k in range(3):
+            sock = socket.create_connection(_control(target), timeout=30)
+            socks.append(sock)
+            assert recv(sock)["t"] == "challenge"
+            send(sock, {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16)})
+            assert recv(sock)["t"] == "welcome"
+            req = {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols, "len": cols, "dev": cols,
+                   "tag": 1 << 40, "notify": b""}  # fmt: skip
+            send(sock, req)
+            answer = recv(sock)
+            assert answer is not None and answer["t"] == "refuse", answer
+        assert target.call("ping", timeout=10) == target.pid
+        grown = _rss(target.pid) - before
+        assert grown < 256 << 20, f"the target's RSS grew by {grown >> 20} MiB"
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+class _FakeTarget:
+    """A control port that answers every hello with a welcome carrying ``self.address`` (set per example)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.address = b""
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            with sock:
+                sock.settimeout(10)
+                send(sock, {"t": "challenge", "nonce": os.urandom(16)})
+                if recv(sock) is None:
+                    continue
+                send(sock, {"t": "welcome", "conn_id": 1, "address": self.address, "rkeys": b"", "local": b""})
+                while recv(sock) is not None:  # until the initiator hangs up (remove_remote)
+                    pass
+
+    def close(self) -> None:
+        self.stop = True
+        self.listener.close()
+
+
+@pytest.fixture(scope="module")
+def initiator():
+    with RemotePeer("fuzz-initiator", UCX) as peer:
+        yield peer
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_fuzzed_welcome_addresses_never_kill_the_initiator(initiator, real_address, data):
+    """The second abort the fault matrix found: a target whose welcome carries a malformed address."""
+    fake = _FakeTarget()
+    try:
+        fake.address = data.draw(_mutations(real_address))
+        blob = encode_metadata("fake", {"ucx": {"address": real_address, "host": "127.0.0.1", "port": fake.port}}, [])
+        initiator.call("add_remote", blob)
+        try:
+            initiator.call("send_notification", "fake", b"x", timeout=20)
+        except DatamoverError:
+            pass  # refused: what a malformed welcome should give
+        initiator.call("remove_remote", "fake")
+        assert initiator.call("ping", timeout=10) == initiator.pid, "the initiator died on a welcome"
+    finally:
+        fake.close()
+
+
+def test_own_addresses_parse_and_check_under_every_tls():
+    """The parser walks what this UCX packs (v1 by default, v2 on request) to its last byte."""
+    from datamover.backends.ucx import import_ucxx, ucx_config
+
+    u, _ = import_ucxx()
+    features = (u.Feature.TAG, u.Feature.WAKEUP, u.Feature.RMA)
+    for cfg in ({}, {"TLS": "tcp,self"}, {"ADDRESS_VERSION": "v2"}, {"TLS": "tcp", "ADDRESS_VERSION": "v2"}):
+        worker = u.UCXWorker(u.UCXContext(ucx_config(cfg, False), feature_flags=features))
+        own = worker.address.tobytes()
+        assert parse(own).transports, cfg
+        AddressCheck(own).check(own, "self")
+        with pytest.raises(InvalidMetadata):
+            AddressCheck(own).check(own[:-1], "self")
