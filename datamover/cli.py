@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     _delegate(sub, "replay", "datamover.policy.cli", "replay a Mooncake-format trace through the tier policy")
     _delegate(sub, "tracegen", "datamover.policy.tracegen", "write a seeded synthetic trace in Mooncake's format")
     _delegate(sub, "alerts", "datamover.policy.alerts_cli", "write Prometheus alerting rules from a tier config")
+    _delegate(sub, "nixl-run", "datamover.compat.nixl.alias", "run a NIXL program unchanged: import nixl is datamover")
     return parser
 
 

@@ -519,29 +519,46 @@ class Agent:
         return x.post()
 
     # -- metadata and peers ------------------------------------------------
-    def metadata(self) -> bytes:
-        """This agent's metadata blob: name, remote backends' connection info, regions."""
+    def metadata(self, registrations: Iterable[Registration] | None = None, *, connection: bool = True) -> bytes:
+        """This agent's metadata blob: name, remote backends' connection info, regions.
+
+        With ``registrations``, a partial blob of those regions only (and, unless
+        ``connection`` is False, the connection info), which a peer merges into
+        what it already knows of this agent instead of replacing it.
+        """
         with self._lock:
+            partial = registrations is not None
             infos = {}
-            for name in self.enabled_backends():
+            for name in self.enabled_backends() if connection else ():
                 try:
                     cls = get_backend_class(name)
                 except Exception:
                     continue
                 if cls.supports_remote and backend_status(name)[0]:
                     infos[name] = self.backend(name).connection_info()
-            regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values()]
-            blob = encode_metadata(self.name, infos, regions, ident=agent_ident(self._token))
+            regs = self._regs.values() if registrations is None else list(registrations)
+            for r in regs:
+                if self._regs.get(r.id) is not r:
+                    raise NotRegistered(f"{r!r} is not registered with agent {self.name!r}")
+            regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in regs]
+            blob = encode_metadata(self.name, infos, regions, ident=agent_ident(self._token), partial=partial)
             return sign_metadata(blob, self.config.secret) if self.config.secret else blob
 
     def add_remote(self, blob: bytes) -> str:
-        """Load (or refresh) a peer from its metadata blob; returns its name. Connects lazily."""
+        """Load (or refresh) a peer from its metadata blob; returns its name. Connects lazily.
+
+        A partial blob (``metadata(registrations)``) adds its regions and
+        connection info to what is known of the peer; a full one replaces it.
+        """
         return self._load_remote(decode_metadata(open_metadata(blob, self.config.secret)))
 
     def _load_remote(self, meta: AgentMetadata) -> str:
         if meta.name == self.name:
             raise InvalidMetadata(f"metadata is this agent's own ({self.name!r})")
         with self._lock:
+            old = self._remotes.get(meta.name)
+            if meta.partial and old is not None:
+                meta = _merge_metadata(old, meta)
             # backends check their connection info first, so a bad blob changes nothing
             for name, info in meta.backends.items():
                 if name in self.enabled_backends() and backend_status(name)[0]:
@@ -604,11 +621,12 @@ class Agent:
             )
         return name
 
-    def send_metadata(self, host: str, port: int, timeout: float = 5.0) -> None:
-        """Push this agent's metadata to a peer's side channel, which loads it as if it had fetched it."""
+    def send_metadata(self, host: str, port: int, timeout: float = 5.0, blob: bytes | None = None) -> None:
+        """Push this agent's metadata (or ``blob``, e.g. a partial one) to a peer's side channel,
+        which loads it as if it had fetched it."""
         from .side_channel import PUSH, send_request
 
-        send_request(host, port, PUSH, self.metadata(), timeout=timeout, proof=self._token)
+        send_request(host, port, PUSH, self.metadata() if blob is None else blob, timeout=timeout, proof=self._token)
 
     def invalidate_at(self, host: str, port: int, timeout: float = 5.0) -> None:
         """Ask the peer listening at (host, port) to forget this agent (signed when a secret is set)."""
@@ -778,6 +796,17 @@ class Agent:
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, backends={list(self._backends)}, regions={len(self._regs)})"
+
+
+def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
+    """``old`` with a partial blob's regions (same id: the new one wins) and connection info added."""
+    regions = {r[4]: r for r in old.regions}
+    regions.update({r[4]: r for r in new.regions})
+    backends = {**old.backends, **new.backends}
+    blob = encode_metadata(
+        old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
+    )
+    return decode_metadata(blob)
 
 
 class _OneShot:

@@ -2,8 +2,10 @@
 
 Schema (version 1): a map with ``schema`` (int), ``name`` (str), ``backends``
 (map of backend name -> connection info map), ``regions`` (list of
-``[mem_type, dev, start, length, region_id]``) and optionally ``ident``, the
-agent's public identity (32 bytes, see ``agent_ident``). Decoding is strict: any blob
+``[mem_type, dev, start, length, region_id]``), optionally ``ident``, the
+agent's public identity (32 bytes, see ``agent_ident``), and optionally ``partial``
+(true: the blob carries only some regions, to be merged into what the peer already
+knows, as NIXL's partial metadata is). Decoding is strict: any blob
 that is truncated, mistyped, oversized or inconsistent raises InvalidMetadata.
 """
 
@@ -46,6 +48,7 @@ class AgentMetadata:
     mem_types: tuple[MemType, ...] = field(repr=False)  # per row, via ``mem_codes``
     mem_codes: np.ndarray = field(repr=False)
     ident: bytes | None = None
+    partial: bool = False
 
     @functools.cached_property
     def regions(self) -> tuple[tuple[MemType, int, int, int, int], ...]:
@@ -63,8 +66,11 @@ def agent_ident(token: bytes) -> bytes:
     return hashlib.sha256(b"datamover-ident\0" + bytes(token)).digest()
 
 
-def encode_metadata(name: str, backends: Mapping[str, Mapping[str, Any]], regions, ident: bytes | None = None) -> bytes:
-    """Pack an agent's name, backend connection info, regions and (optionally) its public identity."""
+def encode_metadata(
+    name: str, backends: Mapping[str, Mapping[str, Any]], regions, ident: bytes | None = None, partial: bool = False
+) -> bytes:
+    """Pack an agent's name, backend connection info, regions and (optionally) its public identity;
+    ``partial``: the regions are some of the agent's only."""
     doc = {
         "schema": SCHEMA_VERSION,
         "name": name,
@@ -73,6 +79,8 @@ def encode_metadata(name: str, backends: Mapping[str, Mapping[str, Any]], region
     }
     if ident is not None:
         doc["ident"] = bytes(ident)
+    if partial:
+        doc["partial"] = True
     return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -105,7 +113,7 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
         raise InvalidMetadata("metadata has no integer 'schema' version")
     if schema != SCHEMA_VERSION:
         raise InvalidMetadata(f"metadata schema version {schema} is not supported (this is {SCHEMA_VERSION})")
-    unknown = set(doc) - {"schema", "name", "backends", "regions", "ident"}
+    unknown = set(doc) - {"schema", "name", "backends", "regions", "ident", "partial"}
     if unknown:
         raise InvalidMetadata(f"metadata has unknown field(s) {sorted(map(str, unknown))}")
     name = doc.get("name")
@@ -119,6 +127,9 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
     ident = doc.get("ident")
     if ident is not None and not (isinstance(ident, bytes) and len(ident) == _IDENT_LEN):
         raise InvalidMetadata(f"metadata 'ident' must be {_IDENT_LEN} bytes")
+    partial = doc.get("partial", False)
+    if type(partial) is not bool:
+        raise InvalidMetadata("metadata 'partial' must be a boolean")
     raw_regions = doc.get("regions")
     if not isinstance(raw_regions, list):
         raise InvalidMetadata("metadata 'regions' must be a list")
@@ -130,7 +141,14 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
     except InvalidDescriptor as exc:
         raise InvalidMetadata(f"metadata regions are inconsistent: {exc.reason}") from None
     return AgentMetadata(
-        name=name, backends=backends, table=table, rows=rows, mem_types=types, mem_codes=codes, ident=ident
+        name=name,
+        backends=backends,
+        table=table,
+        rows=rows,
+        mem_types=types,
+        mem_codes=codes,
+        ident=ident,
+        partial=partial,
     )
 
 

@@ -5,6 +5,7 @@ from .desclist import DescList
 from .memtype import MemType
 from .regions import RegionTable
 from .registration import Registration
+from .strided import StridedDescList
 
 __all__ = [
     "BufferInfo",
@@ -12,6 +13,7 @@ __all__ = [
     "MemType",
     "RegionTable",
     "Registration",
+    "StridedDescList",
     "aligned_empty",
     "buffer_info",
     "host_view",

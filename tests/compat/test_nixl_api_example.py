@@ -40,8 +40,8 @@ def test_nixl_api_example():
     nixl_agent2 = nixl_agent("initiator", None)
     try:
         assert "UCX" in nixl_agent1.get_plugin_list()
-        assert nixl_agent1.get_plugin_mem_types("UCX") == ["DRAM", "VRAM"]
-        assert nixl_agent1.get_backend_mem_types("UCX") == ["DRAM", "VRAM"]
+        assert nixl_agent1.get_plugin_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
+        assert nixl_agent1.get_backend_mem_types("UCX") == ["DRAM_SEG", "VRAM_SEG"]
 
         mem1 = np.arange(BUF_SIZE * 2, dtype=np.uint32).astype(np.uint8)
         addr1 = mem1.ctypes.data

@@ -56,7 +56,7 @@ def test_obj_write_and_read_by_devid(server):
         assert {k: v for k, v in params.items() if k not in mapped} == {
             k: v for k, v in defaults.items() if k not in mapped
         }  # get_plugin_params() round-trips through create_backend()
-        assert agent.get_backend_mem_types("OBJ") == ["DRAM", "OBJ"]
+        assert agent.get_backend_mem_types("OBJ") == ["DRAM_SEG", "OBJ_SEG"]
 
         rng = np.random.default_rng(3)
         src = rng.integers(0, 256, 2 * BUF, dtype=np.uint8)

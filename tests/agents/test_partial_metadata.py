@@ -1,0 +1,61 @@
+"""Partial metadata: a blob of some registrations only, merged by the peer into what it knows (NIXL's partial MD)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from datamover import Agent
+from datamover.agents.metadata import decode_metadata
+from datamover.descriptors import DescList
+from datamover.errors import InvalidMetadata, NotRegistered
+
+
+@pytest.fixture
+def pair():
+    with Agent("target", {"backends": {"memcpy": {}}}) as target, Agent("init", {"backends": {"memcpy": {}}}) as init:
+        yield target, init
+
+
+def test_partial_blobs_add_regions_and_a_full_one_replaces(pair):
+    target, init = pair
+    bufs = [np.zeros(256, dtype=np.uint8) for _ in range(3)]
+    regs = [target.register_memory(b) for b in bufs]
+    dl = [DescList.from_buffers([b]) for b in bufs]
+
+    first = target.metadata(regs[:1])
+    meta = decode_metadata(first)
+    assert meta.partial and [r[4] for r in meta.regions] == [regs[0].id]
+    init.add_remote(first)
+    init.prepare(dl[0], "target")
+    with pytest.raises(NotRegistered):
+        init.prepare(dl[1], "target")
+
+    init.add_remote(target.metadata(regs[1:2], connection=False))  # merged: the first region stays known
+    init.prepare(dl[0], "target")
+    init.prepare(dl[1], "target")
+    with pytest.raises(NotRegistered):
+        init.prepare(dl[2], "target")
+
+    target.deregister_memory(regs[0])
+    init.add_remote(target.metadata())  # a full blob is the truth: region 0 is gone, region 2 is there
+    assert not decode_metadata(target.metadata()).partial
+    with pytest.raises(NotRegistered):
+        init.prepare(dl[0], "target")
+    init.prepare(dl[2], "target")
+
+
+def test_partial_blob_of_a_foreign_registration_is_refused(pair):
+    target, init = pair
+    other = init.register_memory(np.zeros(64, dtype=np.uint8))
+    with pytest.raises(NotRegistered):
+        target.metadata([other])
+
+
+def test_partial_field_must_be_a_boolean(pair):
+    target, _ = pair
+    doc = msgpack.unpackb(target.metadata([]))
+    doc["partial"] = 1
+    with pytest.raises(InvalidMetadata, match="partial"):
+        decode_metadata(msgpack.packb(doc))
