@@ -156,7 +156,7 @@ def test_push_and_invalidate_at_a_listener_and_the_etcd_route_needs_endpoints(mo
         # the peer is gone: NIXL's examples call this in teardown and rely on it not raising
         agent.send_local_metadata(HOST, port)
         agent.invalidate_local_metadata(HOST, port)
-        assert agent.agent.wait_metadata(10)
+        assert agent.agent.wait_metadata(30)  # the push is retried for 10 s (a listener may not be up yet)
         assert agent.agent.metadata_failures == 2
         with pytest.raises(nx.nixlInvalidParamError):
             agent.send_local_metadata()

@@ -126,9 +126,8 @@ class MetadataMixin:
         if ip_addr:
             what = f"send to {ip_addr}:{port}"
 
-            def push() -> None:
-                with nixl_errors():
-                    self.agent.send_metadata(ip_addr, int(port), blob=blob)
+            def push() -> None:  # a listener not up yet is retried, as a fetch is
+                retry(lambda: self._push(ip_addr, int(port), blob), retry_on=(RemoteDisconnected,))
 
             self._worker.submit(what, push)
             return
@@ -138,6 +137,10 @@ class MetadataMixin:
             return
         what = f"publish label {label!r} to etcd"
         self._worker.submit(what, lambda: self._put_label(endpoints, namespace, label, blob))
+
+    def _push(self, ip_addr: str, port: int, blob: bytes | None) -> None:
+        with nixl_errors():
+            self.agent.send_metadata(ip_addr, port, blob=blob)
 
     def _put_label(self, endpoints: list[str], namespace: str, label: str, blob: bytes | None) -> None:
         from ...agents import etcd as etcd_mod
