@@ -63,6 +63,12 @@ def add_bench_parser(sub) -> None:
         default="aio",
         help="NIXL POSIX backend's I/O queue (default aio: libaio)",
     )
+    vs.add_argument(
+        "--ucx-peer-host",
+        action="store_true",
+        help="run the ucx workload's targets (ours and NIXL's) on a second test host: its own network and pid "
+        "namespace, reached over a veth pair, so the transfer crosses a network stack (needs root)",
+    )
     m = p.add_argument_group("model-shaped blocks (--model)")
     m.add_argument("--model", help="built-in model name or a YAML/JSON shape file (Hugging Face config.json works)")
     m.add_argument("--isl", type=int, default=4096, help="input sequence length in tokens (default 4096)")
@@ -161,7 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         options.setdefault(backend, {}).setdefault(backend, {})[key] = value
     settings = None
     if args.vs == "nixl":
-        from .nixl_api import NixlSettings, nixl_status, nixl_versions
+        from .nixl_api import NixlSettings, nixl_status
 
         ok, reason = nixl_status()
         if not ok:
@@ -170,6 +176,44 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings = NixlSettings(
             ucx_tls=args.ucx_tls, ucx_err_mode=args.nixl_ucx_err_mode, posix_queue=args.nixl_posix_queue
         )
+    with contextlib.ExitStack() as stack:
+        if args.ucx_peer_host:
+            from ..testing.hosts import TestHosts, TestHostsUnavailable
+
+            try:
+                # before this process makes any UCX connection: UCX reads the routing table once per process
+                hosts = stack.enter_context(TestHosts(2))
+            except TestHostsUnavailable as exc:
+                print(f"datamover bench --ucx-peer-host: {exc}", file=sys.stderr)
+                return 1
+            options.setdefault("ucx", {})["test_hosts"] = hosts
+            # UCX here (ours, raw ucxx, NIXL's initiator) uses host 0's veth; the hosts' processes have theirs
+            stack.enter_context(_env({"UCX_NET_DEVICES": hosts[0].ifname}))
+            print(f"ucx targets on test host {hosts[1].name} ({hosts[1].address}), initiator on {hosts[0].address}")
+        return _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max_bytes, points, labels,
+                      model_lines)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]):
+    """``values`` in os.environ for the block (UCX here and in the processes started meanwhile reads them)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max_bytes, points, labels,
+           model_lines) -> int:  # fmt: skip
+    """Run the sweep ``cmd_bench`` set up, print and write its results; the exit code."""
+    if settings is not None:
+        from .nixl_api import nixl_versions
     headers: dict[str, dict] = {}
     info = machine_info()
     print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs ({info['cpu_model']}), python {info['python']}")

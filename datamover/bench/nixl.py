@@ -280,7 +280,8 @@ class NixlRemoteDram(NixlSide):
         self.mem = local_buffer(workload)
         self.agent = make_agent("bench-nixl-initiator", settings, {"UCX": ucx_params(settings)})
         self.reg = self.agent.register_memory([(int(self.mem.ctypes.data), int(self.mem.nbytes), 0, "")], "DRAM")
-        self.peer = NixlPeer(int(self.mem.nbytes), settings)
+        hosts = getattr(workload, "hosts", None)
+        self.peer = NixlPeer(int(self.mem.nbytes), settings, host=hosts[1] if hosts else None)
         try:
             self.peer_name = self.agent.add_remote_agent(self.peer.metadata)
             if isinstance(self.peer_name, bytes):
@@ -295,6 +296,7 @@ class NixlRemoteDram(NixlSide):
             "nixl backend": "UCX (two processes)",
             "ucx": self.agent.get_backend_params("UCX"),
             "peer pid": self.peer.proc.pid,
+            "peer host": str(self.peer.host) if self.peer.host else "this one",
             "peer progress": f"polled every {self.peer.poll_s * 1e6:.0f} us" if self.peer.polls else "none (one-sided)",
         }
 

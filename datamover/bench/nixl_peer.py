@@ -46,12 +46,23 @@ def digest(arr: np.ndarray) -> str:
 class NixlPeer:
     """A NIXL target process holding ``nbytes`` of registered DRAM."""
 
-    def __init__(self, nbytes: int, settings: NixlSettings, name: str = "bench-nixl-target", poll_s: float = 1e-4):
+    def __init__(
+        self,
+        nbytes: int,
+        settings: NixlSettings,
+        name: str = "bench-nixl-target",
+        poll_s: float = 1e-4,
+        host: Any = None,
+    ):
+        """``host``: a ``datamover.testing.hosts.Host`` to run the target on (default: this host)."""
         env = dict(os.environ, UCX_TLS=settings.ucx_tls)
+        self.host = host
         self.polls = needs_progress(settings)
         self.poll_s = poll_s
         poll = str(poll_s if self.polls else 0)
         cmd = [sys.executable, "-m", "datamover.bench.nixl_peer", name, str(nbytes), settings.ucx_err_mode, poll]
+        if host is not None:
+            cmd = host.argv(cmd)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         try:
             line = self._reply(timeout=settings.timeout)

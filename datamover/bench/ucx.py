@@ -1,4 +1,8 @@
-"""ucx workload: initiator here, target in a second process, over loopback; raw ucxx tag send/recv beside it.
+"""ucx workload: initiator here, target in a second process; raw ucxx tag send/recv beside it.
+
+The target runs on this host (loopback, shared memory, cma), or with
+``--ucx-peer-host`` on a second test host (``datamover.testing.hosts``: its
+own network and pid namespace, reached over a veth pair), as NIXL's does.
 
 Both sides move the same bytes between the same two buffers, one message per
 block. Raw ucxx runs on its own workers with the backend's UCX settings
@@ -22,6 +26,7 @@ import numpy as np
 
 from ..agents import Agent
 from ..backends.ucx import transports_in_use
+from ..backends.ucx.rma import data_path
 from ..descriptors import DescList, aligned_empty
 from .workload import Case, Workload, fill_random, timed_transfer
 
@@ -113,6 +118,12 @@ class UcxWorkload(Workload):
     def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(max_bytes, options)
         self._params = dict(self.options.get("ucx", {}))  # backend params, e.g. {"cma": True}
+        # test hosts (--ucx-peer-host): the targets run on host 1, this process is on host 0
+        self.hosts = self.options.get("test_hosts")
+        target_params, self._here_params = dict(self._params), dict(self._params)
+        if self.hosts is not None:
+            target_params["host"] = self.hosts[1].address
+            self._here_params["host"] = self.hosts[0].address
         self._log = tempfile.NamedTemporaryFile(prefix="datamover-ucx-bench-", suffix=".log", delete=False).name
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
@@ -120,9 +131,11 @@ class UcxWorkload(Workload):
         env_before = os.environ.get("UCX_PROTO_INFO")
         os.environ["UCX_PROTO_INFO"] = "y"  # inherited by the spawned target only
         try:
-            self.process = ctx.Process(
-                target=_target_main, args=(child, go_child, max_bytes, self._log, self._params), daemon=True
-            )
+            args = (child, go_child, max_bytes, self._log, target_params)
+            if self.hosts is None:
+                self.process = ctx.Process(target=_target_main, args=args, daemon=True)
+            else:
+                self.process = self.hosts[1].process(_target_main, args, daemon=True)
             self.process.start()
         finally:
             if env_before is None:
@@ -131,7 +144,7 @@ class UcxWorkload(Workload):
                 os.environ["UCX_PROTO_INFO"] = env_before
         child.close()
         blob, self.remote_addr, raw_address = self._conn.recv()
-        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": dict(self._params)}})
+        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": self._here_params}})
         self.mem = aligned_empty(max_bytes)
         fill_random(self.mem, seed=1)
         self.agent.register_memory(self.mem)
@@ -161,7 +174,8 @@ class UcxWorkload(Workload):
             "UCX_TLS": desc["UCX_TLS"],
             "direct cma": desc["direct cma"].get(TARGET, "-"),
             "endpoint error handling": desc["error_handling"],
-            "target": f"pid {self.process.pid}",
+            "target": f"pid {self.process.pid}" + (f" on test host {self.hosts[1]}" if self.hosts else ""),
+            "native data path": data_path(),
         }
 
     def case(self, op: str, block: int, batch: int) -> Case:

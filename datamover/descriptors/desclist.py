@@ -105,13 +105,6 @@ class DescList:
         rows.setflags(write=False)
         return cls.wrap(rows, MemType.parse(mem_type), None if keys is None else tuple(keys), owners)
 
-    @staticmethod
-    def strided(runs: Any, mem_type: MemType | str) -> Any:
-        """A StridedDescList from (addr, length, dev, stride, count) rows: one row per run of equal blocks."""
-        from .strided import StridedDescList
-
-        return StridedDescList(runs, mem_type)
-
     @classmethod
     def from_buffers(cls, buffers: Any) -> DescList:
         """One descriptor per buffer: numpy arrays, torch tensors, bytearray, memoryview, mmap."""

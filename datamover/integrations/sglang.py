@@ -23,8 +23,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
+from ..descriptors import DescList
 from ..descriptors.buffers import host_view
 from ..errors import DatamoverError
 from ..policy import ChunkKey, TieredCache
@@ -107,6 +109,8 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             raise ValueError(
                 f"{len(keys)} keys but {len(ptrs)} buffer entries ({self._entries_per_page} per page expected)"
             )
+        if self._registered is not None:  # inside the registered host pool: one DescList, no Python per entry
+            return DescList.from_columns(np.asarray(ptrs, dtype=np.int64), np.asarray(sizes, dtype=np.int64))
         return [host_view(int(p), int(n)) for p, n in zip(ptrs, sizes)]
 
     def batch_get_v1(

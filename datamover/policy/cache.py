@@ -30,7 +30,8 @@ import numpy as np
 
 from ..agents import Agent, Prepared
 from ..backends import backend_status
-from ..descriptors import DescList
+from ..descriptors import DescList, MemType
+from ..descriptors.buffers import host_view
 from ..errors import NotRegistered
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
@@ -167,13 +168,21 @@ class TieredCache:
 
     # -- user buffers ------------------------------------------------------------
     def _user(self, buf: Any, n: int) -> tuple[Prepared, Any]:
-        """The caller's buffer cut into n chunks, prepared (registered for this call if it was not)."""
-        descs = DescList.from_buffers(buf) if isinstance(buf, list | tuple) else DescList.blocks(buf, self.page)
+        """The caller's buffer cut into n chunks, prepared (registered for this call if it was not). A DescList is
+        taken as it is: one chunk a row, in memory the caller registered with this cache's agent."""
+        if isinstance(buf, DescList):
+            descs = buf
+        elif isinstance(buf, list | tuple):
+            descs = DescList.from_buffers(buf)
+        else:
+            descs = DescList.blocks(buf, self.page)
         if len(descs) < n or (descs.length[:n] != self.page).any():
             raise ValueError(f"buffer holds {len(descs)} chunk(s) of {self.page} bytes; {n} needed")
         try:
             return self.agent.prepare(descs), None
         except NotRegistered:
+            if isinstance(buf, DescList):
+                raise
             reg = self.agent.register_memory(list(buf) if isinstance(buf, list | tuple) else buf)
             return self.agent.prepare(descs), reg
 
@@ -184,6 +193,10 @@ class TieredCache:
     def _crc_of(self, buf: Any, n: int) -> list[int]:
         import crc32c
 
+        if isinstance(buf, DescList):
+            if buf.mem_type != MemType.DRAM:
+                raise ValueError("CRC32C of chunks in device memory needs them as tensors, not descriptors")
+            return [crc32c.crc32c(host_view(int(a), self.page)) for a in buf.addr[:n]]
         parts = buf if isinstance(buf, list | tuple) else [buf]
         host = []
         for p in parts:
@@ -228,9 +241,10 @@ class TieredCache:
             eng.adopt(j, {key: eng.free[j][-1]}, now)
 
     def get(self, keys: Sequence[ChunkKey], dst: Any) -> int:
-        """Copy the longest cached prefix of `keys` into `dst` (chunk i at offset i*page, or the i-th buffer of
-        a list), promoting as the policy decides. Returns how many chunks were delivered, all verified; the
-        rest are misses for the caller to recompute (and put)."""
+        """Copy the longest cached prefix of `keys` into `dst` (chunk i at offset i*page, the i-th buffer of a
+        list, or the i-th row of a DescList in memory registered with `agent`), promoting as the policy decides.
+        Returns how many chunks were delivered, all verified; the rest are misses for the caller to recompute
+        (and put)."""
         with self._lock:
             n, tiers = self.lookup(keys)
             prefix = list(keys[:n])
@@ -270,8 +284,8 @@ class TieredCache:
             return delivered
 
     def put(self, keys: Sequence[ChunkKey], src: Any) -> int:
-        """Store chunks (chunk i of `src` under keys[i]); chunks already cached only count as used. Returns how
-        many were newly stored in some tier."""
+        """Store chunks (chunk i of `src`, laid out as for get, under keys[i]); chunks already cached only count
+        as used. Returns how many were newly stored in some tier."""
         if not keys:
             return 0
         with self._lock:

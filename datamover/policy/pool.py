@@ -63,8 +63,7 @@ class SharedPool:
         found = self.client.exists([self.pool_key(k) for k in keys])
         self._lookup_s.append(time.perf_counter() - t0)
         self._check_budget()
-        miss = np.flatnonzero(found != 1)
-        return int(miss[0]) if miss.size else len(keys)
+        return next((i for i, f in enumerate(found) if f != 1), len(keys))
 
     def _check_budget(self) -> None:
         if not self.budget_ms or self._warned or len(self._lookup_s) < 100:

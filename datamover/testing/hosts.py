@@ -312,6 +312,10 @@ class TestHosts:
             _run(["ip", "-n", switch, "link", "set", port, "master", bridge, "up"])
             address = str(addrs[i])
             ns = ["-n", netns] if netns else []
+            # IPv4 only: an IPv6 link-local address that comes up a second or two later changes what UCX packs into
+            # a worker address for this device (and so what a peer's address check sees) mid-run
+            _run([*(["ip", "netns", "exec", netns] if netns else []), "sh", "-c",
+                  f"echo 1 > /proc/sys/net/ipv6/conf/{ifname}/disable_ipv6 || true"])  # fmt: skip
             _run(["ip", *ns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", ifname])
             _run(["ip", *ns, "link", "set", ifname, "up"])
             self.hosts.append(Host(self, i, netns, ifname, address))

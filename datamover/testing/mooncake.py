@@ -83,7 +83,7 @@ class MooncakeMaster:
         metadata: str = "http",
         *,
         client_ttl: int = TEST_CLIENT_TTL_S,
-        lease_ttl_ms: int = 200,
+        lease_ttl_ms: int = 10_000,
         startup_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
     ) -> None:

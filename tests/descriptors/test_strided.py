@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from datamover.descriptors import DescList, MemType, StridedDescList
+from datamover.descriptors import MemType, StridedDescList
 from datamover.errors import InvalidDescriptor
 
 
@@ -19,7 +19,7 @@ def test_layer_wise_layout_is_one_row_per_block_run():
     # 4 layers of 8 blocks each, 1 KiB blocks, layer stride 1 MiB: block b of every layer is one run
     layers, blocks, block, layer_stride = 4, 8, 1024, 1 << 20
     runs = [(0x10000 + b * block, block, 0, layer_stride, layers) for b in range(blocks)]
-    s = DescList.strided(runs, "DRAM")
+    s = StridedDescList(runs, "DRAM")
     assert isinstance(s, StridedDescList) and s.runs.shape == (blocks, 5)
     assert len(s) == layers * blocks and s.nbytes == layers * blocks * block
     assert s.expand().rows.tolist() == [list(r) for r in naive(runs)]

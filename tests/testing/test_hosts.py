@@ -18,7 +18,9 @@ from datamover.testing.remote import RemoteBuffer, RemotePeer
 
 @pytest.fixture(scope="module")
 def three():
-    hosts = make_test_hosts(3)
+    # here=True only for the session's test_hosts: an address that comes and goes in this namespace mid-run is
+    # one that UCX processes started meanwhile advertise and cache routes to
+    hosts = make_test_hosts(3, here=False)
     yield hosts
     hosts.close()
 
@@ -29,6 +31,10 @@ def _names(prefix: str) -> list[str]:
     return [w for w in (netns + links).replace(":", " ").replace("@", " ").split() if w.startswith(prefix)]
 
 
+def _root_links() -> str:
+    return subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+
+
 def _report(conn, address: str, port: int) -> None:
     """Runs on a test host: connect back to ``address`` and say who this is."""
     with socket.create_connection((address, port), timeout=10) as s:
@@ -37,8 +43,8 @@ def _report(conn, address: str, port: int) -> None:
     conn.send(os.readlink("/proc/self/ns/net"))
 
 
-def test_a_process_on_another_host_reaches_this_one_over_the_veth(three):
-    here, there = three[0], three[1]
+def test_a_process_on_another_host_reaches_this_one_over_the_veth(test_hosts):
+    here, there = test_hosts[0], test_hosts[1]
     assert here.netns is None and there.netns and here.address != there.address
     with socket.socket() as srv:
         srv.bind((here.address, 0))
@@ -65,17 +71,22 @@ def test_hosts_reach_each_other_and_a_process_here_is_in_its_own_pid_namespace(t
     first, addrs = out.stdout.split("\n", 1)
     assert first.split() == ["1", three[2].ifname]
     assert three[2].address in addrs and three[1].address not in addrs
-    mine = three[0].run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True).stdout.strip()
-    assert mine == "1"  # host 0 shares this network namespace, yet its processes get their own pid namespace
-    with socket.socket() as srv:
-        srv.bind((three[0].address, 0))
-        srv.listen()
-        port = srv.getsockname()[1]
-        script = f"import socket; socket.create_connection(({three[0].address!r}, {port}), timeout=5).close()"
-        three[2].run(["python3", "-c", script], check=True, timeout=30)
+    script = (
+        "import socket; s = socket.socket(); s.bind(({a!r}, 0)); s.listen(); print(s.getsockname()[1], flush=True);"
+        " s.accept()"
+    )
+    server = three[0].popen(["python3", "-c", script.format(a=three[0].address)], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        client = f"import socket; socket.create_connection(({three[0].address!r}, {port}), timeout=5).close()"
+        three[2].run(["python3", "-c", client], check=True, timeout=30)
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
 
 
-def test_link_down_cuts_the_host_off_and_link_up_brings_it_back(three):
+def test_link_down_cuts_the_host_off_and_link_up_brings_it_back(test_hosts):
+    three = test_hosts
     target = three[1]
     script = (
         "import socket,sys\n"
@@ -107,14 +118,14 @@ def test_close_removes_every_namespace_and_link():
 
 
 def test_a_run_killed_before_cleanup_is_swept_by_the_next():
-    hosts = make_test_hosts(2)
+    hosts = make_test_hosts(2, here=False)
     prefix = hosts.prefix
     dead = subprocess.Popen(["true"])
     dead.wait()
     with open(os.path.join(hosts_mod._REGISTRY, prefix), "w") as f:
         f.write(f"{dead.pid}\n")  # as if its owner had been SIGKILLed
     hosts._finalizer.detach()
-    with TestHosts(2) as fresh:
+    with TestHosts(2, here=False) as fresh:
         assert fresh.prefix != prefix
         assert _names(prefix) == []
     assert not os.path.exists(os.path.join(hosts_mod._REGISTRY, prefix))
@@ -130,10 +141,11 @@ def test_without_root_they_are_unavailable_and_the_fixture_skips(monkeypatch):
 
 
 def test_names_carry_the_given_prefix():
-    with make_test_hosts(2, prefix="Native-") as hosts:
+    with make_test_hosts(2, prefix="Native-", here=False) as hosts:
         assert hosts.prefix.startswith("native") and len(hosts.prefix) == 10
         assert all(n.startswith(hosts.prefix) for n in _names(hosts.prefix))
         assert {h.ifname for h in hosts} == {f"{hosts.prefix}h0", f"{hosts.prefix}h1"}
+        assert not [n for n in _names(hosts.prefix) if n in _root_links()]  # nothing in this namespace
 
 
 ok, why = backend_status("ucx")

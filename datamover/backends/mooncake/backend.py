@@ -72,8 +72,10 @@ class MooncakeBackend(Backend):
         "write_mode": "replace",  # or "keep": Mooncake's put (an existing key keeps its bytes)
         "threads": 2,
         "batch_keys": 1024,
-        # requests of at most this many bytes (in one part) run inside post(): one store call, no thread hop
-        "inline_bytes": 256 << 10,
+        "split_bytes": 8 << 20,
+        # requests of at most this many bytes (in one part; 16 values of 64 KiB with their trailers) run inside
+        # post(): one store call, no thread hop
+        "inline_bytes": (1 << 20) + (64 << 10),
         "part_bytes": 32 << 20,
     }
 
@@ -167,11 +169,13 @@ class MooncakeBackend(Backend):
                     backend=self.name,
                 )
         lengths = obj.length + 16
-        ranges = split_by_bytes(lengths, int(self.params["threads"]), int(self.params["part_bytes"]) // 4)
+        # parts of at least split_bytes each, so that checks and copies of one overlap the transfer of another
+        ranges = split_by_bytes(lengths, int(self.params["threads"]), int(self.params["split_bytes"]))
         parts: list[tuple[int, int]] = []
         step_keys, step_bytes = int(self.params["batch_keys"]), int(self.params["part_bytes"])
         for a, z in ranges:
             parts += _cut(lengths[a:z], a, step_keys, step_bytes)
+        inline = len(parts) == 1 and int(lengths.sum()) <= int(self.params["inline_bytes"])
         return MooncakePlan(
             names.tolist(),
             req.local.addr.tolist(),
@@ -179,6 +183,7 @@ class MooncakeBackend(Backend):
             obj.addr.tolist(),
             (obj.addr == 0).tolist(),
             parts,
+            inline,
         )
 
     # -- execution -----------------------------------------------------------

@@ -44,11 +44,18 @@ DEFAULTS: dict[str, Any] = {
     # bounds and retries
     "max_object_bytes": 1 << 30,
     # how objects move: "staged" (one buffer per object through a registered arena, verified before the
-    # caller sees it) or "zero_copy" (payload and trailer as two buffers of one object, from/to the caller)
-    "transfer_mode": "staged",
+    # caller sees it), "zero_copy" (payload and trailer as two buffers of one object, from/to the caller), or
+    # "auto": staged below zero_copy_bytes (where a second buffer's round trip costs more than a copy),
+    # zero-copy from there on (where a copy costs more than the round trip)
+    "transfer_mode": "auto",
+    "zero_copy_bytes": 4 << 20,
     "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
+    # the transfer engine's slice (MC_SLICE_SIZE, unless the process set it): Mooncake's 64 KiB plus 4 KiB, so
+    # an object's 16-byte trailer never costs one more slice (a round trip over TCP) and a value of up to
+    # 16 x 64 KiB takes as many slices as without it; None leaves Mooncake's default
+    "slice_bytes": 65536 + 4096,
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
 
@@ -76,8 +83,9 @@ def resolve(params: Mapping[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"mooncake: replica_count must be >= 1, got {p['replica_count']}")
     if int(p["max_object_bytes"]) < 1:
         raise ValueError("mooncake: max_object_bytes must be >= 1")
-    if p["transfer_mode"] not in ("staged", "zero_copy"):
-        raise ValueError(f"mooncake: transfer_mode must be 'staged' or 'zero_copy', got {p['transfer_mode']!r}")
+    if p["transfer_mode"] not in ("auto", "staged", "zero_copy"):
+        mode = p["transfer_mode"]
+        raise ValueError(f"mooncake: transfer_mode must be 'auto', 'staged' or 'zero_copy', got {mode!r}")
     return p
 
 
@@ -88,6 +96,8 @@ class PoolClient:
         p = self.params = resolve(params)
         if p["quiet"]:
             os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        if p["slice_bytes"]:
+            os.environ.setdefault("MC_SLICE_SIZE", str(int(p["slice_bytes"])))
         bind = p["bind_address"] or p["local_hostname"]
         if bind and "MC_TCP_BIND_ADDRESS" not in os.environ:
             os.environ["MC_TCP_BIND_ADDRESS"] = str(bind)
@@ -118,7 +128,8 @@ class PoolClient:
             cfg.preferred_segment = self.hostname if seg == "local" else str(seg)
         cfg.with_hard_pin = bool(p["hard_pin"])
         self._config = cfg
-        self.staged = p["transfer_mode"] == "staged"
+        mode = p["transfer_mode"]
+        self._copy_below = {"staged": 1 << 62, "zero_copy": 0}.get(mode, int(p["zero_copy_bytes"]))
         self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
         self._closed = False
 
@@ -131,17 +142,25 @@ class PoolClient:
     def unregister(self, addr: int) -> None:
         self._store.unregister_buffer(int(addr))
 
-    def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes."""
+    def staged(self, size: int) -> bool:
+        """Whether an object of ``size`` bytes moves through the arena (else zero-copy)."""
+        return size < self._copy_below
+
+    def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int, bool]]:
+        """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes, in one mode
+        (staged or zero-copy): (first row, end, staged)."""
         limit = int(self.params["staging_bytes"])
         out, a, used = [], 0, 0
+        mode = self.staged(sizes[0]) if len(sizes) else True
         for i, s in enumerate(sizes):
-            if i > a and (i - a >= BATCH_KEYS or used + s + TRAILER > limit):
-                out.append((a, i))
+            m = self.staged(s)
+            if i > a and (i - a >= BATCH_KEYS or used + s + TRAILER > limit or m != mode):
+                out.append((a, i, mode))
                 a, used = i, 0
-            used += s + TRAILER
+            mode = m
+            used += s + TRAILER if m else TRAILER
         if a < len(sizes):
-            out.append((a, len(sizes)))
+            out.append((a, len(sizes), mode))
         return out
 
     # -- puts and gets -------------------------------------------------------
@@ -154,8 +173,8 @@ class PoolClient:
         if replace and len(keys):
             self._store.batch_remove(list(keys), True)
         out: list[int] = []
-        for a, z in self._groups(sizes):
-            out += put_objects(self._store, self._config, self._arena, keys[a:z], addrs[a:z], sizes[a:z], self.staged)
+        for a, z, staged in self._groups(sizes):
+            out += put_objects(self._store, self._config, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged)
         return np.asarray(out, dtype=np.int64)
 
     def get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
@@ -167,8 +186,8 @@ class PoolClient:
         todo = list(range(n))
         for _ in range(1 + max(0, int(self.params["read_retries"]))):
             ks, ad, sz = [keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
-            for a, z in self._groups(sz):
-                got = get_objects(self._store, self._arena, ks[a:z], ad[a:z], sz[a:z], self.staged)
+            for a, z, staged in self._groups(sz):
+                got = get_objects(self._store, self._arena, ks[a:z], ad[a:z], sz[a:z], staged)
                 for i, st in zip(todo[a:z], got):
                     status[i] = st
             todo = [i for i in todo if status[i] in codes.RETRYABLE]
@@ -217,14 +236,12 @@ class PoolClient:
         return st, size
 
     # -- the pool's view -----------------------------------------------------
-    def exists(self, keys: Sequence[str]) -> np.ndarray:
+    def exists(self, keys: Sequence[str]) -> list[int]:
         """1 where the pool holds ``keys[i]``, 0 where not, -1 where it could not tell."""
-        if not keys:
-            return np.zeros(0, dtype=np.int64)
-        res = self._store.batch_is_exist(list(keys))
+        res = self._store.batch_is_exist(keys if isinstance(keys, list) else list(keys)) if len(keys) else []
         if len(res) != len(keys):
-            return np.full(len(keys), -1, dtype=np.int64)
-        return np.clip(np.asarray(res, dtype=np.int64), -1, 1)
+            return [-1] * len(keys)
+        return res
 
     def remove(self, keys: Sequence[str], force: bool = True) -> np.ndarray:
         if not keys:

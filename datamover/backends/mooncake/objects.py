@@ -51,8 +51,8 @@ class Arena:
             fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
             if fits:
                 return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-        size = max(_MIN_BLOCK, 1 << (max(1, nbytes) - 1).bit_length())
-        block = np.empty(size, dtype=np.uint8)
+        size = -(-max(nbytes, _MIN_BLOCK) // _MIN_BLOCK) * _MIN_BLOCK
+        block = np.ones(size, dtype=np.uint8)  # written now: no page faults on the first transfer through it
         self._register(block.ctypes.data, block.nbytes)
         with self._lock:
             self._kept += block.nbytes

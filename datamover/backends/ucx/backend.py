@@ -132,6 +132,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         "emulated_max_bytes": 8 << 20,
         # keep polling UCX this long after the last activity before sleeping in epoll
         "spin_us": 2000,
+        # where the native extension is built: a native thread progresses UCX (sleeping on its event fd), so a
+        # target whose transport needs it (tcp, emulated put/get) is served without a Python thread waking
+        "native_progress": True,
         "connect_timeout_s": 5.0,
         # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
         "max_inbound": 1024,
@@ -203,8 +206,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
-        self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
-        self._ucx_watched = True  # UCX's event fd is in the selector (not while a waiter progresses UCX)
+        self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
+        self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
+        if not self._start_progress():
+            self._watch_ucx(True)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
@@ -234,6 +239,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "transports in use (same host)": "; ".join(probe_transports()) or "unknown",
             "UCX_TLS": ctx.config.get("TLS", "?"),
             "direct cma": cma.availability(),
+            "native path": rma.data_path(),
             "data path": "one-sided put/get (UCP RMA, rkeys over the control connection; same-host peers "
             "this process may attach to: process_vm_writev/readv, IOV_MAX rows per call), or tag send/recv "
             "served by the owner; endpoints from worker addresses, UCX error handling off; peer failure via "
@@ -259,6 +265,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "control": f"{self.params['host']}:{self._port}",
+            "native path": rma.data_path(),
+            "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
             "worker resets": self.resets,
             "requests": dict(self.counts),
         }
@@ -453,6 +461,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._stop = True
         self._wake()
         self._thread.join(10)
+        if self._progress is not None:  # before the worker it progresses goes
+            self._progress.close()
         if self._cma_pool is not None:
             self._cma_pool.shutdown(wait=True)
         self._sel.close()

@@ -30,9 +30,11 @@ class Columns(NamedTuple):
 
 
 class Rows(list):
-    """ctypes-ready rows (``rma.make_row``) with the same request as ``Columns``."""
+    """ctypes-ready rows (``rma.make_row``) with the same request as ``Columns``; ``native``: the same rows as
+    the (n, 5) uint64 array the native path posts (``rma.native_rows``), where that path is active."""
 
     columns: Columns
+    native: np.ndarray | None = None
 
 
 class NativePoster(Protocol):
@@ -43,7 +45,8 @@ class NativePoster(Protocol):
     def __call__(self, get: bool, ep: int, columns: Columns) -> int: ...
 
 
-#: the native poster when one is built and loaded; None: rows go out through ctypes, one foreign call each
+#: a poster plugged in here takes precedence; None: rows go out through the native extension where it is active
+#: (``rma.post_native``: rows and flush posted, and the flush driven, in C), else through ctypes, a call per row
 native_post: NativePoster | None = None
 
 
@@ -80,14 +83,25 @@ class OneSided:
         worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
         direct.driven = True
         self.b._drivers.add(direct)
+        progress = self.b._progress
+        if progress is not None:
+            progress.hold()  # the native progress thread leaves the worker to this waiter meanwhile
+        native = not isinstance(direct.flush, rma.Flush)
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self.b._stop:
                 # a replaced worker is never progressed again (it may be quarantined; see _reset_worker)
-                while self.b._worker is worker and worker.progress_once():
-                    pass
+                if native:
+                    if self.b._worker is worker:
+                        # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
+                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01))
+                else:
+                    while self.b._worker is worker and worker.progress_once():
+                        pass
                 if clock() > deadline:
                     return
         finally:
+            if progress is not None:
+                progress.release()
             direct.driven = False
             self.b._drivers.discard(direct)
             if not self.b._drivers:
@@ -145,6 +159,8 @@ class OneSided:
                 cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
                 rows = Rows(map(rma.make_row, *cols))
                 rows.columns = Columns(req.local.addr, n, addr, keys, all(p is None for p in params))
+                if rma.native() is not None:
+                    rows.native = rma.native_rows(req.local.addr, n, addr, keys, params)
         return rows
 
     def _rkey(self, peer: Peer, rid: int) -> int:
@@ -157,6 +173,10 @@ class OneSided:
         """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self.b._rma_lock:
             ep = peer.ep.handle
+            if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
+                # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
+                self.b.counts["one-sided"] += 1
+                return rma.post_native(op == "READ", ep, rows.native)
             poster = native_post
             if poster is not None and isinstance(rows, Rows) and rows.columns.host:
                 status = poster(op == "READ", ep, rows.columns)

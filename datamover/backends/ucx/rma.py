@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import os
 from typing import Any
+
+import numpy as np
 
 from ...errors import UcpError
 
@@ -239,3 +242,55 @@ def post_rows(get: bool, ep: int, rows: list[Row]) -> int:
         elif ptr < 0:
             return ptr
     return UCS_OK
+
+
+# -- the native path: rows posted and the worker progressed in C, the GIL released (datamover.backends.ucx._ucp) --
+
+_NATIVE_ENV = "DATAMOVER_UCX_NATIVE"  # "0": use the ctypes path even where the extension loads
+
+
+@functools.lru_cache(maxsize=1)
+def _native_state() -> tuple[Any, str]:
+    """(the bound _ucp module or None, why): which path posts rows, and the reason."""
+    if os.environ.get(_NATIVE_ENV, "1") == "0":
+        return None, f"ctypes: {_NATIVE_ENV}=0"
+    try:
+        _ucp = importlib.import_module("datamover.backends.ucx._ucp")
+    except ImportError as exc:
+        return None, f"ctypes: the native extension datamover.backends.ucx._ucp was not built ({exc})"
+    try:
+        ucp()  # loads libucp through ucxx
+        _ucp.bind(_loaded("libucp"))
+    except (ImportError, OSError, UcpError) as exc:
+        return None, f"ctypes: the native extension cannot bind libucp ({exc})"
+    return _ucp, f"native: rows posted and UCX progressed in C with the GIL released ({_loaded('libucp')})"
+
+
+def native() -> Any:
+    """The bound native module, or None where the ctypes path is in use."""
+    return _native_state()[0]
+
+
+def data_path() -> str:
+    """Which path posts one-sided rows here and why ("native: ..." or "ctypes: ..."), for ``datamover info``."""
+    return _native_state()[1]
+
+
+def native_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[RequestParam | None]) -> np.ndarray:
+    """A prepared transfer's rows as the (n, 5) uint64 array {laddr, length, raddr, rkey, param} ``post_native``
+    reads; ``param`` is the address of a device row's request parameters (kept alive by the caller), else 0."""
+    rows = np.empty((len(lengths), 5), dtype=np.uint64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3] = laddr, lengths, raddr, rkeys
+    rows[:, 4] = [0 if p is None else ctypes.addressof(p) for p in params] if any(params) else 0
+    return rows
+
+
+def post_native(get: bool, ep: int, rows: np.ndarray) -> tuple[Any, int]:
+    """Post every row's get (``get``) or put and one endpoint flush in C: (flush, UCS_OK) or (None, the error).
+
+    The flush has ``poll()`` and ``abandon()`` as ``Flush`` has, and
+    ``drive(worker_handle, until)``: progress the worker in C, the GIL
+    released, until it ends or the monotonic time ``until``.
+    """
+    got = native().post(get, ep, rows)
+    return (None, got) if isinstance(got, int) else (got, UCS_OK)

@@ -38,6 +38,17 @@ class ServiceLoop:
         except OSError:
             pass
 
+    def _start_progress(self) -> bool:
+        """Hand UCX's progress to a native thread where the extension is built; False: this thread progresses it."""
+        lib = rma.native() if self.params["native_progress"] else None
+        if lib is not None:
+            try:
+                self._progress = lib.Progress(self._worker.handle, float(self.params["spin_us"]) * 1e-6)
+                return True
+            except OSError as exc:
+                log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
+        return False
+
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""
         if on != self._ucx_watched:
@@ -94,7 +105,7 @@ class ServiceLoop:
                 n = 0
                 # a waiter progressing the same worker does this thread's UCX work too; two threads
                 # progressing one worker only contend for its lock (and the GIL)
-                while not self._drivers and worker.progress_once() and n < 64:
+                while not self._drivers and self._progress is None and worker.progress_once() and n < 64:
                     n += 1
                 busy |= n > 0
                 if self._active_out or self._active_in or self._revokes:
@@ -114,6 +125,16 @@ class ServiceLoop:
                     # event fd stays readable while nobody arms the worker, so it is left out of the wait)
                     self._watch_ucx(False)
                     self._poll(0.005)
+                    continue
+                if self._progress is not None:
+                    # the native thread progresses UCX; it wakes this one after work while requests are in flight
+                    in_flight = self._active_out or self._active_in or self._revokes or self._directs
+                    self._progress.set_notify(self._wake_w if in_flight else -1)
+                    if in_flight:
+                        # what this thread (or a caller) posted raises no UCX event: have it progressed
+                        self._progress.kick()
+                    if self._poll(0.0 if busy else (0.001 if in_flight else 0.05)):
+                        last = time.monotonic()
                     continue
                 self._watch_ucx(True)
                 if self._poll(0.0):
@@ -251,6 +272,9 @@ class ServiceLoop:
             self._drop_inbound(inbound)
         if self._ucx_watched:
             self._sel.unregister(self._worker.epoll_file_descriptor)
+        if self._progress is not None:  # stopped before its worker can be freed
+            self._progress.close()
+            self._progress = None
         self._retire_ep(self._self_ep)  # every endpoint closed, so that freeing them does not wait on a peer
         old = (self._worker, self._graveyard, self._draining)
         if quarantine:
@@ -262,6 +286,7 @@ class ServiceLoop:
         self._address = self._worker.address.tobytes()
         if self._ucx_watched:
             self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
+        self._start_progress()
         self.resets += 1
 
     def _bury(self) -> None:

@@ -1,9 +1,10 @@
-"""NIXL's error classes, and datamover errors raised as them (still instances of the datamover class)."""
+"""NIXL's status codes and error classes, and datamover errors raised as them (still datamover errors too)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import IntEnum
 
 from ...errors import (
     AuthenticationError,
@@ -20,7 +21,25 @@ from ...errors import (
     TransferStateError,
     UnsupportedTransfer,
 )
-from ._types import nixl_status_t
+
+
+class nixl_status_t(IntEnum):
+    """NIXL's status codes; the negative ones are raised as the matching ``nixl*Error``."""
+
+    NIXL_IN_PROG = 1
+    NIXL_SUCCESS = 0
+    NIXL_ERR_NOT_POSTED = -1
+    NIXL_ERR_INVALID_PARAM = -2
+    NIXL_ERR_BACKEND = -3
+    NIXL_ERR_NOT_FOUND = -4
+    NIXL_ERR_MISMATCH = -5
+    NIXL_ERR_NOT_ALLOWED = -6
+    NIXL_ERR_REPOST_ACTIVE = -7
+    NIXL_ERR_UNKNOWN = -8
+    NIXL_ERR_NOT_SUPPORTED = -9
+    NIXL_ERR_REMOTE_DISCONNECT = -10
+    NIXL_ERR_CANCELED = -11
+    NIXL_ERR_NO_TELEMETRY = -12
 
 
 class NixlError(Exception):

@@ -7,6 +7,7 @@ from enum import IntEnum
 from typing import Any
 
 from ...descriptors import MemType
+from ._errors import nixl_status_t, nixlInvalidParamError, nixlNotSupportedError
 
 #: NIXL's default metadata side-channel port.
 DEFAULT_COMM_PORT = 8888
@@ -24,25 +25,6 @@ class nixl_mem_t(IntEnum):
     BLK_SEG = 2
     OBJ_SEG = 3
     FILE_SEG = 4
-
-
-class nixl_status_t(IntEnum):
-    """NIXL's status codes; the negative ones are raised as the matching ``nixl*Error``."""
-
-    NIXL_IN_PROG = 1
-    NIXL_SUCCESS = 0
-    NIXL_ERR_NOT_POSTED = -1
-    NIXL_ERR_INVALID_PARAM = -2
-    NIXL_ERR_BACKEND = -3
-    NIXL_ERR_NOT_FOUND = -4
-    NIXL_ERR_MISMATCH = -5
-    NIXL_ERR_NOT_ALLOWED = -6
-    NIXL_ERR_REPOST_ACTIVE = -7
-    NIXL_ERR_UNKNOWN = -8
-    NIXL_ERR_NOT_SUPPORTED = -9
-    NIXL_ERR_REMOTE_DISCONNECT = -10
-    NIXL_ERR_CANCELED = -11
-    NIXL_ERR_NO_TELEMETRY = -12
 
 
 class nixl_xfer_op_t(IntEnum):
@@ -109,8 +91,6 @@ def mem_of(seg: Any) -> MemType:
 
     BLOCK raises nixlNotSupportedError; anything else unknown, nixlInvalidParamError.
     """
-    from ._errors import nixlInvalidParamError, nixlNotSupportedError
-
     if isinstance(seg, str):
         if seg.strip().upper() in ("BLOCK", "BLK"):
             raise nixlNotSupportedError("BLOCK memory is not supported by datamover")

@@ -2,8 +2,9 @@
 
 One offloaded chunk is one vLLM block of one KV cache group: the block's page in each of the group's KV tensors
 (one per layer). Each page is one datamover chunk (a ChunkKey whose `layer` is the page's index in the group), so
-a block moves as a list of page views straight between the engine's KV cache and the tiers, by Agent transfers
-(memcpy on CPU, cuda on a GPU, posix to NVMe, a pool below); nothing is staged in between.
+a block moves as a list of pages straight between the engine's KV cache and the tiers, by Agent transfers
+(memcpy on CPU, cuda on a GPU, posix to NVMe, a pool below); nothing is staged in between. On CPU the pages are
+one DescList computed in numpy from each tensor's base and block stride.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
     GPULoadStoreSpec,
@@ -27,6 +29,7 @@ from vllm.v1.kv_offload.base import (
     get_offload_group_idx,
 )
 
+from ...descriptors import DescList
 from ...errors import DatamoverError
 from ...policy import ChunkKey, TieredCache
 from ...policy.config import with_overrides
@@ -94,7 +97,10 @@ class DatamoverOffloadingWorker(OffloadingWorker):
             sub += f"-{key_hash(self.namespace):016x}"
             tiers = with_overrides(tiers, l3_nvme={"path": str(Path(tiers.l3_nvme.path) / sub)})
         self.cache = TieredCache(tiers)
-        self._register_kv_caches()
+        registered = self._register_kv_caches()
+        self._host = registered and all(t.device.type == "cpu" for t in self.tensors)
+        self._base = np.array([t.data_ptr() for t in self.tensors], dtype=np.int64)
+        self._stride = np.array([t.stride(0) * t.element_size() for t in self.tensors], dtype=np.int64)
         self.counters: Counter = Counter()
         self._jobs: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -109,11 +115,13 @@ class DatamoverOffloadingWorker(OffloadingWorker):
             self.service.path,
         )
 
-    def _register_kv_caches(self) -> None:
-        """Register each KV storage once, whole, so that every job only prepares descriptors inside it."""
+    def _register_kv_caches(self) -> bool:
+        """Register each KV storage once, whole, so that every job only prepares descriptors inside it; False
+        if some storage could not be (its jobs then register their pages as they go)."""
         import torch
 
         seen: set[int] = set()
+        ok = True
         for t in self.tensors:
             storage = t.untyped_storage()
             if storage.data_ptr() in seen:
@@ -124,28 +132,36 @@ class DatamoverOffloadingWorker(OffloadingWorker):
                 self.cache.agent.register_memory(whole)
             except DatamoverError as exc:
                 log.warning("datamover offloading: KV storage not registered up front (%s); jobs register it", exc)
+                ok = False
+        return ok
 
     # -- keys and views ------------------------------------------------------------------
     def _chunk_keys(self, key: OffloadKey) -> list[ChunkKey]:
         h = key_hash(key)
         return [ChunkKey(h, self.namespace, "", j) for j in range(len(self._groups[get_offload_group_idx(key)]))]
 
-    def _layout(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> tuple[list[ChunkKey], list[Any], list[int]]:
-        """The chunk keys of a job, a page view for each, and the GPU block each belongs to."""
+    def _layout(self, keys: list[OffloadKey], gpu: GPULoadStoreSpec) -> tuple[list[ChunkKey], Any, list[int]]:
+        """The chunk keys of a job, their pages in vLLM's KV cache (a DescList of host memory, or page views of
+        device tensors), and the GPU block each belongs to."""
         blocks = [int(b) for b in gpu.block_ids]
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} offload keys for {len(blocks)} GPU blocks (one block per chunk expected)")
-        expected = [g for g, n in zip(self._order, gpu.group_sizes) for _ in range(n)]
-        if [get_offload_group_idx(k) for k in keys] != expected:
+        groups = [get_offload_group_idx(k) for k in keys]
+        if groups != [g for g, n in zip(self._order, gpu.group_sizes) for _ in range(n)]:
             raise ValueError("offload keys are not in the order of the job's KV cache groups")
         chunk_keys: list[ChunkKey] = []
-        views: list[Any] = []
         owners: list[int] = []
-        for key, block in zip(keys, blocks):
-            tensors = self._groups[get_offload_group_idx(key)]
+        tensor_of: list[int] = []
+        for key, group, block in zip(keys, groups, blocks):
+            tensors = self._groups[group]
             chunk_keys += self._chunk_keys(key)
-            views += [self.tensors[t][block, : self.chunk] for t in tensors]
             owners += [block] * len(tensors)
+            tensor_of += tensors
+        if self._host:  # one descriptor per page, computed in numpy: page = base + block * block stride
+            t = np.asarray(tensor_of, dtype=np.int64)
+            addr = self._base[t] + np.asarray(owners, dtype=np.int64) * self._stride[t]
+            return chunk_keys, DescList.from_columns(addr, self.chunk), owners
+        views = [self.tensors[ti][block, : self.chunk] for ti, block in zip(tensor_of, owners)]
         return chunk_keys, views, owners
 
     # -- jobs -------------------------------------------------------------------------------
@@ -170,7 +186,7 @@ class DatamoverOffloadingWorker(OffloadingWorker):
             if store:
                 self.cache.put(chunk_keys, views)
                 self.counters["blocks_stored"] += len(keys)
-                return _Outcome(job_id, True, len(views) * self.chunk, time.perf_counter() - start)
+                return _Outcome(job_id, True, len(chunk_keys) * self.chunk, time.perf_counter() - start)
             delivered = self.cache.get(chunk_keys, views)
         except Exception as exc:  # a job never raises into vLLM: a failed store is a future miss, a load recomputes
             log.warning("datamover offloading: %s job %d failed: %s", "store" if store else "load", job_id, exc)

@@ -53,17 +53,29 @@ def write(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int) -> Non
     assert agent.transfer("WRITE", buf.descs(np.arange(len(keys)) * size, size), dst).wait() == XferState.DONE
 
 
-@pytest.fixture(scope="module", params=["staged", "zero_copy"])
-def agent(master, request):
-    """One agent per transfer mode for the module's plain tests (a store client takes ~1 s to close)."""
-    with mooncake_agent(master, f"mc-{request.param}", transfer_mode=request.param) as a:
-        yield a
+@pytest.fixture(scope="module")
+def agents(master):
+    """One agent per transfer mode, alive for the whole module (a client that leaves takes the replicas in its
+    memory with it, and takes ~1 s to close)."""
+    made = {}
+    try:
+        for mode in ("auto", "zero_copy"):
+            made[mode] = mooncake_agent(master, f"mc-{mode}", transfer_mode=mode)
+        yield made
+    finally:
+        for a in made.values():
+            a.close()
+
+
+@pytest.fixture(params=["auto", "zero_copy"])
+def agent(agents, request):
+    return agents[request.param]
 
 
 def after_failure(agent: Agent, before: bytes) -> bytes:
     """What a row whose read failed holds after: untouched when staged (checked before it is copied), zeros
     with zero-copy (the bytes landed, then failed)."""
-    staged = agent.backend("mooncake").params["transfer_mode"] == "staged"
+    staged = agent.backend("mooncake").client.staged(len(before))
     return before if staged else bytes(len(before))
 
 

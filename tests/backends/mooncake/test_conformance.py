@@ -20,12 +20,25 @@ from .conftest import ObjectBuffer
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module", params=["staged", "zero_copy"])
-def shared_agent(master, request):
-    """One agent (one store client lending 512 MiB) per transfer mode: a client takes ~1 s to close."""
-    params = master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=request.param)
-    with Agent(f"mooncake-{request.param}", {"backends": {"mooncake": params}}) as agent:
-        yield agent
+@pytest.fixture(scope="module")
+def agents(master):
+    """One agent per transfer mode (each a store client lending 512 MiB), all alive for the whole module: a
+    client that leaves takes the replicas in its memory with it, and a client takes ~1 s to close."""
+    made = {}
+    try:
+        for mode in ("auto", "staged", "zero_copy"):
+            params = master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=mode)
+            made[mode] = Agent(f"mooncake-{mode}", {"backends": {"mooncake": params}})
+            made[mode].backend("mooncake")
+        yield made
+    finally:
+        for agent in made.values():
+            agent.close()
+
+
+@pytest.fixture(params=["auto", "staged", "zero_copy"])
+def shared_agent(agents, request):
+    return agents[request.param]
 
 
 class TestMooncake(BackendConformance):

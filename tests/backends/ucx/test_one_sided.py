@@ -274,7 +274,8 @@ def test_a_revocation_waits_for_direct_cma_parts_in_flight(agent, target):
 def test_the_service_thread_leaves_ucx_to_a_driving_waiter_and_takes_it_back(target, monkeypatch):
     """While a waiter progresses UCX, the service thread waits on its sockets only; UCX's fd is back after, and
     it follows a worker reset."""
-    with Agent("driven", {"backends": {"ucx": {"direct_cma": False}}}) as agent:
+    # the Python service thread's own handling of UCX's fd (with native progress, UCX's fd is that thread's)
+    with Agent("driven", {"backends": {"ucx": {"direct_cma": False, "native_progress": False}}}) as agent:
         backend = agent.backend("ucx")
         mine, theirs = HostBuffer(agent, 1 << 20), RemoteBuffer(target, 1 << 20)
         agent.add_remote(target.metadata())

@@ -1,0 +1,531 @@
+/* UCP one-sided rows and worker progress in native code, the GIL released.
+ *
+ * Built by the ordinary pip install (an optional extension: where it cannot
+ * be built, datamover uses ctypes instead). No UCX header is needed: the few
+ * prototypes below are declared from UCX 1.21 (ucp/api/ucp.h, ucp_compat.h,
+ * ucs/type/status.h), and every function is resolved at run time from the
+ * libucp that ucxx loaded (bind(), dlopen with RTLD_NOLOAD), so the handles
+ * ucxx made are valid here. Only handles, plain pointers and ucs_status_t
+ * cross; no UCX struct is laid out in this file.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int ucs_status_t; /* enum ucs_status_t: 0 ok, 1 in progress, negative errors */
+typedef void *ucs_status_ptr_t;
+#define UCS_OK 0
+#define UCS_INPROGRESS 1
+#define UCS_ERR_NO_MESSAGE (-1)
+#define UCS_ERR_BUSY (-4)
+#define UCS_ERR_CANCELED (-16)
+#define UCS_ERR_LAST (-100)
+#define PTR_IS_ERR(p) (((uintptr_t)(p)) >= ((uintptr_t)UCS_ERR_LAST))
+#define PTR_IS_PTR(p) ((((uintptr_t)(p)) - 1) < ((uintptr_t)UCS_ERR_LAST - 1))
+
+typedef ucs_status_t (*put_nbi_t)(void *ep, const void *buf, size_t n, uint64_t raddr, void *rkey);
+typedef ucs_status_t (*get_nbi_t)(void *ep, void *buf, size_t n, uint64_t raddr, void *rkey);
+typedef ucs_status_ptr_t (*put_nbx_t)(void *ep, const void *buf, size_t n, uint64_t raddr, void *rkey, const void *param);
+typedef ucs_status_ptr_t (*get_nbx_t)(void *ep, void *buf, size_t n, uint64_t raddr, void *rkey, const void *param);
+typedef ucs_status_ptr_t (*flush_nbx_t)(void *ep, const void *param);
+typedef ucs_status_t (*check_status_t)(void *req);
+typedef void (*request_free_t)(void *req);
+typedef unsigned (*progress_t)(void *worker);
+typedef ucs_status_t (*get_efd_t)(void *worker, int *fd);
+typedef ucs_status_t (*arm_t)(void *worker);
+
+static struct {
+    put_nbi_t put_nbi;
+    get_nbi_t get_nbi;
+    put_nbx_t put_nbx;
+    get_nbx_t get_nbx;
+    flush_nbx_t flush_nbx;
+    check_status_t check_status;
+    request_free_t request_free;
+    progress_t progress;
+    get_efd_t get_efd;
+    arm_t arm;
+    int bound;
+} ucp;
+
+/* an all-zero ucp_request_param_t (no callback; the request is ours to free), larger than the struct */
+static const uint64_t no_param[64];
+
+/* one row of a prepared transfer, as Python lays it out in a (rows, 5) uint64 array */
+typedef struct {
+    uint64_t laddr, length, raddr, rkey, param; /* param: a ucp_request_param_t* for nbx (device rows), or 0 */
+} row_t;
+
+static double monotonic_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of Python's time.monotonic() on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static PyObject *py_bind(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) {
+        PyErr_Format(PyExc_OSError, "%s is not loaded in this process (import ucxx first): %s", path, dlerror());
+        return NULL;
+    }
+    static const char *names[] = {"ucp_put_nbi", "ucp_get_nbi", "ucp_put_nbx", "ucp_get_nbx", "ucp_ep_flush_nbx",
+                                  "ucp_request_check_status", "ucp_request_free", "ucp_worker_progress",
+                                  "ucp_worker_get_efd", "ucp_worker_arm"};
+    void *fns[10];
+    for (int i = 0; i < 10; i++) {
+        fns[i] = dlsym(lib, names[i]);
+        if (fns[i] == NULL) {
+            PyErr_Format(PyExc_OSError, "%s has no %s", path, names[i]);
+            dlclose(lib);
+            return NULL;
+        }
+    }
+    ucp.put_nbi = (put_nbi_t)fns[0];
+    ucp.get_nbi = (get_nbi_t)fns[1];
+    ucp.put_nbx = (put_nbx_t)fns[2];
+    ucp.get_nbx = (get_nbx_t)fns[3];
+    ucp.flush_nbx = (flush_nbx_t)fns[4];
+    ucp.check_status = (check_status_t)fns[5];
+    ucp.request_free = (request_free_t)fns[6];
+    ucp.progress = (progress_t)fns[7];
+    ucp.get_efd = (get_efd_t)fns[8];
+    ucp.arm = (arm_t)fns[9];
+    ucp.bound = 1; /* the library stays loaded: ucxx holds it, and so does this handle */
+    Py_RETURN_NONE;
+}
+
+static int need_bound(void) {
+    if (!ucp.bound) {
+        PyErr_SetString(PyExc_RuntimeError, "datamover.backends.ucx._ucp: bind() the libucp ucxx loaded first");
+        return 0;
+    }
+    return 1;
+}
+
+/* ---- Flush: one ucp_ep_flush_nbx request, checked, waited for (progressing the worker) or abandoned ---- */
+
+typedef struct {
+    PyObject_HEAD
+    void *req; /* the request while in flight, else NULL */
+    int status; /* UCS_INPROGRESS while req is set, then the flush's status */
+    pthread_mutex_t lock; /* req is checked and freed by whichever thread holds it */
+} FlushObject;
+
+static PyTypeObject FlushType;
+
+/* the request's status now, freeing it once it ended; lock held */
+static int flush_check_locked(FlushObject *f) {
+    if (f->req != NULL) {
+        int st = ucp.check_status(f->req);
+        if (st == UCS_INPROGRESS) return st;
+        ucp.request_free(f->req);
+        f->req = NULL;
+        f->status = st;
+    }
+    return f->status;
+}
+
+static void flush_dealloc(FlushObject *f) {
+    if (f->req != NULL) ucp.request_free(f->req); /* UCP frees it when it ends */
+    pthread_mutex_destroy(&f->lock);
+    Py_TYPE(f)->tp_free((PyObject *)f);
+}
+
+static PyObject *flush_poll(FlushObject *f, PyObject *unused) {
+    int st;
+    pthread_mutex_lock(&f->lock);
+    st = flush_check_locked(f);
+    pthread_mutex_unlock(&f->lock);
+    return PyLong_FromLong(st);
+}
+
+static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
+    pthread_mutex_lock(&f->lock);
+    if (f->req != NULL) {
+        ucp.request_free(f->req);
+        f->req = NULL;
+        f->status = UCS_ERR_CANCELED;
+    }
+    pthread_mutex_unlock(&f->lock);
+    Py_RETURN_NONE;
+}
+
+/* drive(worker, deadline, spin_s=50e-6): progress ``worker`` until the flush ends or time.monotonic() passes
+ * ``deadline``; returns the flush's status (UCS_INPROGRESS at the deadline). After ``spin_s`` without progress it
+ * sleeps on UCX's event fd (armed) instead of spinning, so a peer that shares the cores gets them. The GIL is
+ * released throughout. */
+static PyObject *flush_drive(FlushObject *f, PyObject *args) {
+    unsigned long long worker_ull;
+    double deadline, spin_s = 50e-6;
+    if (!PyArg_ParseTuple(args, "Kd|d", &worker_ull, &deadline, &spin_s)) return NULL;
+    void *worker = (void *)(uintptr_t)worker_ull;
+    int st, efd = -1;
+    Py_BEGIN_ALLOW_THREADS
+    if (ucp.get_efd(worker, &efd) != UCS_OK) efd = -1;
+    double last = monotonic_s();
+    for (;;) {
+        pthread_mutex_lock(&f->lock);
+        st = flush_check_locked(f);
+        pthread_mutex_unlock(&f->lock);
+        if (st != UCS_INPROGRESS) break;
+        unsigned k = 0;
+        while (ucp.progress(worker)) k++;
+        double now = monotonic_s();
+        if (now > deadline) break;
+        if (k) {
+            last = now;
+            continue;
+        }
+        if (efd < 0 || now - last < spin_s) continue;
+        if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
+        pthread_mutex_lock(&f->lock);
+        st = flush_check_locked(f);
+        pthread_mutex_unlock(&f->lock);
+        if (st != UCS_INPROGRESS) break;
+        double left_ms = (deadline - now) * 1e3;
+        struct pollfd pfd = {.fd = efd, .events = POLLIN};
+        poll(&pfd, 1, left_ms < 1.0 ? 1 : (left_ms > 10.0 ? 10 : (int)left_ms));
+        last = monotonic_s();
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(st);
+}
+
+static PyObject *flush_get_status(FlushObject *f, void *closure) { return PyLong_FromLong(f->status); }
+
+static PyMethodDef flush_methods[] = {
+    {"poll", (PyCFunction)flush_poll, METH_NOARGS, "UCS_INPROGRESS until the flush ends, then its status."},
+    {"abandon", (PyCFunction)flush_abandon, METH_NOARGS, "Stop tracking: UCP frees the request when it ends."},
+    {"drive", (PyCFunction)flush_drive, METH_VARARGS,
+     "drive(worker_handle, deadline, spin_s=50e-6): progress the worker until the flush ends or the monotonic "
+     "deadline passes, sleeping on UCX's event fd after spin_s without progress."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef flush_getset[] = {
+    {"status", (getter)flush_get_status, NULL, "the last status seen", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject FlushType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends.ucx._ucp.Flush",
+    .tp_basicsize = sizeof(FlushObject),
+    .tp_dealloc = (destructor)flush_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Remote completion of every put/get posted on one endpoint before it.",
+    .tp_methods = flush_methods,
+    .tp_getset = flush_getset,
+};
+
+static FlushObject *new_flush(void *req, int status) {
+    FlushObject *f = PyObject_New(FlushObject, &FlushType);
+    if (f == NULL) {
+        if (req != NULL) ucp.request_free(req);
+        return NULL;
+    }
+    pthread_mutex_init(&f->lock, NULL);
+    f->req = req;
+    f->status = status;
+    return f;
+}
+
+/* post(get, ep, rows): one put (or get) per row of a C-contiguous (n, 5) uint64 buffer, then one endpoint
+ * flush; returns a Flush, or the first error status (int) with nothing left tracked. */
+static PyObject *py_post(PyObject *self, PyObject *args) {
+    int get;
+    unsigned long long ep_ull;
+    PyObject *rows_obj;
+    if (!PyArg_ParseTuple(args, "pKO", &get, &ep_ull, &rows_obj)) return NULL;
+    if (!need_bound()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(rows_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
+    if (view.itemsize != 8 || view.len % (Py_ssize_t)sizeof(row_t) != 0 ||
+        (view.format != NULL && strchr("QLq", view.format[0]) == NULL)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "rows must be a C-contiguous (n, 5) uint64 array");
+        return NULL;
+    }
+    const row_t *rows = (const row_t *)view.buf;
+    Py_ssize_t n = view.len / (Py_ssize_t)sizeof(row_t);
+    void *ep = (void *)(uintptr_t)ep_ull;
+    int status = UCS_OK;
+    void *req = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const row_t *r = &rows[i];
+        void *buf = (void *)(uintptr_t)r->laddr, *rkey = (void *)(uintptr_t)r->rkey;
+        if (r->param == 0) {
+            status = get ? ucp.get_nbi(ep, buf, r->length, r->raddr, rkey)
+                         : ucp.put_nbi(ep, buf, r->length, r->raddr, rkey);
+            if (status < 0) break;
+            status = UCS_OK;
+            continue;
+        }
+        const void *param = (const void *)(uintptr_t)r->param;
+        ucs_status_ptr_t p = get ? ucp.get_nbx(ep, buf, r->length, r->raddr, rkey, param)
+                                 : ucp.put_nbx(ep, buf, r->length, r->raddr, rkey, param);
+        if (PTR_IS_PTR(p)) {
+            ucp.request_free(p);
+        } else if (PTR_IS_ERR(p)) {
+            status = (int)(intptr_t)p;
+            break;
+        }
+    }
+    if (status == UCS_OK) {
+        ucs_status_ptr_t p = ucp.flush_nbx(ep, no_param);
+        if (PTR_IS_PTR(p)) {
+            req = p;
+            status = UCS_INPROGRESS;
+        } else if (PTR_IS_ERR(p)) {
+            status = (int)(intptr_t)p;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (status < 0) return PyLong_FromLong(status);
+    return (PyObject *)new_flush(req, status);
+}
+
+static PyObject *py_flush(PyObject *self, PyObject *args) {
+    unsigned long long ep;
+    if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
+    if (!need_bound()) return NULL;
+    ucs_status_ptr_t p = ucp.flush_nbx((void *)(uintptr_t)ep, no_param);
+    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS);
+    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK);
+}
+
+/* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ---- */
+
+typedef struct {
+    PyObject_HEAD
+    void *worker;
+    int efd;  /* UCX's event fd for the worker */
+    int stop; /* an eventfd: written to stop the thread */
+    int kick; /* an eventfd: written when the last hold is released */
+    int held; /* holds: while any, the thread leaves the worker to the holder (a waiter driving it) */
+    int notify; /* written (one 8-byte count) after progress that did work, or -1 */
+    double spin_s;
+    pthread_t thread;
+    int running;
+    volatile int quit;
+    unsigned long long wakeups, bursts;
+} ProgressObject;
+
+static void notify_fd(int fd) {
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t rc = write(fd, &one, sizeof one); /* a full pipe already says so */
+        (void)rc;
+    }
+}
+
+static void drain_fd(int fd) {
+    uint64_t v;
+    ssize_t rc = read(fd, &v, sizeof v);
+    (void)rc;
+}
+
+static void *progress_main(void *arg) {
+    ProgressObject *p = (ProgressObject *)arg;
+    struct pollfd fds[3] = {
+        {.fd = p->efd, .events = POLLIN}, {.fd = p->stop, .events = POLLIN}, {.fd = p->kick, .events = POLLIN}};
+    while (!p->quit) {
+        if (__atomic_load_n(&p->held, __ATOMIC_ACQUIRE) > 0) {
+            /* a waiter drives the worker: sleep until the last hold is released (or stop) */
+            int rc = poll(fds + 1, 2, -1);
+            if (rc < 0 && errno != EINTR) break;
+            if (fds[1].revents) break;
+            if (fds[2].revents) drain_fd(p->kick);
+            continue;
+        }
+        double idle_since = 0.0;
+        int did = 0;
+        for (;;) { /* progress while there is work, and spin a little after work (only after work), then sleep */
+            unsigned k = 0;
+            while (ucp.progress(p->worker)) k++;
+            if (k) {
+                did = 1;
+                idle_since = monotonic_s();
+                int fd = __atomic_load_n(&p->notify, __ATOMIC_RELAXED);
+                notify_fd(fd);
+            } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s ||
+                       __atomic_load_n(&p->held, __ATOMIC_ACQUIRE) > 0) {
+                break;
+            }
+        }
+        if (did) p->bursts++;
+        ucs_status_t st = ucp.arm(p->worker);
+        if (st == UCS_ERR_BUSY) continue; /* events came in meanwhile: progress them first */
+        if (st != UCS_OK) {
+            struct timespec ts = {0, 1000000}; /* cannot arm: poll every millisecond instead */
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        int rc = poll(fds, 3, -1);
+        p->wakeups++;
+        if (rc < 0 && errno != EINTR) break;
+        if (fds[1].revents) break;
+        if (fds[2].revents) drain_fd(p->kick);
+    }
+    return NULL;
+}
+
+static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"worker", "spin_s", "notify_fd", NULL};
+    unsigned long long worker;
+    double spin_s = 0.0;
+    int notify = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|di", kwlist, &worker, &spin_s, &notify)) return NULL;
+    if (!need_bound()) return NULL;
+    int efd = -1;
+    ucs_status_t st = ucp.get_efd((void *)(uintptr_t)worker, &efd);
+    if (st != UCS_OK) {
+        PyErr_Format(PyExc_OSError, "ucp_worker_get_efd failed (status %d): the worker needs UCP_FEATURE_WAKEUP", st);
+        return NULL;
+    }
+    int stop = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (stop < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    int kick = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (kick < 0) {
+        close(stop);
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    ProgressObject *p = (ProgressObject *)type->tp_alloc(type, 0);
+    if (p == NULL) {
+        close(stop);
+        close(kick);
+        return NULL;
+    }
+    p->kick = kick;
+    p->worker = (void *)(uintptr_t)worker;
+    p->efd = efd;
+    p->stop = stop;
+    p->notify = notify;
+    p->spin_s = spin_s;
+    int rc = pthread_create(&p->thread, NULL, progress_main, p);
+    if (rc != 0) {
+        Py_DECREF(p);
+        errno = rc;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    p->running = 1;
+    return (PyObject *)p;
+}
+
+static void progress_join(ProgressObject *p) {
+    if (p->running) {
+        p->quit = 1;
+        uint64_t one = 1;
+        ssize_t rc = write(p->stop, &one, sizeof one);
+        (void)rc;
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(p->thread, NULL);
+        Py_END_ALLOW_THREADS
+        p->running = 0;
+    }
+}
+
+static PyObject *progress_close(ProgressObject *p, PyObject *unused) {
+    progress_join(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
+    int fd;
+    if (!PyArg_ParseTuple(args, "i", &fd)) return NULL;
+    __atomic_store_n(&p->notify, fd, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+static PyObject *progress_hold(ProgressObject *p, PyObject *unused) {
+    if (__atomic_add_fetch(&p->held, 1, __ATOMIC_ACQ_REL) == 1) notify_fd(p->kick); /* out of its poll */
+    Py_RETURN_NONE;
+}
+
+static PyObject *progress_release(ProgressObject *p, PyObject *unused) {
+    if (__atomic_sub_fetch(&p->held, 1, __ATOMIC_ACQ_REL) == 0) notify_fd(p->kick);
+    Py_RETURN_NONE;
+}
+
+static PyObject *progress_kick(ProgressObject *p, PyObject *unused) {
+    notify_fd(p->kick);
+    Py_RETURN_NONE;
+}
+
+static void progress_dealloc(ProgressObject *p) {
+    progress_join(p);
+    if (p->stop > 0) close(p->stop);
+    if (p->kick > 0) close(p->kick);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static PyObject *progress_stats(ProgressObject *p, void *closure) {
+    return Py_BuildValue("{s:K,s:K,s:O}", "wakeups", p->wakeups, "bursts", p->bursts, "running",
+                         p->running ? Py_True : Py_False);
+}
+
+static PyMethodDef progress_methods[] = {
+    {"close", (PyCFunction)progress_close, METH_NOARGS, "Stop the thread and wait for it (idempotent)."},
+    {"hold", (PyCFunction)progress_hold, METH_NOARGS,
+     "Leave the worker to the caller (who progresses it) until the matching release()."},
+    {"kick", (PyCFunction)progress_kick, METH_NOARGS,
+     "Wake the thread to progress now: operations posted from another thread raise no UCX event."},
+    {"release", (PyCFunction)progress_release, METH_NOARGS, "End a hold(); the last one wakes the thread."},
+    {"set_notify", (PyCFunction)progress_set_notify, METH_VARARGS,
+     "set_notify(fd): write to fd after progress that did work (-1: nobody to tell)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef progress_getset[] = {
+    {"stats", (getter)progress_stats, NULL, "wakeups from the event fd and bursts of work so far", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ProgressType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends.ucx._ucp.Progress",
+    .tp_basicsize = sizeof(ProgressObject),
+    .tp_dealloc = (destructor)progress_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1): a native thread progressing a UCP worker, sleeping on "
+              "its event fd when idle.",
+    .tp_methods = progress_methods,
+    .tp_getset = progress_getset,
+    .tp_new = progress_new,
+};
+
+static PyMethodDef module_methods[] = {
+    {"bind", py_bind, METH_VARARGS, "bind(path): resolve the UCP calls from the already loaded libucp at path."},
+    {"post", py_post, METH_VARARGS,
+     "post(get, ep, rows): a put/get per row of an (n, 5) uint64 array, then a flush; a Flush, or an error status."},
+    {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_ucp", "UCP one-sided rows and worker progress in native code, the GIL released.", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__ucp(void) {
+    if (PyType_Ready(&FlushType) < 0 || PyType_Ready(&ProgressType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&FlushType);
+    Py_INCREF(&ProgressType);
+    if (PyModule_AddObject(m, "Flush", (PyObject *)&FlushType) < 0 ||
+        PyModule_AddObject(m, "Progress", (PyObject *)&ProgressType) < 0)
+        return NULL;
+    return m;
+}

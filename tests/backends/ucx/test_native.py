@@ -1,0 +1,174 @@
+"""The native data path (datamover.backends.ucx._ucp): rows posted and UCX progressed in C, and its ctypes fallback."""
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from datamover import Agent, XferState
+from datamover.backends import backend_status
+from datamover.backends.ucx import rma as ucx_rma
+from datamover.testing import HostBuffer
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
+
+TCP = {"ucx_config": {"TLS": "tcp,self"}, "direct_cma": False}  # put/get over tcp: the target must progress
+
+
+needs_native = pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
+
+
+@pytest.fixture(scope="module")
+def target():
+    with RemotePeer("native-target", {"backends": {"ucx": TCP}}, env={"UCX_TLS": "tcp,self"}) as peer:
+        yield peer
+
+
+@pytest.fixture(params=["native", "ctypes"])
+def path(request, monkeypatch):
+    if request.param == "native":
+        if ucx_rma.native() is None:
+            pytest.skip(ucx_rma.data_path())
+    else:
+        monkeypatch.setattr(ucx_rma, "native", lambda: None)
+    return request.param
+
+
+def test_info_says_which_path_is_active_and_why():
+    out = subprocess.run(
+        [sys.executable, "-c", "from datamover.backends.ucx import rma; print(rma.data_path())"],
+        capture_output=True, text=True, env={"DATAMOVER_UCX_NATIVE": "0", "PATH": "/usr/bin:/bin"}, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "ctypes: DATAMOVER_UCX_NATIVE=0"
+    if ucx_rma.native() is not None:
+        assert ucx_rma.data_path().startswith("native: ") and "libucp" in ucx_rma.data_path()
+    from datamover.backends.ucx import UcxBackend
+
+    assert UcxBackend.environment()["native path"] == ucx_rma.data_path()
+
+
+def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatch):
+    monkeypatch.delenv("DATAMOVER_UCX_NATIVE", raising=False)
+    monkeypatch.setitem(sys.modules, "datamover.backends.ucx._ucp", None)  # as if it had not been built
+    lib, reason = ucx_rma._native_state.__wrapped__()
+    assert lib is None and reason.startswith("ctypes: the native extension datamover.backends.ucx._ucp was not built")
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_both_paths_move_permuted_rows_one_sided(target, path, op):
+    n, bs = 512, 4096
+    with Agent(f"native-{path}", {"backends": {"ucx": TCP}}) as agent:
+        backend = agent.backend("ucx")
+        assert (backend._progress is not None) == (path == "native")
+        mine, theirs = HostBuffer(agent, n * bs), RemoteBuffer(target, n * bs)
+        agent.add_remote(target.metadata())
+        data = np.random.default_rng(3).integers(0, 256, n * bs, dtype=np.uint8)
+        perm = np.random.default_rng(4).permutation(n)
+        if op == "WRITE":
+            mine.write(0, data.tobytes())
+        else:
+            theirs.write(0, data.tobytes())
+        local, remote = mine.descs(np.arange(n) * bs, bs), theirs.descs(perm * bs, bs)
+        posted = []
+        spy = pytest.MonkeyPatch()
+        for name in ("post_native", "post_rows"):
+            real = getattr(ucx_rma, name)
+            spy.setattr(
+                ucx_rma, name, lambda get, ep, rows, real=real, name=name: posted.append(name) or real(get, ep, rows)
+            )
+        try:
+            for _ in range(2):
+                assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
+        finally:
+            spy.undo()
+        assert posted == ["post_native" if path == "native" else "post_rows"] * 2
+        if op == "WRITE":
+            got = np.frombuffer(theirs.read(0, n * bs), dtype=np.uint8).reshape(n, bs)
+            assert np.array_equal(got[perm], data.reshape(n, bs))
+        else:
+            got = np.frombuffer(mine.read(0, n * bs), dtype=np.uint8).reshape(n, bs)
+            assert np.array_equal(got, data.reshape(n, bs)[perm])
+        assert backend.counts["one-sided"] >= 2 and backend.counts["served by the owner"] == 0
+        theirs.free()
+
+
+@needs_native
+def test_a_target_is_served_by_the_native_thread_not_by_python(monkeypatch):
+    """Puts over tcp need the target to progress: its native thread does, its service thread never touches UCX."""
+    with Agent("native-owner", {"backends": {"ucx": TCP}}) as owner:
+        backend = owner.backend("ucx")
+        assert backend._progress is not None and not backend._ucx_watched
+        assert backend.describe()["UCX progress"] == "a native thread on UCX's event fd"
+        calls = []
+        worker = backend._worker
+        monkeypatch.setattr(backend, "_worker", _Spy(worker, calls))
+        mem = HostBuffer(owner, 1 << 20)
+        with RemotePeer("native-writer", {"backends": {"ucx": TCP}}, env={"UCX_TLS": "tcp,self"}) as writer:
+            writer.call("add_remote", owner.metadata())
+            handle, _ = writer.call("alloc", 1 << 20)
+            writer.call("write", handle, 0, bytes(range(256)) * 4096)
+            before = backend._progress.stats["bursts"]
+            for _ in range(3):
+                addrs = mem.descs(np.arange(256) * 4096, 4096).addr
+                xid = writer.call("start_transfer", "WRITE", handle, "native-owner", addrs, [4096] * 256)
+                assert writer.call("wait_transfer", xid) == "DONE"
+            assert mem.read(0, 1 << 20) == bytes(range(256)) * 4096
+            assert backend._progress.stats["bursts"] > before
+        assert calls == [], f"the service thread progressed UCX itself: {calls[:3]}"
+
+
+class _Spy:
+    """A ucxx worker whose progress calls are recorded (any other attribute is the worker's)."""
+
+    def __init__(self, worker, calls):
+        self._worker, self._calls = worker, calls
+
+    def progress_once(self):
+        self._calls.append("progress_once")
+        return self._worker.progress_once()
+
+    def progress(self):
+        self._calls.append("progress")
+        return self._worker.progress()
+
+    def __getattr__(self, name):
+        return getattr(self._worker, name)
+
+
+@needs_native
+def test_a_hold_keeps_the_native_thread_off_the_worker_until_released():
+    from datamover.backends.ucx import _ucp
+
+    with Agent("native-held", {"backends": {"ucx": TCP}}) as agent:
+        progress = agent.backend("ucx")._progress
+        progress.hold()
+        time.sleep(0.05)
+        wakeups = progress.stats["wakeups"]
+        for _ in range(20):
+            progress.kick()  # a kick while held does not progress the worker: the thread only notes it
+        time.sleep(0.05)
+        assert progress.stats["wakeups"] == wakeups
+        progress.release()
+        deadline = time.monotonic() + 5
+        while progress.stats["wakeups"] == wakeups and time.monotonic() < deadline:
+            progress.kick()  # released, a kick wakes it from UCX's fd again
+            time.sleep(0.01)
+        assert progress.stats["wakeups"] > wakeups
+        assert isinstance(progress, _ucp.Progress)
+
+
+@needs_native
+def test_native_post_refuses_rows_that_are_not_an_n_by_5_uint64_array():
+    from datamover.backends.ucx import _ucp
+
+    assert ucx_rma.native() is _ucp  # bound to ucxx's libucp
+    with pytest.raises(ValueError, match=r"\(n, 5\) uint64"):
+        _ucp.post(False, 0, np.zeros((2, 4), dtype=np.uint64).ravel()[:7].copy())
+    with pytest.raises(ValueError):
+        _ucp.post(False, 0, np.zeros((2, 5), dtype=np.float64))
+    with pytest.raises(TypeError):
+        _ucp.post(False, 0, [1, 2, 3, 4, 5])
