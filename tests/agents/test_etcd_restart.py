@@ -50,7 +50,7 @@ def test_watch_and_publish_survive_an_etcd_restart(etcd):
         assert _until(lambda: _regions(sub, "pub") == 2, 20), "a region registered while etcd was down never arrived"
         pub.register_memory(bufs[2])  # the watch is live again after the restart
         assert _until(lambda: _regions(sub, "pub") == 3, 10), "the watch did not resume after the restart"
-        pub._publisher.close(revoke=False)  # the publisher dies without unpublishing: its lease runs out
+        pub._peers.publisher.close(revoke=False)  # the publisher dies without unpublishing: its lease runs out
         assert _until(lambda: "pub" not in sub.remotes, 2 + 10), "a dead peer was not dropped after the restart"
 
 
@@ -60,9 +60,9 @@ def test_a_lost_lease_is_replaced_and_the_blob_put_again(etcd):
         pub.register_memory(np.zeros(4096, np.uint8))
         pub.publish(etcd.endpoint, ns, ttl=2)
         sub.fetch_remote("pub", etcd=etcd.endpoint, namespace=ns, timeout=5)
-        old = pub._publisher.lease.id
-        pub._publisher.lease.revoke()  # as if etcd had expired it during an outage: the key goes with it
+        old = pub._peers.publisher.lease.id
+        pub._peers.publisher.lease.revoke()  # as if etcd had expired it during an outage: the key goes with it
         assert _until(lambda: "pub" not in sub.remotes, 10), "the watcher missed the deletion"
         assert _until(lambda: "pub" in sub.remotes, 10), "the publisher did not republish under a new lease"
-        assert pub._publisher.lease.id != old
+        assert pub._peers.publisher.lease.id != old
         assert _regions(sub, "pub") == 1

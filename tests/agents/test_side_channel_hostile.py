@@ -42,7 +42,7 @@ def test_200_idle_connections_do_not_stop_a_fetch():
     with _agent("a") as a, _agent("b") as b:
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(200)]
         try:
-            assert _until(lambda: b._side.open_connections == 200, 10)
+            assert _until(lambda: b._peers.server.open_connections == 200, 10)
             assert a.fetch_remote(*b.listen_address, timeout=10) == "b"  # the old server: 200 x 5 s before it
         finally:
             for s in idle:
@@ -53,9 +53,9 @@ def test_past_the_cap_the_oldest_idle_connection_makes_room():
     with _agent("a") as a, _agent("b", side_channel={"max_connections": 8}) as b:
         idle = [socket.create_connection(b.listen_address, timeout=5) for _ in range(8)]
         try:
-            assert _until(lambda: b._side.open_connections == 8, 10)
+            assert _until(lambda: b._peers.server.open_connections == 8, 10)
             assert a.fetch_remote(*b.listen_address, timeout=10) == "b"
-            assert b._side.evicted >= 1
+            assert b._peers.server.evicted >= 1
             assert idle[0].recv(1) == b""  # the oldest was closed for it
         finally:
             for s in idle:
@@ -81,7 +81,7 @@ def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
             assert cut, "a client trickling its request was never cut off"
         finally:
             slow.close()
-        assert _until(lambda: b._side.open_connections == 0, 5) and b._side.expired >= 1
+        assert _until(lambda: b._peers.server.open_connections == 0, 5) and b._peers.server.expired >= 1
 
 
 def test_a_huge_push_is_refused_from_its_length_before_any_byte_is_read():

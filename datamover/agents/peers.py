@@ -1,0 +1,262 @@
+"""The peers an agent knows: their metadata, how it is exchanged (side channel, etcd), and this agent's own."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from ..descriptors import DescList, Registration
+from ..errors import AuthenticationError, InvalidMetadata, NotRegistered
+from . import peer_auth
+from .backend_set import BackendSet
+from .config import AgentConfig
+from .metadata import AgentMetadata, agent_ident, decode_metadata, encode_metadata, open_metadata, sign_metadata
+from .registry import Registry
+
+log = logging.getLogger("datamover.agent")
+
+
+class Peers:
+    """Remote agents' metadata by name, kept current from where it came, and this agent's own blob.
+
+    Loading a peer hands its connection info to the backends first, so a bad
+    blob changes nothing. ``server`` is the metadata side channel (when the
+    config has ``listen_port``, from ``listen``), ``publisher`` the etcd lease (after
+    ``publish``). ``on_change`` runs whenever a peer is loaded or forgotten.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: AgentConfig,
+        lock: threading.RLock,
+        backends: BackendSet,
+        registry: Registry,
+        on_change: Callable[[], None],
+    ) -> None:
+        self._name = name
+        self._config = config
+        self._lock = lock
+        self._backends = backends
+        self._registry = registry
+        self._on_change = on_change
+        self._remotes: dict[str, AgentMetadata] = {}
+        self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
+        self._watches: dict[str, Any] = {}
+        self.publisher: Any = None
+        self.server: Any = None
+        self._token = os.urandom(peer_auth.TOKEN_BYTES)  # proves to peers that a PUSH or DROP comes from this agent
+        self._push_budget = peer_auth.PushBudget(**config.extra.get("push_budget", {}))
+
+    def listen(self) -> None:
+        """Start the metadata side channel, when the config has ``listen_port`` (once the agent is built)."""
+        if self._config.listen_port is None or self.server is not None:
+            return
+        from .side_channel import MetadataServer, SideChannelLimits
+
+        extra = self._config.extra
+        limits = SideChannelLimits(**extra.get("side_channel", {}))
+        self.server = MetadataServer(
+            self.metadata, host=str(extra.get("listen_host", "127.0.0.1")), port=int(self._config.listen_port),
+            on_push=self._pushed, on_drop=self._dropped, limits=limits,
+        )  # fmt: skip
+
+    # -- this agent's metadata -------------------------------------------------
+    def metadata(self, registrations: Iterable[Registration] | None = None, *, connection: bool = True) -> bytes:
+        """This agent's blob (all regions, or a partial one of ``registrations``), signed with the secret."""
+        with self._lock:
+            infos = self._backends.connection_infos() if connection else {}
+            partial = registrations is not None
+            reg = self._registry
+            regs = reg.regions.values() if registrations is None else reg.check_registered(registrations)
+            regions = [(r.mem_type, r.dev, r.addr, r.length, r.id) for r in regs]
+            blob = encode_metadata(self._name, infos, regions, ident=agent_ident(self._token), partial=partial)
+            return sign_metadata(blob, self._config.secret) if self._config.secret else blob
+
+    def metadata_changed(self) -> None:
+        """Republish to etcd after a (de)registration (a failure is logged: registering goes on)."""
+        if self.publisher is not None:
+            try:
+                self.publisher.update()
+            except Exception as exc:  # registration must not fail because etcd is away
+                log.warning("republishing metadata to etcd failed: %s", exc)
+
+    # -- known peers -------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self._remotes)
+
+    def get(self, name: str) -> AgentMetadata | None:
+        """Peer ``name``'s metadata, or None if unknown."""
+        return self._remotes.get(name)
+
+    def __getitem__(self, name: str) -> AgentMetadata:
+        return self._remotes[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._remotes
+
+    def add(self, blob: bytes) -> str:
+        """Load (or refresh, or for a partial blob extend) a peer from its blob; returns its name."""
+        return self.load(decode_metadata(open_metadata(blob, self._config.secret)))
+
+    def load(self, meta: AgentMetadata) -> str:
+        """Load decoded metadata: a partial one merges into what is known, a full one replaces it."""
+        if meta.name == self._name:
+            raise InvalidMetadata(f"metadata is this agent's own ({self._name!r})")
+        with self._lock:
+            old = self._remotes.get(meta.name)
+            if meta.partial and old is not None:
+                meta = _merge_metadata(old, meta)
+            # backends check their connection info first, so a bad blob changes nothing
+            for name, info in meta.backends.items():
+                if self._backends.usable(name):
+                    self._backends.get(name).add_remote(meta.name, info)
+            self._remotes[meta.name] = meta
+            self._on_change()
+        return meta.name
+
+    def remove(self, name: str) -> None:
+        """Forget a peer and disconnect every backend from it (KeyError if unknown)."""
+        with self._lock:
+            if self._remotes.pop(name, None) is None:
+                raise KeyError(f"unknown remote agent {name!r}")
+            self._on_change()
+            for inst in self._backends.running.values():
+                inst.remove_remote(name)
+
+    def lookup(self, descs: DescList, agent: str) -> np.ndarray:
+        """The region id of every descriptor in peer ``agent``'s memory, as its metadata here says."""
+        meta = self._remotes.get(agent)
+        if meta is None:
+            raise NotRegistered(f"unknown remote agent {agent!r}; load its metadata with add_remote() first")
+        try:
+            return meta.table.lookup(descs, owner=f"agent {agent!r}")
+        except NotRegistered as exc:
+            raise NotRegistered(
+                f"{exc.reason} (as of its metadata loaded here; if it registered memory since, refresh: "
+                f"add_remote() its new metadata or refresh_remote({agent!r}))",
+                index=exc.index,
+                backend=exc.backend,
+            ) from None
+
+    # -- exchange: side channel and etcd -----------------------------------------
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        return None if self.server is None else self.server.address
+
+    def fetch(self, where: str, port: int | None, etcd: Any, namespace: str, timeout: float, watch: bool) -> str:
+        """Load a peer from its side channel (host, port) or etcd (``where`` its name); see Agent.fetch_remote."""
+        if etcd is None:
+            from .side_channel import fetch_metadata
+
+            if port is None:
+                raise ValueError("fetch_remote(host, port) needs the side channel's port, or etcd=...")
+            name = self.add(fetch_metadata(where, port, timeout=timeout))
+            self._sources[name] = ("tcp", where, int(port))
+            return name
+        from . import etcd as etcd_mod
+
+        client = etcd_mod.connect(etcd, timeout=timeout)
+        name = self.add(etcd_mod.fetch(client, namespace, where, timeout=timeout))
+        if name != where:
+            self.remove(name)
+            raise InvalidMetadata(f"etcd key of {where!r} holds the metadata of {name!r}")
+        self._sources[name] = ("etcd", client, namespace)
+        if watch and name not in self._watches:
+            self._watches[name] = etcd_mod.EtcdWatch(
+                client, namespace, name, on_change=self.add, on_delete=lambda: self._expired(name)
+            )
+        return name
+
+    def refresh(self, name: str) -> str:
+        """Fetch peer ``name``'s metadata again from where it came."""
+        src = self._sources.get(name)
+        if src is None:
+            raise KeyError(f"no side channel or etcd source known for {name!r}; call add_remote() with a new blob")
+        if src[0] == "tcp":
+            from .side_channel import fetch_metadata
+
+            return self.add(fetch_metadata(src[1], src[2]))
+        from . import etcd as etcd_mod
+
+        return self.add(etcd_mod.fetch(src[1], src[2], name, timeout=self._config.timeout_s))
+
+    def send_metadata(self, host: str, port: int, timeout: float, blob: bytes | None) -> None:
+        """PUSH this agent's metadata (or ``blob``) to the side channel at (host, port)."""
+        from .side_channel import PUSH, send_request
+
+        send_request(host, port, PUSH, self.metadata() if blob is None else blob, timeout=timeout, proof=self._token)
+
+    def invalidate_at(self, host: str, port: int, timeout: float) -> None:
+        """DROP this agent at the side channel at (host, port)."""
+        from .side_channel import DROP, send_request
+
+        send_request(host, port, DROP, peer_auth.drop_payload(self._name, self._token, self._config.secret),
+                     timeout=timeout)  # fmt: skip
+
+    def _pushed(self, blob: bytes, proof: bytes) -> None:
+        """A peer's PUSH: within the push budget, and replacing a known peer only with its token or the secret."""
+        meta = decode_metadata(open_metadata(blob, self._config.secret), max_regions=self._push_budget.max_regions)
+        with self._lock:
+            peer_auth.check_replacement(self._remotes.get(meta.name), proof, signed=bool(self._config.secret))
+            self._push_budget.check(meta, set(self._remotes))
+            self.load(meta)
+            self._push_budget.kept_as(meta)
+
+    def _dropped(self, payload: bytes) -> None:
+        name, token = peer_auth.parse_drop(payload, self._config.secret)
+        with self._lock:
+            known = self._remotes.get(name)
+            if known is None:
+                return
+            if token is not None and not peer_auth.proves(known, token):
+                raise AuthenticationError(f"DROP of {name!r} does not carry its identity token")
+            log.info("agent %r asked to be forgotten", name)
+            self.remove(name)
+
+    def _expired(self, name: str) -> None:
+        log.info("agent %r left etcd (its lease expired or it unpublished); removing it", name)
+        with self._lock:
+            if name in self._remotes:
+                self.remove(name)
+
+    def publish(self, etcd: Any, namespace: str, ttl: float) -> str:
+        """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key."""
+        from .etcd import EtcdPublisher
+
+        if self.publisher is not None:
+            self.publisher.close()
+        self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
+        return self.publisher.key
+
+    def unpublish(self) -> None:
+        """Revoke the etcd lease now, if there is one."""
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+    def close(self) -> None:
+        """Stop the watches, the side channel and the etcd lease."""
+        for w in self._watches.values():
+            w.close()
+        self._watches.clear()
+        if self.server is not None:
+            self.server.close()
+        self.unpublish()
+
+
+def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
+    """``old`` with a partial blob's regions (same id: the new one wins) and connection info added."""
+    regions = {r[4]: r for r in old.regions}
+    regions.update({r[4]: r for r in new.regions})
+    backends = {**old.backends, **new.backends}
+    blob = encode_metadata(
+        old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
+    )
+    return decode_metadata(blob)

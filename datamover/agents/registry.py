@@ -1,0 +1,180 @@
+"""An agent's own memory: registering and deregistering regions, and finding the region of each descriptor."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ..descriptors import DescList, MemType, RegionTable, Registration, buffer_info
+from ..errors import InvalidDescriptor, NotRegistered
+from .backend_set import BackendSet
+
+
+class Registry:
+    """The registrations of one agent (``owner``) and the RegionTable over them.
+
+    Each registration is handed to every running backend that serves its memory
+    type (and undone there if one refuses). ``on_change`` runs after every
+    (de)registration, under the agent's lock.
+    """
+
+    def __init__(self, owner: str, lock: threading.RLock, backends: BackendSet, on_change: Callable[[], None]) -> None:
+        self._owner = f"agent {owner!r}"
+        self._lock = lock
+        self._backends = backends
+        self._on_change = on_change
+        self._next_id = 1
+        self._regs: dict[int, Registration] = {}
+        #: registrations by id: a live, read-only view
+        self.regions: Mapping[int, Registration] = MappingProxyType(self._regs)
+        #: the lookup table over ``regions``; a new object after each (de)registration
+        self.table = RegionTable()
+
+    # -- registering ---------------------------------------------------------
+    def register(self, x: Any) -> Registration | list[Registration]:
+        """A buffer (or each buffer of a list, or each row of a DescList), made addressable."""
+        if isinstance(x, DescList):
+            items = [(int(a), int(n), x.mem_type, int(d), x.owners) for a, n, d in x]
+            regs = [self._register_region(*item) for item in items]
+            return regs[0] if len(regs) == 1 else regs
+        if isinstance(x, (list, tuple)):
+            return [self.register(b) for b in x]  # type: ignore[misc]
+        info = buffer_info(x)
+        return self._register_region(info.addr, info.nbytes, info.mem_type, info.dev, info.owner)
+
+    def _register_region(self, addr: int, nbytes: int, mem: MemType, dev: int, owner: Any) -> Registration:
+        if mem not in (MemType.DRAM, MemType.VRAM):
+            raise InvalidDescriptor(
+                f"register_memory takes DRAM or VRAM memory, got {mem}; use register_file / register_objects"
+            )
+        if nbytes <= 0:
+            raise InvalidDescriptor("cannot register an empty buffer")
+        with self._lock:
+            other = self.table.overlapping(mem, dev, addr, nbytes)
+            if other is not None:
+                raise InvalidDescriptor(f"[{addr:#x}, +{nbytes}) overlaps region {other} already registered")
+            return self._add(Registration(self._new_id(), mem, addr, nbytes, dev, owner=owner))
+
+    def register_file(self, path: str | os.PathLike, size: int | None, direct: bool, create: bool) -> Registration:
+        """A file registered for FILE descriptors over ``[0, size)``; ``size`` extends it if shorter."""
+        path = os.fspath(path)
+        flags = os.O_RDWR | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            raise InvalidDescriptor(f"cannot open {path!r}: {exc.strerror}") from exc
+        try:
+            current = os.fstat(fd).st_size
+            if size is not None:
+                if size < 0:
+                    raise InvalidDescriptor(f"file size must be >= 0, got {size}")
+                if current < size:
+                    os.ftruncate(fd, size)
+            length = current if size is None else int(size)
+        finally:
+            os.close(fd)
+        with self._lock:
+            rid = self._new_id()
+            return self._add(Registration(rid, MemType.FILE, 0, length, rid, path=path, direct=bool(direct)))
+
+    def register_objects(self, bucket: str, keys: Iterable[str] | None, prefix: str | None) -> Registration:
+        """The listed ``keys`` of ``bucket``, or every key under ``prefix`` (neither: the whole bucket)."""
+        if not isinstance(bucket, str) or not bucket:
+            raise InvalidDescriptor("bucket must be a non-empty string")
+        key_list = None if keys is None else [str(k) for k in keys]
+        with self._lock:
+            rid = self._new_id()
+            extra = {"bucket": bucket, "keys": key_list, "prefix": prefix or ""}
+            return self._add(Registration(rid, MemType.OBJ, 0, 0, rid, extra=extra))
+
+    def _new_id(self) -> int:
+        rid = self._next_id
+        self._next_id += 1
+        return rid
+
+    def _add(self, reg: Registration) -> Registration:
+        done: list[str] = []
+        running = self._backends.running
+        try:
+            for name, inst in running.items():
+                if reg.mem_type in inst.mem_types():
+                    reg.handles[name] = inst.register(reg)
+                    done.append(name)
+        except BaseException:
+            for name in done:
+                running[name].deregister(reg, reg.handles.pop(name))
+            raise
+        self._regs[reg.id] = reg
+        self._changed()
+        return reg
+
+    def deregister(self, reg: Registration | Iterable[Registration]) -> None:
+        """Undo a registration (or several) in every backend that holds it."""
+        if not isinstance(reg, Registration):
+            for r in reg:
+                self.deregister(r)
+            return
+        with self._lock:
+            if self._regs.get(reg.id) is not reg:
+                raise NotRegistered(f"region {reg.id} is not registered with {self._owner}")
+            for name, handle in list(reg.handles.items()):
+                inst = self._backends.running.get(name)
+                if inst is not None:
+                    inst.deregister(reg, handle)
+            reg.handles.clear()
+            del self._regs[reg.id]
+            self._changed()
+
+    def deregister_all(self) -> None:
+        """Undo every registration (closing the agent)."""
+        with self._lock:
+            for reg in list(self._regs.values()):
+                self.deregister(reg)
+
+    def _changed(self) -> None:
+        self.table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())
+        self._on_change()
+
+    def check_registered(self, regs: Iterable[Registration]) -> list[Registration]:
+        """``regs`` as a list, each checked to be one of these registrations (NotRegistered if not)."""
+        out = list(regs)
+        for r in out:
+            if self._regs.get(r.id) is not r:
+                raise NotRegistered(f"{r!r} is not registered with {self._owner}")
+        return out
+
+    # -- finding descriptors ---------------------------------------------------
+    def lookup(self, descs: DescList) -> np.ndarray:
+        """The region id of every descriptor (NotRegistered naming the first outside all regions)."""
+        if descs.mem_type == MemType.OBJ:
+            return self._lookup_objects(descs)
+        return self.table.lookup(descs, owner=self._owner)
+
+    def _lookup_objects(self, descs: DescList) -> np.ndarray:
+        """Region id per OBJ row: the registration covering each key (one Python step per distinct key)."""
+        if len(descs) == 0:
+            return np.zeros(0, dtype=np.int64)
+        keys = descs.keys or ()
+        if int(descs.dev.max()) >= len(keys):
+            i = int(np.flatnonzero(descs.dev >= len(keys))[0])
+            raise InvalidDescriptor(f"key index {int(descs.dev[i])} is outside the list's {len(keys)} keys", index=i)
+        regs = [r for r in self._regs.values() if r.mem_type == MemType.OBJ]
+        key_reg = np.full(len(keys), -1, dtype=np.int64)
+        for k, key in enumerate(keys):
+            for r in regs:
+                listed = r.extra["keys"]
+                if (listed is not None and key in r.extra.setdefault("key_set", frozenset(listed))) or (
+                    listed is None and key.startswith(r.extra["prefix"])
+                ):
+                    key_reg[k] = r.id
+                    break
+        out = key_reg[descs.dev]
+        if (out < 0).any():
+            i = int(np.flatnonzero(out < 0)[0])
+            raise NotRegistered(f"object key {keys[int(descs.dev[i])]!r} is in no registered bucket or prefix", index=i)
+        return out
