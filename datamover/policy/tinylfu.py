@@ -12,7 +12,7 @@ The frequency sketch is TinyLFU's aged counter: each reference adds one (capped 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
 
@@ -152,11 +152,23 @@ class WTinyLFUTier(TierPolicy):
             out.append(key)
         return out
 
-    def adopt(self, keys: list[Key]) -> None:
-        """Take over resident chunks, oldest first: the newest into the window, the rest into probation."""
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first (a policy switch): the newest into the window; of the rest,
+        the most recent that `counts` says were used at least twice into protected, the others into probation."""
+        counts = self.sketch.counts if counts is None else counts
         cut = max(0, len(keys) - self.window_size)
+        room = self.protected_size
+        protected: list[Key] = []
+        for key in reversed(keys[:cut]):
+            if room and counts.get(key, 0) >= 2:
+                protected.append(key)
+                room -= 1
+        chosen = set(protected)
         for key in keys[:cut]:
-            self.probation[key] = None
+            if key not in chosen:
+                self.probation[key] = None
+        for key in reversed(protected):
+            self.protected[key] = None
         for key in keys[cut:]:
             self.window[key] = None
 
