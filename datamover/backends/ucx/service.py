@@ -255,15 +255,20 @@ class ServiceLoop:
         if receiving:
             # a peer that died while sending to us can leave our shared-memory receive queue blocked for
             # every sender; only a fresh worker gets past it
-            self._reset_worker(f"agent {owner.name!r} died while sending to this agent", quarantine=quarantine)
+            self._reset_worker(
+                f"agent {owner.name!r} died while sending to this agent",
+                quarantine=quarantine,
+                culprit=owner.name if quarantine else None,
+            )
 
-    def _reset_worker(self, reason: str, quarantine: bool = False) -> None:
+    def _reset_worker(self, reason: str, quarantine: bool = False, culprit: str | None = None) -> None:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
 
         The old worker is freed at once (its file descriptors and memory with
         it) unless ``quarantine``: then a cancelled READ still has gets or
         receives posted into its caller's memory, and the old worker is kept,
-        never progressed again, until ``close()``.
+        never progressed again, until ``close()``, and counted against
+        ``culprit``, the peer whose READ it was (see ``_reads_held``).
         """
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
@@ -280,6 +285,8 @@ class ServiceLoop:
         old = (self._worker, self._graveyard, self._draining)
         if quarantine:
             self._quarantined.append(old)
+            if culprit is not None:
+                self._quarantines_by[culprit] += 1
         self._graveyard, self._draining, self._self_ep = [], [], None
         del old
         self._worker = self._ucx.UCXWorker(self._ctx)
