@@ -4,18 +4,19 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
 ``b/k``, so buckets are namespaces inside one pool:
 
 - WRITE (offset 0, length n) stores the whole object as n bytes plus datamover's trailer (its CRC32C and
-  length, see ``client.py``), zero-copy from the registered source through ``batch_put_from_multi_buffers``,
-  with ``replica_count`` replicas. Mooncake keeps the first object written under a key; with
-  ``write_mode="replace"`` (the default) the keys are removed first, so a WRITE's bytes are what the keys
-  hold after, as with any object store; ``"keep"`` is Mooncake's own put (one RPC less), right for keys that
-  name their content, as KV-cache chunk keys do. A non-zero offset on WRITE, and two WRITE rows naming one
-  object, are refused when the transfer is made.
-- READ (0, n) of an n-byte object lands zero-copy in the destination through ``batch_get_into_multi_buffers``
-  and is verified (trailer and CRC32C); a READ at another offset or of fewer bytes reads the whole object
-  into a bounce buffer, verifies it, and copies the range. A failed or mismatched row fails the transfer
-  with a typed error naming the key, and its destination holds zeros: a mismatch is a miss, never wrong
-  bytes. A get that failed in transfer (the holder of the chosen replica died) is asked again
-  ``read_retries`` times; Mooncake picks a replica per get.
+  length, see ``objects.py``) with ``replica_count`` replicas: below ``zero_copy_bytes`` staged (copied beside
+  its trailer into a registered arena, one buffer per object, ``batch_put_from``), from there on zero-copy
+  from the registered source (``batch_put_from_multi_buffers``). Mooncake keeps the first object written
+  under a key; with ``write_mode="replace"`` (the default) a WRITE's bytes are what the keys hold after, as
+  with any object store (staged objects are upserted, zero-copy ones removed first); ``"keep"`` is
+  Mooncake's own put, right for keys that name their content, as KV-cache chunk keys do. A non-zero offset
+  on WRITE, and two WRITE rows naming one object, are refused when the transfer is made.
+- READ (0, n) of an n-byte object lands in the arena (staged) or in the destination (zero-copy) and is
+  verified (trailer and CRC32C) before it counts; a READ at another offset or of fewer bytes reads the whole
+  object into a bounce buffer, verifies it, and copies the range. A failed or mismatched row fails the
+  transfer with a typed error naming the key; its destination is untouched (staged) or holds zeros
+  (zero-copy): a mismatch is a miss, never wrong bytes. A get that failed in transfer (the holder of the
+  chosen replica died) is asked again ``read_retries`` times; Mooncake picks a replica per get.
 
 Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
 waiting caller runs parts itself), so checksums of one part overlap the transfer of the next and a release
@@ -60,6 +61,7 @@ class MooncakePlan:
     whole: list[bool]
     parts: list[tuple[int, int]]
     inline: bool = False
+    all_whole: bool = True
 
 
 class MooncakeBackend(Backend):
@@ -184,6 +186,7 @@ class MooncakeBackend(Backend):
             (obj.addr == 0).tolist(),
             parts,
             inline,
+            bool((obj.addr == 0).all()),
         )
 
     # -- execution -----------------------------------------------------------
@@ -214,22 +217,25 @@ class MooncakeBackend(Backend):
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         p: MooncakePlan = req.plan
         st = self.client.put(p.keys[a:z], p.addrs[a:z], p.sizes[a:z], self.params["write_mode"] == "replace")
-        bad = np.flatnonzero(st != 0)
-        if bad.size:
+        if st.any():
+            bad = np.flatnonzero(st != 0)
             row = a + int(bad[0])
             raise self._error(req, row, int(st[bad[0]]), "put", failed=int(bad.size), of=z - a)
 
     def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         p: MooncakePlan = req.plan
         keys, addrs, sizes, offsets = p.keys, p.addrs, p.sizes, p.offsets
-        whole = [i for i in range(a, z) if p.whole[i]]
-        st = np.zeros(z - a, dtype=np.int64)
-        if len(whole) == z - a:
-            st[:] = self.client.get(keys[a:z], addrs[a:z], sizes[a:z])
-        elif whole:
-            st[np.array(whole) - a] = self.client.get(
-                [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole]
-            )
+        if p.all_whole:
+            st = self.client.get(keys[a:z], addrs[a:z], sizes[a:z])
+            if not st.any():
+                return
+        else:
+            whole = [i for i in range(a, z) if p.whole[i]]
+            st = np.zeros(z - a, dtype=np.int64)
+            if whole:
+                st[np.array(whole) - a] = self.client.get(
+                    [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole]
+                )
         # ranged reads, and whole-row reads of objects that hold more (their prefix): verified in a bounce buffer
         for i in range(a, z):
             if not p.whole[i] or st[i - a] == codes.SIZE_MISMATCH:

@@ -18,7 +18,7 @@ import numpy as np
 
 from ...descriptors import host_view
 from . import codes
-from .objects import MAGIC, TRAILER, Arena, answers, get_objects, put_objects
+from .objects import MAGIC, SLOT, TRAILER, Arena, answers, get_objects, put_objects
 
 __all__ = ["DEFAULTS", "MAGIC", "TRAILER", "PoolClient", "resolve", "store_import_error"]
 
@@ -131,6 +131,7 @@ class PoolClient:
         mode = p["transfer_mode"]
         self._copy_below = {"staged": 1 << 62, "zero_copy": 0}.get(mode, int(p["zero_copy_bytes"]))
         self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
+        self._upsert = hasattr(self._store, "batch_upsert_from")  # Mooncake 0.3.13 on
         self._closed = False
 
     # -- memory --------------------------------------------------------------
@@ -149,18 +150,23 @@ class PoolClient:
     def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int, bool]]:
         """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes, in one mode
         (staged or zero-copy): (first row, end, staged)."""
-        limit = int(self.params["staging_bytes"])
+        limit, below = int(self.params["staging_bytes"]), self._copy_below
+        n = len(sizes)
+        if 0 < n <= BATCH_KEYS:  # the common case, one call: no walk over the rows
+            staged = min(sizes) < below
+            if (max(sizes) < below) == staged and sum(sizes) * staged + (SLOT if staged else TRAILER) * n <= limit:
+                return [(0, n, staged)]
         out, a, used = [], 0, 0
-        mode = self.staged(sizes[0]) if len(sizes) else True
+        mode = sizes[0] < below if n else True
         for i, s in enumerate(sizes):
-            m = self.staged(s)
-            if i > a and (i - a >= BATCH_KEYS or used + s + TRAILER > limit or m != mode):
+            m = s < below
+            if i > a and (i - a >= BATCH_KEYS or used + s + SLOT > limit or m != mode):
                 out.append((a, i, mode))
                 a, used = i, 0
             mode = m
-            used += s + TRAILER if m else TRAILER
-        if a < len(sizes):
-            out.append((a, len(sizes), mode))
+            used += s + SLOT if m else TRAILER
+        if a < n:
+            out.append((a, n, mode))
         return out
 
     # -- puts and gets -------------------------------------------------------
@@ -168,31 +174,40 @@ class PoolClient:
         """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
 
         Mooncake keeps the first object written under a key: a put of an existing key succeeds and leaves it
-        as it was. ``replace`` removes the keys first, so what is written is what the keys hold after.
+        as it was. With ``replace`` what is written is what the keys hold after: staged objects are upserted
+        (``batch_upsert_from``: one call, where a remove and a put are two), zero-copy ones removed first.
         """
-        if replace and len(keys):
-            self._store.batch_remove(list(keys), True)
+        groups = self._groups(sizes)
+        if len(groups) == 1:
+            return np.asarray(self._put_group(keys, addrs, sizes, groups[0][2], replace), dtype=np.int64)
         out: list[int] = []
-        for a, z, staged in self._groups(sizes):
-            out += put_objects(self._store, self._config, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged)
+        for a, z, staged in groups:
+            out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace)
         return np.asarray(out, dtype=np.int64)
+
+    def _put_group(
+        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
+    ) -> list[int]:
+        upsert = replace and staged and self._upsert
+        if replace and not upsert:
+            self._store.batch_remove(list(keys), True)
+        return put_objects(self._store, self._config, self._arena, keys, addrs, sizes, staged, upsert)
 
     def get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
         and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
         replica per get, so another try may reach a live holder)."""
         n = len(keys)
-        status = [codes.NO_ANSWER] * n
-        todo = list(range(n))
-        for _ in range(1 + max(0, int(self.params["read_retries"]))):
-            ks, ad, sz = [keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo]
-            for a, z, staged in self._groups(sz):
-                got = get_objects(self._store, self._arena, ks[a:z], ad[a:z], sz[a:z], staged)
-                for i, st in zip(todo[a:z], got):
-                    status[i] = st
-            todo = [i for i in todo if status[i] in codes.RETRYABLE]
+        status = self._get_round(keys, addrs, sizes)
+        if not any(status):
+            return np.zeros(n, dtype=np.int64)
+        for _ in range(max(0, int(self.params["read_retries"]))):
+            todo = [i for i in range(n) if status[i] in codes.RETRYABLE]
             if not todo:
                 break
+            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo])
+            for i, st in zip(todo, got):
+                status[i] = st
         for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
             size = self._size(keys[i])  # too small a buffer (-600) or a shorter object (-800): say which
             if size >= 0 and size != sizes[i]:
@@ -200,6 +215,16 @@ class PoolClient:
             elif size in (codes.TOO_LARGE, codes.NOT_DATAMOVER):
                 status[i] = size
         return np.asarray(status, dtype=np.int64)
+
+    def _get_round(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """One try at every row: a status per key."""
+        groups = self._groups(sizes)
+        if len(groups) == 1:
+            return get_objects(self._store, self._arena, keys, addrs, sizes, groups[0][2])
+        out: list[int] = []
+        for a, z, staged in groups:
+            out += get_objects(self._store, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged)
+        return out
 
     def size(self, key: str) -> int | None:
         """The payload size of ``key`` as the store reports it; None when absent, not ours, or too large."""

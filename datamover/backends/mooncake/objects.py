@@ -26,17 +26,33 @@ from typing import Any
 
 import numpy as np
 
+from ...descriptors import aligned_empty
 from . import codes
+
+try:
+    from crc32c import crc32c as _crc
+except ImportError:  # MooncakeBackend.available() says what to install
+    _crc = None
 
 MAGIC = 0x31764D44  # b"DMv1" little-endian
 TRAILER = 16
 _TRAILER = struct.Struct("<IIQ")
-_MIN_BLOCK = 1 << 20
+_MIN_BLOCK = 4 << 20
+_PAGE = 4096
+#: the most arena bytes a staged object takes beyond its payload (its trailer, and padding to its page offset)
+SLOT = TRAILER + _PAGE
 _memmove = ctypes.memmove
+_pack_into = _TRAILER.pack_into
+_unpack_from = _TRAILER.unpack_from
 
 
 class Arena:
-    """Registered host blocks handed out per call and kept for the next (up to ``keep_bytes`` in all)."""
+    """Registered host blocks handed out per call and kept for the next (up to ``keep_bytes`` in all).
+
+    Blocks are at least two huge pages and start on a huge-page boundary, so transparent huge pages back them
+    as they back the callers' large buffers (``aligned_empty``): small pages made every copy and every
+    transfer through the arena slower.
+    """
 
     def __init__(self, register: Callable[[int, int], None], unregister: Callable[[int], None], keep_bytes: int):
         self._register, self._unregister = register, unregister
@@ -48,11 +64,15 @@ class Arena:
     def take(self, nbytes: int) -> np.ndarray:
         """A registered uint8 block of at least ``nbytes``."""
         with self._lock:
-            fits = [i for i, b in enumerate(self._free) if b.nbytes >= nbytes]
-            if fits:
-                return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+            best = -1
+            for i, b in enumerate(self._free):
+                if b.nbytes >= nbytes and (best < 0 or b.nbytes < self._free[best].nbytes):
+                    best = i
+            if best >= 0:
+                return self._free.pop(best)
         size = -(-max(nbytes, _MIN_BLOCK) // _MIN_BLOCK) * _MIN_BLOCK
-        block = np.ones(size, dtype=np.uint8)  # written now: no page faults on the first transfer through it
+        block = aligned_empty(size)
+        block.fill(1)  # written now: no page faults on the first transfer through it
         self._register(block.ctypes.data, block.nbytes)
         with self._lock:
             self._kept += block.nbytes
@@ -73,36 +93,50 @@ class Arena:
             self._unregister(b.ctypes.data)
 
 
-def put_objects(
-    store: Any, config: Any, arena: Arena, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool
-) -> list[int]:
-    """Write ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; the store's status per key."""
-    import crc32c
+def staged_bytes(sizes: Sequence[int]) -> int:
+    """The arena bytes a staged call of objects with these payload sizes takes (each slot is padded so that it
+    sits at its caller buffer's offset in a page)."""
+    return sum(sizes) + SLOT * len(sizes)
 
+
+def put_objects(
+    store: Any,
+    config: Any,
+    arena: Arena,
+    keys: Sequence[str],
+    addrs: Sequence[int],
+    sizes: Sequence[int],
+    staged: bool,
+    upsert: bool = False,
+) -> list[int]:
+    """Write ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; the store's status per key.
+    ``upsert`` (staged only) replaces what the keys held; otherwise Mooncake keeps an existing object."""
     n = len(keys)
-    block = arena.take(sum(sizes) + TRAILER * n if staged else TRAILER * n)
+    block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
     try:
         base, mv = block.ctypes.data, memoryview(block)
         ptrs: list[Any] = []
         lens: list[Any] = []
         off = 0
-        for a, s in zip(addrs, sizes):
-            if staged:
+        if staged:
+            for a, s in zip(addrs, sizes):
+                # the slot starts at a's offset in its page: a copy between buffers a few bytes apart modulo a
+                # page takes several times as long (the CPU sees false store-to-load dependencies)
+                off += (a - base - off) % _PAGE
                 _memmove(base + off, a, s)
-                crc = crc32c.crc32c(mv[off : off + s])
-                _TRAILER.pack_into(mv, off + s, MAGIC, crc, s)
+                _pack_into(mv, off + s, MAGIC, _crc(mv[off : off + s]), s)
                 ptrs.append(base + off)
                 lens.append(s + TRAILER)
                 off += s + TRAILER
-            else:
-                crc = crc32c.crc32c((ctypes.c_char * s).from_address(a)) if s else 0
-                _TRAILER.pack_into(mv, off, MAGIC, crc, s)
+            put = store.batch_upsert_from if upsert else store.batch_put_from
+            res = put(keys if isinstance(keys, list) else list(keys), ptrs, lens, config)
+        else:
+            for a, s in zip(addrs, sizes):
+                crc = _crc((ctypes.c_char * s).from_address(a)) if s else 0
+                _pack_into(mv, off, MAGIC, crc, s)
                 ptrs.append([a, base + off] if s else [base + off])
                 lens.append([s, TRAILER] if s else [TRAILER])
                 off += TRAILER
-        if staged:
-            res = store.batch_put_from(list(keys), ptrs, lens, config)
-        else:
             res = store.batch_put_from_multi_buffers(list(keys), ptrs, lens, config)
     finally:
         arena.give(block)
@@ -114,27 +148,28 @@ def get_objects(
 ) -> list[int]:
     """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``, each checked; a status per key
     (0: delivered and verified). Staged, a failed row's memory is untouched; zero-copy, it is zeroed."""
-    import crc32c
-
     n = len(keys)
-    block = arena.take(sum(sizes) + TRAILER * n if staged else TRAILER * n)
+    block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
     try:
         base, mv = block.ctypes.data, memoryview(block)
-        offs, ptrs, lens = [], [], []
+        offs: list[int] = []
+        ptrs: list[Any] = []
+        lens: list[Any] = []
         off = 0
-        for a, s in zip(addrs, sizes):
-            offs.append(off)
-            if staged:
+        if staged:
+            for a, s in zip(addrs, sizes):
+                off += (a - base - off) % _PAGE  # as in put_objects: the copy out runs at full speed
+                offs.append(off)
                 ptrs.append(base + off)
                 lens.append(s + TRAILER)
                 off += s + TRAILER
-            else:
+            got = answers(store.batch_get_into(keys if isinstance(keys, list) else list(keys), ptrs, lens), n)
+        else:
+            for a, s in zip(addrs, sizes):
+                offs.append(off)
                 ptrs.append([a, base + off] if s else [base + off])
                 lens.append([s, TRAILER] if s else [TRAILER])
                 off += TRAILER
-        if staged:
-            got = answers(store.batch_get_into(list(keys), ptrs, lens), n)
-        else:
             block[: TRAILER * n] = 0
             got = answers(store.batch_get_into_multi_buffers(list(keys), ptrs, lens), n)
         out = []
@@ -142,13 +177,14 @@ def get_objects(
             if r != s + TRAILER:
                 st = r if r < 0 else codes.SIZE_MISMATCH
             else:
-                t = o + s if staged else o
-                magic, crc, length = _TRAILER.unpack_from(mv, t)
+                magic, crc, length = _unpack_from(mv, o + s if staged else o)
                 if magic != MAGIC or length != s:
                     st = codes.NOT_DATAMOVER
+                elif staged:
+                    st = 0 if _crc(mv[o : o + s]) == crc else codes.CHECKSUM_MISMATCH
                 else:
-                    payload = mv[o : o + s] if staged else (ctypes.c_char * s).from_address(a) if s else b""
-                    st = 0 if crc32c.crc32c(payload) == crc else codes.CHECKSUM_MISMATCH
+                    payload = (ctypes.c_char * s).from_address(a) if s else b""
+                    st = 0 if _crc(payload) == crc else codes.CHECKSUM_MISMATCH
             if st == 0 and staged and s:
                 _memmove(a, base + o, s)
             elif st != 0 and not staged and s:

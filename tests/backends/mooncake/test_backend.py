@@ -134,6 +134,64 @@ def test_write_modes(master, agent):
             buf.write(0, bytes(4096))
             read(a, buf, reg, [f"{mode}/k"], 4096).wait()
             assert buf.read(0, 4096) == (second if second_wins else first), mode
+        # replace with another size: the key holds the new object, whole
+        reg = agent.register_objects("wm", prefix="resize/")
+        buf = HostBuffer(agent, 6000)
+        for n, seed in ((4096, 12), (6000, 13), (3000, 14)):
+            data = random_bytes(n, seed)
+            buf.write(0, data)
+            write(agent, buf, reg, ["resize/k"], n)
+            buf.write(0, bytes(6000))
+            read(agent, buf, reg, ["resize/k"], n).wait()
+            assert buf.read(0, n) == data, n
+
+
+class Spy:
+    """The store client, with the buffers every batched put/get was given recorded (nothing else changed)."""
+
+    def __init__(self, store) -> None:
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.store, name)
+        if not name.startswith(("batch_put", "batch_upsert", "batch_get_into")):
+            return fn
+
+        def spied(keys, ptrs, sizes, *rest):
+            self.calls.append((name, list(ptrs), list(sizes)))
+            return fn(keys, ptrs, sizes, *rest)
+
+        return spied
+
+
+def test_staged_slots_sit_at_the_callers_page_offsets(agents):
+    """A staged object's arena slot starts at its caller buffer's offset in a page (so the copy between them is
+    never a few bytes apart modulo a page), slots never overlap, and the bytes round-trip."""
+    agent = agents["auto"]
+    client = agent.backend("mooncake").client
+    reg = agent.register_objects("it", prefix="slots/")
+    buf = HostBuffer(agent, 1 * MiB, shift=24)
+    offsets = np.array([0, 5000, 70_000, 200_000, 300_001])
+    sizes = np.array([5000, 65_000, 130_000, 100_000, 16])
+    payload = random_bytes(1 * MiB, 15)
+    buf.write(0, payload)
+    keys = [f"slots/{i}" for i in range(len(offsets))]
+    spy = client._store = Spy(client._store)
+    try:
+        dst = DescList.objects(reg, sizes, 0, keys=keys)
+        assert agent.transfer("WRITE", buf.descs(offsets, sizes), dst).wait() == XferState.DONE
+        buf.write(0, bytes(1 * MiB))
+        assert agent.transfer("READ", buf.descs(offsets, sizes), dst).wait() == XferState.DONE
+    finally:
+        client._store = spy.store
+    assert [c[0] for c in spy.calls] == ["batch_upsert_from", "batch_get_into"]
+    addrs = buf.descs(offsets, sizes).addr
+    for _, ptrs, lens in spy.calls:
+        assert lens == [int(s) + 16 for s in sizes]
+        assert [(p - int(a)) % 4096 for p, a in zip(ptrs, addrs)] == [0] * len(ptrs)
+        assert all(ptrs[i] + lens[i] <= ptrs[i + 1] for i in range(len(ptrs) - 1)), "slots overlap"
+    for o, n in zip(offsets, sizes):
+        assert buf.read(int(o), int(n)) == payload[o : o + n]
 
 
 def test_write_with_offset_refused(agent):
