@@ -74,7 +74,9 @@ class MooncakeBackend(Backend):
         "write_mode": "replace",  # or "keep": Mooncake's put (an existing key keeps its bytes)
         "threads": 2,
         "batch_keys": 1024,
-        "split_bytes": 8 << 20,
+        # a request is spread over the threads only from this many bytes per thread on: each batched call of
+        # Mooncake's client keeps a core busy while it waits, so calls side by side pay only with cores to spare
+        "split_bytes": 32 << 20,
         # requests of at most this many bytes (in one part; 16 values of 64 KiB with their trailers) run inside
         # post(): one store call, no thread hop
         "inline_bytes": (1 << 20) + (64 << 10),
