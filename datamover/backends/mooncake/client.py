@@ -57,8 +57,8 @@ DEFAULTS: dict[str, Any] = {
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
     # the transfer engine's slice (MC_SLICE_SIZE, unless the process set it): Mooncake's 64 KiB plus 4 KiB, so
-    # an object's 16-byte trailer never costs one more slice (a round trip over TCP) and a value of up to
-    # 16 x 64 KiB takes as many slices as without it; None leaves Mooncake's default
+    # an object's 16-byte trailer never costs one more RDMA slice and a value of up to 16 x 64 KiB takes as
+    # many slices as without it (TCP sends one request per buffer); None leaves Mooncake's default
     "slice_bytes": 65536 + 4096,
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
