@@ -20,8 +20,8 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
 
 Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
 waiting caller runs parts itself), spread over the threads from ``split_bytes`` a thread on, so checksums of
-one part overlap the transfer of another; a release stops between parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device
-memory (datamover's tier cache stages VRAM through host memory).
+one part overlap the transfer of another; a release stops between parts. VRAM is refused with the reason: the
+non-CUDA build of Mooncake cannot address device memory (datamover's tier cache stages VRAM through host memory).
 """
 
 from __future__ import annotations
