@@ -1,7 +1,7 @@
 """What each extra is for, run in a virtual environment holding datamover with that extra alone.
 
-``python scripts/extras_smoke.py EXTRA`` (base, policy, s3, telemetry or ucx) exits non-zero, saying why, when the
-extra does not work on its own. scripts/check_extras.sh runs it once per extra in clean environments.
+``python scripts/extras_smoke.py EXTRA`` (base, policy, s3, telemetry, ucx or mooncake) exits non-zero, saying
+why, when the extra does not work on its own. scripts/check_extras.sh runs it once per extra in clean environments.
 """
 
 from __future__ import annotations
@@ -79,7 +79,30 @@ def ucx() -> None:
         assert (src == dst).all()
 
 
+def mooncake() -> None:
+    """A WRITE then READ through the mooncake backend against a real mooncake_master (the wheel's own)."""
+    assert usable()["mooncake"], "the mooncake backend is not usable with datamover[mooncake]"
+    from datamover import Agent, DescList
+    from datamover.testing.mooncake import MooncakeMaster, mooncake_available
+
+    ok, why = mooncake_available()
+    assert ok, why
+    n = 1 << 16
+    with MooncakeMaster() as master:
+        cfg = master.config(global_segment_size=16 << 20, local_buffer_size=16 << 20)
+        with Agent("mc", {"backends": {"mooncake": cfg}}) as agent:
+            src, dst = np.arange(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+            agent.register_memory([src, dst])
+            reg = agent.register_objects("extras", prefix="smoke/")
+            obj = DescList.objects(reg, [n], 0, keys=["smoke/0"])
+            agent.transfer("WRITE", src, obj, backends="mooncake").wait()
+            agent.transfer("READ", dst, obj, backends="mooncake").wait()
+            assert (src == dst).all(), "the bytes read back differ from those written"
+
+
+EXTRAS = {"base": base, "policy": policy, "s3": s3, "telemetry": telemetry, "ucx": ucx, "mooncake": mooncake}
+
 if __name__ == "__main__":
     name = sys.argv[1]
-    {"base": base, "policy": policy, "s3": s3, "telemetry": telemetry, "ucx": ucx}[name]()
+    EXTRAS[name]()
     print(f"{name}: ok")

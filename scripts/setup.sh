@@ -29,16 +29,8 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "setup: etcd not found and cannot apt-get install it; etcd tests will skip"
   fi
 fi
-# libibverbs for Mooncake Store's import (Debian package libibverbs1; its TCP transport needs no RDMA device)
-if ! ldconfig -p 2>/dev/null | grep "libibverbs.so.1 " >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
-      || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null)) \
-      || echo "setup: could not install libibverbs1; mooncake tests will skip"
-  else
-    echo "setup: libibverbs.so.1 not found and cannot apt-get install it; mooncake tests will skip"
-  fi
-fi
+# libibverbs for Mooncake Store's import (Debian package libibverbs1)
+bash scripts/ensure_libibverbs.sh
 # Inference engines for tests/integrations (opt-in: about 1.5 GB and a minute or two)
 if [ "$ENGINES" = 1 ]; then
   bash scripts/setup_engines.sh

@@ -32,3 +32,21 @@ def test_policy_and_alerts_work_without_prometheus_client(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert "datamover_cache_hits" in (tmp_path / "rules.yaml").read_text()
+
+
+def test_service_helpers_import_without_pytest():
+    """datamover[mooncake] and [s3] bring no pytest: ``datamover.testing.mooncake`` (what check_extras.sh runs the
+    mooncake extra against) and ``.s3server`` must import without it; the conformance kit still needs it."""
+    run = _python(
+        "import sys; sys.modules['pytest'] = None\n"
+        "from datamover.testing.mooncake import MooncakeMaster, mooncake_available\n"
+        "from datamover.testing.s3server import S3Server\n"
+        "import datamover.testing as t\n"
+        "try:\n"
+        "    t.BackendConformance\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('the conformance kit imported without pytest')\n"
+    )
+    assert run.returncode == 0, run.stderr

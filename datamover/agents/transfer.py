@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from enum import Enum
 
@@ -10,6 +11,7 @@ from ..errors import TransferStateError, TransferTimeout
 from ..telemetry.transfer import TransferTelemetry
 
 _now = clock
+log = logging.getLogger(__name__)
 
 #: a poll of ``state`` runs work no backend thread has started this long after ``post``: long enough that a
 #: state check right after posting (NIXL's ``transfer()`` returns one) never blocks, short enough that a
@@ -157,12 +159,29 @@ class Transfer:
 
     @property
     def error(self) -> BaseException | None:
-        """Why the transfer failed (None unless state is ERR)."""
-        if self._state(False) != XferState.ERR:
+        """Why the transfer failed: None unless state is ERR, or RELEASED after a post that failed or that
+        ``release`` cut short (then a ``TransferAborted``), so what the post left behind stays readable."""
+        state = self._state(False)
+        if state == XferState.RELEASED:
+            c = self._completion
+            return self._error or (c.error if c is not None else None)
+        if state != XferState.ERR:
             return None
         if self._error is not None:
             return self._error
         return self._completion.error if self._completion else None
+
+    @property
+    def outcomes(self) -> dict[int, str] | None:
+        """For a WRITE to objects that failed, timed out or was cut short by ``release``: caller descriptor
+        index -> "committed", "aborted", "untouched" or "unknown" (the backend's ``outcomes``), also once
+        RELEASED; None when the post did not fail or its backend reports no outcomes."""
+        c = self._completion
+        for err in (c.error if c is not None else None, self._error):
+            found = getattr(err, "outcomes", None)
+            if found is not None:
+                return dict(found)
+        return None
 
     def wait(self, timeout: float | None = None) -> XferState:
         """Block until DONE (returned), ERR (its error raised), or ``timeout`` s (PROC returned)."""
@@ -184,19 +203,28 @@ class Transfer:
             raise self.error  # type: ignore[misc]
         return state
 
-    def release(self) -> None:
+    def release(self) -> BaseException | None:
         """Abort an in-flight post (waiting for its workers to stop) and free the transfer.
 
         The wait lasts to the deadline, and past it (a timed-out post) up to ``RELEASE_GRACE_S`` more, so that
         what the backend settles as it stops (an S3 upload committed or aborted) is settled when this returns.
+        Returns the error that ended the last post (``TransferAborted`` when this call cut it short; None when
+        it was DONE or never posted), as ``error`` goes on returning it: its ``outcomes`` (``self.outcomes``)
+        say which objects a cut-short WRITE committed and which it aborted.
         """
-        if self._released:
-            return
-        c = self._completion
-        if c is not None and c.finished_at is None:
-            c.cancel()
-            c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
-        self._released = True
+        if not self._released:
+            c = self._completion
+            if c is not None and c.finished_at is None:
+                c.cancel()
+                c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
+                if c.finished_at is None:
+                    log.warning(
+                        "%s released before its %s backend stopped; its outcome is not settled yet",
+                        self,
+                        self.backend.name,
+                    )
+            self._released = True
+        return self.error
 
     @property
     def telemetry(self) -> TransferTelemetry:

@@ -28,7 +28,7 @@ class MidTransferPause:
         from ..backends.ucx import cma
         from ..backends.ucx import rma as ucx_rma
 
-        real_run, real_post = cma.CmaPlan.run, ucx_rma.post_rows
+        real_run, real_post, real_native = cma.CmaPlan.run, ucx_rma.post_rows, ucx_rma.post_native
         chunks = [0]
 
         def run(plan: Any, pid: int, write: bool, first: int = 0, last: int | None = None) -> Any:
@@ -42,9 +42,19 @@ class MidTransferPause:
             self._park()  # posted, not progressed: the requests stay in flight
             return status
 
-        self._undo = [(cma.CmaPlan, "run", real_run), (ucx_rma, "post_rows", real_post)]
+        def post_native(get: bool, ep: int, rows: Any, progress: Any = None) -> Any:
+            got = real_native(get, ep, rows, progress)
+            self._park()  # rows and flush posted in C, not progressed: in flight
+            return got
+
+        self._undo = [
+            (cma.CmaPlan, "run", real_run),
+            (ucx_rma, "post_rows", real_post),
+            (ucx_rma, "post_native", real_native),
+        ]
         cma.CmaPlan.run = run  # type: ignore[method-assign]
         ucx_rma.post_rows = post_rows
+        ucx_rma.post_native = post_native
         return self
 
     def release(self) -> None:

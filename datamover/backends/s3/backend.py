@@ -9,9 +9,12 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   multipart upload is aborted: the object is either all new bytes or untouched.
   A CompleteMultipartUpload that got no answer is resolved (the upload's
   marker in the visible object's metadata means committed; else it is
-  aborted), and a failed or timed-out WRITE's error carries ``outcomes``:
-  caller descriptor index -> "committed", "aborted" (or "unknown" when the
-  server could not be asked) for every object it started to write.
+  aborted), and a WRITE that failed, timed out or was cut short by
+  ``release()`` carries ``outcomes`` on its error (``Transfer.outcomes``):
+  caller descriptor index -> "committed" (the object holds the new bytes),
+  "aborted" (started, then aborted or refused: the object is as it was),
+  "untouched" (never started) or "unknown" (no answer and the server could
+  not be asked), for every descriptor of the WRITE.
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
   into parallel ranged GETs into the destination. A READ at offset 0 of the
   whole row is a plain GET: when the object is exactly that long it is a
@@ -536,7 +539,11 @@ class _Run:
         view = self.view(row, start, count)
         if part < 0:
             if self.write:
-                self.b.put(self.req, row, view)
+                try:
+                    self.b.put(self.req, row, view)
+                except BaseException as exc:  # an HTTP answer means nothing was stored; no answer, no telling
+                    self.outcomes[row] = "aborted" if getattr(exc, "status", None) else "unknown"
+                    raise
                 self.outcomes[row] = "committed"
             else:
                 self.b.get(self.req, row, start, count, view)
@@ -639,9 +646,10 @@ class _Run:
             if self.write and g.upload_id is not None and not g.finished and g.row not in self.outcomes:
                 self.settle(g)
         err = self.completion.error
-        if self.write and err is not None and self.outcomes:
+        if self.write and err is not None:
             done = getattr(err, "outcomes", None) or {}
-            err.outcomes = {**done, **{self.req.caller_index(r): o for r, o in sorted(self.outcomes.items())}}
+            mine = {self.req.caller_index(r): self.outcomes.get(r, "untouched") for r in range(len(self.req.plan.key))}
+            err.outcomes = {**done, **mine}
 
     def settle(self, g: _Group) -> str:
         """Whether ``g``'s upload was committed, after a CompleteMultipartUpload with no answer or none at all.

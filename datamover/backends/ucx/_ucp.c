@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -113,6 +114,76 @@ static int need_bound(void) {
     return 1;
 }
 
+/* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ----
+ *
+ * The thread sleeps in epoll_wait on a set of its own: UCX's event fd, a stop and a kick eventfd. While a waiter
+ * holds the worker (it drives the worker itself, see Flush.drive), UCX's fd is taken out of that set, so events
+ * the waiter handles do not wake this thread too; the last release() puts it back and arms the worker, kicking
+ * the thread only when events are already pending (or it noticed the hold). A transfer its caller waits for thus
+ * costs this thread no wakeup at all. */
+
+typedef struct {
+    PyObject_HEAD
+    void *worker;
+    int efd;  /* UCX's event fd for the worker */
+    int ep;   /* the thread's epoll set: efd (while not held), stop, kick */
+    int stop; /* an eventfd: written to stop the thread */
+    int kick; /* an eventfd: written to make the thread progress now */
+    int held; /* holds: while any, the thread leaves the worker to the holder (a waiter driving it) */
+    int held_sleep; /* the thread noticed a hold and sleeps until released */
+    int notify; /* written (one 8-byte count) after progress that did work, or -1 */
+    double spin_s;
+    pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
+    pthread_t thread;
+    int running;
+    volatile int quit;
+    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks;
+} ProgressObject;
+
+static void notify_fd(int fd) {
+    if (fd >= 0) {
+        uint64_t one = 1;
+        ssize_t rc = write(fd, &one, sizeof one); /* a full pipe already says so */
+        (void)rc;
+    }
+}
+
+static void drain_fd(int fd) {
+    uint64_t v;
+    ssize_t rc = read(fd, &v, sizeof v);
+    (void)rc;
+}
+
+static int is_held(ProgressObject *p) { return __atomic_load_n(&p->held, __ATOMIC_SEQ_CST) > 0; }
+
+
+static int ep_add(int ep, int fd) {
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
+    return epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+}
+
+/* the first hold takes UCX's fd out of the thread's epoll set: the holder's events do not wake the thread */
+static void progress_hold_c(ProgressObject *p) {
+    pthread_mutex_lock(&p->hold_lock);
+    if (__atomic_add_fetch(&p->held, 1, __ATOMIC_SEQ_CST) == 1) epoll_ctl(p->ep, EPOLL_CTL_DEL, p->efd, NULL);
+    p->holds++;
+    pthread_mutex_unlock(&p->hold_lock);
+}
+
+/* the last release puts UCX's fd back and arms the worker; the thread is kicked only when events are pending
+ * (arm says busy) or it noticed the hold and sleeps until told. No Python call: runs without the GIL. */
+static void progress_release_c(ProgressObject *p) {
+    int kick = 0;
+    pthread_mutex_lock(&p->hold_lock);
+    if (p->held > 0 && __atomic_sub_fetch(&p->held, 1, __ATOMIC_SEQ_CST) == 0 && p->running) {
+        ep_add(p->ep, p->efd);
+        kick = ucp.arm(p->worker) != UCS_OK || __atomic_load_n(&p->held_sleep, __ATOMIC_SEQ_CST);
+        if (kick) p->release_kicks++;
+    }
+    pthread_mutex_unlock(&p->hold_lock);
+    if (kick) notify_fd(p->kick);
+}
+
 /* ---- Flush: one ucp_ep_flush_nbx request, checked, waited for (progressing the worker) or abandoned ---- */
 
 typedef struct {
@@ -120,11 +191,22 @@ typedef struct {
     void *req; /* the request while in flight, else NULL */
     int status; /* UCS_INPROGRESS while req is set, then the flush's status */
     pthread_mutex_t lock; /* req is checked and freed by whichever thread holds it */
+    ProgressObject *progress; /* the progress thread this request holds off the worker (see post), or NULL */
+    int holding; /* the hold on progress is still taken */
 } FlushObject;
 
 static PyTypeObject FlushType;
+static PyTypeObject ProgressType;
 
-/* the request's status now, freeing it once it ended; lock held */
+/* give the worker back to the progress thread (once); lock held or the flush not shared yet */
+static void flush_unhold_locked(FlushObject *f) {
+    if (f->holding) {
+        f->holding = 0;
+        progress_release_c(f->progress);
+    }
+}
+
+/* the request's status now, freeing it (and the hold) once it ended; lock held */
 static int flush_check_locked(FlushObject *f) {
     if (f->req != NULL) {
         int st = ucp.check_status(f->req);
@@ -133,14 +215,28 @@ static int flush_check_locked(FlushObject *f) {
         f->req = NULL;
         f->status = st;
     }
+    flush_unhold_locked(f);
     return f->status;
 }
 
 static void flush_dealloc(FlushObject *f) {
     if (f->req != NULL) ucp.request_free(f->req); /* UCP frees it when it ends */
+    flush_unhold_locked(f);
+    Py_XDECREF(f->progress);
     pthread_mutex_destroy(&f->lock);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
+
+static PyObject *flush_unhold(FlushObject *f, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&f->lock);
+    flush_unhold_locked(f);
+    pthread_mutex_unlock(&f->lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *flush_get_holding(FlushObject *f, void *closure) { return PyBool_FromLong(f->holding); }
 
 static PyObject *flush_poll(FlushObject *f, PyObject *unused) {
     int st;
@@ -157,6 +253,7 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
         f->req = NULL;
         f->status = UCS_ERR_CANCELED;
     }
+    flush_unhold_locked(f);
     pthread_mutex_unlock(&f->lock);
     Py_RETURN_NONE;
 }
@@ -207,6 +304,8 @@ static PyObject *flush_get_status(FlushObject *f, void *closure) { return PyLong
 static PyMethodDef flush_methods[] = {
     {"poll", (PyCFunction)flush_poll, METH_NOARGS, "UCS_INPROGRESS until the flush ends, then its status."},
     {"abandon", (PyCFunction)flush_abandon, METH_NOARGS, "Stop tracking: UCP frees the request when it ends."},
+    {"unhold", (PyCFunction)flush_unhold, METH_NOARGS,
+     "Give the worker back to the progress thread now (the flush ends under it): nobody drives this request."},
     {"drive", (PyCFunction)flush_drive, METH_VARARGS,
      "drive(worker_handle, deadline, spin_s=50e-6): progress the worker until the flush ends or the monotonic "
      "deadline passes, sleeping on UCX's event fd after spin_s without progress."},
@@ -215,6 +314,7 @@ static PyMethodDef flush_methods[] = {
 
 static PyGetSetDef flush_getset[] = {
     {"status", (getter)flush_get_status, NULL, "the last status seen", NULL},
+    {"holding", (getter)flush_get_holding, NULL, "whether this request still holds the progress thread off", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -228,15 +328,21 @@ static PyTypeObject FlushType = {
     .tp_getset = flush_getset,
 };
 
-static FlushObject *new_flush(void *req, int status) {
+/* a Flush tracking req; with ``progress`` (already held), the hold passes to it and ends with the request */
+static FlushObject *new_flush(void *req, int status, ProgressObject *progress) {
     FlushObject *f = PyObject_New(FlushObject, &FlushType);
     if (f == NULL) {
         if (req != NULL) ucp.request_free(req);
+        if (progress != NULL) progress_release_c(progress);
         return NULL;
     }
     pthread_mutex_init(&f->lock, NULL);
     f->req = req;
     f->status = status;
+    f->progress = progress;
+    f->holding = progress != NULL;
+    Py_XINCREF(progress);
+    if (req == NULL) flush_unhold_locked(f); /* ended already */
     return f;
 }
 
@@ -245,9 +351,17 @@ static FlushObject *new_flush(void *req, int status) {
 static PyObject *py_post(PyObject *self, PyObject *args) {
     int get;
     unsigned long long ep_ull;
-    PyObject *rows_obj;
-    if (!PyArg_ParseTuple(args, "pKO", &get, &ep_ull, &rows_obj)) return NULL;
+    PyObject *rows_obj, *progress_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "pKO|O", &get, &ep_ull, &rows_obj, &progress_obj)) return NULL;
     if (!need_bound()) return NULL;
+    ProgressObject *progress = NULL;
+    if (progress_obj != Py_None) {
+        if (!PyObject_TypeCheck(progress_obj, &ProgressType)) {
+            PyErr_SetString(PyExc_TypeError, "progress must be a Progress or None");
+            return NULL;
+        }
+        progress = (ProgressObject *)progress_obj;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(rows_obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) return NULL;
     if (view.itemsize != 8 || view.len % (Py_ssize_t)sizeof(row_t) != 0 ||
@@ -262,6 +376,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     int status = UCS_OK;
     void *req = NULL;
     Py_BEGIN_ALLOW_THREADS
+    if (progress != NULL) progress_hold_c(progress); /* the poster's events must not wake the thread */
     for (Py_ssize_t i = 0; i < n; i++) {
         const row_t *r = &rows[i];
         void *buf = (void *)(uintptr_t)r->laddr, *rkey = (void *)(uintptr_t)r->rkey;
@@ -291,10 +406,11 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
             status = (int)(intptr_t)p;
         }
     }
+    if (status < 0 && progress != NULL) progress_release_c(progress);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (status < 0) return PyLong_FromLong(status);
-    return (PyObject *)new_flush(req, status);
+    return (PyObject *)new_flush(req, status, progress);
 }
 
 static PyObject *py_flush(PyObject *self, PyObject *args) {
@@ -302,82 +418,61 @@ static PyObject *py_flush(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
     if (!need_bound()) return NULL;
     ucs_status_ptr_t p = ucp.flush_nbx((void *)(uintptr_t)ep, no_param);
-    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS);
-    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK);
-}
-
-/* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ---- */
-
-typedef struct {
-    PyObject_HEAD
-    void *worker;
-    int efd;  /* UCX's event fd for the worker */
-    int stop; /* an eventfd: written to stop the thread */
-    int kick; /* an eventfd: written when the last hold is released */
-    int held; /* holds: while any, the thread leaves the worker to the holder (a waiter driving it) */
-    int notify; /* written (one 8-byte count) after progress that did work, or -1 */
-    double spin_s;
-    pthread_t thread;
-    int running;
-    volatile int quit;
-    unsigned long long wakeups, bursts;
-} ProgressObject;
-
-static void notify_fd(int fd) {
-    if (fd >= 0) {
-        uint64_t one = 1;
-        ssize_t rc = write(fd, &one, sizeof one); /* a full pipe already says so */
-        (void)rc;
-    }
-}
-
-static void drain_fd(int fd) {
-    uint64_t v;
-    ssize_t rc = read(fd, &v, sizeof v);
-    (void)rc;
+    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL);
+    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL);
 }
 
 static void *progress_main(void *arg) {
     ProgressObject *p = (ProgressObject *)arg;
-    struct pollfd fds[3] = {
-        {.fd = p->efd, .events = POLLIN}, {.fd = p->stop, .events = POLLIN}, {.fd = p->kick, .events = POLLIN}};
+    struct epoll_event evs[3];
     while (!p->quit) {
-        if (__atomic_load_n(&p->held, __ATOMIC_ACQUIRE) > 0) {
-            /* a waiter drives the worker: sleep until the last hold is released (or stop) */
-            int rc = poll(fds + 1, 2, -1);
-            if (rc < 0 && errno != EINTR) break;
-            if (fds[1].revents) break;
-            if (fds[2].revents) drain_fd(p->kick);
-            continue;
+        int armed = 0;
+        if (is_held(p)) {
+            /* a waiter drives the worker: sleep until the last hold is released (which kicks us) or stop */
+            __atomic_store_n(&p->held_sleep, 1, __ATOMIC_SEQ_CST);
+            if (!is_held(p)) {
+                __atomic_store_n(&p->held_sleep, 0, __ATOMIC_SEQ_CST);
+                continue;
+            }
+        } else {
+            double idle_since = 0.0;
+            int did = 0;
+            for (;;) { /* progress while there is work, and spin a little after work (only after work) */
+                unsigned k = 0;
+                while (ucp.progress(p->worker)) k++;
+                if (k) {
+                    did = 1;
+                    p->progressed += k;
+                    idle_since = monotonic_s();
+                    notify_fd(__atomic_load_n(&p->notify, __ATOMIC_RELAXED));
+                } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s || is_held(p)) {
+                    break;
+                }
+            }
+            if (did) p->bursts++;
+            if (is_held(p)) continue;
+            ucs_status_t st = ucp.arm(p->worker);
+            if (st == UCS_ERR_BUSY) continue; /* events came in meanwhile: progress them first */
+            if (st != UCS_OK) {
+                struct timespec ts = {0, 1000000}; /* cannot arm: poll every millisecond instead */
+                nanosleep(&ts, NULL);
+                continue;
+            }
+            armed = 1;
         }
-        double idle_since = 0.0;
-        int did = 0;
-        for (;;) { /* progress while there is work, and spin a little after work (only after work), then sleep */
-            unsigned k = 0;
-            while (ucp.progress(p->worker)) k++;
-            if (k) {
-                did = 1;
-                idle_since = monotonic_s();
-                int fd = __atomic_load_n(&p->notify, __ATOMIC_RELAXED);
-                notify_fd(fd);
-            } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s ||
-                       __atomic_load_n(&p->held, __ATOMIC_ACQUIRE) > 0) {
-                break;
+        int rc = epoll_wait(p->ep, evs, 3, -1);
+        __atomic_store_n(&p->held_sleep, 0, __ATOMIC_SEQ_CST);
+        if (rc < 0 && errno != EINTR) break;
+        for (int i = 0; i < rc; i++) {
+            int fd = evs[i].data.fd;
+            if (fd == p->stop) return NULL;
+            if (fd == p->kick) {
+                drain_fd(p->kick);
+                p->kicks++;
+            } else if (fd == p->efd && armed) {
+                p->wakeups++;
             }
         }
-        if (did) p->bursts++;
-        ucs_status_t st = ucp.arm(p->worker);
-        if (st == UCS_ERR_BUSY) continue; /* events came in meanwhile: progress them first */
-        if (st != UCS_OK) {
-            struct timespec ts = {0, 1000000}; /* cannot arm: poll every millisecond instead */
-            nanosleep(&ts, NULL);
-            continue;
-        }
-        int rc = poll(fds, 3, -1);
-        p->wakeups++;
-        if (rc < 0 && errno != EINTR) break;
-        if (fds[1].revents) break;
-        if (fds[2].revents) drain_fd(p->kick);
     }
     return NULL;
 }
@@ -402,12 +497,23 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
         close(stop);
         return PyErr_SetFromErrno(PyExc_OSError);
     }
-    ProgressObject *p = (ProgressObject *)type->tp_alloc(type, 0);
-    if (p == NULL) {
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0 || ep_add(ep, efd) < 0 || ep_add(ep, stop) < 0 || ep_add(ep, kick) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        if (ep >= 0) close(ep);
         close(stop);
         close(kick);
         return NULL;
     }
+    ProgressObject *p = (ProgressObject *)type->tp_alloc(type, 0);
+    if (p == NULL) {
+        close(ep);
+        close(stop);
+        close(kick);
+        return NULL;
+    }
+    pthread_mutex_init(&p->hold_lock, NULL);
+    p->ep = ep;
     p->kick = kick;
     p->worker = (void *)(uintptr_t)worker;
     p->efd = efd;
@@ -426,6 +532,9 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
 
 static void progress_join(ProgressObject *p) {
     if (p->running) {
+        pthread_mutex_lock(&p->hold_lock);
+        p->running = 0; /* a release after this leaves the worker alone: it may be freed */
+        pthread_mutex_unlock(&p->hold_lock);
         p->quit = 1;
         uint64_t one = 1;
         ssize_t rc = write(p->stop, &one, sizeof one);
@@ -433,7 +542,6 @@ static void progress_join(ProgressObject *p) {
         Py_BEGIN_ALLOW_THREADS
         pthread_join(p->thread, NULL);
         Py_END_ALLOW_THREADS
-        p->running = 0;
     }
 }
 
@@ -450,12 +558,14 @@ static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
 }
 
 static PyObject *progress_hold(ProgressObject *p, PyObject *unused) {
-    if (__atomic_add_fetch(&p->held, 1, __ATOMIC_ACQ_REL) == 1) notify_fd(p->kick); /* out of its poll */
+    progress_hold_c(p);
     Py_RETURN_NONE;
 }
 
 static PyObject *progress_release(ProgressObject *p, PyObject *unused) {
-    if (__atomic_sub_fetch(&p->held, 1, __ATOMIC_ACQ_REL) == 0) notify_fd(p->kick);
+    Py_BEGIN_ALLOW_THREADS
+    progress_release_c(p);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -468,11 +578,15 @@ static void progress_dealloc(ProgressObject *p) {
     progress_join(p);
     if (p->stop > 0) close(p->stop);
     if (p->kick > 0) close(p->kick);
+    if (p->ep > 0) close(p->ep);
+    pthread_mutex_destroy(&p->hold_lock);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
 static PyObject *progress_stats(ProgressObject *p, void *closure) {
-    return Py_BuildValue("{s:K,s:K,s:O}", "wakeups", p->wakeups, "bursts", p->bursts, "running",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts", p->bursts,
+                         "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds, "release_kicks",
+                         p->release_kicks, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
                          p->running ? Py_True : Py_False);
 }
 
@@ -489,7 +603,10 @@ static PyMethodDef progress_methods[] = {
 };
 
 static PyGetSetDef progress_getset[] = {
-    {"stats", (getter)progress_stats, NULL, "wakeups from the event fd and bursts of work so far", NULL},
+    {"stats", (getter)progress_stats, NULL,
+     "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
+     "that did work), kicks, holds, release_kicks (releases that had to wake the thread), held (holds now)",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -508,7 +625,9 @@ static PyTypeObject ProgressType = {
 static PyMethodDef module_methods[] = {
     {"bind", py_bind, METH_VARARGS, "bind(path): resolve the UCP calls from the already loaded libucp at path."},
     {"post", py_post, METH_VARARGS,
-     "post(get, ep, rows): a put/get per row of an (n, 5) uint64 array, then a flush; a Flush, or an error status."},
+     "post(get, ep, rows, progress=None): a put/get per row of an (n, 5) uint64 array, then a flush; a Flush, or an "
+     "error status. With ``progress``, that thread is held off the worker from before the first put until the "
+     "flush ends (or unhold()/abandon()): the caller's waiter drives it."},
     {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
     {NULL, NULL, 0, NULL},
 };

@@ -135,6 +135,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # where the native extension is built: a native thread progresses UCX (sleeping on its event fd), so a
         # target whose transport needs it (tcp, emulated put/get) is served without a Python thread waking
         "native_progress": True,
+        # how long that thread keeps polling after work before it sleeps on the event fd again (spin_us is the
+        # Python service thread's); spinning takes a core from the peer and the caller where cores are few
+        "progress_spin_us": 0,
         "connect_timeout_s": 5.0,
         # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
         "max_inbound": 1024,
@@ -267,6 +270,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "control": f"{self.params['host']}:{self._port}",
             "native path": rma.data_path(),
             "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
+            "native progress": dict(self._progress.stats) if self._progress is not None else {},
             "worker resets": self.resets,
             "requests": dict(self.counts),
         }
@@ -360,7 +364,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
     def _in_use(self, rid: int) -> bool:
         if any(rid in op.req.plan.regions for op in self._active_out.values()):
             return True
-        if any(rid in d.regions for d in self._directs if not d.done):
+        if any(rid in d.regions for d in list(self._directs) if not d.done):
             return True
         if any(rid in regions for _, regions in list(self._cma_ops.values())):
             return True

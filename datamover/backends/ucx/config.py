@@ -122,6 +122,10 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
         # memory is left (TLS tcp only, as between hosts without RDMA) it stays on: emulated over tcp, puts ran
         # 4x slower (0.5-0.6 GB/s against 2.5-3.1 for 1 MiB rows)
         config["TCP_PUT_ENABLE"] = "n"
+    if "USE_MT_MUTEX" not in config and "UCX_USE_MT_MUTEX" not in os.environ:
+        # the worker is shared by threads (a caller driving its request, the native progress thread, the service
+        # thread): with UCX's default spinlock a thread that finds it taken spins, on a core the holder may need
+        config["USE_MT_MUTEX"] = "y"
     if "CMA_TX_QUOTA" not in config and "UCX_CMA_TX_QUOTA" not in os.environ:
         # cma copies a queued put/get per worker progress call by default (quota 1): one Python-level progress
         # per row; 64 per call measured 8-16% faster for 4-64 KiB rows, and equal for 1 MiB ones

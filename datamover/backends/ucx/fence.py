@@ -41,7 +41,7 @@ class Fencing:
         endpoint nobody reads.
         """
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
-        for direct in self._directs:
+        for direct in list(self._directs):  # a waiter may drop its finished one meanwhile
             if direct.completion is completion:
                 with direct.lock:
                     if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS:

@@ -83,10 +83,12 @@ class OneSided:
         worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
         direct.driven = True
         self.b._drivers.add(direct)
-        progress = self.b._progress
-        if progress is not None:
-            progress.hold()  # the native progress thread leaves the worker to this waiter meanwhile
         native = not isinstance(direct.flush, rma.Flush)
+        # the native progress thread leaves the worker to this waiter meanwhile: a native flush holds it off
+        # from its post on (so the post's own events woke nobody) until it ends or unhold()
+        progress = None if native else self.b._progress
+        if progress is not None:
+            progress.hold()
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self.b._stop:
                 # a replaced worker is never progressed again (it may be quarantined; see _reset_worker)
@@ -102,19 +104,33 @@ class OneSided:
         finally:
             if progress is not None:
                 progress.release()
+            elif native and not direct.done:
+                direct.flush.unhold()  # given up (deadline, lost peer, closing): the progress thread takes over
             direct.driven = False
             self.b._drivers.discard(direct)
-            if not self.b._drivers:
+            if direct.done:
+                self._forget_direct(direct)
+            if self.b._progress is None and not self.b._drivers:
                 self.b._wake()  # the service thread sleeps in select while a waiter drives: UCX is its again
+
+    def _forget_direct(self, direct: Direct) -> None:
+        """Stop tracking a finished request (its waiter or the service thread, whichever sees it first)."""
+        try:
+            self.b._directs.remove(direct)
+        except ValueError:
+            pass
 
     def _check_directs(self) -> None:
         """Finish callers' requests nobody drives; those a waiter drives are left alone, except to clear them."""
         late = time.monotonic() - _DIRECT_GRACE_S
-        done = [
-            d for d in list(self.b._directs) if d.done or (not d.driven and d.since < late and self._finish_direct(d))
-        ]
-        for d in done:
-            self.b._directs.remove(d)
+        for d in list(self.b._directs):
+            if d.done:
+                self._forget_direct(d)
+            elif not d.driven and d.since < late:
+                if self._finish_direct(d):
+                    self._forget_direct(d)
+                elif d.held():
+                    d.flush.unhold()  # nobody waits for it: the native progress thread progresses it from now on
 
     def _one_sided_rows(self, peer: Peer, req: TransferRequest) -> list[rma.Row] | cma.CmaPlan | None:
         """(local addr, length, remote addr, rkey) per row when the target opened every row to put/get, else None.
@@ -176,7 +192,7 @@ class OneSided:
             if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
-                return rma.post_native(op == "READ", ep, rows.native)
+                return rma.post_native(op == "READ", ep, rows.native, self.b._progress)
             poster = native_post
             if poster is not None and isinstance(rows, Rows) and rows.columns.host:
                 status = poster(op == "READ", ep, rows.columns)

@@ -59,9 +59,9 @@ class Outbound:
             self._active_out.pop(op.id, None)
             op.finish(why)
         peer.ops.clear()
-        for direct in [d for d in self._directs if d.peer is peer]:
+        for direct in [d for d in list(self._directs) if d.peer is peer]:
             self.one_sided._finish_direct(direct, why)
-            self._directs.remove(direct)
+            self.one_sided._forget_direct(direct)
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
             self._revokes.remove(entry)

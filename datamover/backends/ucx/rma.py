@@ -285,12 +285,16 @@ def native_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[R
     return rows
 
 
-def post_native(get: bool, ep: int, rows: np.ndarray) -> tuple[Any, int]:
+def post_native(get: bool, ep: int, rows: np.ndarray, progress: Any = None) -> tuple[Any, int]:
     """Post every row's get (``get``) or put and one endpoint flush in C: (flush, UCS_OK) or (None, the error).
 
     The flush has ``poll()`` and ``abandon()`` as ``Flush`` has, and
     ``drive(worker_handle, until)``: progress the worker in C, the GIL
-    released, until it ends or the monotonic time ``until``.
+    released, until it ends or the monotonic time ``until``. With
+    ``progress`` (the native progress thread), that thread is held off the
+    worker from before the first row until the flush ends, or ``unhold()``
+    gives the request to it: the caller's waiter drives its own request, and
+    its events wake nobody else.
     """
-    got = native().post(get, ep, rows)
+    got = native().post(get, ep, rows, progress)
     return (None, got) if isinstance(got, int) else (got, UCS_OK)

@@ -43,7 +43,7 @@ class ServiceLoop:
         lib = rma.native() if self.params["native_progress"] else None
         if lib is not None:
             try:
-                self._progress = lib.Progress(self._worker.handle, float(self.params["spin_us"]) * 1e-6)
+                self._progress = lib.Progress(self._worker.handle, float(self.params["progress_spin_us"]) * 1e-6)
                 return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
@@ -130,8 +130,9 @@ class ServiceLoop:
                     # the native thread progresses UCX; it wakes this one after work while requests are in flight
                     in_flight = self._active_out or self._active_in or self._revokes or self._directs
                     self._progress.set_notify(self._wake_w if in_flight else -1)
-                    if in_flight:
-                        # what this thread (or a caller) posted raises no UCX event: have it progressed
+                    if busy or any(not d.driven and not d.held() for d in list(self._directs)):
+                        # what this thread (or a caller nobody waits for) posted raises no UCX event: have it
+                        # progressed; a caller's waiter drives its own request (and holds the native thread off)
                         self._progress.kick()
                     if self._poll(0.0 if busy else (0.001 if in_flight else 0.05)):
                         last = time.monotonic()
@@ -240,7 +241,7 @@ class ServiceLoop:
             # queued before it went must not land after their ERR
             quarantine = receiving = any(
                 op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
-            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in self._directs)
+            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in list(self._directs))
             if why is None:
                 why = RemoteDisconnected(
                     f"agent {owner.name!r} disconnected (control connection closed)", backend=self.name

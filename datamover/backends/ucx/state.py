@@ -136,6 +136,10 @@ class Direct:
         self.driven = False  # a waiter progresses UCX for it: the service thread keeps out of its way
         self.since = time.monotonic()
 
+    def held(self) -> bool:
+        """Whether its flush still holds the native progress thread off the worker (for a waiter to drive it)."""
+        return bool(getattr(self.flush, "holding", False))
+
 
 class Drain:
     """A refused WRITE's rows consumed into scratch memory, ``_DRAIN_WINDOW`` receives at a time.

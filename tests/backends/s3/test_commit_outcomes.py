@@ -135,3 +135,61 @@ def test_retries_do_not_run_out_after_an_outage(server):
         assert xfer.wait() == XferState.DONE, "one dropped connection after the outage failed the transfer"
         assert state["dropped"]
     assert _body(server, "out/after-outage") == data
+
+
+def test_release_of_a_multi_object_write_says_what_it_committed_and_aborted(server, monkeypatch):
+    """release() (no timeout) cuts a 4-object WRITE short at a known point: object 0 (multipart) and object 2 (a
+    PUT) are committed, object 1's parts are held by the test until the release cancels, object 3 never starts.
+    The caller learns each from ``release()``, ``error`` and ``outcomes`` once RELEASED."""
+    from datamover.backends.base import Completion
+    from datamover.errors import TransferAborted
+
+    keys = ["rel/a-multipart", "rel/b-held", "rel/c-put", "rel/d-never"]
+    sizes = [2 * P, 2 * P, MiB, MiB]
+    for k in keys:
+        server.client().put_object(Bucket=server.bucket, Key=k, Body=b"old")
+    committed_a, put_c, held_b, cancelled = (threading.Event() for _ in range(4))
+    cancel = Completion.cancel
+
+    def cancel_and_tell(self, error=None):
+        cancel(self, error)
+        cancelled.set()
+
+    monkeypatch.setattr(Completion, "cancel", cancel_and_tell)
+
+    def hold_b(request, **_):
+        if "/rel/b-held" in request.url:
+            held_b.set()
+            assert cancelled.wait(30), "release() never cancelled"
+
+    def after_complete(http_response, **_):
+        committed_a.set()
+
+    def after_put(params, **_):
+        if params.get("Key") == "rel/c-put":
+            put_c.set()
+            assert cancelled.wait(30), "release() never cancelled"  # the runner holds: object 3 never starts
+
+    with _agent(server, part_size=P, multipart_threshold=P, concurrency=3) as agent:
+        events = agent.backend("s3").client.meta.events
+        events.register("before-send.s3.UploadPart", hold_b)
+        events.register("after-call.s3.CompleteMultipartUpload", after_complete)
+        events.register("before-parameter-build.s3.PutObject", after_put)
+        total = sum(sizes)
+        offs = [0, sizes[0], sizes[0] + sizes[1], sizes[0] + sizes[1] + sizes[2]]
+        buf = HostBuffer(agent, total)
+        data = random_bytes(total, 5)
+        buf.write(0, data)
+        reg = agent.register_objects(server.bucket, keys=keys)
+        xfer = agent.transfer(
+            "WRITE", buf.descs(offs, sizes), DescList.objects(reg, sizes, 0, keys=keys), backends="s3", timeout=60
+        )
+        assert committed_a.wait(30) and held_b.wait(30), "the WRITE never reached the point the test holds"
+        err = xfer.release()
+        assert xfer.state == XferState.RELEASED
+        assert isinstance(err, TransferAborted) and xfer.error is err
+        expected = {0: "committed", 1: "aborted", 2: "committed", 3: "untouched"}
+        assert err.outcomes == expected and xfer.outcomes == expected
+    assert _body(server, keys[0]) == data[: sizes[0]]
+    assert _body(server, keys[1]) == b"old" and not _pending(server, keys[1])
+    assert _body(server, keys[2]) == data[offs[2] : offs[3]] and _body(server, keys[3]) == b"old"

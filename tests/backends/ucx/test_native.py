@@ -77,9 +77,7 @@ def test_both_paths_move_permuted_rows_one_sided(target, path, op):
         spy = pytest.MonkeyPatch()
         for name in ("post_native", "post_rows"):
             real = getattr(ucx_rma, name)
-            spy.setattr(
-                ucx_rma, name, lambda get, ep, rows, real=real, name=name: posted.append(name) or real(get, ep, rows)
-            )
+            spy.setattr(ucx_rma, name, lambda *args, real=real, name=name: posted.append(name) or real(*args))
         try:
             for _ in range(2):
                 assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
@@ -140,25 +138,67 @@ class _Spy:
 
 
 @needs_native
-def test_a_hold_keeps_the_native_thread_off_the_worker_until_released():
-    from datamover.backends.ucx import _ucp
+def test_a_target_whose_native_thread_is_held_serves_nothing_until_released():
+    """The native thread is what serves a tcp target: held off its worker, a peer's WRITE stays in flight."""
+    with Agent("native-held", {"backends": {"ucx": TCP}}) as owner:
+        backend = owner.backend("ucx")
+        progress = backend._progress
+        mem = HostBuffer(owner, 16 * 4096)
+        with RemotePeer("native-held-writer", {"backends": {"ucx": TCP}}, env={"UCX_TLS": "tcp,self"}) as writer:
+            writer.call("add_remote", owner.metadata())
+            handle, _ = writer.call("alloc", 16 * 4096)
+            writer.call("write", handle, 0, b"".join(bytes([i + 1]) * 4096 for i in range(16)))
+            addrs = mem.descs(np.arange(16)[::-1] * 4096, 4096).addr  # block i to slot 15 - i
+            xid = writer.call("start_transfer", "WRITE", handle, "native-held", addrs, [4096] * 16)
+            assert writer.call("wait_transfer", xid) == "DONE"  # connected, rkeys known: one-sided from here on
+            progress.hold()
+            try:
+                before = progress.stats
+                mem.write(0, bytes(16 * 4096))
+                xid = writer.call("start_transfer", "WRITE", handle, "native-held", addrs, [4096] * 16)
+                time.sleep(0.5)
+                # the puts wait in the target's socket for its progress: not a byte has landed
+                assert mem.read(0, 16 * 4096) == bytes(16 * 4096)
+                assert progress.stats["progressed"] == before["progressed"]
+            finally:
+                progress.release()
+            assert writer.call("wait_transfer", xid) == "DONE"
+            after = progress.stats
+            assert after["progressed"] > before["progressed"] and after["held"] == 0
+            assert mem.read(0, 16 * 4096) == b"".join(bytes([16 - j]) * 4096 for j in range(16))
+        assert backend.describe()["native progress"]["progressed"] >= after["progressed"]
 
-    with Agent("native-held", {"backends": {"ucx": TCP}}) as agent:
-        progress = agent.backend("ucx")._progress
-        progress.hold()
-        time.sleep(0.05)
-        wakeups = progress.stats["wakeups"]
-        for _ in range(20):
-            progress.kick()  # a kick while held does not progress the worker: the thread only notes it
-        time.sleep(0.05)
-        assert progress.stats["wakeups"] == wakeups
-        progress.release()
+
+@needs_native
+def test_a_waiter_drives_its_own_request_and_wakes_no_other_thread(target):
+    """A posted one-sided request holds the native thread off the worker until its flush ends: its waiter drives
+    it, and neither the progress thread nor the service thread wakes for it; nobody waiting, the service
+    thread hands it to the native thread (unhold) and it completes anyway."""
+    n, bs = 16, 4096
+    with Agent("native-waiter", {"backends": {"ucx": TCP}}) as agent:
+        backend = agent.backend("ucx")
+        mine, theirs = HostBuffer(agent, n * bs), RemoteBuffer(target, n * bs)
+        agent.add_remote(target.metadata())
+        local, remote = mine.descs(np.arange(n) * bs, bs), theirs.descs(np.arange(n) * bs, bs)
+        xfer = agent.make_transfer("WRITE", agent.prepare(local), None, agent.prepare(remote, target.name), None)
+        xfer.post().wait()  # connected, rkeys unpacked
+        before = backend._progress.stats
+        for _ in range(50):
+            assert xfer.post().wait() == XferState.DONE
+        after = backend._progress.stats
+        assert after["holds"] - before["holds"] == 50 and after["held"] == 0
+        # the thread did not progress for them, nor was it woken to (a release kicks it only if events pend)
+        assert after["progressed"] == before["progressed"]
+        assert after["wakeups"] - before["wakeups"] + after["release_kicks"] - before["release_kicks"] < 10
+        assert not backend._directs
+        # nobody waits: the service thread gives the request to the native thread, which finishes it
+        xfer.post()
         deadline = time.monotonic() + 5
-        while progress.stats["wakeups"] == wakeups and time.monotonic() < deadline:
-            progress.kick()  # released, a kick wakes it from UCX's fd again
+        while xfer._completion.finished_at is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert progress.stats["wakeups"] > wakeups
-        assert isinstance(progress, _ucp.Progress)
+        assert xfer._completion.finished_at is not None and xfer.state == XferState.DONE
+        assert backend._progress.stats["held"] == 0
+        theirs.free()
 
 
 @needs_native

@@ -456,12 +456,13 @@ def test_transport_settings_pass_through(params, present, absent):
 def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
     from datamover.backends.ucx import ucx_config
 
-    for var in ("UCX_TLS", "UCX_TCP_PUT_ENABLE", "UCX_CMA_TX_QUOTA"):
+    for var in ("UCX_TLS", "UCX_TCP_PUT_ENABLE", "UCX_CMA_TX_QUOTA", "UCX_USE_MT_MUTEX"):
         monkeypatch.delenv(var, raising=False)
-    assert ucx_config({}, cma=False) == {"TLS": "^cma", "TCP_PUT_ENABLE": "n", "CMA_TX_QUOTA": "64"}
+    mutex = {"USE_MT_MUTEX": "y"}  # threads share the worker: a mutex, not UCX's default spinlock
+    assert ucx_config({}, cma=False) == {"TLS": "^cma", "TCP_PUT_ENABLE": "n", **mutex, "CMA_TX_QUOTA": "64"}
     assert "TLS" not in ucx_config({}, cma=True)
     mine = ucx_config({"CMA_TX_QUOTA": 4, "TCP_PUT_ENABLE": "y"}, cma=True)
-    assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y"}
+    assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y", **mutex}
     # tcp's own put stays on where no shared memory transport is left to emulate puts over
     for tls in ("tcp,self", "^sm", "^mm,cma", "rc,tcp"):
         assert "TCP_PUT_ENABLE" not in ucx_config({"TLS": tls}, cma=False), tls
@@ -469,9 +470,12 @@ def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
         assert ucx_config({"TLS": tls}, cma=False)["TCP_PUT_ENABLE"] == "n", tls
     monkeypatch.setenv("UCX_CMA_TX_QUOTA", "2")
     monkeypatch.setenv("UCX_TLS", "posix,tcp")
-    assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n"}  # UCX reads the environment's values itself
+    assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n", **mutex}  # UCX reads the environment's values
     monkeypatch.setenv("UCX_TLS", "tcp")
+    assert ucx_config({}, cma=False) == mutex
+    monkeypatch.setenv("UCX_USE_MT_MUTEX", "n")
     assert ucx_config({}, cma=False) == {}
+    assert ucx_config({"USE_MT_MUTEX": "n"}, cma=False) == {"USE_MT_MUTEX": "n"}
 
 
 def test_tls_includes_reads_ucx_tls_as_ucx_does():

@@ -19,6 +19,7 @@ import pytest
 from datamover import Agent, XferState
 from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
+from datamover.backends.ucx import rma as ucx_rma
 from datamover.errors import (
     AuthenticationError,
     DatamoverError,
@@ -188,3 +189,46 @@ def test_link_down_mid_transfer_ends_in_err_within_its_timeout_and_traffic_resum
             except DatamoverError:
                 assert time.monotonic() < deadline, "traffic did not resume after the link came back"
         assert np.count_nonzero(local.array) == 0, "bytes of the READ that ended in ERR landed later"
+
+
+@pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
+def test_targets_on_either_host_are_served_by_their_native_progress_thread(test_hosts):
+    """Over tcp the target must progress for a put or get to complete; across hosts its native thread does it.
+
+    The far target's counters grow with the transfers it served; the near target, its native thread held off
+    its worker, lets no byte of a far WRITE land (nothing else progresses it) until released.
+    """
+    n, bs = 16, 4096
+    with _far(test_hosts, "far-served") as peer, _near(test_hosts, "near-served") as agent:
+        remote, local = RemoteBuffer(peer, n * bs), HostBuffer(agent, n * bs)
+        agent.add_remote(peer.metadata())
+        before = peer.call("describe", "ucx")
+        assert before["UCX progress"] == "a native thread on UCX's event fd"
+        local.write(0, random_bytes(n * bs, 5))
+        rows = local.descs(np.arange(n) * bs, bs), remote.descs(np.arange(n)[::-1] * bs, bs)
+        for _ in range(20):
+            assert agent.transfer("WRITE", *rows, "far-served").wait() == XferState.DONE
+            assert agent.transfer("READ", *rows, "far-served").wait() == XferState.DONE
+        after = peer.call("describe", "ucx")["native progress"]
+        assert after["progressed"] - before["native progress"]["progressed"] >= 40
+        assert remote.read(0, n * bs) == b"".join(local.read(i * bs, bs) for i in reversed(range(n)))
+
+        progress = agent.backend("ucx")._progress
+        mine = HostBuffer(agent, n * bs)
+        theirs, _ = peer.call("alloc", n * bs)
+        peer.call("write", theirs, 0, random_bytes(n * bs, 6))
+        peer.call("add_remote", agent.metadata())
+        addrs = mine.descs(np.arange(n) * bs, bs).addr
+        assert peer.call("wait_transfer", peer.call("start_transfer", "WRITE", theirs, "near-served", addrs, [bs] * n))
+        mine.write(0, bytes(n * bs))
+        progress.hold()
+        try:
+            held = progress.stats["progressed"]
+            xid = peer.call("start_transfer", "WRITE", theirs, "near-served", addrs, [bs] * n)
+            time.sleep(0.5)
+            assert mine.read(0, n * bs) == bytes(n * bs) and progress.stats["progressed"] == held
+        finally:
+            progress.release()
+        assert peer.call("wait_transfer", xid) == "DONE"
+        assert mine.read(0, n * bs) == peer.call("read", theirs, 0, n * bs)
+        assert progress.stats["progressed"] > held
