@@ -84,7 +84,7 @@ from .one_sided import OneSided
 from .outbound import Outbound
 from .service import ServiceLoop
 from .serving import Serving
-from .state import Direct, Drain, Inbound, OutOp, Peer, UcxPlan, row_views
+from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
 from .tagged import Tagged
 
 
@@ -146,6 +146,18 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
         "launch_margin_s": 0.001,
+        # a READ cut off with UCX gets or receives still in flight (a frozen or dying peer) keeps the UCX worker
+        # they were posted on, never progressed again, until close(): about a dozen fds each. A peer that made
+        # this many quarantines gets its READs refused (direct cma READs, which need none, still run), and once
+        # this agent holds max_quarantined_workers in all, every such READ is refused; close() frees them
+        "max_quarantines_per_peer": 2,
+        # a peer that hangs up while this agent has receives posted for its WRITE: the hang-up is confined to
+        # its own requests when, within this many seconds, every one of them ended (the ones it never matched
+        # are ended here with empty self-sends) and a probe sent by a second worker of this process came
+        # through this worker's shared-memory receive queue (a sender killed mid-message can leave that queue
+        # stuck for every sender); else, or at 0, the UCX worker is reset (every peer reconnects)
+        "hangup_probe_s": 5.0,
+        "max_quarantined_workers": 16,
     }
 
     def __init__(self, host: BackendHost, params=None) -> None:
@@ -186,6 +198,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # replaced workers with a cancelled READ's gets or receives still posted into a caller's memory: never
         # progressed again (so none of those bytes can land), freed by close()
         self._quarantined: list[tuple] = []
+        self._quarantines_by: collections.Counter[str] = collections.Counter()  # peer name -> quarantines it made
+        self._probe_ids = itertools.count()
+        self._hangups: list[Hangup] = []  # peers that hung up mid-WRITE, waiting for their probe (see _lost)
+        self._prober: tuple[Any, Any] | None = None  # (worker, endpoint to this worker) that sends the probes
+        self.hangups = {"confined": 0, "reset": 0}
         self._one_sided = bool(self.params["one_sided"])
         self._emulated_max = int(self.params["emulated_max_bytes"])
         self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
@@ -274,6 +291,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
             "worker resets": self.resets,
+            "hang-ups mid-WRITE": dict(self.hangups),
+            "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},
             "requests": dict(self.counts),
         }
 
@@ -428,6 +447,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 self._cma_ops[op_id] = (peer, req.plan.regions)
             elif isinstance(rows, cma.CmaPlan):
                 error = self.cma_path._copy_cma(peer, req, rows, deadline)
+            elif (held := self._reads_held(peer.name, req.op)) is not None:
+                completion = Completion(1)
+                completion.finish_part(held)
+                return completion
             else:
                 flush, status = self.one_sided._post_one_sided(peer, req.op, rows)
         if in_parts:
@@ -481,5 +504,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._directs.clear()
         self._checked.clear()
         self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        for hangup in self._hangups:
+            hangup.reqs = []  # a request's UCX objects go before its endpoint's
+        self._hangups.clear()
+        self._prober = None
+        self._quarantines_by.clear()
         self._worker = self._ctx = None  # type: ignore[assignment]
         gc.collect()

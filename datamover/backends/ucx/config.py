@@ -27,6 +27,9 @@ _MASK40 = (1 << 40) - 1
 _READ_TAG = 1 << 63
 
 
+_PROBE_TAG = 3 << 62  # the receive-queue probe after a hang-up (READ tags stay below bit 62, WRITE tags below 63)
+
+
 _MAX_ADDRESS = 1 << 16
 
 

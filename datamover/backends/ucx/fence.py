@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...errors import RemoteDisconnected, TransferAborted
+from ...errors import BackendUnavailable, RemoteDisconnected, TransferAborted
 from . import rma
 from .config import _FENCE_S, log
 from .state import Fenced
@@ -48,7 +48,9 @@ class Fencing:
                         break  # ended (or ending): whoever saw it finishes it
                 if direct.op == "READ":
                     self._reset_worker(
-                        f"a cancelled READ from agent {direct.peer.name!r} still had gets in flight", quarantine=True
+                        f"a cancelled READ from agent {direct.peer.name!r} still had gets in flight",
+                        quarantine=True,
+                        culprit=direct.peer.name,
                     )
                 self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
                 return
@@ -64,7 +66,35 @@ class Fencing:
                     peer.conn.send({"t": "cancel", "id": op.id})  # the owner refuses what it has not started
                 if pending and op.req.op == "READ":
                     self._reset_worker(
-                        f"a cancelled READ from agent {peer.name!r} still had receives in flight", quarantine=True
+                        f"a cancelled READ from agent {peer.name!r} still had receives in flight",
+                        quarantine=True,
+                        culprit=peer.name,
                     )
                 self._submit(lambda op=op: self.tagged._end(op, why))
                 return
+
+    def _reads_held(self, peer: str, op: str) -> BackendUnavailable | None:
+        """Why a READ from ``peer`` that needs UCX gets or receives is refused, or None.
+
+        Each READ cut off with those still in flight keeps a UCX worker (never progressed again, so the late
+        bytes cannot land; freeing it would progress it) until close(). A peer that stopped answering that
+        often, or this agent holding that many such workers in all, bounds them: such READs are refused, and
+        the caller is told why, instead of fds running out.
+        """
+        if op != "READ":
+            return None
+        mine, total = self._quarantines_by.get(peer, 0), len(self._quarantined)
+        per_peer, cap = int(self.params["max_quarantines_per_peer"]), int(self.params["max_quarantined_workers"])
+        if mine < per_peer and total < cap:
+            return None
+        why = (
+            f"agent {peer!r} stopped answering {mine} time(s) with READs in flight"
+            if mine >= per_peer
+            else f"{total} READs were cut off with bytes in flight"
+        )
+        return BackendUnavailable(
+            f"READ from agent {peer!r} refused: {why}; the UCX workers those READs used are held until close() so "
+            f"that their late bytes cannot land (max_quarantines_per_peer={per_peer}, "
+            f"max_quarantined_workers={cap}); WRITEs, and READs by direct cma, still run",
+            backend=self.name,
+        )

@@ -16,9 +16,9 @@ from ...errors import (
     RemoteDisconnected,
 )
 from . import rma
-from .config import log
+from .config import _PROBE_TAG, log
 from .protocol import FrameConn
-from .state import Inbound, Peer
+from .state import Hangup, Inbound, Peer
 
 
 class ServiceLoop:
@@ -117,6 +117,8 @@ class ServiceLoop:
                     last_scan = now
                     self._check_cancelled()
                     self._bury()
+                    if self._hangups:
+                        self._check_hangups(now)
                     self._drop_silent(now)
                 if busy:
                     last = now
@@ -249,23 +251,112 @@ class ServiceLoop:
             self._disconnect_peer(owner, why)
         else:
             receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
+            if receiving and float(self.params["hangup_probe_s"]) > 0:
+                self._confine_hangup(owner, why)
+                return
             if why is not None:
                 log.warning("dropping connection from %r: %s", owner.name or "?", why)
+            # its requests go before its endpoint closes: UCX objects a request still holds outlive the reset
             self._drop_inbound(owner)
         if receiving:
             # a peer that died while sending to us can leave our shared-memory receive queue blocked for
             # every sender; only a fresh worker gets past it
-            self._reset_worker(f"agent {owner.name!r} died while sending to this agent", quarantine=quarantine)
+            self._reset_worker(
+                f"agent {owner.name!r} died while sending to this agent",
+                quarantine=quarantine,
+                culprit=owner.name if quarantine else None,
+            )
 
-    def _reset_worker(self, reason: str, quarantine: bool = False) -> None:
+    def _confine_hangup(self, owner: Inbound, why: BaseException | None) -> None:
+        """A peer hung up with receives posted for its WRITE: end them, probe the receive queue (see ``Hangup``).
+
+        Receives it never matched end at once with empty self-sends (no byte lands); ``_check_hangups`` resets
+        the worker only if one it matched stays posted, or the probe does not come through, in time. One
+        probing worker serves every hang-up (made at the first, freed by a reset or close()).
+        """
+        name = owner.name
+        writes = [entry[0] for entry in owner.ops.values() if entry[1] == "WRITE"]
+        for entry in owner.ops.values():
+            if entry[1] == "WRITE":
+                self.tagged._self_complete(entry[3], entry[0].pending())
+        log.warning("dropping connection from %r: %s", name or "?", why or "it hung up mid-WRITE")
+        hangup = Hangup(name, writes, time.monotonic() + float(self.params["hangup_probe_s"]))
+        hangup.ep, owner.ep = owner.ep, None  # closed only once its requests went (see _end_hangup)
+        self._drop_inbound(owner)
+        try:
+            if self._prober is None:
+                worker = self._ucx.UCXWorker(self._ctx)
+                self._prober = (worker, worker.create_endpoint_from_worker_address(self._worker.address, False))
+            tag = self._ucx.UCXXTag(_PROBE_TAG | next(self._probe_ids))
+            hangup.recv = self._worker.tag_recv(self._Array(memoryview(hangup.probe)), tag)
+            hangup.send = self._send_probe(self._prober[1], tag)
+        except Exception as exc:  # no probe, no proof: reset
+            log.warning("cannot probe the UCX receive queue after %r hung up: %s", name, exc)
+            self._end_hangup(hangup, "the receive queue could not be probed")
+            return
+        self._hangups.append(hangup)
+
+    def _send_probe(self, ep: Any, tag: Any) -> Any:
+        return ep.tag_send(self._Array(memoryview(bytearray(b"dm-probe"))), tag)
+
+    def _check_hangups(self, now: float) -> None:
+        if self._prober is not None:
+            while self._prober[0].progress_once():  # the probe's own side: its wireup and send
+                pass
+        for hangup in list(self._hangups):
+            if hangup.ended():
+                self._hangups.remove(hangup)
+                self._end_hangup(hangup, None)
+            elif now > hangup.deadline:
+                self._hangups.remove(hangup)
+                self._end_hangup(
+                    hangup,
+                    "a receive it had matched is still posted"
+                    if hangup.recv.completed
+                    else f"the receive queue did not answer a probe within {self.params['hangup_probe_s']:g} s",
+                )
+                return  # the reset ended every other probe too
+
+    def _end_hangup(self, hangup: Hangup, failed: str | None) -> None:
+        self._release_hangup(hangup)
+        if failed is None:
+            self.hangups["confined"] += 1
+            log.info("agent %r hung up mid-WRITE: its receives ended and the receive queue answered", hangup.name)
+            return
+        self.hangups["reset"] += 1
+        self._reset_worker(f"agent {hangup.name!r} died while sending to this agent ({failed})")
+
+    def _release_hangup(self, hangup: Hangup) -> None:
+        """Its requests go, then its endpoint closes: UCX objects that a request still holds when its endpoint
+        closes outlive the worker (a reset would leak it)."""
+        hangup.send = hangup.recv = None
+        hangup.reqs = []
+        self._retire_ep(hangup.ep)
+        hangup.ep = None
+
+    def _drop_prober(self) -> None:
+        prober, self._prober = self._prober, None
+        if prober is not None:
+            try:
+                prober[1].close()
+            except Exception as exc:
+                log.debug("closing the probe endpoint: %s", exc)
+            self._graveyard.append((time.monotonic(), prober))  # freed with the closed endpoints
+
+    def _reset_worker(self, reason: str, quarantine: bool = False, culprit: str | None = None) -> None:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
 
         The old worker is freed at once (its file descriptors and memory with
         it) unless ``quarantine``: then a cancelled READ still has gets or
         receives posted into its caller's memory, and the old worker is kept,
-        never progressed again, until ``close()``.
+        never progressed again, until ``close()``, and counted against
+        ``culprit``, the peer whose READ it was (see ``_reads_held``).
         """
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
+        pending, self._hangups = self._hangups, []  # their receives and probes were on the worker being replaced
+        for hangup in pending:
+            self._release_hangup(hangup)
+        self._drop_prober()  # it speaks to the old worker
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
         for peer in list(self._peers.values()):
             self._disconnect_peer(peer, why)
@@ -280,6 +371,8 @@ class ServiceLoop:
         old = (self._worker, self._graveyard, self._draining)
         if quarantine:
             self._quarantined.append(old)
+            if culprit is not None:
+                self._quarantines_by[culprit] += 1
         self._graveyard, self._draining, self._self_ep = [], [], None
         del old
         self._worker = self._ucx.UCXWorker(self._ctx)

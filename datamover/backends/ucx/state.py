@@ -216,6 +216,29 @@ class Peer:
         self.cma_why = "not connected"  # why not, for describe()
 
 
+class Hangup:
+    """A peer that hung up with receives posted for its WRITE: those receives, and a probe through this worker.
+
+    The probe is a tagged message from a second worker of this process into this one: it travels the same
+    shared-memory receive queue as every local peer's messages, so it arriving shows that queue is not stuck.
+    """
+
+    __slots__ = ("deadline", "ep", "name", "probe", "recv", "reqs", "send")
+
+    def __init__(self, name: str, reqs: list[Requests], deadline: float) -> None:
+        self.name = name
+        self.reqs = reqs
+        self.deadline = deadline
+        self.ep: Any = None  # the peer's endpoint, closed once its requests went
+        self.recv: Any = None
+        self.send: Any = None
+        self.probe = bytearray(8)
+
+    def ended(self) -> bool:
+        """Every receive of the peer's WRITEs ended and the probe came through."""
+        return self.recv is not None and self.recv.completed and all(r.poll() is not False for r in self.reqs)
+
+
 class Inbound:
     """A connection from an initiator that this agent serves."""
 

@@ -52,9 +52,8 @@ def _resets(agent) -> int:
     return agent.backend("ucx").describe()["worker resets"]
 
 
-def _dying_sender(agent, local, address: bytes, k: int) -> None:
-    """A peer that starts a WRITE into ``agent`` and hangs up before its data: the agent resets its worker."""
-    before = _resets(agent)
+def _hang_up(agent, local, address: bytes, k: int) -> None:
+    """A peer that starts a WRITE into ``agent`` (4096 bytes at ``local``) and hangs up before its data."""
     with socket.create_connection(control_of(agent.metadata()), timeout=10) as sock:
         assert recv(sock)["t"] == "challenge"
         send(sock, {"t": "hello", "name": f"dying{k}", "address": address, "nonce": os.urandom(16)})
@@ -64,6 +63,12 @@ def _dying_sender(agent, local, address: bytes, k: int) -> None:
                      "dev": cols[2], "tag": 7 << 40, "notify": b""})  # fmt: skip
         send(sock, {"t": "notif", "msg": f"posted-{k}".encode()})
         assert agent.wait_notification(f"posted-{k}".encode(), timeout=10) == (f"dying{k}", f"posted-{k}".encode())
+
+
+def _dying_sender(agent, local, address: bytes, k: int) -> None:
+    """A hang-up mid-WRITE into an agent that resets its worker for one (``hangup_probe_s`` 0)."""
+    before = _resets(agent)
+    _hang_up(agent, local, address, k)
     deadline = time.monotonic() + 30
     while _resets(agent) == before:  # the hang-up is read by the service thread
         assert time.monotonic() < deadline, "the agent never reset its worker"
@@ -79,7 +84,7 @@ def test_resets_free_what_they_replace_and_close_frees_everything():
 
         address = decode_metadata(other.metadata()).backends["ucx"]["address"]
         fds0, threads0, names0 = _fds(), _threads(), _fd_names()
-        agent = Agent("leaky", UCX)
+        agent = Agent("leaky", {"backends": {"ucx": {"hangup_probe_s": 0}}})  # every hang-up resets
         local = HostBuffer(agent, 1 << 20)
         _dying_sender(agent, local, address, 0)
         fds1 = _fds()
