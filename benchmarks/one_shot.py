@@ -6,7 +6,10 @@ alternated in rounds so that load on the machine falls on all three alike:
 
 - prepared: ``make_transfer`` once, then ``post().wait()`` each time;
 - one-shot: ``agent.transfer(op, src, dst).wait()`` with the same two DescLists each time;
-- one-shot, fresh lists: both DescLists built anew (``DescList.from_columns``) before each call.
+- one-shot, fresh lists: both DescLists built anew (``DescList.from_columns``) before each call, with the
+  same rows each time (as a loop that rebuilds its lists does);
+- one-shot, new rows: built anew, each call with other destination rows (cycling through more destination
+  permutations than ``Agent.transfer`` remembers), so nothing of an earlier call can be reused.
 
 Prints the median wall and CPU (this thread) time per transfer and the ratios to prepared.
 
@@ -39,12 +42,18 @@ def main() -> None:
         saddr = src.ctypes.data + np.arange(n, dtype=np.int64) * block
         daddr = dst.ctypes.data + np.random.default_rng(1).permutation(2 * n)[:n].astype(np.int64) * block
         s, d = DescList.from_columns(saddr, block), DescList.from_columns(daddr, block)
+        rng = np.random.default_rng(2)
+        others = [dst.ctypes.data + rng.permutation(2 * n)[:n].astype(np.int64) * block for _ in range(257)]
+        turn = iter(range(1 << 62))
         x = agent.make_transfer("WRITE", agent.prepare(s), None, agent.prepare(d), None)
         ways = {
             "prepared": lambda: x.post().wait(),
             "one-shot": lambda: agent.transfer("WRITE", s, d).wait(),
             "one-shot, fresh lists": lambda: agent.transfer(
                 "WRITE", DescList.from_columns(saddr, block), DescList.from_columns(daddr, block)
+            ).wait(),
+            "one-shot, new rows": lambda: agent.transfer(
+                "WRITE", DescList.from_columns(saddr, block), DescList.from_columns(others[next(turn) % 257], block)
             ).wait(),
         }
         wall: dict[str, list[float]] = {k: [] for k in ways}

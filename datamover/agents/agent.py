@@ -173,7 +173,8 @@ class Agent:
         The same machinery as ``prepare`` + ``make_transfer`` without what a
         one-shot does not need (Prepared lists, index arrays); the backend
         chosen for a pair of memory types is remembered, and the same lists
-        passed again reuse the last transfer's checks and plan.
+        passed again (or small lists built anew with the same rows) reuse the
+        last transfer's checks and plan.
         """
         return self._maker.transfer(op, local, remote, agent, notify, backends, timeout)
 

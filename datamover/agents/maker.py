@@ -98,47 +98,60 @@ class TransferMaker:
         self,
         op: Op,
         ldescs: DescList,
-        lreg: np.ndarray,
+        lreg: np.ndarray | int,
         rdescs: DescList,
-        rreg: np.ndarray,
+        rreg: np.ndarray | int,
         remote_agent: str | None,
         notify: bytes,
         backends: str | list[str] | None,
         timeout: float | None,
-        one_region: bool = False,
     ) -> Transfer:
         """The transfer of validated, looked-up descriptors: what ``make_transfer`` and ``transfer`` share.
 
-        ``one_region``: each side lies in one region on one device (lets coalescing skip those checks).
+        ``lreg``/``rreg`` are each descriptor's region id, or one id for a side that lies in one region
+        on one device (then coalescing skips those checks, and the request says ``one_region``).
         """
         n = len(ldescs)
         if len(rdescs) != n:
             raise LengthMismatch(f"{n} local descriptor(s) but {len(rdescs)} remote")
-        diff = ldescs.length != rdescs.length
-        if diff.any():
-            i = int(np.flatnonzero(diff)[0])
-            raise LengthMismatch(
-                f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
-            )
+        block = ldescs.block
+        if block is None or block != rdescs.block:
+            diff = ldescs.length != rdescs.length
+            if diff.any():
+                i = int(np.flatnonzero(diff)[0])
+                raise LengthMismatch(
+                    f"local length {int(ldescs.length[i])} != remote length {int(rdescs.length[i])}", index=i
+                )
         backend = self._backends.choose(ldescs.mem_type, rdescs.mem_type, remote_agent is not None, backends)
         pair = first_overlap(rdescs if op is Op.WRITE else ldescs)
         if pair is not None:
             raise OverlappingDestination(
                 f"destination overlaps destination descriptor {pair[0]}", index=pair[1], backend=backend.name
             )
-        starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg, one_region=one_region)
+        one_region = type(lreg) is int
+        if one_region:
+            starts, lengths = coalesce_runs(ldescs, rdescs, None, None, one_region=True)  # type: ignore[arg-type]
+            runs = starts.shape[0]
+            local_regions, remote_regions = _same(runs, lreg), _same(runs, rreg)  # type: ignore[arg-type]
+        else:
+            starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg)  # type: ignore[arg-type]
+            local_regions, remote_regions = lreg[starts], rreg[starts]  # type: ignore[index]
+        merged = starts.shape[0] < n
         req = TransferRequest(
             op=op,
             local=take_runs(ldescs, starts, lengths),
             remote=take_runs(rdescs, starts, lengths),
             remote_agent=remote_agent,
-            local_regions=lreg[starts],
-            remote_regions=rreg[starts],
+            local_regions=local_regions,
+            remote_regions=remote_regions,
             registrations=self._registry.regions,
             first_index=starts,
-            caller_lengths=ldescs.length if starts.shape[0] < len(ldescs) else None,
+            caller_lengths=ldescs.length if merged else None,
+            caller_local=ldescs if merged else None,
+            caller_remote=rdescs if merged else None,
             notify=bytes(notify),
             timeout=float(self._config.timeout_s if timeout is None else timeout),
+            one_region=one_region,
         )
         req.plan = backend.plan(req)
         return Transfer(self._host, backend, req, descriptors=n)
@@ -158,21 +171,14 @@ class TransferMaker:
         remote_agent = None if agent is None or agent == self._host.name else agent
         table = self._registry.table
         meta = None if remote_agent is None else self._peers.get(remote_agent)
-        key = None
+        key, by_rows = None, False
         if type(local) is DescList and type(remote) is DescList:
-            # the same (immutable) lists again, against the same regions and peer metadata: the last
-            # transfer's validation, coalescing, backend and plan still hold
-            only = backends if backends is None or isinstance(backends, str) else tuple(backends)
-            key = (id(local), id(remote), op, remote_agent, only, bytes(notify), timeout)
+            # the same lists again (the same object, or for small lists the same rows), against the same
+            # regions and peer metadata: the last transfer's validation, coalescing, backend and plan hold
+            key, by_rows = _oneshot_key(local, remote, op, remote_agent, backends, notify, timeout)
             with self._oneshot_lock:
                 hit = self._oneshot.get(key)
-                if (
-                    hit is not None
-                    and hit.local() is local
-                    and hit.remote() is remote
-                    and hit.table is table
-                    and hit.meta is meta
-                ):
+                if hit is not None and hit.table is table and hit.meta is meta and hit.holds(local, remote):
                     x = hit.last.fork()
                     if x is not None:
                         hit.last = x
@@ -183,15 +189,16 @@ class TransferMaker:
             rrid = table.lookup_one(rdescs)
         else:
             rrid = None if meta is None else meta.table.lookup_one(rdescs)
-        one_region = lrid is not None and rrid is not None
-        if one_region:  # each side inside one region: nothing more to look up
-            lreg, rreg = np.full(len(ldescs), lrid, dtype=np.int64), np.full(len(rdescs), rrid, dtype=np.int64)
+        lreg: np.ndarray | int
+        rreg: np.ndarray | int
+        if lrid is not None and rrid is not None:  # each side inside one region: nothing more to look up
+            lreg, rreg = lrid, rrid
         else:
             lreg = self._registry.lookup(ldescs)
             rreg = self._registry.lookup(rdescs) if remote_agent is None else self._peers.lookup(rdescs, remote_agent)
-        x = self.make(op, ldescs, lreg, rdescs, rreg, remote_agent, notify, backends, timeout, one_region)
+        x = self.make(op, ldescs, lreg, rdescs, rreg, remote_agent, notify, backends, timeout)
         if key is not None:
-            entry = _OneShot(local, remote, table, meta, x)
+            entry = _OneShot(local, remote, by_rows, table, meta, x)
             with self._oneshot_lock:
                 if table is self._registry.table:
                     if len(self._oneshot) >= _ONESHOT_CACHE:
@@ -201,17 +208,41 @@ class TransferMaker:
 
 
 class _OneShot:
-    """``transfer``'s memory of one call: the lists (weakly), what they were checked against, its transfer."""
+    """``transfer``'s memory of one call: what it was checked against, its transfer, and (for a key by
+    identity) the lists, weakly, so that a new list at a reused address is not taken for the old one."""
 
     __slots__ = ("last", "local", "meta", "remote", "table")
 
-    def __init__(self, local: DescList, remote: DescList, table: RegionTable, meta: Any, last: Transfer) -> None:
-        self.local, self.remote = weakref.ref(local), weakref.ref(remote)
+    def __init__(self, local: DescList, remote: DescList, by_rows: bool, table: RegionTable, meta: Any, last: Transfer):
+        self.local = self.remote = None
+        if not by_rows:
+            self.local, self.remote = weakref.ref(local), weakref.ref(remote)
         self.table, self.meta, self.last = table, meta, last
+
+    def holds(self, local: DescList, remote: DescList) -> bool:
+        return self.local is None or (self.local() is local and self.remote() is remote)
 
 
 #: how many distinct (lists, op, peer, ...) calls ``transfer`` remembers
 _ONESHOT_CACHE = 64
+#: lists of at most this many rows (and no owner objects) are remembered by their rows, not their identity
+_BY_ROWS = 256
+
+
+def _oneshot_key(
+    local: DescList, remote: DescList, op: Op, agent: str | None, backends: Any, notify: bytes, timeout: Any
+) -> tuple[tuple, bool]:
+    """(key, by rows?): what ``transfer`` remembers a call by.
+
+    Its arguments, with the two lists by their rows when small (the rows themselves, compared in full on a
+    hash match: a list built anew with the same rows is the same call), or else by their identity.
+    """
+    only = backends if backends is None or isinstance(backends, str) else tuple(backends)
+    head = (op, agent, only, bytes(notify), timeout)
+    if len(local) <= _BY_ROWS and len(remote) <= _BY_ROWS and not local.owners and not remote.owners:
+        lrows, rrows = local.rows.tobytes("A"), remote.rows.tobytes("A")
+        return (*head, local.mem_type, local.keys, lrows, remote.mem_type, remote.keys, rrows), True
+    return (*head, id(local), id(remote)), False
 
 
 def _as_desclist(x: Any) -> DescList:
@@ -227,6 +258,23 @@ def _index_array(idx: Any, n: int, what: str) -> np.ndarray:
         bad = int(np.flatnonzero((arr < 0) | (arr >= n))[0])
         raise InvalidDescriptor(f"{what} index {int(arr[bad])} is out of range for {n} prepared descriptors", index=bad)
     return arr
+
+
+_SAME: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _same(n: int, rid: int) -> np.ndarray:
+    """``n`` times region id ``rid`` (read-only; made once per (n, rid) for small ``n``)."""
+    out = _SAME.get((n, rid))
+    if out is None:
+        out = np.empty(n, dtype=np.int64)
+        out.fill(rid)
+        out.setflags(write=False)
+        if n <= 4096:
+            if len(_SAME) >= 256:
+                _SAME.clear()
+            _SAME[(n, rid)] = out
+    return out
 
 
 def _is_identity(idx: np.ndarray) -> bool:

@@ -46,10 +46,16 @@ class Op(str, Enum):
         """An Op from itself or its name in any case; InvalidParameter otherwise."""
         if isinstance(value, Op):
             return value
+        op = _OPS.get(value) if type(value) is str else None
+        if op is not None:
+            return op
         try:
             return cls(str(value).upper())
         except ValueError:
             raise InvalidParameter(f"op must be 'WRITE' or 'READ', got {value!r}") from None
+
+
+_OPS = {"WRITE": Op.WRITE, "READ": Op.READ}
 
 
 class BackendHost(Protocol):
@@ -216,10 +222,16 @@ class TransferRequest:
     registrations: Mapping[int, Registration]
     first_index: np.ndarray
     caller_lengths: np.ndarray | None = None
+    #: the caller's lists before merging (None when no row was merged), for a backend that wants the rows
+    caller_local: DescList | None = None
+    caller_remote: DescList | None = None
     notify: bytes = b""
     timeout: float = 30.0
     plan: Any = None
     deadline: float = math.inf
+    #: True when the Agent found each side inside one registered region on one device, so each of
+    #: ``local_regions`` and ``remote_regions`` holds one id throughout (False: not known, check)
+    one_region: bool = False
 
     @property
     def src(self) -> DescList:

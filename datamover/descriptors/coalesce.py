@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import numpy as np
 
-from .desclist import DescList
+from .desclist import SMALL_LIST, DescList
 
 
 def coalesce_runs(
-    a: DescList, b: DescList, a_regions: np.ndarray, b_regions: np.ndarray, *, one_region: bool = False
+    a: DescList,
+    b: DescList,
+    a_regions: np.ndarray | None,
+    b_regions: np.ndarray | None,
+    *,
+    one_region: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Start index and byte length of each run of rows contiguous in both ``a`` and ``b``.
 
     Row i joins row i-1 when it starts where i-1 ends on both sides, on the
     same device and within the same registered region. Vectorized: O(N) numpy.
     ``one_region`` says each side lies in one region on one device (the caller
-    checked), so only addresses are compared.
+    checked), so only addresses are compared (and the region ids may be None).
     """
     n = len(a)
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     ln = a.length
+    block = a.block
+    if one_region and n > 1 and block is not None and block == b.block:
+        # equal blocks on both sides: nothing joins when no row follows its predecessor on both sides
+        if not np.count_nonzero(a.adjacent & b.adjacent):
+            return _arange(n), ln
     brk = np.ones(n, dtype=bool)
     if n > 1:
         la, lb, head = a.addr, b.addr, ln[:-1]
@@ -70,6 +80,12 @@ def first_overlap(descs: DescList) -> tuple[int, int] | None:
     n = len(descs)
     if n < 2:
         return None
+    block = descs.block
+    if block and descs.device is not None:
+        # equal non-empty blocks on one device: they overlap only where two starts are under a block apart
+        start = descs.sorted_addr if n <= SMALL_LIST else np.sort(descs.addr)
+        if int(np.minimum.reduce(start[1:] - start[:-1])) >= block:
+            return None
     addr, length, dev = descs.addr, descs.length, descs.dev
     if int(length.min()) > 0 and (dev == dev[0]).all():
         # the usual case (no empty rows, one device): one sort, and the general path only to name a pair
@@ -96,3 +112,17 @@ def first_overlap(descs: DescList) -> tuple[int, int] | None:
             a, b = sorted((int(nonempty[i]), int(nonempty[j])))
             return a, b
     return None
+
+
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    """A read-only ``arange(n)`` (int64), made once per ``n`` for small ``n``."""
+    out = _ARANGES.get(n)
+    if out is None:
+        out = np.arange(n, dtype=np.int64)
+        out.setflags(write=False)
+        if n <= 4096 and len(_ARANGES) < 256:
+            _ARANGES[n] = out
+    return out

@@ -12,6 +12,15 @@ from .buffers import buffer_info
 from .memtype import MemType
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
+#: values below this (and >= 0) cannot overflow int64 when an addr and a length are added
+_SAFE = 1 << 62
+_UNSET: Any = object()
+#: lists of at most this many rows get small-list shortcuts (e.g. ``bounds`` from one sort)
+SMALL_LIST = 1024
+_bitwise_or = np.bitwise_or.reduce
+_I64 = np.dtype(np.int64)
+#: (rows, length, dev) -> a (3, rows) array whose length and dev rows are filled in, for ``from_columns``
+_TEMPLATES: dict[tuple[int, int, int], np.ndarray] = {}
 
 
 class DescList:
@@ -23,7 +32,18 @@ class DescList:
     lists and never copies bytes of the memory described.
     """
 
-    __slots__ = ("__weakref__", "_owners", "_rows", "keys", "mem_type")
+    __slots__ = (
+        "__weakref__",
+        "_adjacent",
+        "_block",
+        "_bounds",
+        "_device",
+        "_owners",
+        "_rows",
+        "_sorted",
+        "keys",
+        "mem_type",
+    )
 
     def __init__(
         self,
@@ -51,6 +71,7 @@ class DescList:
         self._rows = rows64
         self.keys = tuple(keys) if keys is not None else None
         self._owners = owners
+        self._block = self._device = self._bounds = self._sorted = self._adjacent = _UNSET
 
     @property
     def owners(self) -> tuple:
@@ -68,6 +89,7 @@ class DescList:
         out.mem_type = mem_type
         out.keys = keys
         out._owners = owners
+        out._block = out._device = out._bounds = out._sorted = out._adjacent = _UNSET
         return out
 
     @classmethod
@@ -82,6 +104,10 @@ class DescList:
         owners: tuple = (),
     ) -> DescList:
         """Build from separate columns; scalars broadcast. Checked as the constructor checks rows, copied once."""
+        if type(addr) is np.ndarray and type(length) is int and type(dev) is int and keys is None:
+            out = _from_address_column(addr, length, dev, mem_type, owners)
+            if out is not None:
+                return out
         cols = [np.asarray(addr), np.asarray(length), np.asarray(dev)]
         n = 1
         for col, name in zip(cols, ("addr", "length", "dev")):
@@ -178,7 +204,82 @@ class DescList:
 
     @property
     def nbytes(self) -> int:
+        b = self._block
+        if b is not _UNSET and b is not None:
+            return b * self._rows.shape[0]
         return int(self._rows[:, 1].sum())
+
+    # -- facts, computed once (the list is immutable) ---------------------------
+    @property
+    def block(self) -> int | None:
+        """The length every descriptor has, or None when they differ or the list is empty."""
+        b = self._block
+        if b is _UNSET:
+            ln = self._rows[:, 1]
+            b = None
+            if ln.shape[0]:
+                lo = int(ln.min())
+                b = lo if lo == int(ln.max()) else None
+            self._block = b
+        return b
+
+    @property
+    def device(self) -> int | None:
+        """The ``dev`` every descriptor has, or None when they differ or the list is empty."""
+        d = self._device
+        if d is _UNSET:
+            col = self._rows[:, 2]
+            d = None
+            if col.shape[0]:
+                d0 = int(col[0])
+                d = d0 if col.shape[0] == 1 or int(col.min()) == int(col.max()) == d0 else None
+            self._device = d
+        return d
+
+    @property
+    def bounds(self) -> tuple[int, int] | None:
+        """(lowest ``addr``, highest ``addr + length``) over the descriptors, or None when the list is empty."""
+        b = self._bounds
+        if b is _UNSET:
+            rows = self._rows
+            n, block, b = rows.shape[0], self.block, None
+            if n and block is not None and n <= SMALL_LIST:
+                start = self.sorted_addr
+                b = int(start[0]), int(start[n - 1]) + block
+            elif n:
+                addr = rows[:, 0]
+                end = addr + rows[:, 1] if block is None else addr
+                b = int(np.minimum.reduce(addr)), int(np.maximum.reduce(end)) + (block or 0)
+            self._bounds = b
+        return b
+
+    @property
+    def sorted_addr(self) -> np.ndarray:
+        """The ``addr`` column in increasing order (read-only)."""
+        out = self._sorted
+        if out is _UNSET:
+            out = np.sort(self._rows[:, 0])
+            out.setflags(write=False)
+            self._sorted = out
+        return out
+
+    @property
+    def adjacent(self) -> np.ndarray:
+        """``adjacent[i]``: row i+1 starts at the byte where row i ends (N-1 booleans, read-only).
+
+        Devices are not compared.
+        """
+        out = self._adjacent
+        if out is _UNSET:
+            rows = self._rows
+            addr, block = rows[:, 0], self.block
+            if block is None:
+                out = addr[1:] == addr[:-1] + rows[:-1, 1]
+            else:
+                out = (addr[1:] - addr[:-1]) == block
+            out.setflags(write=False)
+            self._adjacent = out
+        return out
 
     def __len__(self) -> int:
         return self._rows.shape[0]
@@ -246,3 +347,48 @@ def check_rows(rows: np.ndarray) -> None:
     if over.any():
         i = int(np.flatnonzero(over)[0])
         raise InvalidDescriptor("addr + length overflows int64", index=i)
+
+
+def _from_address_column(addr: np.ndarray, length: int, dev: int, mem_type: Any, owners: tuple) -> DescList | None:
+    """``from_columns`` of an int64 address column with one length and one device: a copy and one sort or reduction.
+
+    None when the general path must decide (another dtype or shape, a value that is negative or near the
+    int64 limit), so that the errors stay the general path's.
+    """
+    if addr.ndim != 1 or addr.dtype is not _I64 or not (0 <= length < _SAFE and 0 <= dev < _SAFE):
+        return None
+    n = addr.shape[0]
+    if n == 0:
+        return None
+    start = None
+    if n <= SMALL_LIST:  # one sort checks the range and gives the bounds (and the overlap check its order)
+        start = addr.copy()
+        start.sort()
+        lo, hi = start.item(0), start.item(n - 1)
+        if lo < 0 or hi >= _SAFE:
+            return None
+        key = (n, length, dev)
+        base = _TEMPLATES.get(key)
+        if base is None:
+            if len(_TEMPLATES) >= 64:
+                _TEMPLATES.clear()
+            base = _TEMPLATES[key] = np.array([np.zeros(n, np.int64), np.full(n, length), np.full(n, dev)], np.int64)
+        base = base.copy()  # (3, n): the transpose is the (n, 3) Fortran-ordered rows
+    elif int(_bitwise_or(addr)) >> 62:  # a negative value, or one >= 2**62
+        return None
+    else:
+        base = np.empty((3, n), dtype=np.int64)
+        base[1] = length
+        base[2] = dev
+    base[0] = addr
+    rows = base.T
+    rows.setflags(write=False)
+    out = DescList.__new__(DescList)
+    out._rows, out.mem_type, out.keys, out._owners = rows, MemType.parse(mem_type), None, owners
+    out._block, out._device, out._adjacent = length, dev, _UNSET
+    if start is None:
+        out._sorted = out._bounds = _UNSET
+    else:
+        start.setflags(write=False)
+        out._sorted, out._bounds = start, (lo, hi + length)
+    return out

@@ -82,25 +82,24 @@ class RegionTable:
     def lookup_one(self, descs: DescList) -> int | None:
         """The id of the one region holding every descriptor, or None (then ``lookup`` says which and where).
 
-        The usual case, a KV pool registered as one region, in two reductions.
+        The usual case, a KV pool registered as one region, from the list's own facts (``device``,
+        ``bounds``: worked out once per list) and one search.
         """
-        n = len(descs)
-        if n == 0:
+        d0 = descs.device  # None for an empty list too
+        if d0 is None:
             return None
-        addr, dev = descs.addr, descs.dev
-        d0 = int(dev[0])
         group = self._groups.get((descs.mem_type, d0))
-        if group is None or (n > 1 and not (dev == d0).all()):
+        if group is None:
             return None
         starts, ends, ids = group
-        lo, hi = int(addr.min()), int((addr + descs.length).max())
-        k = int(starts.searchsorted(lo, side="right")) - 1
+        lo, hi = descs.bounds  # type: ignore[misc]
+        k = starts.searchsorted(lo, side="right").item() - 1
         if k < 0:
             return None
-        end = int(ends[k])
+        end = ends.item(k)
         # (a region starting right at ``end`` would own an empty descriptor there: left to ``lookup``)
-        if hi < end or (hi == end and (k + 1 == starts.shape[0] or int(starts[k + 1]) > end)):
-            return int(ids[k])
+        if hi < end or (hi == end and (k + 1 == starts.shape[0] or starts.item(k + 1) > end)):
+            return ids.item(k)
         return None
 
     def lookup(self, descs: DescList, *, owner: str, backend: str | None = None) -> np.ndarray:

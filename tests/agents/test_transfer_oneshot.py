@@ -96,3 +96,54 @@ def test_a_transfer_in_flight_keeps_its_plan():
         for c in Held.posted:
             c.finish_part()
         assert x1.wait() == x2.wait() == XferState.DONE
+
+
+def test_lists_built_anew_with_the_same_rows_reuse_the_plan(pool):
+    agent, src, dst, s, d, perm, _, _ = pool
+    x1 = agent.transfer("WRITE", s, d)
+    x1.wait()
+    s2, d2 = DescList.from_columns(s.addr.copy(), B), DescList.from_columns(d.addr.copy(), B)
+    src[:] = 7
+    x2 = agent.transfer("WRITE", s2, d2)
+    assert x2.request.plan is x1.request.plan and x2.wait() == XferState.DONE
+    _expect(src, dst, perm)
+    other = DescList.from_columns(d.addr[::-1].copy(), B)  # other rows: checked and planned anew
+    assert agent.transfer("WRITE", s2, other).request.plan is not x2.request.plan
+
+
+def test_lists_that_keep_buffers_alive_are_remembered_only_as_the_same_objects():
+    with Agent("o", {"backends": {"memcpy": {}}}) as agent:
+        a, b = np.zeros(4 * B, np.uint8), np.zeros(4 * B, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        x1 = agent.transfer("WRITE", DescList.blocks(a, B), DescList.blocks(b, B))
+        x1.wait()
+        x2 = agent.transfer("WRITE", DescList.blocks(a, B), DescList.blocks(b, B))  # same rows, owners: not reused
+        assert x2.request.plan is not x1.request.plan and x2.wait() == XferState.DONE
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_rows_that_merge_move_the_caller_blocks(op):
+    """Permutations with runs that merge on both sides: the one-shot gather moves what prepare + make does."""
+    rng = np.random.default_rng(5)
+    with Agent("m", {"backends": {"memcpy": {}}}) as agent:
+        a, b = np.zeros(2 * N * B, np.uint8), np.zeros(2 * N * B, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        for k in range(20):
+            la = np.sort(rng.permutation(2 * N)[:N])  # sorted slots: many neighbours, so rows merge
+            lb = np.sort(rng.permutation(2 * N)[:N])
+            s = DescList.from_columns(a.ctypes.data + la * B, B)
+            d = DescList.from_columns(b.ctypes.data + lb * B, B)
+            a[:] = rng.integers(0, 256, a.shape[0], dtype=np.uint8)
+            b[:] = rng.integers(0, 256, b.shape[0], dtype=np.uint8)
+            want_a, want_b = a.copy(), b.copy()
+            src, dst, sl, dl = (want_a, want_b, la, lb) if op == "WRITE" else (want_b, want_a, lb, la)
+            for i in range(N):
+                dst[dl[i] * B : (dl[i] + 1) * B] = src[sl[i] * B : (sl[i] + 1) * B]
+            x = agent.transfer(op, s, d)
+            assert x.wait() == XferState.DONE
+            assert (a == want_a).all() and (b == want_b).all(), k
+            if k == 0:
+                assert x.request.caller_local is s and len(x.request.local) < N  # rows merged ...
+                assert x.request.plan.mode == "gather" and x.request.plan.block == B  # ... and gathered as blocks

@@ -22,12 +22,13 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ...descriptors import MemType, Registration
+from ...descriptors import DescList, MemType, Registration
 from ...units import size_text
 from ..base import (
     Backend,
     BackendHost,
     Completion,
+    Op,
     TransferRequest,
     finished_completion,
     run_inline,
@@ -102,6 +103,10 @@ class MemcpyBackend(Backend):
         }
 
     def plan(self, req: TransferRequest) -> MemcpyPlan:
+        if req.one_region:
+            p = self._plan_one_region(req)
+            if p is not None:
+                return p
         src, dst = req.src, req.dst
         n = len(src)
         ln = src.length
@@ -150,6 +155,36 @@ class MemcpyBackend(Backend):
         )
         p.inline = len(p.ranges) <= 1 and total <= self.params["inline_bytes"]
         p.fast = p.row if p.inline and p.mode == "row" else None
+        return p
+
+    def _plan_one_region(self, req: TransferRequest) -> MemcpyPlan | None:
+        """``plan`` of equal blocks from one region into one region: the gather, from the lists' facts.
+
+        Merged rows are gathered as the caller's blocks. None when the general ``plan`` must decide
+        (unequal or large blocks, one row, many bytes).
+        """
+        src, dst = req.src, req.dst
+        local, remote = req.caller_local, req.caller_remote
+        if local is not None and remote is not None:
+            src, dst = (local, remote) if req.op is Op.WRITE else (remote, local)
+        n, block = len(src), src.block
+        if n < 2 or not block or block > self.params["gather_max_block"]:
+            return None
+        total = n * block
+        if total > self.params["inline_bytes"]:
+            return None
+        sreg = req.registrations[int(req.src_regions[0])]
+        dreg = req.registrations[int(req.dst_regions[0])]
+        p = MemcpyPlan()
+        p.total, p.mode, p.block = total, "gather", block
+        p.src_reg, p.dst_reg = sreg, dreg
+        p.src_off = src.addr - sreg.addr
+        p.dst_off = dst.addr - dreg.addr
+        p.src_run = _is_run(src)
+        p.dst_run = _is_run(dst)
+        p.views = (sreg.array, dreg.array, self._strided(sreg, block, False), self._strided(dreg, block, True))
+        p.ranges = [(0, n)]
+        p.inline = True
         return p
 
     def _strided(self, reg: Registration, block: int, writeable: bool) -> np.ndarray:
@@ -221,3 +256,8 @@ class MemcpyBackend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _is_run(descs: DescList) -> bool:
+    """Whether the rows follow each other in order, one contiguous range (the list's ``adjacent`` facts)."""
+    return np.count_nonzero(descs.adjacent) == len(descs) - 1

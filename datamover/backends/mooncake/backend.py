@@ -19,9 +19,9 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
   chosen replica died) is asked again ``read_retries`` times; Mooncake picks a replica per get.
 
 Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
-waiting caller runs parts itself), so checksums of one part overlap the transfer of the next and a release
-stops between parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device
-memory (datamover's tier cache stages VRAM through host memory).
+waiting caller runs parts itself), spread over the threads from ``split_bytes`` a thread on, so checksums of
+one part overlap the transfer of another; a release stops between parts. VRAM is refused with the reason: the
+non-CUDA build of Mooncake cannot address device memory (datamover's tier cache stages VRAM through host memory).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ class MooncakeBackend(Backend):
         "write_mode": "replace",  # or "keep": Mooncake's put (an existing key keeps its bytes)
         "threads": 2,
         "batch_keys": 1024,
-        "split_bytes": 8 << 20,
+        # a request is spread over the threads only from this many bytes per thread on: each batched call of
+        # Mooncake's client keeps a core busy while it waits, so calls side by side pay only with cores to spare
+        "split_bytes": 32 << 20,
         # requests of at most this many bytes (in one part; 16 values of 64 KiB with their trailers) run inside
         # post(): one store call, no thread hop
         "inline_bytes": (1 << 20) + (64 << 10),

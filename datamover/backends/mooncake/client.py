@@ -46,15 +46,19 @@ DEFAULTS: dict[str, Any] = {
     # how objects move: "staged" (one buffer per object through a registered arena, verified before the
     # caller sees it), "zero_copy" (payload and trailer as two buffers of one object, from/to the caller), or
     # "auto": staged below zero_copy_bytes (where a second buffer's round trip costs more than a copy),
-    # zero-copy from there on (where a copy costs more than the round trip)
+    # zero-copy from there on (where a copy costs more than the round trip); in a call moving more than
+    # cached_copy_bytes, whose copies no longer run from the CPU's caches (several times slower), zero-copy
+    # from zero_copy_bytes_large on
     "transfer_mode": "auto",
     "zero_copy_bytes": 4 << 20,
+    "zero_copy_bytes_large": 1 << 20,
+    "cached_copy_bytes": 4 << 20,
     "staging_bytes": 64 << 20,  # the most arena bytes one call uses (and the most kept between calls)
     "read_retries": 2,  # a get that failed in transfer (a dead holder) is asked again this many times
     "connect_timeout": 3.0,  # seconds to wait for the master to accept before setup (which would wait on)
     # the transfer engine's slice (MC_SLICE_SIZE, unless the process set it): Mooncake's 64 KiB plus 4 KiB, so
-    # an object's 16-byte trailer never costs one more slice (a round trip over TCP) and a value of up to
-    # 16 x 64 KiB takes as many slices as without it; None leaves Mooncake's default
+    # an object's 16-byte trailer never costs one more RDMA slice and a value of up to 16 x 64 KiB takes as
+    # many slices as without it (TCP sends one request per buffer); None leaves Mooncake's default
     "slice_bytes": 65536 + 4096,
     "quiet": True,  # Mooncake logs errors only (MC_LOG_LEVEL=ERROR unless the process set it)
 }
@@ -130,6 +134,8 @@ class PoolClient:
         self._config = cfg
         mode = p["transfer_mode"]
         self._copy_below = {"staged": 1 << 62, "zero_copy": 0}.get(mode, int(p["zero_copy_bytes"]))
+        self._copy_below_large = min(self._copy_below, int(p["zero_copy_bytes_large"])) if mode == "auto" else None
+        self._cached_copy = int(p["cached_copy_bytes"])
         self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
         self._upsert = hasattr(self._store, "batch_upsert_from")  # Mooncake 0.3.13 on
         self._closed = False
@@ -144,13 +150,19 @@ class PoolClient:
         self._store.unregister_buffer(int(addr))
 
     def staged(self, size: int) -> bool:
-        """Whether an object of ``size`` bytes moves through the arena (else zero-copy)."""
-        return size < self._copy_below
+        """Whether an object of ``size`` bytes, alone in a call, moves through the arena (else zero-copy)."""
+        return size < self._below([size])
+
+    def _below(self, sizes: Sequence[int]) -> int:
+        """Values below this many bytes are staged in a call of ``sizes``."""
+        if self._copy_below_large is not None and sum(sizes) > self._cached_copy:
+            return self._copy_below_large
+        return self._copy_below
 
     def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int, bool]]:
         """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes, in one mode
         (staged or zero-copy): (first row, end, staged)."""
-        limit, below = int(self.params["staging_bytes"]), self._copy_below
+        limit, below = int(self.params["staging_bytes"]), self._below(sizes)
         n = len(sizes)
         if 0 < n <= BATCH_KEYS:  # the common case, one call: no walk over the rows
             staged = min(sizes) < below

@@ -327,3 +327,31 @@ def test_master_restart_misses_then_recovers(fault_master):
         buf.write(0, bytes(8192))
         read(agent, buf, reg, ["after"], 4096).wait()
         assert buf.read(0, 4096) == data
+
+
+def test_auto_mode_stages_what_stays_in_cache(agents):
+    """auto: 1 MiB values are staged in a call that stays in the CPU's caches (4 MiB, ``cached_copy_bytes``)
+    and move zero-copy in one past them; 4 MiB values always move zero-copy. The bytes round-trip either way."""
+    agent = agents["auto"]
+    client = agent.backend("mooncake").client
+    reg = agent.register_objects("it", prefix="auto/")
+    buf = HostBuffer(agent, 8 * MiB)
+    payload = random_bytes(8 * MiB, 16)
+    spy = client._store = Spy(client._store)
+    try:
+        for size, count in ((MiB, 4), (MiB, 8), (4 * MiB, 1)):
+            buf.write(0, payload)
+            keys = [f"auto/{size}/{count}/{i}" for i in range(count)]
+            dst = DescList.objects(reg, [size] * count, 0, keys=keys)
+            descs = buf.descs(np.arange(count) * size, size)
+            assert agent.transfer("WRITE", descs, dst).wait() == XferState.DONE
+            buf.write(0, bytes(8 * MiB))
+            assert agent.transfer("READ", descs, dst).wait() == XferState.DONE
+            assert buf.read(0, size * count) == payload[: size * count]
+    finally:
+        client._store = spy.store
+    assert [c[0] for c in spy.calls] == [
+        "batch_upsert_from", "batch_get_into",
+        "batch_put_from_multi_buffers", "batch_get_into_multi_buffers",
+        "batch_put_from_multi_buffers", "batch_get_into_multi_buffers",
+    ]  # fmt: skip
