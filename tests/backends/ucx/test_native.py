@@ -164,7 +164,7 @@ def test_a_target_whose_native_thread_is_held_serves_nothing_until_released():
                 progress.release()
             assert writer.call("wait_transfer", xid) == "DONE"
             after = progress.stats
-            assert after["progressed"] > before["progressed"] and after["held"] == 0
+            assert after["held"] == 0 and after["holds"] == before["holds"]
             assert mem.read(0, 16 * 4096) == b"".join(bytes([16 - j]) * 4096 for j in range(16))
         assert backend.describe()["native progress"]["progressed"] >= after["progressed"]
 
@@ -187,8 +187,9 @@ def test_a_waiter_drives_its_own_request_and_wakes_no_other_thread(target):
             assert xfer.post().wait() == XferState.DONE
         after = backend._progress.stats
         assert after["holds"] - before["holds"] == 50 and after["held"] == 0
-        # the thread did not progress for them, nor was it woken to (a release kicks it only if events pend)
-        assert after["progressed"] == before["progressed"]
+        # the thread did not progress for them, nor was it woken to (a release kicks it only if events pend); an
+        # event between two transfers (a late ack, UCX's keepalive) may still wake it now and then
+        assert after["progressed"] - before["progressed"] < 10
         assert after["wakeups"] - before["wakeups"] + after["release_kicks"] - before["release_kicks"] < 10
         assert not backend._directs
         # nobody waits: the service thread gives the request to the native thread, which finishes it
