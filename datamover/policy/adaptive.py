@@ -1,28 +1,33 @@
-"""`adaptive` (the default): run the tier with whichever of S3-FIFO and W-TinyLFU is winning on this workload.
+"""`adaptive` (the default): run the tier with whichever classic policy is winning on this workload.
 
 How it decides, for one tier of C chunks:
-1. Two shadow caches, one S3-FIFO and one W-TinyLFU, replay the tier's own references on a sample of the keys
-   (keys chosen by a hash, a fixed share of them; each shadow holds that share of C, and at least 256 chunks
-   when C allows: spatially sampled miniature simulation, Waldspurger et al., ATC'17). Shadows hold keys only,
-   no data.
-2. Each shadow's hits are counted with exponential forgetting over the last 10 x (its size, at least 256)
-   sampled references, so the count says which policy is winning now, not over all time.
-3. The tier runs one of the two for real (S3-FIFO first). Every quarter of that horizon it compares the
-   counts; when the other policy's count is higher by more than two standard deviations of the difference
-   (2 x sqrt(sum), counting hits as Poisson), the tier switches to it: the new policy takes over the resident
-   chunks in their recency order, and nothing is moved. A switch costs the state the old policy had learnt,
-   so it happens only on clear evidence.
+1. Five shadow caches, one per expert (S3-FIFO, W-TinyLFU, ARC, LRU, LFU-DA), replay the tier's own references
+   on a sample of the keys (keys chosen by a hash; each shadow holds that share of C: at least 256 chunks when C
+   allows and at least 1/8 of the keys: spatially sampled miniature simulation, Waldspurger et al., ATC'17).
+   Shadows hold keys only, no data.
+2. The shadows see the same references, so their hits are strongly correlated; the evidence is therefore paired
+   (McNemar's test): for each pair of experts it counts the sampled references where one hit and the other
+   missed, with exponential forgetting over the last 10 x (shadow size, at least 256) sampled references, so the
+   counts say which policy is winning now, not over all time.
+3. The tier runs one expert for real (S3-FIFO first). Sixteen times per horizon it compares: a challenger that
+   won `up` of the references split with the leader, and lost `down`, leads by more than three standard
+   deviations when up - down > 3 x sqrt(up + down) (with no real difference each split is a coin toss); the
+   challenger furthest ahead takes over. It takes over the resident chunks in their recency order with their
+   use counts from the cache's frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its protected
+   segment, LFU-DA and S3-FIFO start from the counts), so it does not start cold, and nothing is moved.
 4. Prefixes: the engine hands each request's chunks to the policy leaf first (the request's first chunk ends
    most recent), and tells it each chunk's parent. When the leading policy picks a victim that still has
    children in the tier, the victim is handed back (as just used) and the policy picks again (up to 8
    times, then a leaf below the victim goes instead), so leaves go first, as in a radix tree: a chunk whose
    parent is gone can never be part of a usable prefix.
 
-Why these two: across the generated workload family, S3-FIFO (quick demotion of one-time chunks, a ghost queue
-for ones that come back) is the best classic policy at most sizes, and W-TinyLFU (frequency-sketch admission)
-where a small cache must hold a few very popular prefixes. The constants are the published ones (sample size
-from miniature simulation, the 10 x C horizon of TinyLFU's sketch) or statistical conventions (two standard
-deviations, a check every quarter horizon), none fitted to a trace.
+Why these five: they are the project's classic baselines (LeCaR, itself a mix of LRU and LFU, aside), and each
+is the best of them somewhere: S3-FIFO and W-TinyLFU at small sizes (quick demotion of one-time chunks;
+frequency-sketch admission of a few very popular prefixes), ARC, LRU and LFU-DA at large ones, where recency
+and long-run frequency win. The constants are published ones (sample size from miniature simulation, the
+10 x C horizon of TinyLFU's sketch), statistical conventions (a paired test, three standard deviations for
+many looks at five experts) or costs (shadows at 1/8 of the keys cost about 5/8 of the tier's own work), none
+fitted to a trace.
 """
 
 from __future__ import annotations
@@ -31,14 +36,20 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Container
 
+from .arc import ARCTier
 from .base import Key, Policy, PolicySettings, TierPolicy
+from .lfu import LFUTier
+from .lru import LRUTier
 from .s3fifo import S3FIFOTier
 from .tinylfu import SAMPLE_FACTOR, FrequencySketch, WTinyLFUTier
 
 SHADOW_MIN = 256  # chunks a shadow holds at least (when the tier holds that many)
+SHADOW_SHARE = 0.125  # share of the keys each shadow samples at least: five shadows cost about 5/8 of the tier
 LEAF_TRIES = 8  # victims with children handed back before one is taken anyway
 LEAF_DEPTH = 4096  # longest walk down to a leaf (a 2M-token prompt in 512-token chunks)
-SIGMAS = 2.0  # a challenger must lead by two standard deviations of the difference of (Poisson) hit counts
+SIGMAS = 3.0  # the paired lead must exceed three standard deviations (five experts, many looks)
+CHECKS = 16  # comparisons per horizon
+EXPERTS = ("s3fifo", "wtinylfu", "arc", "lru", "lfu")
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
@@ -46,45 +57,54 @@ _GOLDEN = 0x9E3779B97F4A7C15
 class Shadow:
     """A key-only single-tier cache under one tier policy, fed a sample of the references."""
 
-    def __init__(self, order: TierPolicy, capacity: int, horizon: float) -> None:
+    def __init__(self, order: TierPolicy, capacity: int) -> None:
         self.order = order
         self.capacity = capacity
         self.resident: set[Key] = set()
-        self.score = 0.0
-        self.keep = 1.0 - 1.0 / horizon
 
-    def ref(self, key: Key, now: float) -> None:
-        self.score *= self.keep
+    def ref(self, key: Key, now: float) -> bool:
+        """One sampled reference; whether it hit."""
         if key in self.resident:
-            self.score += 1.0
             self.order.touch(key, now)
-            return
+            return True
         if len(self.resident) >= self.capacity:
             if not self.order.admit(key, now):
-                return
+                return False
             for victim in self.order.evict(len(self.resident) + 1 - self.capacity, now):
                 self.resident.discard(victim)
         self.resident.add(key)
         self.order.insert(key, now)
+        return False
 
 
 class AdaptiveTier(TierPolicy):
     """One tier run by the leading expert; the experts' shadows pick the leader."""
 
     def __init__(
-        self, capacity: int, experts: list[Callable[[int], TierPolicy]], parents: dict[Key, Key] | None = None
+        self,
+        capacity: int,
+        experts: list[Callable[[int], TierPolicy]],
+        parents: dict[Key, Key] | None = None,
+        sketch: FrequencySketch | None = None,
     ) -> None:
         super().__init__(capacity)
+        self.sketch = sketch
         self.parents = parents if parents is not None else {}
         self._up: dict[Key, Key] = {}  # resident chunk -> its parent (when known)
         self.children: dict[Key, set[Key]] = {}  # chunk -> its resident children in this tier
         self.experts = experts
-        rate = min(1.0, SHADOW_MIN / capacity) if capacity > 0 else 1.0
+        rate = min(1.0, max(SHADOW_MIN / capacity, SHADOW_SHARE)) if capacity > 0 else 1.0
         self.threshold = int(rate * (1 << 64))
         size = max(1, round(capacity * rate))
         horizon = float(SAMPLE_FACTOR * max(size, SHADOW_MIN))
-        self.shadows = [Shadow(make(size), size, horizon) for make in experts]
-        self.check_every = max(1, int(horizon / 4))
+        self.shadows = [Shadow(make(size), size) for make in experts]
+        n = len(experts)
+        # wins[i][j]: sampled references where expert i's shadow hit and j's missed, faded over `horizon`
+        # (kept in units of `_unit`, which grows by 1/keep each sampled reference instead of fading them all)
+        self.wins = [[0.0] * n for _ in range(n)]
+        self._keep = 1.0 - 1.0 / horizon
+        self._unit = 1.0
+        self.check_every = max(1, int(horizon / CHECKS))
         self._until_check = self.check_every
         self.leader = 0
         self.switches = 0
@@ -94,23 +114,47 @@ class AdaptiveTier(TierPolicy):
     def _sample(self, key: Key, now: float) -> None:
         if (hash(key) * _GOLDEN) & _MASK >= self.threshold:
             return
-        for shadow in self.shadows:
-            shadow.ref(key, now)
+        hit = [shadow.ref(key, now) for shadow in self.shadows]
+        unit = self._unit = self._unit / self._keep
+        if any(hit) and not all(hit):
+            wins = self.wins
+            for i, h in enumerate(hit):
+                if h:
+                    row = wins[i]
+                    for j, g in enumerate(hit):
+                        if not g:
+                            row[j] += unit
+        if unit > 1e150:
+            self._unit = 1.0
+            self.wins = [[x / unit for x in row] for row in self.wins]
         self._until_check -= 1
         if self._until_check <= 0:
             self._until_check = self.check_every
-            scores = [s.score for s in self.shadows]
-            best = max(range(len(scores)), key=scores.__getitem__)
-            lead = scores[self.leader]
-            if best != self.leader and scores[best] - lead > SIGMAS * math.sqrt(scores[best] + lead):
-                self._switch(best)
+            self._check()
+
+    def _check(self) -> None:
+        """Switch to the challenger whose paired lead over the leader is the most standard deviations, if that
+        is more than SIGMAS: of the sampled references where exactly one of the two hit (faded), the challenger
+        hit `up` and the leader `down`; with no real difference each is a coin toss, sd sqrt(up + down)."""
+        lead, wins = self.leader, self.wins
+        best, best_z = lead, SIGMAS
+        for i in range(len(wins)):
+            if i == lead:
+                continue
+            up, down = wins[i][lead] / self._unit, wins[lead][i] / self._unit
+            if up > down and (up - down) > best_z * math.sqrt(up + down):
+                best, best_z = i, (up - down) / math.sqrt(up + down)
+        if best != lead:
+            self._switch(best)
 
     def _switch(self, expert: int) -> None:
-        """Hand the resident chunks, oldest first, to a fresh instance of `expert`."""
+        """Hand the resident chunks, oldest first, to a fresh instance of `expert`, with their use counts from
+        the cache's frequency sketch (so the new policy does not start cold)."""
         self.leader = expert
         self.switches += 1
         self.real = self.experts[expert](self.capacity)
-        self.real.adopt(list(self.recency))  # type: ignore[attr-defined]
+        counts = self.sketch.counts if self.sketch is not None else {}
+        self.real.adopt(list(self.recency), counts)  # type: ignore[attr-defined]
 
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
         return self.real.admit(key, now, ref)
@@ -153,12 +197,13 @@ class AdaptiveTier(TierPolicy):
         first, as a radix tree does)."""
         out: list[Key] = []
         real, children = self.real, self.children
+        restore = getattr(real, "restore", real.insert)
         while len(out) < count:
             got = real.evict(1, now, pinned)
             for _ in range(LEAF_TRIES):
                 if not got or got[0] not in children:
                     break
-                real.insert(got[0], now)
+                restore(got[0], now)
                 got = real.evict(1, now, pinned)
             if not got:
                 break
@@ -166,7 +211,7 @@ class AdaptiveTier(TierPolicy):
             if key in children:  # still a parent: a leaf below it goes instead
                 leaf = self._leaf_under(key, pinned)
                 if leaf is not None and leaf not in out:
-                    real.insert(key, now)
+                    restore(key, now)
                     real.remove(leaf)
                     key = leaf
             self._gone(key)
@@ -201,7 +246,14 @@ class AdaptivePolicy(Policy):
         self.chunks += capacity
         self.sketch.period = max(64, SAMPLE_FACTOR * self.chunks)
         sketch = self.sketch
-        return AdaptiveTier(capacity, [S3FIFOTier, lambda c: WTinyLFUTier(c, sketch)], self.parents)
+        make: dict[str, Callable[[int], TierPolicy]] = {
+            "s3fifo": S3FIFOTier,
+            "wtinylfu": lambda c: WTinyLFUTier(c, sketch),
+            "arc": ARCTier,
+            "lru": LRUTier,
+            "lfu": LFUTier,
+        }
+        return AdaptiveTier(capacity, [make[name] for name in EXPERTS], self.parents, sketch)
 
     def link(self, key: Key, parent: Key | None) -> None:
         if parent is None:

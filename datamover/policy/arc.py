@@ -9,7 +9,7 @@ above `p` (or at `p` when the incoming key was in B2), else T2's. Ghost hits ent
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
 
@@ -84,6 +84,21 @@ class ARCTier(TierPolicy):
             del self.t1[key]
         else:
             del self.t2[key]
+
+    def restore(self, key: Key, now: float) -> None:
+        """Take back the chunk `evict` just gave up, as just used, without its ghost entry moving `p`."""
+        if self.b1.pop(key, 0) is None:
+            self.t1[key] = None
+        else:
+            self.b2.pop(key, None)
+            self.t2[key] = None
+
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first (a policy switch): those the counts say were used at least
+        twice into T2, the rest into T1."""
+        counts = counts or {}
+        for key in keys:
+            (self.t2 if counts.get(key, 0) >= 2 else self.t1)[key] = None
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)

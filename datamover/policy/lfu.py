@@ -8,7 +8,7 @@ chunks that were popular once give way to new ones without a decay constant to t
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -65,6 +65,13 @@ class LFUTier(TierPolicy):
         for entry in held:
             heapq.heappush(heap, entry)
         return out
+
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first (a policy switch), each with its use count from `counts`
+        (at least 1; ties leave oldest first)."""
+        counts = counts or {}
+        for key in keys:
+            self._push(key, max(1, counts.get(key, 1)))
 
     def __len__(self) -> int:
         return len(self._entry)

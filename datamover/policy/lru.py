@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -34,6 +34,11 @@ class LRUTier(TierPolicy):
         for key in out:
             del self._order[key]
         return out
+
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first (a policy switch); use counts do not matter to LRU."""
+        for key in keys:
+            self._order[key] = None
 
     def __len__(self) -> int:
         return len(self._order)

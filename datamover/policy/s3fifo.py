@@ -10,7 +10,7 @@ from while it holds at least its share, M otherwise. G remembers as many keys as
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -104,11 +104,13 @@ class S3FIFOTier(TierPolicy):
             out.append(key)
         return out
 
-    def adopt(self, keys: list[Key]) -> None:
-        """Take over resident chunks, oldest first, into the main queue (a policy switch)."""
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first, into the main queue (a policy switch), each with the uses
+        beyond its first that `counts` gives (at most 3)."""
+        counts = counts or {}
         for key in keys:
             self.main[key] = None
-            self.freq[key] = 0
+            self.freq[key] = min(MAX_FREQ, max(0, counts.get(key, 0) - 1))
 
     def __len__(self) -> int:
         return len(self.freq)

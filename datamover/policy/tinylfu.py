@@ -12,7 +12,7 @@ The frequency sketch is TinyLFU's aged counter: each reference adds one (capped 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
 
@@ -94,9 +94,9 @@ class WTinyLFUTier(TierPolicy):
                 return
 
     def _main_victim(self, pinned: Container[Key]) -> tuple[Key | None, OrderedDict]:
-        key = first_unpinned(self.probation, pinned)
-        if key is not None:
-            return key, self.probation
+        for key in self.probation:
+            if key not in pinned:
+                return key, self.probation
         return first_unpinned(self.protected, pinned), self.protected
 
     def _rejected(self, key: Key) -> None:
@@ -107,15 +107,21 @@ class WTinyLFUTier(TierPolicy):
 
     def _one(self, pinned: Container[Key]) -> Key | None:
         """Free one slot for the chunk about to enter the window."""
-        if len(self.window) >= self.window_size:
-            candidate = first_unpinned(self.window, pinned)
+        window = self.window
+        if len(window) >= self.window_size:
+            candidate = None
+            for key in window:  # the oldest unpinned window chunk
+                if key not in pinned:
+                    candidate = key
+                    break
             if candidate is not None:
                 victim, segment = self._main_victim(pinned)
-                del self.window[candidate]
+                del window[candidate]
                 if victim is None:
                     self._rejected(candidate)
                     return candidate
-                if self.sketch.estimate(candidate) > self.sketch.estimate(victim):
+                counts = self.sketch.counts
+                if counts.get(candidate, 0) > counts.get(victim, 0):
                     del segment[victim]
                     self.probation[candidate] = None
                     self._evicted_from_main(victim)
@@ -124,7 +130,7 @@ class WTinyLFUTier(TierPolicy):
                 return candidate
         victim, segment = self._main_victim(pinned)
         if victim is None:
-            victim, segment = first_unpinned(self.window, pinned), self.window
+            victim, segment = first_unpinned(window, pinned), window
             if victim is None:
                 return None
             del segment[victim]
@@ -135,6 +141,9 @@ class WTinyLFUTier(TierPolicy):
         return victim
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        if count == 1:
+            key = self._one(pinned)
+            return [] if key is None else [key]
         out: list[Key] = []
         while len(out) < count:
             key = self._one(pinned)
@@ -143,11 +152,23 @@ class WTinyLFUTier(TierPolicy):
             out.append(key)
         return out
 
-    def adopt(self, keys: list[Key]) -> None:
-        """Take over resident chunks, oldest first: the newest into the window, the rest into probation."""
+    def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
+        """Take over resident chunks, oldest first (a policy switch): the newest into the window; of the rest,
+        the most recent that `counts` says were used at least twice into protected, the others into probation."""
+        counts = self.sketch.counts if counts is None else counts
         cut = max(0, len(keys) - self.window_size)
+        room = self.protected_size
+        protected: list[Key] = []
+        for key in reversed(keys[:cut]):
+            if room and counts.get(key, 0) >= 2:
+                protected.append(key)
+                room -= 1
+        chosen = set(protected)
         for key in keys[:cut]:
-            self.probation[key] = None
+            if key not in chosen:
+                self.probation[key] = None
+        for key in reversed(protected):
+            self.protected[key] = None
         for key in keys[cut:]:
             self.window[key] = None
 

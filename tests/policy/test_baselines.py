@@ -9,6 +9,7 @@ from datamover.policy.arc import ARCTier
 from datamover.policy.engine import TierSpec, TierStack
 from datamover.policy.lecar import LeCaRTier
 from datamover.policy.lfu import LFUTier
+from datamover.policy.lru import LRUTier
 from datamover.policy.policies import BASELINES, make_policy, policy_names
 from datamover.policy.s3fifo import S3FIFOTier
 from datamover.policy.tinylfu import FrequencySketch, WTinyLFUTier
@@ -137,24 +138,83 @@ def test_lecar_penalises_the_expert_that_evicted_a_returning_key():
     assert t.admit("c", 6.0) and t.w_lru > w  # LFU was wrong about c
 
 
-def test_adaptive_switches_only_on_clear_evidence_and_keeps_the_chunks():
+def test_adaptive_switches_on_a_paired_lead_and_hands_over_warm():
+    """The evidence is McNemar's: a challenger must win more than SIGMAS x sqrt(split) of the references it
+    split with the leader (one hit, the other missed); references both hit say nothing, however many."""
     policy = make_policy("default")
     tier = policy.tier(64)  # small: every key is sampled
     stack = TierStack(policy, [TierSpec("l1_hbm", 64)])
     stack.orders[0] = tier
     for i in range(64):
         stack.access(i, float(i), i)
+    for i in (3, 3, 5):  # chunks 3 and 5 used again: their counts in the sketch go up
+        stack.access(i, 64.0, 64)
     assert isinstance(tier.real, S3FIFOTier) and tier.leader == 0
-    s3, tiny = tier.shadows
-    s3.score, tiny.score, tier._until_check = 1000.0, 1050.0, 1  # 50 ahead: less than 2 sqrt(2050) = 90.6
-    stack.access(0, 64.0, 64)
+    assert [type(s.order) for s in tier.shadows] == [S3FIFOTier, WTinyLFUTier, ARCTier, LRUTier, LFUTier]
+    assert not any(map(any, tier.wins))  # every shadow holds all 64: no reference was split
+
+    def compare(up: float, down: float, expert: int = 2) -> None:
+        tier.wins = [[0.0] * 5 for _ in range(5)]
+        tier.wins[expert][tier.leader], tier.wins[tier.leader][expert] = up, down
+        tier._unit, tier._until_check = 1.0, 1
+        stack.access(0, 70.0, 70)  # a hit in every shadow: the split counts stay as set (then fade a little)
+
+    compare(1025.0, 1000.0)  # 25 ahead on 2025 splits: under 3 sqrt(2025) = 135
     assert tier.leader == 0 and tier.switches == 0
-    s3.score, tiny.score, tier._until_check = 1000.0, 1100.0, 1  # 100 ahead: clear
-    stack.access(1, 65.0, 65)
-    assert tier.leader == 1 and isinstance(tier.real, WTinyLFUTier) and tier.switches == 1
+    compare(55.0, 30.0)  # 25 ahead on 85: under 3 sqrt(85) = 27.7
+    assert tier.leader == 0
+    compare(40.0, 15.0)  # 25 ahead on 55: over 3 sqrt(55) = 22.2
+    assert tier.leader == 2 and isinstance(tier.real, ARCTier) and tier.switches == 1
     assert set(tier.recency) == stack.resident[0] == set(range(64)) and len(tier.real) == 64
-    stack.access(999, 66.0, 66)  # the new policy runs the tier: one chunk out, the newcomer in
-    assert len(stack.resident[0]) == 64 and 999 in tier.real.window
+    assert set(tier.real.t2) == {0, 3, 5}  # warm: the chunks the sketch saw twice or more start in T2
+    compare(400.0, 0.0, expert=3)  # LRU far ahead of ARC, now the leader
+    assert tier.leader == 3 and isinstance(tier.real, LRUTier) and len(tier.real) == 64
+    stack.access(999, 80.0, 80)  # the new policy runs the tier: one chunk out, the newcomer in
+    assert len(stack.resident[0]) == 64 and 999 in stack.resident[0]
+
+
+def test_the_paired_counts_take_only_the_references_the_shadows_split():
+    tier = make_policy("default").tier(1)
+    for key in (1, 2, 1, 2):  # 1-chunk shadows: every one misses every reference, nothing is split
+        tier._sample(key, 0.0)
+    assert not any(map(any, tier.wins))
+    s3 = tier.shadows[0]
+    s3.resident, s3.order = {7}, S3FIFOTier(1)
+    s3.order.insert(7, 0.0)  # only S3-FIFO's shadow holds 7
+    tier._sample(7, 1.0)
+    assert [w > 0 for w in tier.wins[0]] == [False, True, True, True, True]
+    assert not any(map(any, tier.wins[1:]))
+
+
+def test_a_policy_switch_hands_each_expert_the_use_counts():
+    counts = {2: 3, 4: 2}
+    arc = ARCTier(8)
+    arc.adopt([1, 2, 3, 4], counts)
+    assert list(arc.t1) == [1, 3] and list(arc.t2) == [2, 4]
+    lfu = LFUTier(8)
+    lfu.adopt([1, 2, 3, 4], counts)
+    assert [lfu.priority(k) for k in (1, 2, 3, 4)] == [1, 3, 1, 2] and lfu.evict(2, 0.0) == [1, 3]
+    s3 = S3FIFOTier(8)
+    s3.adopt([1, 2, 3, 4], counts)
+    assert list(s3.main) == [1, 2, 3, 4] and s3.freq == {1: 0, 2: 2, 3: 0, 4: 1}
+    lru = LRUTier(8)
+    lru.adopt([1, 2, 3, 4], counts)
+    assert lru.evict(1, 0.0) == [1]
+    tiny = WTinyLFUTier(100, FrequencySketch())  # window 1, protected 79
+    tiny.adopt(list(range(10)), {0: 2, 5: 4, 9: 2})
+    assert list(tiny.window) == [9] and list(tiny.protected) == [0, 5]
+    assert list(tiny.probation) == [1, 2, 3, 4, 6, 7, 8]
+
+
+def test_arc_takes_back_a_handed_back_victim_without_a_ghost_hit():
+    """The default's leaf guard hands a victim that still has children back to the policy: for ARC that is
+    not a ghost hit (p stays), the chunk returns to its list and leaves its ghost list."""
+    arc = ARCTier(2)
+    for key in ("a", "b"):
+        arc.insert(key, 0.0)
+    assert arc.evict(1, 1.0) == ["a"] and "a" in arc.b1
+    arc.restore("a", 1.0)
+    assert arc.p == 0.0 and "a" not in arc.b1 and list(arc.t1) == ["b", "a"]
 
 
 @pytest.mark.parametrize("name", ["default", *BASELINES, "scored"])

@@ -138,6 +138,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # how long that thread keeps polling after work before it sleeps on the event fd again (spin_us is the
         # Python service thread's); spinning takes a core from the peer and the caller where cores are few
         "progress_spin_us": 0,
+        # a waiter driving its request polls UCX this long without progress before it sleeps on UCX's event fd
+        "drive_spin_us": 50,
         "connect_timeout_s": 5.0,
         # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
         "max_inbound": 1024,

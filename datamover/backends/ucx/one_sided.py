@@ -81,6 +81,7 @@ class OneSided:
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
+        spin = float(self.b.params["drive_spin_us"]) * 1e-6
         direct.driven = True
         self.b._drivers.add(direct)
         native = not isinstance(direct.flush, rma.Flush)
@@ -95,7 +96,7 @@ class OneSided:
                 if native:
                     if self.b._worker is worker:
                         # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
-                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01))
+                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin)
                 else:
                     while self.b._worker is worker and worker.progress_once():
                         pass

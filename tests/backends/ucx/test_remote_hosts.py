@@ -231,4 +231,3 @@ def test_targets_on_either_host_are_served_by_their_native_progress_thread(test_
             progress.release()
         assert peer.call("wait_transfer", xid) == "DONE"
         assert mine.read(0, n * bs) == peer.call("read", theirs, 0, n * bs)
-        assert progress.stats["progressed"] > held
