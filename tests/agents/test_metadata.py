@@ -120,7 +120,7 @@ def test_mistyped_field_raises(agent, field, value):
         assert meta.backends == value == {}
     elif field == "regions":
         assert value == [] and meta.regions == ()
-    else:
+    elif not (type(value) is int and value == SCHEMA_VERSION):  # hypothesis may draw the one valid schema
         pytest.fail(f"schema {value!r} was accepted")
 
 
