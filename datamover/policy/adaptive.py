@@ -64,16 +64,17 @@ class Shadow:
 
     def ref(self, key: Key, now: float) -> bool:
         """One sampled reference; whether it hit."""
-        if key in self.resident:
-            self.order.touch(key, now)
+        resident, order = self.resident, self.order
+        if key in resident:
+            order.touch(key, now)
             return True
-        if len(self.resident) >= self.capacity:
-            if not self.order.admit(key, now):
+        if len(resident) >= self.capacity:
+            if not order.admit(key, now):
                 return False
-            for victim in self.order.evict(len(self.resident) + 1 - self.capacity, now):
-                self.resident.discard(victim)
-        self.resident.add(key)
-        self.order.insert(key, now)
+            for victim in order.evict(len(resident) + 1 - self.capacity, now):
+                resident.discard(victim)
+        resident.add(key)
+        order.insert(key, now)
         return False
 
 
@@ -98,6 +99,7 @@ class AdaptiveTier(TierPolicy):
         size = max(1, round(capacity * rate))
         horizon = float(SAMPLE_FACTOR * max(size, SHADOW_MIN))
         self.shadows = [Shadow(make(size), size) for make in experts]
+        self._refs = [shadow.ref for shadow in self.shadows]
         n = len(experts)
         # wins[i][j]: sampled references where expert i's shadow hit and j's missed, faded over `horizon`
         # (kept in units of `_unit`, which grows by 1/keep each sampled reference instead of fading them all)
@@ -114,9 +116,9 @@ class AdaptiveTier(TierPolicy):
     def _sample(self, key: Key, now: float) -> None:
         if (hash(key) * _GOLDEN) & _MASK >= self.threshold:
             return
-        hit = [shadow.ref(key, now) for shadow in self.shadows]
+        hit = [ref(key, now) for ref in self._refs]
         unit = self._unit = self._unit / self._keep
-        if any(hit) and not all(hit):
+        if 0 < sum(hit) < len(hit):
             wins = self.wins
             for i, h in enumerate(hit):
                 if h:

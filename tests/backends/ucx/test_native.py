@@ -187,8 +187,9 @@ def test_a_waiter_drives_its_own_request_and_wakes_no_other_thread(target):
             assert xfer.post().wait() == XferState.DONE
         after = backend._progress.stats
         assert after["holds"] - before["holds"] == 50 and after["held"] == 0
-        # the thread did not progress for them, nor was it woken to (a release kicks it only if events pend)
-        assert after["progressed"] == before["progressed"]
+        # the thread did not progress for them, nor was it woken to (a release kicks it only if events pend); an
+        # event between two transfers (a late ack, UCX's keepalive) may still wake it now and then
+        assert after["progressed"] - before["progressed"] < 10
         assert after["wakeups"] - before["wakeups"] + after["release_kicks"] - before["release_kicks"] < 10
         assert not backend._directs
         # nobody waits: the service thread gives the request to the native thread, which finishes it
