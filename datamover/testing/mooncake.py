@@ -101,6 +101,7 @@ class MooncakeMaster:
         self._proc: subprocess.Popen | None = None
         self._log: Any = None
         self.starts = 0
+        self._started = False
 
     @property
     def master_addr(self) -> str:
@@ -125,6 +126,20 @@ class MooncakeMaster:
         return {"master_server_addr": self.master_addr, "metadata_server": self.metadata_url, **params}
 
     def start(self) -> MooncakeMaster:
+        """Start the master and wait until it answers. Before its first start succeeded no client knows its
+        ports, so a master that exits at once (another process took a free port between ``free_port`` and
+        its bind) is started again on fresh ports, up to 3 times; a restart keeps its ports."""
+        for attempt in range(3):
+            try:
+                return self._start()
+            except RuntimeError:
+                if self._started or attempt == 2:
+                    raise
+                self.rpc_port, self.metrics_port = free_port(), free_port()
+                self.http_port = free_port() if self.metadata == "http" else None
+        raise AssertionError("unreachable")
+
+    def _start(self) -> MooncakeMaster:
         binary = master_binary()
         if binary is None:
             raise FileNotFoundError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
@@ -152,6 +167,7 @@ class MooncakeMaster:
                 self.stop()
                 raise TimeoutError(f"mooncake_master did not answer within {self.startup_timeout:g} s")
             time.sleep(0.02)
+        self._started = True
         return self
 
     def _ready(self) -> bool:

@@ -355,3 +355,23 @@ def test_auto_mode_stages_what_stays_in_cache(agents):
         "batch_put_from_multi_buffers", "batch_get_into_multi_buffers",
         "batch_put_from_multi_buffers", "batch_get_into_multi_buffers",
     ]  # fmt: skip
+
+
+def test_master_takes_fresh_ports_when_one_was_taken(master):
+    """A free port another process takes before the master binds it (the race of ``free_port``) costs a second
+    start on fresh ports, not a failed test; a restart keeps the ports clients know."""
+    import socket
+
+    with socket.socket() as squatter:
+        m = MooncakeMaster()
+        squatter.bind(("127.0.0.1", m.http_port))
+        squatter.listen()
+        taken = m.http_port
+        try:
+            m.start()
+            assert m.starts == 2 and m.http_port != taken
+            ports = (m.rpc_port, m.http_port, m.metrics_port)
+            m.restart()
+            assert (m.rpc_port, m.http_port, m.metrics_port) == ports
+        finally:
+            m.close()
