@@ -189,7 +189,9 @@ class MooncakeBackend(Backend):
             rows = sizes[a:z]
             calls[a] = (keys[a:z], addrs[a:z], rows, self.client.groups(rows))
         whole = obj.addr == 0
-        return MooncakePlan(keys, addrs, sizes, obj.addr.tolist(), whole.tolist(), parts, inline, bool(whole.all()), calls)
+        return MooncakePlan(
+            keys, addrs, sizes, obj.addr.tolist(), whole.tolist(), parts, inline, bool(whole.all()), calls
+        )
 
     # -- execution -----------------------------------------------------------
     def post(self, req: TransferRequest) -> Completion:

@@ -207,7 +207,9 @@ class PoolClient:
             out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace)
         return out
 
-    def _put_group(self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool) -> list[int]:
+    def _put_group(
+        self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
+    ) -> list[int]:
         upsert = replace and staged and self._upsert
         if replace and not upsert:
             self._store.batch_remove(keys, True)
