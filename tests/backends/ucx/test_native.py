@@ -188,7 +188,7 @@ def test_a_waiter_drives_its_own_request_and_wakes_no_other_thread(target):
         progress = backend._progress
         before = progress.stats
         for _ in range(50):
-            assert xfer.post().wait(timeout=60) == XferState.DONE
+            assert xfer.post().wait() == XferState.DONE
         after = progress.stats
         assert after["holds"] - before["holds"] == 50 and after["held"] == 0  # each request held the thread off
         # the waiter alone drives it: with the thread held off the worker by the test as well (asleep on the
@@ -200,7 +200,7 @@ def test_a_waiter_drives_its_own_request_and_wakes_no_other_thread(target):
             held_and_idle(progress, backend._worker)
             before = progress.stats
             for _ in range(50):
-                assert xfer.post().wait(timeout=60) == XferState.DONE
+                assert xfer.post().wait() == XferState.DONE
             after = progress.stats
         finally:
             progress.release()
