@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import errno as errno_mod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -52,7 +52,8 @@ from .client import DEFAULTS, PoolClient, store_import_error
 @dataclass
 class MooncakePlan:
     """One request per row: the pool key, the memory address, the length and object offset, whether the row is
-    a whole object; and the ``parts`` (row ranges) the work is cut into."""
+    a whole object; the ``parts`` (row ranges) the work is cut into, and for each part its rows' keys,
+    addresses and sizes with the client's call groups (what a post hands the client, made once)."""
 
     keys: list[str]
     addrs: list[int]
@@ -62,6 +63,7 @@ class MooncakePlan:
     parts: list[tuple[int, int]]
     inline: bool = False
     all_whole: bool = True
+    calls: dict[int, tuple[list[str], list[int], list[int], list[tuple[int, int, bool]]]] = field(default_factory=dict)
 
 
 class MooncakeBackend(Backend):
@@ -93,6 +95,7 @@ class MooncakeBackend(Backend):
             self.client = PoolClient({k: p[k] for k in DEFAULTS})
         except ValueError as exc:
             raise InvalidParameter(str(exc), backend=self.name) from exc
+        self._replace = p["write_mode"] == "replace"
         self._pool = ThreadPoolExecutor(max(1, int(p["threads"])), thread_name_prefix="dm-mooncake")
 
     @classmethod
@@ -180,15 +183,14 @@ class MooncakeBackend(Backend):
         for a, z in ranges:
             parts += _cut(lengths[a:z], a, step_keys, step_bytes)
         inline = len(parts) == 1 and int(lengths.sum()) <= int(self.params["inline_bytes"])
+        keys, addrs, sizes = names.tolist(), req.local.addr.tolist(), obj.length.tolist()
+        calls = {}
+        for a, z in parts:
+            rows = sizes[a:z]
+            calls[a] = (keys[a:z], addrs[a:z], rows, self.client.groups(rows))
+        whole = obj.addr == 0
         return MooncakePlan(
-            names.tolist(),
-            req.local.addr.tolist(),
-            obj.length.tolist(),
-            obj.addr.tolist(),
-            (obj.addr == 0).tolist(),
-            parts,
-            inline,
-            bool((obj.addr == 0).all()),
+            keys, addrs, sizes, obj.addr.tolist(), whole.tolist(), parts, inline, bool(whole.all()), calls
         )
 
     # -- execution -----------------------------------------------------------
@@ -217,20 +219,21 @@ class MooncakeBackend(Backend):
         return run_parts(self._pool, p.parts, part, backend=self.name)
 
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
-        p: MooncakePlan = req.plan
-        st = self.client.put(p.keys[a:z], p.addrs[a:z], p.sizes[a:z], self.params["write_mode"] == "replace")
-        if st.any():
-            bad = np.flatnonzero(st != 0)
-            row = a + int(bad[0])
-            raise self._error(req, row, int(st[bad[0]]), "put", failed=int(bad.size), of=z - a)
+        keys, addrs, sizes, groups = req.plan.calls[a]
+        st = self.client.put(keys, addrs, sizes, self._replace, groups)
+        if any(st):
+            bad = [i for i, v in enumerate(st) if v]
+            raise self._error(req, a + bad[0], st[bad[0]], "put", failed=len(bad), of=z - a)
 
     def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         p: MooncakePlan = req.plan
         keys, addrs, sizes, offsets = p.keys, p.addrs, p.sizes, p.offsets
         if p.all_whole:
-            st = self.client.get(keys[a:z], addrs[a:z], sizes[a:z])
-            if not st.any():
+            k, ad, sz, groups = p.calls[a]
+            got = self.client.get(k, ad, sz, groups)
+            if not any(got):
                 return
+            st = np.asarray(got, dtype=np.int64)
         else:
             whole = [i for i in range(a, z) if p.whole[i]]
             st = np.zeros(z - a, dtype=np.int64)

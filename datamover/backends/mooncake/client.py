@@ -159,9 +159,10 @@ class PoolClient:
             return self._copy_below_large
         return self._copy_below
 
-    def _groups(self, sizes: Sequence[int]) -> list[tuple[int, int, bool]]:
+    def groups(self, sizes: Sequence[int]) -> list[tuple[int, int, bool]]:
         """Rows cut so that one call moves at most BATCH_KEYS keys and about ``staging_bytes`` bytes, in one mode
-        (staged or zero-copy): (first row, end, staged)."""
+        (staged or zero-copy): (first row, end, staged). A caller moving the same sizes again (a prepared
+        transfer) keeps them and passes them to ``put`` and ``get``."""
         limit, below = int(self.params["staging_bytes"]), self._below(sizes)
         n = len(sizes)
         if 0 < n <= BATCH_KEYS:  # the common case, one call: no walk over the rows
@@ -182,42 +183,59 @@ class PoolClient:
         return out
 
     # -- puts and gets -------------------------------------------------------
-    def put(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], replace: bool = False) -> np.ndarray:
+    def put(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        replace: bool = False,
+        groups: Sequence[tuple[int, int, bool]] | None = None,
+    ) -> list[int]:
         """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
 
         Mooncake keeps the first object written under a key: a put of an existing key succeeds and leaves it
         as it was. With ``replace`` what is written is what the keys hold after: staged objects are upserted
         (``batch_upsert_from``: one call, where a remove and a put are two), zero-copy ones removed first.
+        ``groups`` is ``groups(sizes)``, computed here when not given.
         """
-        groups = self._groups(sizes)
+        keys = keys if type(keys) is list else list(keys)
+        groups = groups or self.groups(sizes)
         if len(groups) == 1:
-            return np.asarray(self._put_group(keys, addrs, sizes, groups[0][2], replace), dtype=np.int64)
+            return self._put_group(keys, addrs, sizes, groups[0][2], replace)
         out: list[int] = []
         for a, z, staged in groups:
             out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace)
-        return np.asarray(out, dtype=np.int64)
+        return out
 
     def _put_group(
-        self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
+        self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
     ) -> list[int]:
         upsert = replace and staged and self._upsert
         if replace and not upsert:
-            self._store.batch_remove(list(keys), True)
+            self._store.batch_remove(keys, True)
         return put_objects(self._store, self._config, self._arena, keys, addrs, sizes, staged, upsert)
 
-    def get(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    def get(
+        self,
+        keys: Sequence[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        groups: Sequence[tuple[int, int, bool]] | None = None,
+    ) -> list[int]:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
         and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
-        replica per get, so another try may reach a live holder)."""
-        n = len(keys)
-        status = self._get_round(keys, addrs, sizes)
+        replica per get, so another try may reach a live holder). ``groups`` as in ``put``."""
+        keys = keys if type(keys) is list else list(keys)
+        status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes))
         if not any(status):
-            return np.zeros(n, dtype=np.int64)
+            return status
+        n = len(keys)
         for _ in range(max(0, int(self.params["read_retries"]))):
             todo = [i for i in range(n) if status[i] in codes.RETRYABLE]
             if not todo:
                 break
-            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], [sizes[i] for i in todo])
+            sub = [sizes[i] for i in todo]
+            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], sub, self.groups(sub))
             for i, st in zip(todo, got):
                 status[i] = st
         for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
@@ -226,11 +244,12 @@ class PoolClient:
                 status[i] = codes.SIZE_MISMATCH
             elif size in (codes.TOO_LARGE, codes.NOT_DATAMOVER):
                 status[i] = size
-        return np.asarray(status, dtype=np.int64)
+        return status
 
-    def _get_round(self, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+    def _get_round(
+        self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], groups: Sequence[tuple[int, int, bool]]
+    ) -> list[int]:
         """One try at every row: a status per key."""
-        groups = self._groups(sizes)
         if len(groups) == 1:
             return get_objects(self._store, self._arena, keys, addrs, sizes, groups[0][2])
         out: list[int] = []
@@ -265,7 +284,7 @@ class PoolClient:
         bounce = np.empty(max(size, 1), dtype=np.uint8)
         self.register(bounce.ctypes.data, bounce.nbytes)
         try:
-            st = int(self.get([key], [bounce.ctypes.data], [size])[0])
+            st = self.get([key], [bounce.ctypes.data], [size])[0]
         finally:
             self.unregister(bounce.ctypes.data)
         if st == 0 and nbytes:

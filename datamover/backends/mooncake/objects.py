@@ -44,6 +44,8 @@ SLOT = TRAILER + _PAGE
 _memmove = ctypes.memmove
 _pack_into = _TRAILER.pack_into
 _unpack_from = _TRAILER.unpack_from
+#: an arena block: the uint8 array, its address, a memoryview of it (each asked for once per block, not per call)
+Block = tuple[np.ndarray, int, memoryview]
 
 
 class Arena:
@@ -61,36 +63,37 @@ class Arena:
         self._kept = 0
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A registered uint8 block of at least ``nbytes``."""
+    def take(self, nbytes: int) -> Block:
+        """A registered block of at least ``nbytes``: (the uint8 array, its address, a memoryview of it)."""
         with self._lock:
             best = -1
             for i, b in enumerate(self._free):
-                if b.nbytes >= nbytes and (best < 0 or b.nbytes < self._free[best].nbytes):
+                if b[0].nbytes >= nbytes and (best < 0 or b[0].nbytes < self._free[best][0].nbytes):
                     best = i
             if best >= 0:
                 return self._free.pop(best)
         size = -(-max(nbytes, _MIN_BLOCK) // _MIN_BLOCK) * _MIN_BLOCK
-        block = aligned_empty(size)
-        block.fill(1)  # written now: no page faults on the first transfer through it
-        self._register(block.ctypes.data, block.nbytes)
+        arr = aligned_empty(size)
+        arr.fill(1)  # written now: no page faults on the first transfer through it
+        block = (arr, int(arr.ctypes.data), memoryview(arr))
+        self._register(block[1], arr.nbytes)
         with self._lock:
-            self._kept += block.nbytes
+            self._kept += arr.nbytes
         return block
 
-    def give(self, block: np.ndarray) -> None:
+    def give(self, block: Block) -> None:
         with self._lock:
             if self._kept <= self.keep_bytes:
                 self._free.append(block)
                 return
-            self._kept -= block.nbytes
-        self._unregister(block.ctypes.data)
+            self._kept -= block[0].nbytes
+        self._unregister(block[1])
 
     def close(self) -> None:
         with self._lock:
             blocks, self._free, self._kept = self._free, [], 0
         for b in blocks:
-            self._unregister(b.ctypes.data)
+            self._unregister(b[1])
 
 
 def staged_bytes(sizes: Sequence[int]) -> int:
@@ -103,7 +106,7 @@ def put_objects(
     store: Any,
     config: Any,
     arena: Arena,
-    keys: Sequence[str],
+    keys: list[str],
     addrs: Sequence[int],
     sizes: Sequence[int],
     staged: bool,
@@ -114,7 +117,7 @@ def put_objects(
     n = len(keys)
     block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
     try:
-        base, mv = block.ctypes.data, memoryview(block)
+        _, base, mv = block
         ptrs: list[Any] = []
         lens: list[Any] = []
         off = 0
@@ -128,8 +131,7 @@ def put_objects(
                 ptrs.append(base + off)
                 lens.append(s + TRAILER)
                 off += s + TRAILER
-            put = store.batch_upsert_from if upsert else store.batch_put_from
-            res = put(keys if isinstance(keys, list) else list(keys), ptrs, lens, config)
+            res = (store.batch_upsert_from if upsert else store.batch_put_from)(keys, ptrs, lens, config)
         else:
             for a, s in zip(addrs, sizes):
                 crc = _crc((ctypes.c_char * s).from_address(a)) if s else 0
@@ -137,21 +139,21 @@ def put_objects(
                 ptrs.append([a, base + off] if s else [base + off])
                 lens.append([s, TRAILER] if s else [TRAILER])
                 off += TRAILER
-            res = store.batch_put_from_multi_buffers(list(keys), ptrs, lens, config)
+            res = store.batch_put_from_multi_buffers(keys, ptrs, lens, config)
     finally:
         arena.give(block)
-    return answers(res, n)
+    return res if type(res) is list and len(res) == n else answers(res, n)
 
 
 def get_objects(
-    store: Any, arena: Arena, keys: Sequence[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool
+    store: Any, arena: Arena, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool
 ) -> list[int]:
     """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``, each checked; a status per key
     (0: delivered and verified). Staged, a failed row's memory is untouched; zero-copy, it is zeroed."""
     n = len(keys)
     block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
     try:
-        base, mv = block.ctypes.data, memoryview(block)
+        arr, base, mv = block
         offs: list[int] = []
         ptrs: list[Any] = []
         lens: list[Any] = []
@@ -163,15 +165,17 @@ def get_objects(
                 ptrs.append(base + off)
                 lens.append(s + TRAILER)
                 off += s + TRAILER
-            got = answers(store.batch_get_into(keys if isinstance(keys, list) else list(keys), ptrs, lens), n)
+            got = store.batch_get_into(keys, ptrs, lens)
         else:
             for a, s in zip(addrs, sizes):
                 offs.append(off)
                 ptrs.append([a, base + off] if s else [base + off])
                 lens.append([s, TRAILER] if s else [TRAILER])
                 off += TRAILER
-            block[: TRAILER * n] = 0
-            got = answers(store.batch_get_into_multi_buffers(list(keys), ptrs, lens), n)
+            arr[: TRAILER * n] = 0
+            got = store.batch_get_into_multi_buffers(keys, ptrs, lens)
+        if type(got) is not list or len(got) != n:
+            got = answers(got, n)
         out = []
         for a, s, o, r in zip(addrs, sizes, offs, got):
             if r != s + TRAILER:
@@ -181,13 +185,16 @@ def get_objects(
                 if magic != MAGIC or length != s:
                     st = codes.NOT_DATAMOVER
                 elif staged:
-                    st = 0 if _crc(mv[o : o + s]) == crc else codes.CHECKSUM_MISMATCH
+                    if _crc(mv[o : o + s]) == crc:
+                        if s:
+                            _memmove(a, base + o, s)
+                        out.append(0)
+                        continue
+                    st = codes.CHECKSUM_MISMATCH
                 else:
                     payload = (ctypes.c_char * s).from_address(a) if s else b""
                     st = 0 if _crc(payload) == crc else codes.CHECKSUM_MISMATCH
-            if st == 0 and staged and s:
-                _memmove(a, base + o, s)
-            elif st != 0 and not staged and s:
+            if st != 0 and not staged and s:
                 ctypes.memset(a, 0, s)
             out.append(st)
     finally:
