@@ -6,12 +6,14 @@ trusting the id: a posix id is ``/proc/<pid>/fd/<fd>`` (or a file name) that
 UCX opens and maps for the FIFO's length whatever file it is, so an id naming an
 empty file of the claimed process faults on that first read (SIGBUS: the
 process dies) and a short file or sysv segment lets UCX read and write past its
-end. So each segment UCX would attach is checked first: a posix one must be a
-UCX posix segment file (by its name), regular, at least as long as this
-worker's own FIFO, whose FIFO header names the claimed process, alive; a sysv
-one must be in this host's segment table and at least as long as this worker's
-own. Addresses of another machine (another system id) or of a pid namespace UCX
-cannot reach are not attached by UCX and are left alone.
+end. So each segment UCX would attach is checked first: a posix one that can be
+opened must be a UCX posix segment file (by its name), regular, at least as
+long as this worker's own FIFO, whose FIFO header names the claimed process,
+alive (one that cannot be opened UCX finds unreachable and does not attach: the
+other transports carry the traffic); a sysv one (UCX always attaches those)
+must be in this host's segment table and at least as long as this worker's
+own. Addresses of another machine (another system id) or of a pid namespace
+UCX cannot reach are not attached by UCX and are left alone.
 
 Left open: a hostile process on this host can still swap its own fd between
 this check and UCX's open of it.
@@ -91,15 +93,16 @@ class _Posix:
 
     @staticmethod
     def problem(path: str, claimed: int | None, min_size: int) -> str | None:
-        """Why UCX must not map ``path`` as a FIFO, or None."""
+        """Why UCX must not map ``path`` as a FIFO, or None (also where it cannot be opened: UCX's reachability
+        check opens it first, finds the transport unreachable and attaches nothing; other transports go on)."""
         try:
             target = os.readlink(path) if path.startswith("/proc/") else path
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
             if not os.path.basename(target).startswith(_POSIX_NAME):
                 return f"is not a UCX segment ({target})"
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-        except OSError as exc:
-            return f"cannot be opened ({exc.strerror})"
-        try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return "is not a regular file"
