@@ -87,12 +87,19 @@ def test_resets_free_what_they_replace_and_close_frees_everything():
         agent = Agent("leaky", {"backends": {"ucx": {"hangup_probe_s": 0}}})  # every hang-up resets
         local = HostBuffer(agent, 1 << 20)
         _dying_sender(agent, local, address, 0)
-        fds1 = _fds()
+        fds1, names1 = _fds(), _fd_names()
         for k in range(1, 10):
             _dying_sender(agent, local, address, k)
         assert _resets(agent) == 10
+        # what the service thread lets go after a reset (the hung-up connection, the old worker) may go a moment
+        # after the reset is counted (once failed at load ~8 with a second suite beside: 141 -> 150); a leak never
+        # comes back, so wait for the count, bounded
+        deadline = time.monotonic() + 30
+        while _fds() > fds1 + 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         fds10 = _fds()
-        assert fds10 <= fds1 + 2, f"10 worker resets took fds {fds1} -> {fds10}"
+        extra = [n for n in _fd_names() if n not in names1]
+        assert fds10 <= fds1 + 2, f"10 worker resets took fds {fds1} -> {fds10}: {extra}"
         # peers killed at known points: idle after a transfer, and right after posting one into us
         for k, mid in enumerate((False, True)):
             killer = RemotePeer(f"killer{k}", UCX)
