@@ -2,8 +2,9 @@
 
 - ``backend``: ``UcxBackend``, which chooses a data path per request and owns the agent-facing verbs.
 - ``service``: the service thread (one loop owns the UCX worker and every control socket).
-- ``protocol``: the control protocol's frames and its message schema; ``outbound`` and ``serving`` its two
-  sides (initiator, target), each a dispatch table over message types.
+- ``protocol``: the control protocol's frames; ``messages`` its typed messages (frozen dataclasses parsed
+  strictly off the wire); ``outbound`` and ``serving`` its two sides (initiator, target), each a dispatch table
+  keyed by message class.
 - data paths: ``one_sided`` (UCP put/get on the target's rkeys), ``direct_cma`` (process_vm_readv/writev to a
   same-host peer), ``tagged`` (tag send/recv served by the owner).
 - ``rma`` (ctypes bindings of UCP RMA), ``cma`` (cross-memory attach), ``address`` (UCX worker addresses parsed

@@ -80,6 +80,7 @@ from .config import (
 )
 from .direct_cma import DirectCma
 from .fence import Fencing
+from .messages import Req, Revoke, Rkeys
 from .one_sided import OneSided
 from .outbound import Outbound
 from .service import ServiceLoop
@@ -337,7 +338,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             self._params[reg.id] = rma.memh_param(memh)
         for inbound in self._inbound.values():
             if inbound.name:
-                inbound.conn.send({"t": "rkeys", "add": [entry]})
+                inbound.conn.send(Rkeys([entry]))
         return memh
 
     def deregister(self, reg: Any, handle: Any) -> None:
@@ -367,7 +368,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         waiting = set()
         for inbound in self._inbound.values():
             if inbound.name:
-                inbound.conn.send({"t": "revoke", "id": rid})
+                inbound.conn.send(Revoke(rid))
                 waiting.add(inbound.conn_id)
         if waiting:
             self._revoking[rid] = waiting
@@ -399,15 +400,16 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         return UcxPlan(
             views=row_views(req.registrations, req.local_regions, req.local.addr, req.local.length, self._Array),
             regions=frozenset(np.unique(req.local_regions).tolist()),
-            msg={
-                "t": "req",
-                "op": req.op,
-                "mem": req.remote.mem_type.value,
-                "addr": np.ascontiguousarray(req.remote.addr, dtype="<i8").tobytes(),
-                "len": np.ascontiguousarray(req.remote.length, dtype="<i8").tobytes(),
-                "dev": np.ascontiguousarray(req.remote.dev, dtype="<i8").tobytes(),
-                "notify": req.notify,
-            },
+            msg=Req(
+                id=0,
+                op=req.op,
+                mem=req.remote.mem_type.value,
+                addr=np.ascontiguousarray(req.remote.addr, dtype="<i8").tobytes(),
+                length=np.ascontiguousarray(req.remote.length, dtype="<i8").tobytes(),
+                dev=np.ascontiguousarray(req.remote.dev, dtype="<i8").tobytes(),
+                tag=0,
+                notify=req.notify,
+            ),
         )
 
     def post(self, req: TransferRequest) -> Completion:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...errors import BackendUnavailable, RemoteDisconnected, TransferAborted
 from . import rma
 from .config import _FENCE_S, log
+from .messages import Cancel
 from .state import Fenced
 
 
@@ -63,7 +64,7 @@ class Fencing:
                     return
                 pending = op.reqs.poll() is False
                 if peer.conn is not None and peer.state == "ready":
-                    peer.conn.send({"t": "cancel", "id": op.id})  # the owner refuses what it has not started
+                    peer.conn.send(Cancel(op.id))  # the owner refuses what it has not started
                 if pending and op.req.op == "READ":
                     self._reset_worker(
                         f"a cancelled READ from agent {peer.name!r} still had receives in flight",

@@ -16,6 +16,7 @@ from ..base import (
 )
 from . import cma, rma
 from .config import _DIRECT_GRACE_S, ucx_error
+from .messages import Revoked
 from .state import Direct, OutOp, Peer
 
 
@@ -232,7 +233,7 @@ class OneSided:
                 peer.epoch = next(self.b._epochs)
                 flush = rma.Flush(peer.ep.handle)  # covers every put/get posted before it, from any thread
         if not known:
-            peer.conn.send({"t": "revoked", "id": rid})  # type: ignore[union-attr]
+            peer.conn.send(Revoked(rid))  # type: ignore[union-attr]
             return
         self.b._revokes.append((peer, rid, flush))
         self._check_revokes()
@@ -248,7 +249,7 @@ class OneSided:
                 if rkey is not None:
                     rma.rkey_destroy(rkey)
             if peer.conn is not None:
-                peer.conn.send({"t": "revoked", "id": rid})
+                peer.conn.send(Revoked(rid))
 
     def _status_error(self, status: int, peer: Peer) -> DatamoverError:
         return ucx_error(rma.UcpError(rma.status_text(status), status=status), peer.name, 0, self.b.name)

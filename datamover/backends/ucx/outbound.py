@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import selectors
 import socket
@@ -25,6 +26,7 @@ from ..base import (
 )
 from . import cma, rma
 from .config import _MASK40, _READ_TAG, parse_rkeys
+from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, handshake_mac, new_nonce, session_key
 from .state import OutOp, Peer
 
@@ -122,7 +124,7 @@ class Outbound:
             done.finish_part(exc)
             return
         if peer.state == "ready":
-            peer.conn.send({"t": "notif", "msg": message})  # type: ignore[union-attr]
+            peer.conn.send(Notif(message))  # type: ignore[union-attr]
             done.finish_part()
         else:
             peer.queue.append(("notify", (message, done)))
@@ -156,82 +158,77 @@ class Outbound:
         else:
             op.tag0 = _READ_TAG | (self._tag_ctr & ((1 << 62) - 1))
         self._tag_ctr += n
-        msg = dict(op.req.plan.msg)
-        msg["id"] = op.id
-        msg["tag"] = op.tag0
+        msg = dataclasses.replace(op.req.plan.msg, id=op.id, tag=op.tag0)
         if op.req.op == "READ" and not self.tagged._post_local(peer, op):
             return
         peer.conn.send(msg)  # type: ignore[union-attr]
         if op.req.op == "WRITE":
             self.tagged._post_local(peer, op)
 
-    def _on_peer_msg(self, peer: Peer, msg: dict[str, Any]) -> None:
-        """Dispatch a message from a target (already checked against the protocol's schema) by its type."""
-        t = msg["t"]
-        if (t in ("challenge", "welcome")) != (peer.state == "connecting") and t != "error":
-            raise InvalidMetadata(f"control message {t!r} out of order (connection {peer.state})")
-        handler = _FROM_TARGET.get(t)
+    def _on_peer_msg(self, peer: Peer, msg: Message) -> None:
+        """Dispatch a message from a target (already parsed by ``messages.from_wire``) by its type."""
+        kind = type(msg)
+        if (kind in _HANDSHAKE) != (peer.state == "connecting") and kind is not Error:
+            raise InvalidMetadata(f"control message {msg.WIRE!r} out of order (connection {peer.state})")
+        handler = _FROM_TARGET.get(kind)
         if handler is None:
-            raise InvalidMetadata(f"control message {t!r} is not one a target sends")
-        if t in _ABOUT_AN_OP:
-            op = peer.ops.get(msg["id"])
+            raise InvalidMetadata(f"control message {msg.WIRE!r} is not one a target sends")
+        if kind in _ABOUT_AN_OP:
+            op = peer.ops.get(msg.id)  # type: ignore[attr-defined]
             if op is not None:
                 handler(self, peer, op, msg)
             return
         handler(self, peer, msg)
 
-    def _on_error(self, peer: Peer, msg: dict[str, Any]) -> None:
-        kind = AuthenticationError if msg.get("auth") else RemoteRefused
-        self._disconnect_peer(peer, kind(f"agent {peer.name!r} refused the connection: {msg.get('reason')}"))
+    def _on_error(self, peer: Peer, msg: Error) -> None:
+        kind = AuthenticationError if msg.auth else RemoteRefused
+        self._disconnect_peer(peer, kind(f"agent {peer.name!r} refused the connection: {msg.reason}"))
 
-    def _on_notif(self, peer: Peer, msg: dict[str, Any]) -> None:
-        self.host.deliver_notification(peer.name, bytes(msg["msg"]))
+    def _on_notif(self, peer: Peer, msg: Notif) -> None:
+        self.host.deliver_notification(peer.name, msg.msg)
 
-    def _on_rkeys(self, peer: Peer, msg: dict[str, Any]) -> None:
+    def _on_rkeys(self, peer: Peer, msg: Rkeys) -> None:
         if self._one_sided:
-            offered = parse_rkeys(peer.name, msg["add"])
+            offered = parse_rkeys(peer.name, msg.add)
             with self._rma_lock:
                 peer.regions = {**peer.regions, **offered}
                 peer.epoch = next(self._epochs)
 
-    def _on_revoke(self, peer: Peer, msg: dict[str, Any]) -> None:
-        self.one_sided._forget_region(peer, int(msg["id"]))
+    def _on_revoke(self, peer: Peer, msg: Revoke) -> None:
+        self.one_sided._forget_region(peer, msg.id)
 
-    def _on_refuse(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
-        row = int(msg["row"]) if msg.get("row") is not None else None
+    def _on_refuse(self, peer: Peer, op: OutOp, msg: Refuse) -> None:
+        row = msg.row
         index = op.req.caller_index(row) if row is not None and 0 <= row < len(op.req.local) else None
         self.tagged._end(
-            op, RemoteRefused(f"agent {peer.name!r} refused: {msg['reason']}", index=index, backend=self.name)
+            op, RemoteRefused(f"agent {peer.name!r} refused: {msg.reason}", index=index, backend=self.name)
         )
         if op.req.op == "READ" and op.reqs is not None:
             # the target sent nothing: complete our receives with empty messages from ourselves
             self.tagged._self_complete(op.tag0, op.reqs.pending())
 
-    def _on_done(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
+    def _on_done(self, peer: Peer, op: OutOp, msg: Done) -> None:
         op.done_msg = True
         self.tagged._maybe_done(op)
 
-    def _on_fail(self, peer: Peer, op: OutOp, msg: dict[str, Any]) -> None:
+    def _on_fail(self, peer: Peer, op: OutOp, msg: Fail) -> None:
         self.tagged._end(
-            op, RemoteDisconnected(f"agent {peer.name!r} failed the transfer: {msg['reason']}", backend=self.name)
+            op, RemoteDisconnected(f"agent {peer.name!r} failed the transfer: {msg.reason}", backend=self.name)
         )
 
-    def _hello(self, peer: Peer, msg: dict[str, Any]) -> None:
-        peer.nonce_t = nonce_t = bytes(msg["nonce"])
+    def _hello(self, peer: Peer, msg: Challenge) -> None:
+        peer.nonce_t = nonce_t = msg.nonce
         body = self.host.name.encode() + self._address
         mac = handshake_mac(self._secret, b"hello", nonce_t, peer.nonce, body) if self._secret else b""
-        peer.conn.send(  # type: ignore[union-attr]
-            {"t": "hello", "name": self.host.name, "address": self._address, "nonce": peer.nonce, "mac": mac}
-        )
+        peer.conn.send(Hello(self.host.name, self._address, peer.nonce, mac))  # type: ignore[union-attr]
 
-    def _welcome(self, peer: Peer, msg: dict[str, Any]) -> None:
-        conn_id, address, rkeys = int(msg["conn_id"]), bytes(msg["address"]), bytes(msg.get("rkeys") or b"")
-        local = bytes(msg.get("local") or b"")
+    def _welcome(self, peer: Peer, msg: Welcome) -> None:
+        conn_id, address, rkeys, local = msg.conn_id, msg.address, msg.rkeys, msg.local
         nonce_t = peer.nonce_t
         if self._secret:
             body = conn_id.to_bytes(8, "big") + address + rkeys + local
             want = handshake_mac(self._secret, b"welcome", nonce_t, peer.nonce, body)
-            if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
+            if not hmac.compare_digest(msg.mac, want):
                 raise AuthenticationError(f"agent {peer.name!r} does not know the shared secret")
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
         else:
@@ -264,13 +261,13 @@ class Outbound:
             if kind == "req":
                 self._launch(peer, item)
             else:
-                peer.conn.send({"t": "notif", "msg": item[0]})  # type: ignore[union-attr]
+                peer.conn.send(Notif(item[0]))  # type: ignore[union-attr]
                 item[1].finish_part()
 
     def _send_after(self, peer: Peer, message: bytes) -> None:
         """A notification for a request that already completed (its data has landed)."""
         if peer.conn is not None and peer.state == "ready":
-            peer.conn.send({"t": "notif", "msg": message})
+            peer.conn.send(Notif(message))
 
     def _check_cancelled(self) -> None:
         """Ops still waiting for the handshake give up when released or late; launched ones run to the end."""
@@ -284,15 +281,16 @@ class Outbound:
 
 
 # what a target may send an initiator, by message type; the last three are about one of its requests
-_FROM_TARGET: dict[str, Callable[..., None]] = {
-    "challenge": Outbound._hello,
-    "welcome": Outbound._welcome,
-    "error": Outbound._on_error,
-    "notif": Outbound._on_notif,
-    "rkeys": Outbound._on_rkeys,
-    "revoke": Outbound._on_revoke,
-    "refuse": Outbound._on_refuse,
-    "done": Outbound._on_done,
-    "fail": Outbound._on_fail,
+_FROM_TARGET: dict[type[Message], Callable[..., None]] = {
+    Challenge: Outbound._hello,
+    Welcome: Outbound._welcome,
+    Error: Outbound._on_error,
+    Notif: Outbound._on_notif,
+    Rkeys: Outbound._on_rkeys,
+    Revoke: Outbound._on_revoke,
+    Refuse: Outbound._on_refuse,
+    Done: Outbound._on_done,
+    Fail: Outbound._on_fail,
 }
-_ABOUT_AN_OP = frozenset({"refuse", "done", "fail"})
+_HANDSHAKE = frozenset({Challenge, Welcome})
+_ABOUT_AN_OP = frozenset({Refuse, Done, Fail})

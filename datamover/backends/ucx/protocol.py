@@ -1,5 +1,7 @@
 """The UCX backend's control protocol: length-prefixed msgpack frames over TCP, optionally HMAC-signed.
 
+The messages the frames carry are the typed ones of ``messages``.
+
 Data moves over UCX; requests, acknowledgements, refusals and notifications
 move over one TCP connection per (initiator, target) pair. The connection is
 also how a dead peer is noticed: the kernel closes a killed process's
@@ -20,17 +22,14 @@ import hmac
 import os
 import socket
 import struct
-from typing import Any
 
 import msgpack
 
 from ...errors import AuthenticationError, InvalidMetadata
+from .messages import Message, from_wire
 
 MAX_FRAME = 64 << 20  # after the handshake: a request of MAX_ROWS rows (24 bytes each) fits with room to spare
 MAX_HELLO_FRAME = 64 << 10  # before it: challenge, hello, welcome carry an address, a token and small keys
-MAX_ROWS = 1 << 20  # descriptors in one request
-MAX_NOTIFY = 1 << 20
-MAX_RKEYS_BYTES = 16 << 20
 MAC_LEN = 16
 _LEN = struct.Struct("!I")
 
@@ -88,8 +87,8 @@ class FrameConn:
         assert self._key is not None
         return hmac.new(self._key, direction + seq.to_bytes(8, "big") + payload, hashlib.sha256).digest()[:MAC_LEN]
 
-    def send(self, msg: dict[str, Any]) -> None:
-        payload = msgpack.packb(msg, use_bin_type=True)
+    def send(self, msg: Message) -> None:
+        payload = msgpack.packb(msg.to_wire(), use_bin_type=True)
         if self._key is not None:
             payload += self._mac(self._send_dir, self._send_seq, payload)
             self._send_seq += 1
@@ -113,8 +112,10 @@ class FrameConn:
                 return
             del self._out[:n]
 
-    def feed(self) -> list[dict[str, Any]]:
-        """Read available bytes; return complete messages. Sets ``closed`` on EOF or error.
+    def feed(self) -> list[Message]:
+        """Read available bytes; return complete messages, each parsed by ``messages.from_wire``.
+
+        Sets ``closed`` on EOF or error.
 
         Raises AuthenticationError on a bad MAC and InvalidMetadata on a malformed frame.
         """
@@ -153,7 +154,7 @@ class FrameConn:
                 msg = msgpack.unpackb(payload, raw=False)
             except Exception as exc:
                 raise InvalidMetadata(f"control frame is not valid msgpack: {type(exc).__name__}") from None
-            out.append(check_message(msg))
+            out.append(from_wire(msg))
         return out
 
     def close(self) -> None:
@@ -162,57 +163,6 @@ class FrameConn:
             self.sock.close()
         except OSError:
             pass
-
-
-# every field each message type may carry: (types, bound on its length or value); a field named here is required
-# unless its name ends in "?". A message is checked against this before any of it is used.
-_U64 = 1 << 64
-_SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], int]]] = {
-    "challenge": {"nonce": ((bytes,), 64)},
-    "hello": {"name": ((str,), 255), "address": ((bytes,), 1 << 16), "nonce": ((bytes,), 64), "mac?": ((bytes,), 64)},
-    "welcome": {
-        "conn_id": ((int,), _U64), "address": ((bytes,), 1 << 16), "rkeys?": ((bytes,), MAX_RKEYS_BYTES),
-        "local?": ((bytes,), 4096), "mac?": ((bytes,), 64),
-    },
-    "error": {"reason?": ((str,), 4096), "auth?": ((bool,), 1)},
-    "notif": {"msg": ((bytes,), MAX_NOTIFY)},
-    "rkeys": {"add": ((list,), 1 << 16)},
-    "revoke": {"id": ((int,), _U64)},
-    "revoked": {"id": ((int,), _U64)},
-    "cancel": {"id": ((int,), _U64)},
-    "req": {
-        "id": ((int,), _U64), "op": ((str,), 8), "mem": ((str,), 16), "addr": ((bytes,), 8 * MAX_ROWS),
-        "len": ((bytes,), 8 * MAX_ROWS), "dev": ((bytes,), 8 * MAX_ROWS), "tag": ((int,), _U64),
-        "notify?": ((bytes, type(None)), MAX_NOTIFY),
-    },
-    "refuse": {"id": ((int,), _U64), "row?": ((int, type(None)), _U64), "reason": ((str,), 4096)},
-    "done": {"id": ((int,), _U64)},
-    "fail": {"id": ((int,), _U64), "reason": ((str,), 4096)},
-}  # fmt: skip
-
-
-def check_message(msg: Any) -> dict[str, Any]:
-    """``msg`` if it is a known control message whose every field has its type and bound; else InvalidMetadata."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise InvalidMetadata("control frame must be a map with a string 't' (type)")
-    t = msg["t"]
-    spec = _SCHEMA.get(t)
-    if spec is None:
-        raise InvalidMetadata(f"unknown control message type {t[:32]!r}")
-    for key, (types, bound) in spec.items():
-        name = key.rstrip("?")
-        if name not in msg:
-            if key.endswith("?"):
-                continue
-            raise InvalidMetadata(f"control message {t!r} lacks {name!r}")
-        value = msg[name]
-        if type(value) not in types:  # exact types: bool is not an int here, nor an int a bool
-            raise InvalidMetadata(f"control message {t!r}: {name!r} is a {type(value).__name__}")
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < bound:
-            raise InvalidMetadata(f"control message {t!r}: {name!r} is out of range")
-        if isinstance(value, (bytes, str, list)) and len(value) > bound:
-            raise InvalidMetadata(f"control message {t!r}: {name!r} is longer than {bound}")
-    return msg
 
 
 def _keepalive(sock: socket.socket) -> None:

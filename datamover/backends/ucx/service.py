@@ -17,6 +17,7 @@ from ...errors import (
 )
 from . import rma
 from .config import _PROBE_TAG, log
+from .messages import Cancel, Req
 from .protocol import FrameConn
 from .state import Hangup, Inbound, Peer
 
@@ -213,10 +214,10 @@ class ServiceLoop:
             return
         # a request cancelled by its initiator before this side read it is never started: its cancel comes in
         # the same read or a later one, so look ahead
-        cancelled = {m["id"] for m in msgs if m["t"] == "cancel"} if isinstance(owner, Inbound) else ()
+        cancelled = {m.id for m in msgs if type(m) is Cancel} if isinstance(owner, Inbound) else ()
         for msg in msgs:
-            if cancelled and msg["t"] == "req" and msg["id"] in cancelled:
-                log.info("not serving request %d of %r: cancelled by its initiator", msg["id"], owner.name)
+            if cancelled and type(msg) is Req and msg.id in cancelled:
+                log.info("not serving request %d of %r: cancelled by its initiator", msg.id, owner.name)
                 continue
             try:
                 if isinstance(owner, Peer):
@@ -227,10 +228,10 @@ class ServiceLoop:
                 self._lost(owner, exc)
                 return
             except (KeyError, TypeError, ValueError) as exc:
-                self._lost(owner, InvalidMetadata(f"malformed control message {msg.get('t')!r}: {exc}"))
+                self._lost(owner, InvalidMetadata(f"malformed control message {msg.WIRE!r}: {exc}"))
                 return
             except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
-                log.exception("handling control message %r failed", msg.get("t"))
+                log.exception("handling control message %r failed", msg.WIRE)
                 self._lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
                 return
         if conn.closed:

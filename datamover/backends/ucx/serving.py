@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 import selectors
 from collections.abc import Callable
-from typing import Any
 
 import msgpack
 
@@ -13,7 +12,8 @@ from ...errors import (
     AuthenticationError,
     InvalidMetadata,
 )
-from .config import _MAX_ADDRESS, log
+from .config import log
+from .messages import Cancel, Challenge, Error, Hello, Message, Notif, Req, Revoked, Welcome
 from .protocol import FrameConn, handshake_mac, session_key
 from .state import Inbound
 
@@ -36,7 +36,7 @@ class Serving:
             self._next_conn_id = self._next_conn_id % ((1 << 22) - 1) + 1
             self._inbound[sock.fileno()] = inbound
             self._sel.register(sock, selectors.EVENT_READ, inbound)
-            inbound.conn.send({"t": "challenge", "nonce": inbound.nonce})
+            inbound.conn.send(Challenge(inbound.nonce))
 
     def _drop_silent(self, now: float) -> None:
         """Hang up on connections that never completed the handshake in time (they hold a socket and a buffer)."""
@@ -60,52 +60,49 @@ class Serving:
         self._retire_ep(inbound.ep)
         inbound.ep = None
 
-    def _on_inbound_msg(self, inbound: Inbound, msg: dict[str, Any]) -> None:
-        """Dispatch a message from an initiator (already checked against the protocol's schema) by its type."""
-        t = msg["t"]
-        if t == "hello":
+    def _on_inbound_msg(self, inbound: Inbound, msg: Message) -> None:
+        """Dispatch a message from an initiator (already parsed by ``messages.from_wire``) by its type."""
+        if type(msg) is Hello:
             if inbound.name:
                 raise InvalidMetadata("a second hello on one connection")
             self._on_hello(inbound, msg)
             return
         if not inbound.name:
-            raise InvalidMetadata(f"control message {t!r} before hello")
-        handler = _FROM_INITIATOR.get(t)
+            raise InvalidMetadata(f"control message {msg.WIRE!r} before hello")
+        handler = _FROM_INITIATOR.get(type(msg))
         if handler is None:
-            raise InvalidMetadata(f"control message {t!r} is not one an initiator sends")
+            raise InvalidMetadata(f"control message {msg.WIRE!r} is not one an initiator sends")
         handler(self, inbound, msg)
 
-    def _on_req(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+    def _on_req(self, inbound: Inbound, msg: Req) -> None:
         self.tagged._serve(inbound, msg)
 
-    def _on_notif_from(self, inbound: Inbound, msg: dict[str, Any]) -> None:
-        self.host.deliver_notification(inbound.name, bytes(msg["msg"]))
+    def _on_notif_from(self, inbound: Inbound, msg: Notif) -> None:
+        self.host.deliver_notification(inbound.name, msg.msg)
 
-    def _on_revoked(self, inbound: Inbound, msg: dict[str, Any]) -> None:
-        self._revoking.get(int(msg["id"]), set()).discard(inbound.conn_id)
+    def _on_revoked(self, inbound: Inbound, msg: Revoked) -> None:
+        self._revoking.get(msg.id, set()).discard(inbound.conn_id)
 
-    def _on_cancel(self, inbound: Inbound, msg: dict[str, Any]) -> None:
-        self.tagged._cancel_served(inbound, msg["id"])
+    def _on_cancel(self, inbound: Inbound, msg: Cancel) -> None:
+        self.tagged._cancel_served(inbound, msg.id)
 
-    def _on_hello(self, inbound: Inbound, msg: dict[str, Any]) -> None:
-        name, address, nonce_i = msg["name"], bytes(msg["address"]), bytes(msg["nonce"])
-        if not isinstance(name, str) or not name or not 0 < len(address) <= _MAX_ADDRESS:
-            raise InvalidMetadata("hello carries no valid name and UCX address")
+    def _on_hello(self, inbound: Inbound, msg: Hello) -> None:
+        name, address, nonce_i = msg.name, msg.address, msg.nonce
         if self._secret:
             want = handshake_mac(self._secret, b"hello", inbound.nonce, nonce_i, name.encode() + address)
-            if not hmac.compare_digest(bytes(msg.get("mac") or b""), want):
-                inbound.conn.send({"t": "error", "auth": True, "reason": "authentication failed (shared secret)"})
+            if not hmac.compare_digest(msg.mac, want):
+                inbound.conn.send(Error("authentication failed (shared secret)", auth=True))
                 raise AuthenticationError(f"agent {name!r} failed authentication")
         try:
             self._addr_check.check(address, f"agent {name!r}")
         except InvalidMetadata as exc:
-            inbound.conn.send({"t": "error", "reason": exc.reason})
+            inbound.conn.send(Error(exc.reason))
             raise
         try:
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
             inbound.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
         except Exception as exc:
-            inbound.conn.send({"t": "error", "reason": f"cannot reach your UCX worker: {exc}"})
+            inbound.conn.send(Error(f"cannot reach your UCX worker: {exc}"))
             raise InvalidMetadata(f"agent {name!r} sent an unusable UCX address: {exc}") from None
         inbound.name = name
         rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
@@ -114,10 +111,7 @@ class Serving:
         if self._secret:
             body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys + local
             mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
-        inbound.conn.send(
-            {"t": "welcome", "conn_id": inbound.conn_id, "address": self._address, "rkeys": rkeys, "local": local,
-             "mac": mac}
-        )  # fmt: skip
+        inbound.conn.send(Welcome(inbound.conn_id, self._address, rkeys, local, mac))
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
         else:
@@ -125,9 +119,9 @@ class Serving:
 
 
 # what an initiator may send after its hello, by message type
-_FROM_INITIATOR: dict[str, Callable[..., None]] = {
-    "req": Serving._on_req,
-    "notif": Serving._on_notif_from,
-    "revoked": Serving._on_revoked,
-    "cancel": Serving._on_cancel,
+_FROM_INITIATOR: dict[type[Message], Callable[..., None]] = {
+    Req: Serving._on_req,
+    Notif: Serving._on_notif_from,
+    Revoked: Serving._on_revoked,
+    Cancel: Serving._on_cancel,
 }

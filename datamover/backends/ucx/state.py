@@ -17,6 +17,7 @@ from ..base import (
 )
 from . import rma
 from .config import _DRAIN_IDLE_S, _DRAIN_WINDOW
+from .messages import Req
 from .protocol import FrameConn, new_nonce
 
 
@@ -109,7 +110,7 @@ class UcxPlan:
 
     views: Any
     regions: frozenset[int]
-    msg: dict[str, Any]
+    msg: Req
     one_sided: Any = None
 
 

@@ -16,6 +16,7 @@ from ...errors import (
     TransferTimeout,
 )
 from .config import _CACHE_ROWS, _DRAIN_MAX, _DRAINS_PER_PEER, ucx_error
+from .messages import Done, Fail, Refuse, Req
 from .state import Drain, Inbound, OutOp, Peer, Requests, row_views
 
 
@@ -88,9 +89,9 @@ class Tagged:
                 if notify:
                     self.b.host.deliver_notification(inbound.name, notify)
                 if op_name == "WRITE":
-                    inbound.conn.send({"t": "done", "id": key[1]})
+                    inbound.conn.send(Done(key[1]))
             else:
-                inbound.conn.send({"t": "fail", "id": key[1], "reason": f"{type(res).__name__}: {res}"})
+                inbound.conn.send(Fail(key[1], f"{type(res).__name__}: {res}"))
         return progressed
 
     def _late(self, op: OutOp) -> TransferTimeout:
@@ -108,13 +109,12 @@ class Tagged:
         for i in rows:
             self.b._self_ep.tag_send(empty, self.b._ucx.UCXXTag(tag0 + i))
 
-    def _serve(self, inbound: Inbound, msg: dict[str, Any]) -> None:
+    def _serve(self, inbound: Inbound, msg: Req) -> None:
         self.b.counts["served for peers"] += 1
-        op_id, op = int(msg["id"]), msg["op"]
-        tag0 = int(msg["tag"])
+        op_id, op, tag0 = msg.id, msg.op, msg.tag
         # a prepared transfer posted again sends the same descriptors: reuse their check while the
         # registrations are unchanged (the table object is rebuilt on every change)
-        key = (msg.get("mem"), msg.get("addr"), msg.get("len"), msg.get("dev"))
+        key = (msg.mem, msg.addr, msg.length, msg.dev)
         cached = self.b._checked.get(key)
         if cached is not None and cached[0] is self.b.host.region_table:
             views, regions = cached[1], cached[2]
@@ -122,7 +122,7 @@ class Tagged:
             try:
                 descs, rids = self._validate(msg)
             except DatamoverError as exc:
-                inbound.conn.send({"t": "refuse", "id": op_id, "row": exc.index, "reason": exc.reason})
+                inbound.conn.send(Refuse(op_id, exc.reason, exc.index))
                 if op == "WRITE":
                     self._drain(inbound, msg, tag0)
                 return
@@ -139,9 +139,9 @@ class Tagged:
             else:
                 reqs = [ep.tag_send(v, T(tag0 + i)) for i, v in enumerate(views)]
         except Exception as exc:
-            inbound.conn.send({"t": "fail", "id": op_id, "reason": f"posting failed: {exc}"})
+            inbound.conn.send(Fail(op_id, f"posting failed: {exc}"))
             return
-        inbound.ops[op_id] = (Requests(reqs), op, bytes(msg.get("notify") or b""), tag0, regions)
+        inbound.ops[op_id] = (Requests(reqs), op, msg.notify or b"", tag0, regions)
         self.b._active_in[(inbound.conn_id, op_id)] = inbound
 
     def _cancel_served(self, inbound: Inbound, op_id: int) -> None:
@@ -153,19 +153,18 @@ class Tagged:
         if inbound.ops.pop(op_id, None) is not None:
             self.b._active_in.pop((inbound.conn_id, op_id), None)
 
-    def _validate(self, msg: dict[str, Any]) -> tuple[DescList, np.ndarray]:
-        """The request's descriptors checked against this agent's registrations; raises naming the row."""
+    def _validate(self, msg: Req) -> tuple[DescList, np.ndarray]:
+        """The request's descriptors checked against this agent's registrations; raises naming the row.
+
+        ``messages.Req`` already checked the op and that the columns are equal-length int64 arrays.
+        """
         from ...errors import InvalidDescriptor
 
-        if msg["op"] not in ("WRITE", "READ"):
-            raise InvalidDescriptor(f"unknown op {msg['op']!r}")
-        mem = MemType.parse(msg["mem"])
+        mem = MemType.parse(msg.mem)
         if mem not in (MemType.DRAM, MemType.VRAM):
             raise InvalidDescriptor(f"ucx serves DRAM and VRAM, not {mem}")
-        cols = [msg["addr"], msg["len"], msg["dev"]]
-        if not all(isinstance(c, bytes) and len(c) % 8 == 0 for c in cols) or len({len(c) for c in cols}) != 1:
-            raise InvalidDescriptor("descriptor columns must be equal-length int64 arrays")
-        rows = np.empty((len(cols[0]) // 8, 3), dtype=np.int64, order="F")
+        cols = [msg.addr, msg.length, msg.dev]
+        rows = np.empty((msg.rows, 3), dtype=np.int64, order="F")
         for k, c in enumerate(cols):
             rows[:, k] = np.frombuffer(c, dtype="<i8")
         check_rows(rows)  # negative fields, address overflow; the same checks DescList makes, without its overhead
@@ -173,13 +172,10 @@ class Tagged:
         rids = self.b.host.region_table.lookup(descs, owner=f"agent {self.b.host.name!r}", backend=self.b.name)
         return descs, rids
 
-    def _drain(self, inbound: Inbound, msg: dict[str, Any], tag0: int) -> None:
+    def _drain(self, inbound: Inbound, msg: Req, tag0: int) -> None:
         """Consume the refused request's data into scratch memory, so none of it touches registered memory."""
-        try:
-            n = len(msg["len"]) // 8
-            longest = int(np.frombuffer(msg["len"], dtype="<i8").max()) if n else 0
-        except (TypeError, ValueError):
-            return
+        n = msg.rows
+        longest = int(np.frombuffer(msg.length, dtype="<i8").max()) if n else 0
         mine = [d for d in self.b._draining if d.inbound is inbound]
         if len(mine) >= _DRAINS_PER_PEER:
             raise InvalidMetadata(f"more than {_DRAINS_PER_PEER} refused WRITEs in flight")

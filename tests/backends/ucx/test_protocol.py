@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from datamover.backends.ucx.messages import Message, Notif
 from datamover.backends.ucx.protocol import MAX_FRAME, FrameConn
 from datamover.errors import AuthenticationError, InvalidMetadata
 
@@ -35,7 +36,7 @@ def test_random_bytes_give_messages_or_typed_errors(blob):
         except InvalidMetadata:
             return
         for m in msgs:
-            assert isinstance(m, dict) and isinstance(m["t"], str)
+            assert isinstance(m, Message)
     finally:
         tx.close()
         rx.close()
@@ -50,7 +51,7 @@ def test_oversized_frame_is_refused():
 
 def test_frames_round_trip_in_order_and_split_reads():
     tx, rx = _pair()
-    msgs = [{"t": "notif", "msg": bytes(range(i % 256)) * 10} for i in range(200)]
+    msgs = [Notif(bytes(range(i % 256)) * 10) for i in range(200)]
     for m in msgs:
         tx.send(m)
     got = []
@@ -68,7 +69,7 @@ def test_signed_frames_detect_any_flipped_byte(pos, flip):
     key = b"k" * 32
     tx.authenticate(key)
     rx.authenticate(key)
-    tx.send({"t": "notif", "msg": b"x" * 100})
+    tx.send(Notif(b"x" * 100))
     raw = bytearray(rx.sock.recv(4096))
     pos %= len(raw)
     if pos < 4:
@@ -87,7 +88,7 @@ def test_replayed_signed_frame_is_refused():
     key = b"s" * 32
     tx.authenticate(key)
     rx.authenticate(key)
-    tx.send({"t": "notif", "msg": b"once"})
+    tx.send(Notif(b"once"))
     frame = rx.sock.recv(4096)
     a, b = socket.socketpair()
     victim = FrameConn(b, outbound=False)
