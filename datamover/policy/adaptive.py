@@ -41,7 +41,7 @@ from .base import Key, Policy, PolicySettings, TierPolicy
 from .lfu import LFUTier
 from .lru import LRUTier
 from .s3fifo import S3FIFOTier
-from .tinylfu import SAMPLE_FACTOR, FrequencySketch, WTinyLFUTier
+from .tinylfu import MAX_COUNT, SAMPLE_FACTOR, FrequencySketch, WTinyLFUTier
 
 SHADOW_MIN = 256  # chunks a shadow holds at least (when the tier holds that many)
 SHADOW_SHARE = 0.125  # share of the keys each shadow samples at least: five shadows cost about 5/8 of the tier
@@ -52,30 +52,6 @@ CHECKS = 16  # comparisons per horizon
 EXPERTS = ("s3fifo", "wtinylfu", "arc", "lru", "lfu")
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-
-
-class Shadow:
-    """A key-only single-tier cache under one tier policy, fed a sample of the references."""
-
-    def __init__(self, order: TierPolicy, capacity: int) -> None:
-        self.order = order
-        self.capacity = capacity
-        self.resident: set[Key] = set()
-
-    def ref(self, key: Key, now: float) -> bool:
-        """One sampled reference; whether it hit."""
-        resident, order = self.resident, self.order
-        if key in resident:
-            order.touch(key, now)
-            return True
-        if len(resident) >= self.capacity:
-            if not order.admit(key, now):
-                return False
-            for victim in order.evict(len(resident) + 1 - self.capacity, now):
-                resident.discard(victim)
-        resident.add(key)
-        order.insert(key, now)
-        return False
 
 
 class AdaptiveTier(TierPolicy):
@@ -98,7 +74,7 @@ class AdaptiveTier(TierPolicy):
         self.threshold = int(rate * (1 << 64))
         size = max(1, round(capacity * rate))
         horizon = float(SAMPLE_FACTOR * max(size, SHADOW_MIN))
-        self.shadows = [Shadow(make(size), size) for make in experts]
+        self.shadows = [make(size) for make in experts]  # key-only caches, run by `TierPolicy.ref`
         self._refs = [shadow.ref for shadow in self.shadows]
         n = len(experts)
         # wins[i][j]: sampled references where expert i's shadow hit and j's missed, faded over `horizon`
@@ -114,8 +90,7 @@ class AdaptiveTier(TierPolicy):
         self.recency: OrderedDict[Key, None] = OrderedDict()
 
     def _sample(self, key: Key, now: float) -> None:
-        if (hash(key) * _GOLDEN) & _MASK >= self.threshold:
-            return
+        """One reference of a sampled key (`insert` and `touch` test the hash): to every shadow, then count."""
         hit = [ref(key, now) for ref in self._refs]
         unit = self._unit = self._unit / self._keep
         if 0 < sum(hit) < len(hit):
@@ -172,7 +147,8 @@ class AdaptiveTier(TierPolicy):
             else:
                 kids.add(key)
         self.real.insert(key, now, ref)
-        self._sample(key, now)
+        if (hash(key) * _GOLDEN) & _MASK < self.threshold:
+            self._sample(key, now)
 
     def _gone(self, key: Key) -> None:
         del self.recency[key]
@@ -186,7 +162,8 @@ class AdaptiveTier(TierPolicy):
     def touch(self, key: Key, now: float, ref: int = -1) -> None:
         self.recency.move_to_end(key)
         self.real.touch(key, now, ref)
-        self._sample(key, now)
+        if (hash(key) * _GOLDEN) & _MASK < self.threshold:
+            self._sample(key, now)
 
     def remove(self, key: Key) -> None:
         self._gone(key)
@@ -199,21 +176,14 @@ class AdaptiveTier(TierPolicy):
         first, as a radix tree does)."""
         out: list[Key] = []
         real, children = self.real, self.children
-        restore = getattr(real, "restore", real.insert)
         while len(out) < count:
-            got = real.evict(1, now, pinned)
-            for _ in range(LEAF_TRIES):
-                if not got or got[0] not in children:
-                    break
-                restore(got[0], now)
-                got = real.evict(1, now, pinned)
-            if not got:
+            key = real.evict_avoiding(children, LEAF_TRIES, now, pinned)
+            if key is None:
                 break
-            key = got[0]
             if key in children:  # still a parent: a leaf below it goes instead
                 leaf = self._leaf_under(key, pinned)
                 if leaf is not None and leaf not in out:
-                    restore(key, now)
+                    real.restore(key, now)
                     real.remove(leaf)
                     key = leaf
             self._gone(key)
@@ -261,11 +231,17 @@ class AdaptivePolicy(Policy):
         if parent is None:
             return
         parents = self.parents
-        if key in parents:
-            parents.move_to_end(key)
+        parents.pop(key, None)
         parents[key] = parent
         if len(parents) > 2 * self.chunks + 1024:
             parents.popitem(last=False)
 
     def observe(self, key: Key, now: float, ref: int = -1) -> None:
-        self.sketch.add(key)
+        sketch = self.sketch  # FrequencySketch.add, inlined: this runs on every reference
+        counts = sketch.counts
+        c = counts.get(key, 0)
+        if c < MAX_COUNT:
+            counts[key] = c + 1
+        sketch.added += 1
+        if sketch.added >= sketch.period:
+            sketch.halve()

@@ -93,6 +93,24 @@ class ARCTier(TierPolicy):
             self.b2.pop(key, None)
             self.t2[key] = None
 
+    def ref(self, key: Key, now: float) -> bool:
+        t1, t2 = self.t1, self.t2
+        if key in t1:
+            del t1[key]
+            t2[key] = None
+            return True
+        if key in t2:
+            t2.move_to_end(key)
+            return True
+        if len(t1) + len(t2) >= self.capacity:
+            self.admit(key, now)
+            self.evict(1, now)
+        self.insert(key, now)
+        return False
+
+    def holds(self, key: Key) -> bool:
+        return key in self.t1 or key in self.t2
+
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch): those the counts say were used at least
         twice into T2, the rest into T1."""

@@ -66,6 +66,37 @@ class TierPolicy(ABC):
         """Whether `key` may replace a resident chunk of this full tier (True: admission control off)."""
         return True
 
+    def restore(self, key: Key, now: float) -> None:
+        """Take back the chunk `evict` just gave up, as just used (default: as a newly inserted chunk)."""
+        self.insert(key, now)
+
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """One victim: `evict(1)`, then, while the victim is in `avoid` and tries remain, `restore` it and
+        `evict(1)` again (None if nothing can leave). Policies may do the same steps faster."""
+        got = self.evict(1, now, pinned)
+        while got and tries > 0 and got[0] in avoid:
+            tries -= 1
+            self.restore(got[0], now)
+            got = self.evict(1, now, pinned)
+        return got[0] if got else None
+
+    def ref(self, key: Key, now: float) -> bool:
+        """One reference to a key-only cache of `capacity` chunks run by this policy (a shadow cache): whether
+        it hit; a miss comes in, evicting one chunk if the cache is full and admission lets it in."""
+        if self.holds(key):
+            self.touch(key, now)
+            return True
+        if len(self) >= self.capacity:
+            if not self.admit(key, now):
+                return False
+            self.evict(1, now)
+        self.insert(key, now)
+        return False
+
+    def holds(self, key: Key) -> bool:
+        """Whether `key` is resident (for `ref`; the owner of a real tier keeps its own set)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run as a shadow cache")
+
 
 class Policy(ABC):
     """One cache's policy: sees every reference (`observe`) and makes a TierPolicy per tier."""

@@ -49,17 +49,19 @@ class LeCaRTier(TierPolicy):
             heapq.heapify(self._heap)
 
     def _learn(self, key: Key) -> None:
-        for history, is_lru in ((self.h_lru, True), (self.h_lfu, False)):
-            if key in history:
-                when = history[key][0]
-                penalty = math.exp(-LEARNING_RATE * self.discount ** (self.clock - when))
-                w_lru, w_lfu = self.w_lru, 1.0 - self.w_lru
-                if is_lru:
-                    w_lru *= penalty
-                else:
-                    w_lfu *= penalty
-                self.w_lru = min(0.99, max(0.01, w_lru / (w_lru + w_lfu)))
+        old = self.h_lru.get(key)
+        is_lru = old is not None
+        if not is_lru:
+            old = self.h_lfu.get(key)
+            if old is None:
                 return
+        penalty = math.exp(-LEARNING_RATE * self.discount ** (self.clock - old[0]))
+        w_lru, w_lfu = self.w_lru, 1.0 - self.w_lru
+        if is_lru:
+            w_lru *= penalty
+        else:
+            w_lfu *= penalty
+        self.w_lru = min(0.99, max(0.01, w_lru / (w_lru + w_lfu)))
 
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
         self._learn(key)
@@ -83,6 +85,14 @@ class LeCaRTier(TierPolicy):
 
     def _lfu_victim(self, pinned: Container[Key]) -> Key | None:
         heap, entries = self._heap, self._entry
+        while heap:  # drop stale entries from the top; the least used live one, if unpinned, is the answer
+            entry = heap[0]
+            if entries.get(entry[2]) is not entry:
+                heapq.heappop(heap)
+            elif entry[2] not in pinned:
+                return entry[2]
+            else:
+                break
         held, found = [], None
         while heap:
             entry = heapq.heappop(heap)
@@ -98,16 +108,17 @@ class LeCaRTier(TierPolicy):
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         out: list[Key] = []
+        draw, lru, freq = self.rng.random, self._lru, self._freq
         while len(out) < count:
-            use_lru = self.rng.random() < self.w_lru
-            key = first_unpinned(self._lru, pinned) if use_lru else self._lfu_victim(pinned)
+            use_lru = draw() < self.w_lru
+            key = first_unpinned(lru, pinned) if use_lru else self._lfu_victim(pinned)
             if key is None:
                 break
             history = self.h_lru if use_lru else self.h_lfu
-            history[key] = (self.clock, self._freq[key])
+            history[key] = (self.clock, freq.pop(key))
             if len(history) > self.capacity:
                 history.popitem(last=False)
-            self.remove(key)
+            del lru[key], self._entry[key]
             out.append(key)
         return out
 

@@ -66,6 +66,19 @@ class LFUTier(TierPolicy):
             heapq.heappush(heap, entry)
         return out
 
+    def ref(self, key: Key, now: float) -> bool:
+        count = self._count.get(key)
+        if count is not None:
+            self._push(key, count + 1)
+            return True
+        if len(self._entry) >= self.capacity:
+            self.evict(1, now)
+        self._push(key, 1)
+        return False
+
+    def holds(self, key: Key) -> bool:
+        return key in self._entry
+
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch), each with its use count from `counts`
         (at least 1; ties leave oldest first)."""

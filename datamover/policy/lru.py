@@ -35,6 +35,19 @@ class LRUTier(TierPolicy):
             del self._order[key]
         return out
 
+    def ref(self, key: Key, now: float) -> bool:
+        order = self._order
+        if key in order:
+            order.move_to_end(key)
+            return True
+        if len(order) >= self.capacity:
+            order.popitem(last=False)
+        order[key] = None
+        return False
+
+    def holds(self, key: Key) -> bool:
+        return key in self._order
+
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch); use counts do not matter to LRU."""
         for key in keys:

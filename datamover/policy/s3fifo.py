@@ -104,6 +104,21 @@ class S3FIFOTier(TierPolicy):
             out.append(key)
         return out
 
+    def ref(self, key: Key, now: float) -> bool:
+        freq = self.freq
+        f = freq.get(key)
+        if f is not None:
+            if f < MAX_FREQ:
+                freq[key] = f + 1
+            return True
+        if len(freq) >= self.capacity:
+            self.evict(1, now)
+        self.insert(key, now)
+        return False
+
+    def holds(self, key: Key) -> bool:
+        return key in self.freq
+
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first, into the main queue (a policy switch), each with the uses
         beyond its first that `counts` gives (at most 3)."""

@@ -42,8 +42,12 @@ class FrequencySketch:
             self.counts[key] = c + 1
         self.added += 1
         if self.added >= self.period:
-            self.counts = {k: v >> 1 for k, v in self.counts.items() if v > 1}
-            self.added //= 2
+            self.halve()
+
+    def halve(self) -> None:
+        """Age the counts: halve them all (ones drop out) and the references counted since the last time."""
+        self.counts = {k: v >> 1 for k, v in self.counts.items() if v > 1}
+        self.added //= 2
 
     def estimate(self, key: Key) -> int:
         return self.counts.get(key, 0)
@@ -151,6 +155,67 @@ class WTinyLFUTier(TierPolicy):
                 break
             out.append(key)
         return out
+
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """One victim, as `evict(1)` then, while the victim is in `avoid` and tries remain, `insert` it back
+        (as just used) and `evict(1)` again: the same steps as that loop, in one call (the default's leaf
+        guard asks this for nearly every chunk it evicts). A window candidate that loses the contest and is
+        handed back only moves to the window's newest end, so runs of those are done in one pass."""
+        window, probation, protected = self.window, self.probation, self.protected
+        counts = self.sketch.counts
+        while True:
+            if len(window) != self.window_size:
+                key = self._one(pinned)
+            else:
+                victim, segment = None, probation
+                for victim in probation:  # main's victim: probation's oldest unpinned, else protected's
+                    if victim not in pinned:
+                        break
+                else:
+                    victim, segment = first_unpinned(protected, pinned), protected
+                least = counts.get(victim, 0) if victim is not None else MAX_COUNT + 1
+                rotated: list[Key] = []
+                key, won = None, False
+                for candidate in window:  # the window's unpinned chunks, oldest first, each against the victim
+                    if candidate in pinned:
+                        continue
+                    if counts.get(candidate, 0) > least:
+                        key, won = candidate, True
+                        break
+                    if len(rotated) >= tries or candidate not in avoid:
+                        key = candidate
+                        break
+                    rotated.append(candidate)  # refused, handed back: it becomes the window's newest
+                for candidate in rotated:
+                    window.move_to_end(candidate)
+                tries -= len(rotated)
+                if key is None:
+                    if rotated:  # every unpinned window chunk went round once: go round again
+                        continue
+                    key = self._one(pinned)  # the window is all pinned
+                else:
+                    del window[key]
+                    if won:
+                        del segment[victim]
+                        probation[key] = None
+                        key = victim
+            if key is None or tries <= 0 or key not in avoid:
+                return key
+            tries -= 1
+            window[key] = None  # insert
+            while len(window) > self.window_size:
+                old = next(iter(window))
+                del window[old]
+                probation[old] = None
+
+    def ref(self, key: Key, now: float) -> bool:
+        if key in self.window or key in self.probation or key in self.protected:
+            self.touch(key, now)
+            return True
+        if len(self) >= self.capacity:
+            self._one(())
+        self.insert(key, now)
+        return False
 
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch): the newest into the window; of the rest,

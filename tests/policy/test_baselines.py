@@ -150,7 +150,7 @@ def test_adaptive_switches_on_a_paired_lead_and_hands_over_warm():
     for i in (3, 3, 5):  # chunks 3 and 5 used again: their counts in the sketch go up
         stack.access(i, 64.0, 64)
     assert isinstance(tier.real, S3FIFOTier) and tier.leader == 0
-    assert [type(s.order) for s in tier.shadows] == [S3FIFOTier, WTinyLFUTier, ARCTier, LRUTier, LFUTier]
+    assert [type(s) for s in tier.shadows] == [S3FIFOTier, WTinyLFUTier, ARCTier, LRUTier, LFUTier]
     assert not any(map(any, tier.wins))  # every shadow holds all 64: no reference was split
 
     def compare(up: float, down: float, expert: int = 2) -> None:
@@ -178,9 +178,9 @@ def test_the_paired_counts_take_only_the_references_the_shadows_split():
     for key in (1, 2, 1, 2):  # 1-chunk shadows: every one misses every reference, nothing is split
         tier._sample(key, 0.0)
     assert not any(map(any, tier.wins))
-    s3 = tier.shadows[0]
-    s3.resident, s3.order = {7}, S3FIFOTier(1)
-    s3.order.insert(7, 0.0)  # only S3-FIFO's shadow holds 7
+    s3 = tier.shadows[0] = S3FIFOTier(1)
+    tier._refs[0] = s3.ref
+    s3.insert(7, 0.0)  # only S3-FIFO's shadow holds 7
     tier._sample(7, 1.0)
     assert [w > 0 for w in tier.wins[0]] == [False, True, True, True, True]
     assert not any(map(any, tier.wins[1:]))

@@ -1,0 +1,119 @@
+"""The policies' fast paths take exactly the steps of the slow code they replace: `TierPolicy.ref` (a shadow
+cache's reference) against the generic admit/evict/insert sequence, `evict_avoiding` against the loop of
+`evict(1)` and `restore` it stands for. Random sequences with repeats, pins and parents; same answers and same
+state after every step, so a fast path that drifts from its policy fails here."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+
+from datamover.policy.arc import ARCTier
+from datamover.policy.base import TierPolicy
+from datamover.policy.lecar import LeCaRTier
+from datamover.policy.lfu import LFUTier
+from datamover.policy.lru import LRUTier
+from datamover.policy.s3fifo import S3FIFOTier
+from datamover.policy.tinylfu import FrequencySketch, WTinyLFUTier
+
+EXPERTS = {
+    "s3fifo": lambda c: S3FIFOTier(c),
+    "wtinylfu": lambda c: WTinyLFUTier(c, FrequencySketch(64)),
+    "wtinylfu-wide": lambda c: WTinyLFUTier(c, FrequencySketch(64), window_ratio=0.3),  # runs of refusals
+    "arc": lambda c: ARCTier(c),
+    "lru": lambda c: LRUTier(c),
+    "lfu": lambda c: LFUTier(c),
+}
+
+
+def state(t: TierPolicy):
+    """Everything a policy decides by, as plain values (orders included)."""
+    out = {}
+    for name, value in vars(t).items():
+        if name in ("sketch", "rng"):
+            continue
+        out[name] = list(value.items()) if isinstance(value, dict) else value
+    if isinstance(t, WTinyLFUTier):
+        out["sketch"] = sorted(t.sketch.counts.items())
+    return out
+
+
+def slow_ref(t: TierPolicy, resident: set, key, now: float) -> bool:
+    """A shadow reference the long way: what the default's shadow caches did before `ref`."""
+    if key in resident:
+        t.touch(key, now)
+        return True
+    if len(resident) >= t.capacity:
+        if not t.admit(key, now):
+            return False
+        for victim in t.evict(len(resident) + 1 - t.capacity, now):
+            resident.discard(victim)
+    resident.add(key)
+    t.insert(key, now)
+    return False
+
+
+@pytest.mark.parametrize("name", sorted(EXPERTS))
+@pytest.mark.parametrize("capacity", [1, 3, 17])
+def test_ref_is_the_generic_shadow_reference(name, capacity):
+    rng = random.Random(capacity)
+    fast, slow = EXPERTS[name](capacity), EXPERTS[name](capacity)
+    resident: set = set()
+    hits = 0
+    for i in range(3000):
+        key = int(rng.paretovariate(1.0)) % (4 * capacity + 5)
+        for t in (fast, slow):
+            if isinstance(t, WTinyLFUTier):
+                t.sketch.add(key)
+        got = fast.ref(key, float(i))
+        assert got == slow_ref(slow, resident, key, float(i)), i
+        assert state(fast) == state(slow), i
+        assert len(fast) == len(resident) <= capacity
+        hits += got
+    assert 0 < hits < 3000
+
+
+def slow_evict_avoiding(t: TierPolicy, avoid, tries: int, now: float, pinned):
+    """The default's leaf guard as it was written: evict one, hand it back while it is avoided."""
+    got = t.evict(1, now, pinned)
+    for _ in range(tries):
+        if not got or got[0] not in avoid:
+            break
+        t.restore(got[0], now)
+        got = t.evict(1, now, pinned)
+    return got[0] if got else None
+
+
+@pytest.mark.parametrize("name", [*sorted(EXPERTS), "lecar"])
+@pytest.mark.parametrize("capacity", [2, 9, 120])
+def test_evict_avoiding_takes_the_steps_of_the_hand_back_loop(name, capacity):
+    rng = random.Random(capacity + 7)
+    make = EXPERTS.get(name, lambda c: LeCaRTier(c, seed=1))
+    fast = make(capacity)
+    resident: set = set()
+    checked = 0
+    for i in range(4000):
+        key = int(rng.paretovariate(0.8)) % (5 * capacity + 9)
+        if isinstance(fast, WTinyLFUTier):
+            fast.sketch.add(key)
+        if key in resident:
+            fast.touch(key, float(i))
+            continue
+        if len(resident) >= capacity:
+            fast.admit(key, float(i))
+            slow = copy.deepcopy(fast)
+            keys = list(resident)
+            avoid = set(rng.sample(keys, rng.randrange(len(keys) + 1)))  # up to all of them
+            pinned = set(rng.sample(keys, rng.randrange(min(3, len(keys)) + 1))) if rng.random() < 0.3 else ()
+            tries = rng.choice([0, 1, 3, 8, 40])
+            got = fast.evict_avoiding(avoid, tries, float(i), pinned)
+            assert got == slow_evict_avoiding(slow, avoid, tries, float(i), pinned), i
+            assert state(fast) == state(slow), i
+            checked += got is not None and got in avoid
+            if got is not None:
+                resident.discard(got)
+        resident.add(key)
+        fast.insert(key, float(i))
+    assert checked  # some victims were avoided chunks taken anyway (tries ran out)
