@@ -194,6 +194,31 @@ def test_staged_slots_sit_at_the_callers_page_offsets(agents):
         assert buf.read(int(o), int(n)) == payload[o : o + n]
 
 
+def test_a_reposted_transfer_reuses_its_plan_s_call_groups(agents, monkeypatch):
+    """A prepared transfer's store calls are cut into groups once, when it is planned: posting it again asks
+    the client for none (the groups travel with the plan), and every post still moves and checks the bytes."""
+    agent = agents["auto"]
+    client = agent.backend("mooncake").client
+    reg = agent.register_objects("it", prefix="regroup/")
+    buf = HostBuffer(agent, 256 * 1024)
+    data = random_bytes(256 * 1024, 16)
+    buf.write(0, data)
+    dst = agent.prepare(DescList.objects(reg, [64 * 1024] * 4, 0, keys=[f"regroup/{i}" for i in range(4)]))
+    src = agent.prepare(buf.descs([i * 64 * 1024 for i in range(4)], [64 * 1024] * 4))
+    with (
+        agent.make_transfer("WRITE", src, None, dst, None) as put,
+        agent.make_transfer("READ", src, None, dst, None) as get,
+    ):
+        asked = []
+        monkeypatch.setattr(client, "groups", lambda sizes: asked.append(sizes) or [])
+        for _ in range(3):
+            assert put.post().wait() == XferState.DONE
+            buf.write(0, bytes(256 * 1024))
+            assert get.post().wait() == XferState.DONE
+            assert buf.read(0, 256 * 1024) == data
+        assert asked == [], "a post cut its calls into groups again"
+
+
 def test_write_with_offset_refused(agent):
     reg = agent.register_objects("it", prefix="off/")
     buf = HostBuffer(agent, 4096)
