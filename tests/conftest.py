@@ -1,6 +1,14 @@
 """Shared pytest settings."""
 
+import os
+
 from hypothesis import HealthCheck, settings
+
+# UCX's tcp transport makes lanes over every network interface of this namespace, test hosts' veths included
+# (ours, or those of another suite running beside this one, made and deleted while we run: a lane over one that
+# goes resets its connection). Agents of the tests on one host talk over loopback; processes on a test host get
+# their own UCX_NET_DEVICES, and agents there their own NET_DEVICES.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 pytest_plugins = ["datamover.testing.hosts"]  # the test_hosts fixture
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..descriptors import DescList, MemType, RegionTable, Registration
 from ..descriptors.coalesce import caller_index_at
-from ..errors import DatamoverError, InvalidParameter, TransferAborted
+from ..errors import DatamoverError, InvalidDescriptor, InvalidParameter, TransferAborted
 
 #: the one clock of every deadline and timestamp: ``BackendHost.clock`` is this, ``Completion.finished_at`` reads it
 clock = time.monotonic
@@ -344,6 +344,23 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release threads, connections and handles."""
+
+
+def refuse_offset_writes(req: TransferRequest, key_of: Callable[[int], str], store: str, backend: str) -> None:
+    """Object stores write whole objects: a WRITE descriptor at a non-zero object offset is refused when the
+    transfer is made, with an ``InvalidDescriptor`` naming the descriptor and its key (``key_of(row)``)."""
+    obj = req.remote
+    if req.op != "WRITE" or not len(obj):
+        return
+    bad = np.flatnonzero(obj.addr != 0)
+    if bad.size:
+        row = int(bad[0])
+        raise InvalidDescriptor(
+            f"{store} writes whole objects: a WRITE descriptor must have offset 0, got {int(obj.addr[row])} "
+            f"for key {key_of(row)!r}",
+            index=req.caller_index(row),
+            backend=backend,
+        )
 
 
 def split_by_bytes(lengths: np.ndarray, parts: int, min_bytes: int) -> list[tuple[int, int]]:

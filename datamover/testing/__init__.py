@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .buffers import FileBuffer, HostBuffer, TestBuffer, VramBuffer, gpu_skip_reason
-    from .conformance import BackendConformance, random_bytes
+    from .buffers import FileBuffer, HostBuffer, ObjectBuffer, TestBuffer, VramBuffer, gpu_skip_reason
+    from .conformance import BackendConformance, ObjectStoreConformance, random_bytes
     from .hosts import Host, TestHosts, TestHostsUnavailable
 
 _WHERE = {
@@ -19,6 +19,8 @@ _WHERE = {
     "FileBuffer": "buffers",
     "Host": "hosts",
     "HostBuffer": "buffers",
+    "ObjectBuffer": "buffers",
+    "ObjectStoreConformance": "conformance",
     "TestBuffer": "buffers",
     "TestHosts": "hosts",
     "TestHostsUnavailable": "hosts",
@@ -32,6 +34,8 @@ __all__ = [
     "FileBuffer",
     "Host",
     "HostBuffer",
+    "ObjectBuffer",
+    "ObjectStoreConformance",
     "TestBuffer",
     "TestHosts",
     "TestHostsUnavailable",

@@ -11,7 +11,8 @@ under test. Defaults it may override:
 - ``make_local(nbytes)``: registered host memory (``HostBuffer``).
 
 Class attributes tune sizes for slow media; what needs absent hardware is
-skipped by the subclass's fixtures, with the reason.
+skipped by the subclass's fixtures, with the reason. Object stores subclass
+``ObjectStoreConformance``, where a remote descriptor is a whole object.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 from ..agents import Agent, XferState
 from ..backends.base import Completion
+from ..descriptors import DescList
 from ..errors import (
     DatamoverError,
     LengthMismatch,
@@ -296,3 +298,43 @@ class BackendConformance:
             t.join(120)
         assert not errors, errors
         assert remote.read(0, k * part) == data
+
+
+class ObjectStoreConformance(BackendConformance):
+    """The kit for object stores (s3, mooncake): each remote descriptor (offset, length) is its own object.
+
+    ``make_remote(nbytes)`` gives an object buffer that also has ``key(offset, length)`` (the object a
+    descriptor names) and ``registration`` (its ``register_objects`` entry). Two tests become their object-store
+    equivalents: distinct keys never overlap while two WRITE descriptors of one key do, and a WRITE is a whole
+    object, so odd offsets are ranged READs inside one.
+    """
+
+    def test_overlapping_destinations_refused(self, agent, peer, make_local, make_remote):
+        """Distinct keys never overlap; two WRITE descriptors for the same key do, and are refused untouched."""
+        local, remote = make_local(8192), make_remote(8192)
+        local.write(0, random_bytes(8192, 3))
+        key, other = remote.key(0, 100), remote.key(100, 100)
+        before = remote.read(0, 200)
+        dst = DescList.objects(remote.registration, [100, 100, 100], 0, keys=[key, other, key])
+        with pytest.raises(OverlappingDestination) as info:
+            agent.transfer("WRITE", local.descs([0, 1000, 5000], [100, 100, 100]), dst, backends=self.backend)
+        assert info.value.index == 2
+        assert remote.read(0, 200) == before, "a refused transfer touched the destination"
+
+    def test_roundtrip_odd_offsets(self, agent, peer, make_local, make_remote):
+        """A WRITE is a whole object; odd offsets are ranged READs inside it, landing at odd local offsets."""
+        size = 10_007 + max(self.offsets)
+        local, remote = make_local(size + 8), make_remote(size)
+        data = random_bytes(size, 100)
+        remote.write(0, data)
+        obj = remote.key(0, size)
+        for k, off in enumerate(self.offsets):
+            n = size - off - k
+            dst = 1 + k
+            local.write(0, bytes(size + 8))
+            src = DescList.objects(remote.registration, [n], [off], keys=[obj])
+            xfer = agent.transfer("READ", local.descs([dst], [n]), src, backends=self.backend)
+            assert xfer.wait() == XferState.DONE
+            got = local.read(0, size + 8)
+            assert got[dst : dst + n] == data[off : off + n], f"ranged READ at offset {off} returned wrong bytes"
+            assert got[:dst] == bytes(dst) and got[dst + n :] == bytes(size + 8 - dst - n), "READ wrote outside"

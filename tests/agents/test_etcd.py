@@ -60,7 +60,22 @@ def test_publish_fetch_transfer_and_incremental_update(etcd, ns):
         assert agent.refresh_remote("decode-e") == "decode-e"
 
 
-def test_fetch_waits_for_the_peer_to_appear(etcd, ns):
+def test_fetch_waits_for_the_peer_to_appear(etcd, ns, monkeypatch):
+    import etcd3gw
+
+    from datamover.agents.etcd import agent_key
+
+    waiting, gets, real_get = threading.Event(), [], etcd3gw.Etcd3Client.get
+
+    def get(self, key, *args, **kwargs):
+        out = real_get(self, key, *args, **kwargs)
+        if key == agent_key(ns, "late"):
+            gets.append(out)
+            if len(gets) == 2 and not out:  # the read after its watch opened found nothing: it waits now
+                waiting.set()
+        return out
+
+    monkeypatch.setattr(etcd3gw.Etcd3Client, "get", get)
     with Agent("late-init", UCX) as agent:
         got = {}
 
@@ -72,7 +87,7 @@ def test_fetch_waits_for_the_peer_to_appear(etcd, ns):
 
         t = threading.Thread(target=fetch)
         t.start()
-        time.sleep(0.5)
+        assert waiting.wait(30), (gets, got)  # known point: the fetch is waiting on its watch
         assert t.is_alive(), got
         with Agent("late", UCX) as late:
             late.publish(etcd, ns, ttl=3)

@@ -37,14 +37,23 @@ from ...descriptors import MemType
 from ...errors import (
     ChecksumMismatch,
     DatamoverError,
-    InvalidDescriptor,
     InvalidParameter,
     ObjectStoreError,
     OverlappingDestination,
     TransferTimeout,
     UnsupportedTransfer,
 )
-from ..base import Backend, Completion, Op, TransferRequest, clock, run_inline, run_parts, split_by_bytes
+from ..base import (
+    Backend,
+    Completion,
+    Op,
+    TransferRequest,
+    clock,
+    refuse_offset_writes,
+    run_inline,
+    run_parts,
+    split_by_bytes,
+)
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
 
@@ -156,14 +165,7 @@ class MooncakeBackend(Backend):
         buckets = {r: regs[r].extra["bucket"] for r in np.unique(req.remote_regions).tolist()}
         table = obj.keys or ()
         names = np.array([f"{buckets[int(r)]}/{table[int(d)]}" for r, d in zip(req.remote_regions, obj.dev)], object)
-        if write and n and (obj.addr != 0).any():
-            row = int(np.flatnonzero(obj.addr != 0)[0])
-            raise InvalidDescriptor(
-                f"Mooncake stores whole objects: a WRITE must have offset 0, got {int(obj.addr[row])} "
-                f"for key {names[row]!r}",
-                index=req.caller_index(row),
-                backend=self.name,
-            )
+        refuse_offset_writes(req, lambda row: names[row], "Mooncake", self.name)
         if write and n > 1:
             _, first, inverse = np.unique(names.astype(str), return_index=True, return_inverse=True)
             seen = first[inverse.reshape(-1)]

@@ -58,13 +58,12 @@ from ...descriptors import MemType
 from ...errors import (
     ChecksumMismatch,
     DatamoverError,
-    InvalidDescriptor,
     InvalidParameter,
     ObjectStoreError,
     OverlappingDestination,
 )
 from ...units import MiB
-from ..base import Backend, BackendHost, Completion, TransferRequest, typed_error
+from ..base import Backend, BackendHost, Completion, TransferRequest, refuse_offset_writes, typed_error
 
 log = logging.getLogger("datamover.s3")
 
@@ -264,14 +263,7 @@ class S3Backend(Backend):
         mem, obj = req.local, req.remote
         n = len(obj)
         write = req.op == "WRITE"
-        if write and n and (obj.addr != 0).any():
-            row = int(np.flatnonzero(obj.addr != 0)[0])
-            raise InvalidDescriptor(
-                f"S3 writes whole objects: a WRITE descriptor must have offset 0, got {int(obj.addr[row])} "
-                f"for key {obj.keys[int(obj.dev[row])]!r}",
-                index=req.caller_index(row),
-                backend=self.name,
-            )
+        refuse_offset_writes(req, lambda row: obj.keys[int(obj.dev[row])], "S3", self.name)
         regs = req.registrations
         obj_regs, obj_inv = np.unique(req.remote_regions, return_inverse=True)
         buckets = np.array([regs[r].extra["bucket"] for r in obj_regs.tolist()], dtype=object)[obj_inv.reshape(-1)]

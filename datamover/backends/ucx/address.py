@@ -10,8 +10,10 @@ own limits (128 transports, 64 lanes, 64 memory domains), and every transport
 it names that this worker also has must carry the device, interface and
 endpoint address lengths this worker's own address gives that transport
 (UCX's transports read their addresses with fixed sizes, so a shorter one
-would be read past its end). ``AddressCheck`` holds this worker's reference; ``check``
-raises InvalidMetadata naming what is wrong.
+would be read past its end), and the shared-memory segments it names must be
+live peers' FIFOs on this host (segments.py: UCX maps them unchecked).
+``AddressCheck`` holds this worker's reference; ``check`` raises InvalidMetadata
+naming what is wrong.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ...errors import InvalidMetadata
+from .segments import Segments
 
 MAX_ADDRESS = 1 << 16
 _V1, _V2 = 0, 1
@@ -40,6 +43,9 @@ class Transport:
     dev_len: int
     iface_len: int
     ep_lens: tuple[int, ...]
+    iface: bytes = b""  # the interface address itself (shared-memory transports name their segment in it)
+    at: int = 0  # where ``iface`` starts in the packed address
+    dev: bytes = b""  # its device's address (shared-memory transports: the machine's system id)
 
 
 @dataclass(frozen=True)
@@ -121,7 +127,7 @@ def parse(buf: bytes) -> Address:
             continue  # the release version, carried in the md bits of the trailing empty device
         if md >= _MAX_MDS:
             raise InvalidMetadata(f"UCX address names memory domain {md} (UCX has at most {_MAX_MDS})")
-        r.take(dev_len, "device address")
+        dev = r.take(dev_len, "device address")
         last_tl = False
         while not last_tl:
             if len(out) >= _MAX_RESOURCES:
@@ -131,7 +137,8 @@ def parse(buf: bytes) -> Address:
             tl_byte = r.byte("interface address length")
             last_tl = bool(tl_byte & _FLAG_LAST)
             iface_len = r.extended(tl_byte, _IFACE_LEN_MASK, version, "interface address length")
-            r.take(iface_len, "interface address")
+            at = r.p
+            iface = r.take(iface_len, "interface address")
             ep_lens: list[int] = []
             last_ep = not tl_byte & _FLAG_HAS_EP
             while not last_ep:
@@ -144,7 +151,7 @@ def parse(buf: bytes) -> Address:
                 if lane & _IFACE_LEN_MASK >= _MAX_LANES:
                     raise InvalidMetadata(f"UCX address names lane {lane & _IFACE_LEN_MASK}")
                 ep_lens.append(n)
-            out.append(Transport(csum, dev_len, iface_len, tuple(ep_lens)))
+            out.append(Transport(csum, dev_len, iface_len, tuple(ep_lens), iface, at, dev))
     if r.p != len(buf):
         raise InvalidMetadata(f"UCX address has {len(buf) - r.p} bytes after its last device")
     if not out:
@@ -162,6 +169,7 @@ class AddressCheck:
         self._known: dict[int, set[tuple[int, int, tuple[int, ...]]]] = {}
         for t in mine.transports:
             self._known.setdefault(t.csum, set()).add((t.dev_len, t.iface_len, t.ep_lens))
+        self._segments = Segments(mine)  # measured now, while this worker's own FIFO segments exist
 
     def check(self, buf: bytes, who: str) -> Address:
         """``buf`` parsed, or InvalidMetadata naming ``who`` and the reason."""
@@ -179,4 +187,5 @@ class AddressCheck:
                 raise InvalidMetadata(
                     f"{who} sent a UCX address whose transport {t.csum:#06x} has addresses of unexpected lengths"
                 )
+        self._segments.check(addr, who)
         return addr

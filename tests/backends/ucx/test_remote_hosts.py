@@ -31,6 +31,8 @@ from datamover.errors import (
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
+from .native_hold import event_arrives, held_and_idle
+
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
 
@@ -221,11 +223,13 @@ def test_targets_on_either_host_are_served_by_their_native_progress_thread(test_
         addrs = mine.descs(np.arange(n) * bs, bs).addr
         assert peer.call("wait_transfer", peer.call("start_transfer", "WRITE", theirs, "near-served", addrs, [bs] * n))
         mine.write(0, bytes(n * bs))
+        worker = agent.backend("ucx")._worker
         progress.hold()
         try:
+            held_and_idle(progress, worker)
             held = progress.stats["progressed"]
             xid = peer.call("start_transfer", "WRITE", theirs, "near-served", addrs, [bs] * n)
-            time.sleep(0.5)
+            event_arrives(worker)  # known point: the far WRITE's data reached this host, and nobody progressed it
             assert mine.read(0, n * bs) == bytes(n * bs) and progress.stats["progressed"] == held
         finally:
             progress.release()

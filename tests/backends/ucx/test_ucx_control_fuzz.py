@@ -9,9 +9,12 @@ serving, and keep its memory.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -23,6 +26,7 @@ from datamover import Agent, XferState
 from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
 from datamover.backends.ucx.address import AddressCheck, parse
+from datamover.backends.ucx.segments import POSIX, SYSV
 from datamover.errors import DatamoverError, InvalidMetadata
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
@@ -249,6 +253,127 @@ def test_fuzzed_welcome_addresses_never_kill_the_initiator(initiator, real_addre
         assert initiator.call("ping", timeout=10) == initiator.pid, "the initiator died on a welcome"
     finally:
         fake.close()
+
+
+def _welcome_from_fake(initiator, real_address: bytes, address: bytes) -> str:
+    """A fake target's welcome carries ``address``; what the initiator's notification to it raised ('' if sent)."""
+    fake = _FakeTarget()
+    try:
+        fake.address = address
+        blob = encode_metadata("fake", {"ucx": {"address": real_address, "host": "127.0.0.1", "port": fake.port}}, [])
+        initiator.call("add_remote", blob)
+        try:
+            initiator.call("send_notification", "fake", b"x", timeout=20)
+            said = ""
+        except InvalidMetadata as exc:
+            said = str(exc)
+        initiator.call("remove_remote", "fake")
+        assert initiator.call("ping", timeout=10) == initiator.pid, "the initiator died on a welcome"
+        return said
+    finally:
+        fake.close()
+
+
+def _with_segment(address: bytes, csum: int, seg_id: int) -> bytes:
+    """``address`` with the first ``csum`` transport's segment id replaced (everything else stays valid)."""
+    t = next(t for t in parse(address).transports if t.csum == csum)
+    return address[: t.at] + struct.pack("<Q", seg_id) + address[t.at + 8 :]
+
+
+def _posix_fd(address: bytes, fd: int) -> bytes:
+    """``address`` whose posix FIFO is ``/proc/<this pid>/fd/<fd>`` (flags kept: procfs mode)."""
+    t = next(t for t in parse(address).transports if t.csum == POSIX)
+    (seg,) = struct.unpack_from("<Q", t.iface)
+    flags = seg & ~((1 << 60) - 1)
+    return _with_segment(address, POSIX, flags | os.getpid() | fd << 30)
+
+
+def _has(address: bytes, csum: int) -> bool:
+    return any(t.csum == csum for t in parse(address).transports)
+
+
+@pytest.fixture
+def posix_file():
+    """An open, unlinked file named like a UCX posix segment: ``(fd, size)``; the test sets its size."""
+    path = f"/dev/shm/ucx_shm_posix_dmtest{os.getpid():x}{threading.get_ident() & 0xFFFF:x}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.unlink(path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def test_a_welcome_naming_an_empty_segment_file_is_refused(initiator, real_address, posix_file):
+    """The initiator's death the fuzz found: UCX maps the named file as its peer's FIFO and reads its header.
+
+    An empty file (named like a UCX segment, of a live process) made that first read fault: SIGBUS, the
+    initiator process died. Now the segment is looked at first and the welcome refused, naming the peer.
+    """
+    if not _has(real_address, POSIX):
+        pytest.skip("this UCX has no posix transport")
+    said = _welcome_from_fake(initiator, real_address, _posix_fd(real_address, posix_file))
+    assert "agent 'fake'" in said and "posix segment" in said and "holds 0 bytes, less than a FIFO" in said, said
+
+
+def test_a_hello_naming_an_empty_segment_file_is_refused(target, real_address, posix_file):
+    """The same fault from the other side: a hostile initiator's hello must not make the target map the file."""
+    if not _has(real_address, POSIX):
+        pytest.skip("this UCX has no posix transport")
+    answer = _hello(target, _posix_fd(real_address, posix_file))
+    assert answer is not None and answer["t"] == "error" and "holds 0 bytes" in answer["reason"], answer
+    assert target.call("ping", timeout=10) == target.pid
+
+
+def test_a_welcome_naming_a_segment_without_its_owner_is_refused(initiator, real_address, posix_file):
+    """A segment as long as a FIFO whose header names no live process (pid 0) is not attached."""
+    if not _has(real_address, POSIX):
+        pytest.skip("this UCX has no posix transport")
+    own = next(t for t in parse(real_address).transports if t.csum == POSIX)
+    (seg,) = struct.unpack_from("<Q", own.iface)
+    os.ftruncate(posix_file, os.stat(f"/proc/self/fd/{(seg & ((1 << 60) - 1)) >> 30}").st_size)
+    said = _welcome_from_fake(initiator, real_address, _posix_fd(real_address, posix_file))
+    assert "agent 'fake'" in said and "not of process" in said, said
+
+
+def test_a_welcome_naming_another_file_is_refused(initiator, real_address, tmp_path):
+    if not _has(real_address, POSIX):
+        pytest.skip("this UCX has no posix transport")
+    with open(tmp_path / "victim", "wb+") as victim:
+        victim.write(b"v" * (1 << 20))
+        victim.flush()
+        said = _welcome_from_fake(initiator, real_address, _posix_fd(real_address, victim.fileno()))
+        victim.seek(0)
+        assert victim.read() == b"v" * (1 << 20)
+    assert "agent 'fake'" in said and "is not a UCX segment" in said, said
+
+
+def test_a_welcome_naming_a_short_sysv_segment_is_refused(initiator, real_address):
+    if not _has(real_address, SYSV):
+        pytest.skip("this UCX has no sysv transport")
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = libc.shmget(0, 4096, 0o600)  # IPC_PRIVATE, one page: shorter than a FIFO
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    try:
+        said = _welcome_from_fake(initiator, real_address, _with_segment(real_address, SYSV, shmid))
+    finally:
+        libc.shmctl(shmid, 0, None)  # IPC_RMID
+    assert "agent 'fake'" in said and f"sysv segment {shmid} holds 4096 bytes" in said, said
+
+
+_GONE = """
+import sys
+from datamover import Agent
+agent = Agent("gone", {"backends": {"ucx": {}}})
+sys.stdout.write(agent.backend("ucx").connection_info()["address"].hex())
+"""
+
+
+def test_a_welcome_naming_a_gone_worker_is_refused(initiator, real_address):
+    """The address of a worker whose process has exited (known point: it was waited for): its segments are gone."""
+    out = subprocess.run([sys.executable, "-c", _GONE], capture_output=True, text=True, check=True, timeout=120)
+    said = _welcome_from_fake(initiator, real_address, bytes.fromhex(out.stdout.strip()))
+    assert "agent 'fake'" in said and "segment" in said, said
 
 
 def test_own_addresses_parse_and_check_under_every_tls():
