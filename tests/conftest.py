@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # UCX's tcp transport makes lanes over every network interface of this namespace, test hosts' veths included
@@ -14,3 +15,15 @@ pytest_plugins = ["datamover.testing.hosts"]  # the test_hosts fixture
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
+
+
+@pytest.fixture(scope="module")
+def mooncake_master():
+    """A real ``mooncake_master`` (with its HTTP metadata server) for the module, or a skip saying why not."""
+    from datamover.testing.mooncake import MooncakeMaster, mooncake_available
+
+    ok, reason = mooncake_available()
+    if not ok:
+        pytest.skip(reason)
+    with MooncakeMaster() as m:
+        yield m

@@ -10,7 +10,7 @@ import pytest
 
 from datamover.errors import ConfigError
 from datamover.policy.config import TierConfig, with_overrides
-from datamover.testing.mooncake import CacheInstance, MooncakeMaster, mooncake_available
+from datamover.testing.mooncake import CacheInstance
 
 MiB = 1 << 20
 
@@ -66,22 +66,13 @@ def test_l4_fields_refused_with_reason(fields, key, words):
 
 # -- instances sharing one pool ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def master():
-    ok, reason = mooncake_available()
-    if not ok:
-        pytest.skip(reason)
-    with MooncakeMaster() as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def instances(master):
+def instances(mooncake_master):
     """Three instances for the module (starting one takes seconds): A keeps its chunks in its own memory
     (placement_locality), B lends memory, C lends none; the drain test retires A, so it runs last."""
     starting = [
-        CacheInstance(master, placement_locality=True, wait=False),
-        CacheInstance(master, wait=False),
-        CacheInstance(master, segment_bytes=0, wait=False),
+        CacheInstance(mooncake_master, placement_locality=True, wait=False),
+        CacheInstance(mooncake_master, wait=False),
+        CacheInstance(mooncake_master, segment_bytes=0, wait=False),
     ]
     ready = [inst.wait_ready() for inst in starting]
     yield ready

@@ -75,6 +75,7 @@ from .config import (
     import_ucxx,
     log,
     probe_transports,
+    tcp_segments,
     transports_of,
     ucx_config,
 )
@@ -169,6 +170,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self.one_sided, self.cma_path, self.tagged = OneSided(self), DirectCma(self), Tagged(self)
         config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
         self._ctx = ucx_api.UCXContext(config, feature_flags=features(ucx_api))
+        self._tcp_tx, self._tcp_rx = tcp_segments(config)  # compared with each peer's in the handshake
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
@@ -291,6 +293,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "native path": rma.data_path(),
             "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
+            "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
             "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},

@@ -15,8 +15,10 @@ from ...descriptors import MemType
 from ...errors import (
     DatamoverError,
     InvalidMetadata,
+    InvalidParameter,
     RemoteDisconnected,
 )
+from ...units import parse_size
 
 log = logging.getLogger("datamover.ucx")
 
@@ -108,11 +110,15 @@ def parse_rkeys(peer: str, rows: Any) -> dict[int, tuple[str, int, int, int, byt
     return out
 
 
+_TCP_SEGS = ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE")
+_TCP_SEG_SIZE = "64k"
+
+
 def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
     """UCX context settings: the user's, plus our defaults for what neither they nor the environment set.
 
-    TLS without cma unless cma is allowed, tcp's own put off where shared memory can carry puts instead, and
-    cma's copies per progress call raised.
+    TLS without cma unless cma is allowed, tcp's own put off where shared memory can carry puts instead, tcp's
+    send and receive segments of 64 KiB, and cma's copies per progress call raised.
     """
     config = {str(k): str(v) for k, v in dict(user).items()}
     if not cma and "TLS" not in config and "UCX_TLS" not in os.environ:
@@ -125,6 +131,12 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
         # memory is left (TLS tcp only, as between hosts without RDMA) it stays on: emulated over tcp, puts ran
         # 4x slower (0.5-0.6 GB/s against 2.5-3.1 for 1 MiB rows)
         config["TCP_PUT_ENABLE"] = "n"
+    if tls_includes(tls, "tcp") and not any(k in config or f"UCX_{k}" in os.environ for k in _TCP_SEGS):
+        # an emulated get (tcp has no get of its own) comes back in active messages of at most one send
+        # segment each, copied through it: with 64 KiB segments instead of UCX's 8 KiB, READs of 64 KiB-1 MiB
+        # rows between two hosts took 0.6x the time and 0.7x the target's CPU (BENCHMARKS.md); a peer keeping
+        # the default receives them as well
+        config.update(dict.fromkeys(_TCP_SEGS, _TCP_SEG_SIZE))
     if "USE_MT_MUTEX" not in config and "UCX_USE_MT_MUTEX" not in os.environ:
         # the worker is shared by threads (a caller driving its request, the native progress thread, the service
         # thread): with UCX's default spinlock a thread that finds it taken spins, on a core the holder may need
@@ -134,6 +146,27 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
         # per row; 64 per call measured 8-16% faster for 4-64 KiB rows, and equal for 1 MiB ones
         config["CMA_TX_QUOTA"] = "64"
     return config
+
+
+UCX_TCP_SEG_DEFAULT = 8192  # UCX's own TCP_TX_SEG_SIZE and TCP_RX_SEG_SIZE
+
+
+def tcp_segments(config: Mapping[str, str]) -> tuple[int, int]:
+    """(send, receive) tcp segment bytes of a context made with ``config`` (UCX_* variables count too).
+
+    (0, 0) where tcp is not in use. A peer must receive segments as large as this side sends: UCX aborts on
+    a larger one, so the handshake compares them (``messages.Hello.tcp_rx``, ``Welcome.tcp_rx``).
+    """
+    if not tls_includes(config.get("TLS", os.environ.get("UCX_TLS")), "tcp"):
+        return 0, 0
+    out = []
+    for key in _TCP_SEGS:
+        value = config.get(key, os.environ.get(f"UCX_{key}"))
+        try:
+            out.append(parse_size(value) if value is not None else UCX_TCP_SEG_DEFAULT)
+        except InvalidParameter:
+            out.append(UCX_TCP_SEG_DEFAULT)
+    return out[0], out[1]
 
 
 def tls_includes(tls: str | None, transport: str, groups: frozenset[str] = frozenset()) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from ...errors import InvalidMetadata
-from .config import parse_rkeys
+from .config import UCX_TCP_SEG_DEFAULT, parse_rkeys
 
 MAX_ROWS = 1 << 20  # descriptors in one request
 MAX_NOTIFY = 1 << 20
@@ -28,6 +28,7 @@ MAX_NONCE = 64
 MAX_MAC = 64
 MAX_LOCAL = 4096
 MAX_RKEY_ROWS = 1 << 16
+MAX_SEG = 1 << 31
 U64 = 1 << 64
 OPS = ("WRITE", "READ")
 
@@ -126,6 +127,8 @@ class Hello(Message):
     address: bytes = _wire((bytes,), MAX_ADDRESS)
     nonce: bytes = _wire((bytes,), MAX_NONCE)
     mac: bytes = _wire((bytes,), MAX_MAC, default=b"")
+    # the tcp segment it receives (0: no tcp); a peer from before this field keeps UCX's default
+    tcp_rx: int = _wire((int,), MAX_SEG, default=UCX_TCP_SEG_DEFAULT)
 
     def check(self) -> None:
         if not self.name or not self.address:
@@ -141,6 +144,7 @@ class Welcome(Message):
     rkeys: bytes = _wire((bytes,), MAX_RKEYS_BYTES, default=b"")
     local: bytes = _wire((bytes,), MAX_LOCAL, default=b"")
     mac: bytes = _wire((bytes,), MAX_MAC, default=b"")
+    tcp_rx: int = _wire((int,), MAX_SEG, default=UCX_TCP_SEG_DEFAULT)  # as Hello's
 
 
 @message("error")

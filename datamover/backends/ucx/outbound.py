@@ -220,7 +220,7 @@ class Outbound:
         peer.nonce_t = nonce_t = msg.nonce
         body = self.host.name.encode() + self._address
         mac = handshake_mac(self._secret, b"hello", nonce_t, peer.nonce, body) if self._secret else b""
-        peer.conn.send(Hello(self.host.name, self._address, peer.nonce, mac))  # type: ignore[union-attr]
+        peer.conn.send(Hello(self.host.name, self._address, peer.nonce, mac, self._tcp_rx))  # type: ignore[union-attr]
 
     def _welcome(self, peer: Peer, msg: Welcome) -> None:
         conn_id, address, rkeys, local = msg.conn_id, msg.address, msg.rkeys, msg.local
@@ -234,6 +234,7 @@ class Outbound:
         else:
             peer.conn.open_up()  # type: ignore[union-attr]
         self._addr_check.check(address, f"agent {peer.name!r}")
+        self._check_segments(f"agent {peer.name!r}", msg.tcp_rx)
         try:  # the target's current worker (it may have been reset since its metadata was published)
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
             peer.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))

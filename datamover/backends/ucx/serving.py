@@ -95,6 +95,7 @@ class Serving:
                 raise AuthenticationError(f"agent {name!r} failed authentication")
         try:
             self._addr_check.check(address, f"agent {name!r}")
+            self._check_segments(f"agent {name!r}", msg.tcp_rx)
         except InvalidMetadata as exc:
             inbound.conn.send(Error(exc.reason))
             raise
@@ -111,11 +112,20 @@ class Serving:
         if self._secret:
             body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys + local
             mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
-        inbound.conn.send(Welcome(inbound.conn_id, self._address, rkeys, local, mac))
+        inbound.conn.send(Welcome(inbound.conn_id, self._address, rkeys, local, mac, self._tcp_rx))
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
         else:
             inbound.conn.open_up()
+
+    def _check_segments(self, who: str, peer_rx: int) -> None:
+        """Refuse a peer whose UCX receives smaller tcp segments than this side sends (UCX would abort on one)."""
+        if self._tcp_tx and peer_rx and self._tcp_tx > peer_rx:
+            raise InvalidMetadata(
+                f"{who} receives UCX tcp segments of {peer_rx} bytes, this agent sends up to {self._tcp_tx} (UCX "
+                "aborts on a larger one): give both agents the same UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE "
+                "(ucx_config)"
+            )
 
 
 # what an initiator may send after its hello, by message type

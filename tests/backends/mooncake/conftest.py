@@ -10,7 +10,7 @@ import pytest
 from datamover import Agent
 from datamover.backends.mooncake import MAGIC
 from datamover.testing import ObjectBuffer
-from datamover.testing.mooncake import MooncakeMaster, mooncake_available
+from datamover.testing.mooncake import MooncakeMaster
 
 
 def pack(payload: bytes, crc: int | None = None, length: int | None = None, magic: int = MAGIC) -> bytes:
@@ -57,17 +57,8 @@ class RawStore:
 
 
 @pytest.fixture(scope="module")
-def master():
-    ok, reason = mooncake_available()
-    if not ok:
-        pytest.skip(reason)
-    with MooncakeMaster() as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def raw(master):
-    r = RawStore(master)
+def raw(mooncake_master):
+    r = RawStore(mooncake_master)
     yield r
     r.close()
 

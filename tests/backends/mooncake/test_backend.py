@@ -54,13 +54,13 @@ def write(agent: Agent, buf: HostBuffer, reg, keys: list[str], size: int) -> Non
 
 
 @pytest.fixture(scope="module")
-def agents(master):
+def agents(mooncake_master):
     """One agent per transfer mode, alive for the whole module (a client that leaves takes the replicas in its
     memory with it, and takes ~1 s to close)."""
     made = {}
     try:
         for mode in ("auto", "zero_copy"):
-            made[mode] = mooncake_agent(master, f"mc-{mode}", transfer_mode=mode)
+            made[mode] = mooncake_agent(mooncake_master, f"mc-{mode}", transfer_mode=mode)
         yield made
     finally:
         for a in made.values():
@@ -121,9 +121,9 @@ def test_missing_key_is_typed(agent):
     assert buf.read(0, 8192) == after_failure(agent, b"\x07" * 8192), "a miss wrote to the destination"
 
 
-def test_write_modes(master, agent):
+def test_write_modes(mooncake_master, agent):
     """replace (default): a WRITE's bytes are what the key holds after; keep: Mooncake's first writer wins."""
-    with mooncake_agent(master, "wm-keep", write_mode="keep") as keeper:
+    with mooncake_agent(mooncake_master, "wm-keep", write_mode="keep") as keeper:
         for a, mode, second_wins in ((agent, "replace", True), (keeper, "keep", False)):
             reg = a.register_objects("wm", prefix=f"{mode}/")
             buf = HostBuffer(a, 4096)
@@ -194,6 +194,31 @@ def test_staged_slots_sit_at_the_callers_page_offsets(agents):
         assert buf.read(int(o), int(n)) == payload[o : o + n]
 
 
+def test_a_reposted_transfer_reuses_its_plan_s_call_groups(agents, monkeypatch):
+    """A prepared transfer's store calls are cut into groups once, when it is planned: posting it again asks
+    the client for none (the groups travel with the plan), and every post still moves and checks the bytes."""
+    agent = agents["auto"]
+    client = agent.backend("mooncake").client
+    reg = agent.register_objects("it", prefix="regroup/")
+    buf = HostBuffer(agent, 256 * 1024)
+    data = random_bytes(256 * 1024, 16)
+    buf.write(0, data)
+    dst = agent.prepare(DescList.objects(reg, [64 * 1024] * 4, 0, keys=[f"regroup/{i}" for i in range(4)]))
+    src = agent.prepare(buf.descs([i * 64 * 1024 for i in range(4)], [64 * 1024] * 4))
+    with (
+        agent.make_transfer("WRITE", src, None, dst, None) as put,
+        agent.make_transfer("READ", src, None, dst, None) as get,
+    ):
+        asked = []
+        monkeypatch.setattr(client, "groups", lambda sizes: asked.append(sizes) or [])
+        for _ in range(3):
+            assert put.post().wait() == XferState.DONE
+            buf.write(0, bytes(256 * 1024))
+            assert get.post().wait() == XferState.DONE
+            assert buf.read(0, 256 * 1024) == data
+        assert asked == [], "a post cut its calls into groups again"
+
+
 def test_write_with_offset_refused(agent):
     reg = agent.register_objects("it", prefix="off/")
     buf = HostBuffer(agent, 4096)
@@ -203,9 +228,9 @@ def test_write_with_offset_refused(agent):
     assert info.value.index == 1 and "offset 0" in str(info.value) and "it/off/b" in str(info.value)
 
 
-def test_sizes_from_the_store_are_bounded(master, raw):
+def test_sizes_from_the_store_are_bounded(mooncake_master, raw):
     """An object larger than max_object_bytes is refused before anything is allocated for it."""
-    with mooncake_agent(master, "bound", max_object_bytes=1 * MiB) as a:
+    with mooncake_agent(mooncake_master, "bound", max_object_bytes=1 * MiB) as a:
         reg = a.register_objects("it", prefix="big/")
         raw.put("it/big/x", pack(random_bytes(2 * MiB, 4)))
         buf = HostBuffer(a, 4096)
@@ -357,7 +382,7 @@ def test_auto_mode_stages_what_stays_in_cache(agents):
     ]  # fmt: skip
 
 
-def test_master_takes_fresh_ports_when_one_was_taken(master):
+def test_master_takes_fresh_ports_when_one_was_taken(mooncake_master):
     """A free port another process takes before the master binds it (the race of ``free_port``) costs a second
     start on fresh ports, not a failed test; a restart keeps the ports clients know."""
     import socket

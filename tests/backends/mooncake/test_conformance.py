@@ -19,13 +19,13 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def agents(master):
+def agents(mooncake_master):
     """One agent per transfer mode (each a store client lending 512 MiB), all alive for the whole module: a
     client that leaves takes the replicas in its memory with it, and a client takes ~1 s to close."""
     made = {}
     try:
         for mode in ("auto", "staged", "zero_copy"):
-            params = master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=mode)
+            params = mooncake_master.config(global_segment_size=512 * MiB, threads=2, transfer_mode=mode)
             made[mode] = Agent(f"mooncake-{mode}", {"backends": {"mooncake": params}})
             made[mode].backend("mooncake")
         yield made

@@ -9,6 +9,10 @@ import msgpack
 
 from datamover.agents.metadata import decode_metadata
 
+#: the tcp receive segment a hand-made hello or welcome advertises: that of the real agent whose UCX worker address
+#: it borrows (ours: 64 KiB); a peer that says nothing is taken to keep UCX's 8 KiB and refused
+TCP_RX = 64 << 10
+
 
 def control_of(blob: bytes) -> tuple[str, int]:
     """The ucx control port an agent's metadata blob advertises."""

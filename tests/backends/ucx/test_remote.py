@@ -456,13 +456,23 @@ def test_transport_settings_pass_through(params, present, absent):
 def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
     from datamover.backends.ucx import ucx_config
 
-    for var in ("UCX_TLS", "UCX_TCP_PUT_ENABLE", "UCX_CMA_TX_QUOTA", "UCX_USE_MT_MUTEX"):
+    for var in (
+        "UCX_TLS", "UCX_TCP_PUT_ENABLE", "UCX_CMA_TX_QUOTA", "UCX_USE_MT_MUTEX", "UCX_TCP_TX_SEG_SIZE",
+        "UCX_TCP_RX_SEG_SIZE",
+    ):  # fmt: skip
         monkeypatch.delenv(var, raising=False)
     mutex = {"USE_MT_MUTEX": "y"}  # threads share the worker: a mutex, not UCX's default spinlock
-    assert ucx_config({}, cma=False) == {"TLS": "^cma", "TCP_PUT_ENABLE": "n", **mutex, "CMA_TX_QUOTA": "64"}
+    segs = {"TCP_TX_SEG_SIZE": "64k", "TCP_RX_SEG_SIZE": "64k"}  # emulated gets come back in 64 KiB messages
+    want = {"TLS": "^cma", "TCP_PUT_ENABLE": "n", **segs, **mutex, "CMA_TX_QUOTA": "64"}
+    assert ucx_config({}, cma=False) == want
     assert "TLS" not in ucx_config({}, cma=True)
     mine = ucx_config({"CMA_TX_QUOTA": 4, "TCP_PUT_ENABLE": "y"}, cma=True)
-    assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y", **mutex}
+    assert mine == {"CMA_TX_QUOTA": "4", "TCP_PUT_ENABLE": "y", **segs, **mutex}
+    # the segments: only where tcp is in use, and either one set by the user or the environment keeps UCX's
+    for tls in ("sm,self", "^tcp", "rc,sm"):
+        assert "TCP_TX_SEG_SIZE" not in ucx_config({"TLS": tls}, cma=False), tls
+    kept = ucx_config({"TLS": "tcp", "TCP_RX_SEG_SIZE": "16k"}, cma=False)
+    assert kept["TCP_RX_SEG_SIZE"] == "16k" and "TCP_TX_SEG_SIZE" not in kept
     # tcp's own put stays on where no shared memory transport is left to emulate puts over
     for tls in ("tcp,self", "^sm", "^mm,cma", "rc,tcp"):
         assert "TCP_PUT_ENABLE" not in ucx_config({"TLS": tls}, cma=False), tls
@@ -470,8 +480,10 @@ def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
         assert ucx_config({"TLS": tls}, cma=False)["TCP_PUT_ENABLE"] == "n", tls
     monkeypatch.setenv("UCX_CMA_TX_QUOTA", "2")
     monkeypatch.setenv("UCX_TLS", "posix,tcp")
-    assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n", **mutex}  # UCX reads the environment's values
+    assert ucx_config({}, cma=False) == {"TCP_PUT_ENABLE": "n", **segs, **mutex}  # UCX reads the environment's values
     monkeypatch.setenv("UCX_TLS", "tcp")
+    assert ucx_config({}, cma=False) == {**segs, **mutex}
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")
     assert ucx_config({}, cma=False) == mutex
     monkeypatch.setenv("UCX_USE_MT_MUTEX", "n")
     assert ucx_config({}, cma=False) == {}

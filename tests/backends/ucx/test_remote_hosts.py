@@ -235,3 +235,31 @@ def test_targets_on_either_host_are_served_by_their_native_progress_thread(test_
             progress.release()
         assert peer.call("wait_transfer", xid) == "DONE"
         assert mine.read(0, n * bs) == peer.call("read", theirs, 0, n * bs)
+
+
+@pytest.mark.parametrize("small", ["far", "near"])
+def test_peers_whose_tcp_segments_are_smaller_than_ours_are_refused_not_crashed(test_hosts, small):
+    """We send tcp segments of 64 KiB (an emulated get comes back in messages of one segment); UCX aborts a
+    process that receives a message larger than its own segment (seen: SIGSEGV/SIGABRT in the initiator when a
+    target sent 64 KiB get replies to an 8 KiB receiver). So the handshake compares them: an agent on UCX's
+    8 KiB default (a user's environment, or a version before this field) is refused with the reason, on
+    either side, and both processes live on."""
+    eight = {"UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "8k"}
+    there, here = test_hosts[1], test_hosts[0]
+    env = {**TCP, **eight} if small == "far" else TCP
+    near_ucx = {"TLS": "tcp,self", **here.ucx_config()}
+    if small == "near":
+        near_ucx.update({k.removeprefix("UCX_"): v for k, v in eight.items()})
+    far_cfg = {"backends": {"ucx": {"host": there.address}}}
+    near_cfg = {"backends": {"ucx": {"host": here.address, "ucx_config": near_ucx}}}
+    with RemotePeer(f"segs-{small}", far_cfg, env=env, host=there) as peer, Agent(f"segs-n-{small}", near_cfg) as agent:
+        want = {"send": 8192, "receive": 8192}
+        assert (peer.call("describe", "ucx") if small == "far" else agent.backend("ucx").describe())[
+            "tcp segments"
+        ] == want
+        remote, local = RemoteBuffer(peer, 1 << 20), HostBuffer(agent, 1 << 20)
+        agent.add_remote(peer.metadata())
+        with pytest.raises((RemoteRefused, DatamoverError), match="UCX_TCP_TX_SEG_SIZE"):
+            agent.transfer("READ", local.descs([0], [1 << 20]), remote.descs([0], [1 << 20]), peer.name).wait()
+        assert peer.call("ping") is not None
+        assert local.read(0, 1 << 20) == bytes(1 << 20)

@@ -31,7 +31,7 @@ from datamover.errors import DatamoverError, InvalidMetadata
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
-from .control import control_of, recv, send
+from .control import TCP_RX, control_of, recv, send
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
@@ -66,7 +66,10 @@ def _hello(target, address: bytes, name: str = "fuzzer") -> dict | None:
     with socket.create_connection(_control(target), timeout=10) as sock:
         challenge = recv(sock)
         assert challenge is not None and challenge["t"] == "challenge"
-        send(sock, {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "mac": b""})
+        send(
+            sock,
+            {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "mac": b"", "tcp_rx": TCP_RX},
+        )
         return recv(sock)
 
 
@@ -142,7 +145,17 @@ _TYPES = ["req", "notif", "rkeys", "revoke", "revoked", "cancel", "hello", "welc
 def test_random_messages_after_a_valid_hello_never_kill_the_target(target, real_address, msgs):
     with socket.create_connection(_control(target), timeout=10) as sock:
         assert recv(sock)["t"] == "challenge"
-        send(sock, {"t": "hello", "name": "fuzzer", "address": real_address, "nonce": os.urandom(16), "mac": b""})
+        send(
+            sock,
+            {
+                "t": "hello",
+                "name": "fuzzer",
+                "address": real_address,
+                "nonce": os.urandom(16),
+                "mac": b"",
+                "tcp_rx": TCP_RX,
+            },
+        )
         assert recv(sock)["t"] == "welcome"
         for m in msgs:
             try:
@@ -184,7 +197,10 @@ def test_refused_million_row_writes_keep_the_targets_memory(target, real_address
             sock = socket.create_connection(_control(target), timeout=30)
             socks.append(sock)
             assert recv(sock)["t"] == "challenge"
-            send(sock, {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16)})
+            send(
+                sock,
+                {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
+            )
             assert recv(sock)["t"] == "welcome"
             req = {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols, "len": cols, "dev": cols,
                    "tag": 1 << 40, "notify": b""}  # fmt: skip
@@ -218,10 +234,20 @@ class _FakeTarget:
                 return
             with sock:
                 sock.settimeout(10)
-                send(sock, {"t": "challenge", "nonce": os.urandom(16)})
+                send(sock, {"t": "challenge", "nonce": os.urandom(16), "tcp_rx": TCP_RX})
                 if recv(sock) is None:
                     continue
-                send(sock, {"t": "welcome", "conn_id": 1, "address": self.address, "rkeys": b"", "local": b""})
+                send(
+                    sock,
+                    {
+                        "t": "welcome",
+                        "conn_id": 1,
+                        "address": self.address,
+                        "rkeys": b"",
+                        "local": b"",
+                        "tcp_rx": TCP_RX,
+                    },
+                )
                 while recv(sock) is not None:  # until the initiator hangs up (remove_remote)
                     pass
 
@@ -389,3 +415,15 @@ def test_own_addresses_parse_and_check_under_every_tls():
         AddressCheck(own).check(own, "self")
         with pytest.raises(InvalidMetadata):
             AddressCheck(own).check(own[:-1], "self")
+
+
+def test_a_hello_that_does_not_say_its_tcp_segment_is_refused_with_the_reason(agent, target, real_address):
+    """A peer from before ``tcp_rx`` (or one on UCX's 8 KiB default) would be sent 64 KiB messages UCX aborts on."""
+    for rx in (None, 8192):
+        with socket.create_connection(_control(target), timeout=10) as sock:
+            assert recv(sock)["t"] == "challenge"
+            hello = {"t": "hello", "name": "old", "address": real_address, "nonce": os.urandom(16), "mac": b""}
+            send(sock, hello if rx is None else {**hello, "tcp_rx": rx})
+            answer = recv(sock)
+            assert answer is not None and answer["t"] == "error" and "UCX_TCP_TX_SEG_SIZE" in answer["reason"], answer
+    _serves(agent, target)

@@ -22,7 +22,7 @@ from datamover.backends import backend_status
 from datamover.testing import HostBuffer
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
-from .control import control_of, recv, send
+from .control import TCP_RX, control_of, recv, send
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
@@ -56,7 +56,7 @@ def _hang_up(agent, local, address: bytes, k: int) -> None:
     """A peer that starts a WRITE into ``agent`` (4096 bytes at ``local``) and hangs up before its data."""
     with socket.create_connection(control_of(agent.metadata()), timeout=10) as sock:
         assert recv(sock)["t"] == "challenge"
-        send(sock, {"t": "hello", "name": f"dying{k}", "address": address, "nonce": os.urandom(16)})
+        send(sock, {"t": "hello", "name": f"dying{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX})
         assert recv(sock)["t"] == "welcome"
         cols = [np.array([v], dtype="<i8").tobytes() for v in (local.array.ctypes.data, 4096, 0)]
         send(sock, {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols[0], "len": cols[1],
