@@ -75,6 +75,12 @@ class TierStack:
         (without it, in order and without parents, as TieredCache's get and put do today). Every found chunk
         counts in `hits`; returns the usable prefix, the number of leading chunks found."""
         where, pinned, policy = self.where, self.pinned, self.policy
+        if len(self.resident) == 1:  # one tier: the look-up is a set membership (no call)
+            only = self.resident[0]
+
+            def where(key: Hashable) -> int:
+                return 0 if key in only else -1
+
         n = len(keys)
         for i, key in enumerate(keys):
             if where(key) < 0:
@@ -82,29 +88,38 @@ class TierStack:
                 break
         held = [k for k in keys[:n] if k not in pinned]
         pinned.update(held)
-        link = policy.link if leaf_first else _no_link
+        link = policy.link if leaf_first and type(policy).link is not Policy.link else None
+        observe = policy.observe if type(policy).observe is not Policy.observe else None
+        hit, place, hits, touch = self.hit, self.place, self.hits, self.orders[0].touch
         for i in range(n - 1, -1, -1) if leaf_first else range(n):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
-            link(key, keys[i - 1] if i else None)
-            policy.observe(key, now, ref)
+            if link is not None:
+                link(key, keys[i - 1] if i else None)
+            if observe is not None:
+                observe(key, now, ref)
             j = where(key)
             if j >= 0:  # (a key repeated in one request may have gone since the lookup)
-                self.hit(j, key, now, ref)
+                hit(j, key, now, ref)
             else:
                 self.misses += 1
-                self.place(0, key, now, ref, PREFILL)
+                place(0, key, now, ref, PREFILL)
         pinned.difference_update(held)
         for i in range(len(keys) - 1, n - 1, -1) if leaf_first else range(n, len(keys)):
             key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
-            link(key, keys[i - 1] if i else None)
-            policy.observe(key, now, ref)
+            if link is not None:
+                link(key, keys[i - 1] if i else None)
+            if observe is not None:
+                observe(key, now, ref)
             j = where(key)
-            if j >= 0:
-                self.hits[j] += 1
+            if j == 0:
+                hits[0] += 1
+                touch(key, now, ref)
+            elif j > 0:
+                hits[j] += 1
                 self.orders[j].touch(key, now, ref)
             else:
                 self.misses += 1
-                self.place(0, key, now, ref, PREFILL)
+                place(0, key, now, ref, PREFILL)
         return n
 
     def where(self, key: Hashable) -> int:
@@ -163,10 +178,6 @@ class TierStack:
 
     def _removed(self, j: int, key: Hashable) -> None:
         """Hook: `key` left tier `j`, after any demotion copy of it was placed (its slot may be reused now)."""
-
-
-def _no_link(key: Hashable, parent: Hashable | None) -> None:
-    """Tell a policy nothing about prefixes."""
 
 
 def tier_specs(config: TierConfig) -> list[TierSpec]:

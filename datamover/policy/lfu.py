@@ -48,9 +48,19 @@ class LFUTier(TierPolicy):
         return self._entry[key][0]
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
+        heap, entries = self._heap, self._entry
+        if count == 1 and not pinned:  # the common case, without the bookkeeping for pins
+            pop = heapq.heappop
+            while heap:
+                entry = pop(heap)
+                key = entry[2]
+                if entries.get(key) is entry:
+                    self.age = entry[0]
+                    del self._count[key], entries[key]
+                    return [key]
+            return []
         out: list[Key] = []
         held = []
-        heap, entries = self._heap, self._entry
         while len(out) < count and heap:
             entry = heapq.heappop(heap)
             key = entry[2]

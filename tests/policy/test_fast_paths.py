@@ -117,3 +117,31 @@ def test_evict_avoiding_takes_the_steps_of_the_hand_back_loop(name, capacity):
         resident.add(key)
         fast.insert(key, float(i))
     assert checked  # some victims were avoided chunks taken anyway (tries ran out)
+
+
+@pytest.mark.parametrize("name", [*sorted(EXPERTS), "lecar"])
+def test_evicting_without_pins_is_evicting_with_a_pin_on_nothing(name):
+    """`evict` may skip its pin bookkeeping when nothing is pinned (LFU-DA does): a pin on a key that is not
+    resident must leave every choice the same as no pin at all."""
+    rng = random.Random(5)
+    make = EXPERTS.get(name, lambda c: LeCaRTier(c, seed=1))
+    plain, pinned = make(40), make(40)
+    resident: set = set()
+    for i in range(3000):
+        key = int(rng.paretovariate(0.9)) % 150
+        for t in (plain, pinned):
+            if isinstance(t, WTinyLFUTier):
+                t.sketch.add(key)
+        if key in resident:
+            plain.touch(key, float(i))
+            pinned.touch(key, float(i))
+            continue
+        if len(resident) >= 40:
+            count = rng.choice([1, 1, 1, 3])
+            got = plain.evict(count, float(i))
+            assert got == pinned.evict(count, float(i), {-1}), i
+            resident.difference_update(got)
+        resident.add(key)
+        plain.insert(key, float(i))
+        pinned.insert(key, float(i))
+        assert state(plain) == state(pinned), i
