@@ -115,6 +115,7 @@ def run(args: argparse.Namespace, n_inst: int) -> None:
     now = [0.0]
     wrong = cross = 0
     computed_by: dict = {}  # chunk key -> the instance that prefilled it first
+    held: list[set] = [set() for _ in range(n_inst)]  # chunks each instance has had (computed or fetched)
     start = time.perf_counter()
     caches = []
     try:
@@ -132,10 +133,14 @@ def run(args: argparse.Namespace, n_inst: int) -> None:
                 nxt = (r + 1) % n_inst
                 if pending[nxt] is None:
                     pending[nxt] = caches[nxt].prefetch(requests[r + 1][1])
-            tiers = cache.lookup(keys)[1] if n_inst > 1 else []
+            if n_inst > 1:
+                cache.lookup(keys)  # what a scheduler asks the pool before it admits the request
             kv = np.zeros((len(keys), PAGE), dtype=np.uint8)  # this request's KV blocks
             hit = cache.get(keys, kv)
-            cross += sum(1 for k, t in zip(keys[:hit], tiers) if t == "l4_pool" and computed_by.get(k, me) != me)
+            # a chunk another instance computed reaches this one only through the pool (by this get, or by the
+            # prefetch that raced the other instance's put): counted once per instance, whichever path won
+            cross += sum(1 for k in keys[:hit] if computed_by.get(k, me) != me and k not in held[me])
+            held[me].update(keys)
             expected = np.zeros((hit, PAGE), dtype=np.uint8)
             prefill(keys[:hit], expected)
             wrong += int((kv[:hit] != expected).any(axis=1).sum())
