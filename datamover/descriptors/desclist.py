@@ -213,28 +213,16 @@ class DescList:
     @property
     def block(self) -> int | None:
         """The length every descriptor has, or None when they differ or the list is empty."""
-        b = self._block
-        if b is _UNSET:
-            ln = self._rows[:, 1]
-            b = None
-            if ln.shape[0]:
-                lo = int(ln.min())
-                b = lo if lo == int(ln.max()) else None
-            self._block = b
-        return b
+        if self._block is _UNSET:
+            self._block = _one_value(self._rows[:, 1])
+        return self._block
 
     @property
     def device(self) -> int | None:
         """The ``dev`` every descriptor has, or None when they differ or the list is empty."""
-        d = self._device
-        if d is _UNSET:
-            col = self._rows[:, 2]
-            d = None
-            if col.shape[0]:
-                d0 = int(col[0])
-                d = d0 if col.shape[0] == 1 or int(col.min()) == int(col.max()) == d0 else None
-            self._device = d
-        return d
+        if self._device is _UNSET:
+            self._device = _one_value(self._rows[:, 2])
+        return self._device
 
     @property
     def bounds(self) -> tuple[int, int] | None:
@@ -329,6 +317,14 @@ class DescList:
         rows = np.concatenate([p._rows for p in parts])
         owners = tuple(o for p in parts for o in p._owners)
         return DescList.wrap(np.asfortranarray(rows), self.mem_type, None, owners)
+
+
+def _one_value(col: np.ndarray) -> int | None:
+    """The value every entry of ``col`` has, or None when they differ or ``col`` is empty."""
+    if not col.shape[0]:
+        return None
+    lo = int(col.min())
+    return lo if lo == int(col.max()) else None
 
 
 def check_rows(rows: np.ndarray) -> None:
