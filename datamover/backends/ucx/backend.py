@@ -84,6 +84,7 @@ from .fence import Fencing
 from .messages import Req, Revoke, Rkeys
 from .one_sided import OneSided
 from .outbound import Outbound
+from .protocol import FrameBudget
 from .service import ServiceLoop
 from .serving import Serving
 from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
@@ -145,6 +146,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         "connect_timeout_s": 5.0,
         # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
         "max_inbound": 1024,
+        # bytes of control frames not yet complete that all inbound connections may hold together (each holds
+        # at most one frame of up to 64 MiB): a connection that would go over is dropped
+        "max_buffered_bytes": 256 << 20,
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
         "launch_margin_s": 0.001,
@@ -189,6 +193,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._cmds: collections.deque[Callable[[], None]] = collections.deque()
         self._peers: dict[str, Peer] = {}
         self._inbound: dict[int, Inbound] = {}
+        self._frames = FrameBudget(int(self.params["max_buffered_bytes"]))
         self._next_conn_id = 1
         self._next_op = 1
         self._tag_ctr = 0
@@ -290,6 +295,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "control": f"{self.params['host']}:{self._port}",
+            "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
             "native path": rma.data_path(),
             "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
             "native progress": dict(self._progress.stats) if self._progress is not None else {},

@@ -215,6 +215,57 @@ def test_refused_million_row_writes_keep_the_targets_memory(target, real_address
             sock.close()
 
 
+def test_incomplete_frames_of_many_peers_are_bounded_in_all():
+    """Every connection may hold one frame of up to 64 MiB; eight unauthenticated ones each sending 20 MiB of a
+    64 MiB frame and stopping took the target's RSS up by 160 MiB (1024 connections: 64 GiB). Now the frames
+    not yet complete share ``max_buffered_bytes`` (here 48 MiB): the first two are held, each later one is
+    dropped when it would go over, the target keeps serving, and a dropped one's share is free again."""
+    cfg = {"backends": {"ucx": {"max_buffered_bytes": 48 << 20}}}
+    with RemotePeer("frames-target", cfg) as target, Agent("frames-init", UCX) as agent:
+        address = agent.backend("ucx").connection_info()["address"]
+        before = _rss(target.pid)
+        socks, part = [], 20 << 20
+        try:
+            for k in range(8):
+                sock = socket.create_connection(_control(target), timeout=30)
+                socks.append(sock)
+                assert recv(sock)["t"] == "challenge"
+                send(
+                    sock,
+                    {"t": "hello", "name": f"part{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
+                )
+                assert recv(sock)["t"] == "welcome"
+                sock.sendall(struct.pack("!I", (64 << 20) - 1) + bytes(part))
+                if k >= 2:  # the known point: the target hung up on this one
+                    assert sock.recv(4096) == b"", f"connection {k} was kept beyond the budget"
+                else:  # the known point: the target has read it all
+                    want = (k + 1) * (part + 4)
+                    _until(lambda want=want: target.call("describe", "ucx")["control bytes buffered"]["held"] == want)
+            grown = _rss(target.pid) - before
+            assert grown < 100 << 20, f"the target's RSS grew by {grown >> 20} MiB"
+            socks.pop(0).close()
+            _until(lambda: target.call("describe", "ucx")["control bytes buffered"]["held"] == part + 4)
+            remote, local = RemoteBuffer(target, 1 << 20), HostBuffer(agent, 1 << 20)
+            agent.add_remote(target.metadata())
+            data = random_bytes(1 << 20, 3)
+            local.write(0, data)
+            xfer = agent.transfer("WRITE", local.descs([0], [1 << 20]), remote.descs([0], [1 << 20]), target.name)
+            assert xfer.wait() == XferState.DONE and remote.read(0, 1 << 20) == data
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def _until(cond, timeout: float = 30.0) -> None:
+    """Wait (bounded) for the target to have done what was sent to it: a hang guard, not a race."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the target did not get there"
+        time.sleep(0.02)
+
+
 class _FakeTarget:
     """A control port that answers every hello with a welcome carrying ``self.address`` (set per example)."""
 
