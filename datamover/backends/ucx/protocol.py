@@ -26,13 +26,50 @@ import struct
 import msgpack
 
 from ...errors import AuthenticationError, InvalidMetadata
-from .messages import Message, from_wire
+from .messages import MAX_RKEY_ROWS, Message, from_wire
 
 MAX_FRAME = 64 << 20  # after the handshake: a request of MAX_ROWS rows (24 bytes each) fits with room to spare
 MAX_HELLO_FRAME = 64 << 10  # before it: challenge, hello, welcome carry an address, a token and small keys
 MAC_LEN = 16
 _LEN = struct.Struct("!I")
 _CHUNK = 1 << 20
+
+
+#: an rkey row (``messages.Rkeys``) has six fields: the only lists a message holds besides the list of rows
+_ROW_FIELDS = 6
+
+
+def decode(payload: bytes, max_maps: int = 1) -> object:
+    """A msgpack document shaped like a control message, or InvalidMetadata: at most ``max_maps`` maps of up to
+    64 entries, and lists only as rkey rows (at most ``MAX_RKEY_ROWS`` lists, one of them longer than six).
+
+    Bytes bound only what a document spends on strings: 64 MiB of empty arrays would be 64M Python lists (about
+    4 GiB); the hooks refuse the first container over those counts, so the work stops there.
+    """
+    maps = lists = long = 0
+
+    def on_map(d: dict) -> dict:
+        nonlocal maps
+        maps += 1
+        if maps > max_maps:
+            raise ValueError("maps nested in a control message")
+        return d
+
+    def on_list(items: list) -> list:
+        nonlocal lists, long
+        lists += 1
+        long += len(items) > _ROW_FIELDS
+        if lists > MAX_RKEY_ROWS + 1 or long > 1:
+            raise ValueError("lists nested in a control message beyond its rkey rows")
+        return items
+
+    try:
+        return msgpack.unpackb(
+            payload, raw=False, object_hook=on_map, list_hook=on_list, max_map_len=64,
+            max_array_len=MAX_RKEY_ROWS, max_ext_len=0,
+        )  # fmt: skip
+    except Exception as exc:
+        raise InvalidMetadata(f"control frame is not a valid message: {type(exc).__name__}: {exc}"[:200]) from None
 
 
 class FrameBudget:
@@ -177,11 +214,7 @@ class FrameConn:
                     raise AuthenticationError("control frame failed authentication (bad or missing HMAC)")
                 self._recv_seq += 1
                 payload = body
-            try:
-                msg = msgpack.unpackb(payload, raw=False)
-            except Exception as exc:
-                raise InvalidMetadata(f"control frame is not valid msgpack: {type(exc).__name__}") from None
-            out.append(from_wire(msg))
+            out.append(from_wire(decode(payload)))
         if self._budget is not None:
             self._charge(len(self._in))
         return out

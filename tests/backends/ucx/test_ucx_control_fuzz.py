@@ -256,6 +256,54 @@ def test_incomplete_frames_of_many_peers_are_bounded_in_all():
                 sock.close()
 
 
+def _peak(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def _array(n: int) -> bytes:
+    return b"\xdd" + struct.pack(">I", n)
+
+
+def _map(n: int) -> bytes:
+    i = np.arange(n)
+    entries = np.empty((n, 6), dtype=np.uint8)
+    entries[:, 0], entries[:, 5] = 0xA4, 0x80  # a str of 4 bytes -> {}
+    for d in range(4):  # n distinct ASCII keys: base-64 digits from 0x40 on
+        entries[:, 1 + d] = 0x40 + (i >> (6 * d)) % 64
+    return b"\xdf" + struct.pack(">I", n) + entries.tobytes()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        _array(16 << 20) + b"\x90" * (16 << 20),  # 16M empty lists
+        _array(1 << 16) + (b"\xdc\x00\xff" + b"\x90" * 255) * (1 << 16),  # 64K lists of 255 empty lists
+        _map(5 << 19),  # a map of 2.5M keys, each holding an empty map
+    ],
+    ids=["lists", "lists-of-lists", "maps"],
+)
+def test_a_frame_of_millions_of_containers_is_refused_before_they_are_built(shape):
+    """After a valid hello, one 16 MiB frame of empty lists (or of maps): as Python objects about 1 GB; before,
+    the target built them all (peak RSS 50 -> 1242 MiB, 12 s of its service thread). Control messages are flat
+    maps whose only lists are rkey rows: the decoder refuses the first container beyond that."""
+    with RemotePeer("bomb-target", UCX) as target, Agent("bomb-init", UCX) as agent:
+        address = agent.backend("ucx").connection_info()["address"]
+        before = _peak(target.pid)
+        with socket.create_connection(_control(target), timeout=120) as sock:
+            assert recv(sock)["t"] == "challenge"
+            send(sock, {"t": "hello", "name": "bomb", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX})
+            assert recv(sock)["t"] == "welcome"
+            sock.sendall(struct.pack("!I", len(shape)) + shape)
+            assert recv(sock) is None, "the target answered a frame that is no control message"
+        assert target.call("ping", timeout=60) == target.pid
+        grown = _peak(target.pid) - before
+        assert grown < 200 << 20, f"the target's peak RSS grew by {grown >> 20} MiB decoding one 16 MiB frame"
+
+
 def _until(cond, timeout: float = 30.0) -> None:
     """Wait (bounded) for the target to have done what was sent to it: a hang guard, not a race."""
     import time
