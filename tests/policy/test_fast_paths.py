@@ -6,6 +6,7 @@ state after every step, so a fast path that drifts from its policy fails here.""
 from __future__ import annotations
 
 import copy
+import heapq
 import random
 
 import pytest
@@ -35,6 +36,9 @@ def state(t: TierPolicy):
         if name in ("sketch", "rng"):
             continue
         out[name] = list(value.items()) if isinstance(value, dict) else value
+    if isinstance(t, LFUTier):  # the heap of priorities is lazy: what counts is which live groups it reaches
+        assert set(t._groups) <= set(t._heap)
+        out["_heap"] = sorted(set(t._heap) & set(t._groups))
     if isinstance(t, WTinyLFUTier):
         out["sketch"] = sorted(t.sketch.counts.items())
     return out
@@ -145,3 +149,80 @@ def test_evicting_without_pins_is_evicting_with_a_pin_on_nothing(name):
         plain.insert(key, float(i))
         pinned.insert(key, float(i))
         assert state(plain) == state(pinned), i
+
+
+class HeapLFUDA:
+    """LFU-DA as the textbook writes it (and as `LFUTier` was): a lazy min-heap of (priority, sequence, key),
+    one entry per use, stale entries skipped; the reference the grouped `LFUTier` must match step for step."""
+
+    def __init__(self) -> None:
+        self.age, self.count, self.entry, self.heap, self.seq = 0.0, {}, {}, [], 0
+
+    def push(self, key, count: int) -> None:
+        self.count[key] = count
+        self.seq += 1
+        self.entry[key] = (self.age + count, self.seq, key)
+        heapq.heappush(self.heap, self.entry[key])
+
+    def remove(self, key) -> None:
+        del self.count[key], self.entry[key]
+
+    def evict(self, count: int, pinned) -> list:
+        out, held = [], []
+        while len(out) < count and self.heap:
+            entry = heapq.heappop(self.heap)
+            key = entry[2]
+            if self.entry.get(key) is not entry:
+                continue
+            if key in pinned:
+                held.append(entry)
+                continue
+            self.age = entry[0]
+            self.remove(key)
+            out.append(key)
+        for entry in held:
+            heapq.heappush(self.heap, entry)
+        return out
+
+
+@pytest.mark.parametrize("capacity", [1, 4, 60])
+def test_grouped_lfu_da_evicts_as_the_lazy_heap_does(capacity):
+    """Random inserts, uses, removals, evictions of 1-4 chunks with and without pins, adoption: the grouped
+    LFU-DA picks the same victims in the same order, and keeps the same age, counts and priorities."""
+    rng = random.Random(capacity * 31 + 1)
+    fast, ref = LFUTier(capacity), HeapLFUDA()
+    resident: list = []
+    evicted = 0
+    for i in range(6000):
+        key = int(rng.paretovariate(0.9)) % (6 * capacity + 7)
+        if i == 3000:  # a policy switch hands a new instance the resident chunks with counts
+            counts = {k: rng.randrange(0, 6) for k in resident}
+            fast = LFUTier(capacity)
+            fast.adopt(list(resident), counts)
+            ref = HeapLFUDA()
+            for k in resident:
+                ref.push(k, max(1, counts.get(k, 1)))
+        if fast.holds(key):
+            if rng.random() < 0.1:
+                fast.remove(key)
+                ref.remove(key)
+                resident.remove(key)
+            else:
+                fast.touch(key, float(i))
+                ref.push(key, ref.count[key] + 1)
+        else:
+            if len(resident) >= capacity:
+                count = rng.choice([1, 1, 1, 2, 4])
+                pinned = set(rng.sample(resident, min(len(resident), rng.randrange(3)))) if rng.random() < 0.3 else ()
+                got = fast.evict(count, float(i), pinned)
+                assert got == ref.evict(count, pinned), i
+                evicted += len(got)
+                for k in got:
+                    resident.remove(k)
+            fast.insert(key, float(i))
+            ref.push(key, 1)
+            resident.append(key)
+        assert fast.age == ref.age, i
+        assert fast._count == ref.count, i
+        assert {k: fast.priority(k) for k in resident} == {k: e[0] for k, e in ref.entry.items()}, i
+    assert evicted > 100
