@@ -110,6 +110,29 @@ class LFUTier(TierPolicy):
             heapq.heappush(heap, p)
         return out
 
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """`evict(1)`, then while the victim is in `avoid` and tries remain, `restore` it (as inserted: one use at
+        the new age) and `evict(1)` again; written out for the case with nothing pinned."""
+        if pinned:
+            return super().evict_avoiding(avoid, tries, now, pinned)
+        heap, groups, counts, prios = self._heap, self._groups, self._count, self._prio
+        while heap:
+            p = heap[0]
+            group = groups.get(p)
+            if group is None:
+                heapq.heappop(heap)
+                continue
+            key = group.popitem(last=False)[0]
+            if not group:
+                del groups[p]
+            self.age = p
+            if tries <= 0 or key not in avoid:
+                del counts[key], prios[key]
+                return key
+            tries -= 1
+            self._set(key, 1)
+        return None
+
     def ref(self, key: Key, now: float) -> bool:
         count = self._count.get(key)
         if count is not None:

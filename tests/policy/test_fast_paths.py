@@ -39,6 +39,8 @@ def state(t: TierPolicy):
     if isinstance(t, LFUTier):  # the heap of priorities is lazy: what counts is which live groups it reaches
         assert set(t._groups) <= set(t._heap)
         out["_heap"] = sorted(set(t._heap) & set(t._groups))
+        for name in ("_count", "_prio", "_groups"):  # looked up by key: their own order decides nothing
+            out[name] = dict(getattr(t, name))  # (each group is an OrderedDict: its order is compared)
     if isinstance(t, WTinyLFUTier):
         out["sketch"] = sorted(t.sketch.counts.items())
     return out
