@@ -12,10 +12,12 @@ import random
 import pytest
 
 from datamover.policy.arc import ARCTier
-from datamover.policy.base import TierPolicy
+from datamover.policy.base import Policy, TierPolicy
+from datamover.policy.engine import TierSpec, TierStack
 from datamover.policy.lecar import LeCaRTier
 from datamover.policy.lfu import LFUTier
 from datamover.policy.lru import LRUTier
+from datamover.policy.policies import make_policy
 from datamover.policy.s3fifo import S3FIFOTier
 from datamover.policy.tinylfu import FrequencySketch, WTinyLFUTier
 
@@ -228,3 +230,69 @@ def test_grouped_lfu_da_evicts_as_the_lazy_heap_does(capacity):
         assert fast._count == ref.count, i
         assert {k: fast.priority(k) for k in resident} == {k: e[0] for k, e in ref.entry.items()}, i
     assert evicted > 100
+
+
+class HookedStack(TierStack):
+    """A stack whose placement hook is overridden (as the runtime's is): it takes the general request path."""
+
+    def _placed(self, source: str, j: int, key) -> None:
+        pass
+
+
+def random_requests(seed: int, n: int) -> list[list[int]]:
+    """Prefix chains as a KV cache sees them: shared heads (system prompts), growing sessions, fresh tails,
+    now and then a key repeated within one request."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(10**6) for _ in range(rng.randrange(1, 6))] for _ in range(6)]
+    sessions: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.4 and sessions:
+            s = rng.choice(sessions)
+            s.extend(rng.randrange(10**6) for _ in range(rng.randrange(1, 4)))
+            req = list(s)
+        elif r < 0.8:
+            req = rng.choice(heads) + [rng.randrange(10**6) for _ in range(rng.randrange(0, 8))]
+            sessions.append(list(req))
+        else:
+            req = [rng.randrange(10**6) for _ in range(rng.randrange(1, 12))]
+        if rng.random() < 0.05 and len(req) > 2:
+            req.insert(rng.randrange(1, len(req)), req[0])
+        out.append(req)
+    return out
+
+
+class PickyLRU(LRUTier):
+    """LRU that refuses every third key into a full tier (a policy with admission control)."""
+
+    def admit(self, key, now: float, ref: int = -1) -> bool:
+        return key % 3 != 0
+
+
+class PickyLRUPolicy(Policy):
+    def tier(self, capacity: int) -> TierPolicy:
+        return PickyLRU(capacity)
+
+
+@pytest.mark.parametrize("leaf_first", [True, False])
+@pytest.mark.parametrize("policy", ["default", "lru", "lfu", "arc", "s3fifo", "wtinylfu", "lecar", "picky"])
+def test_one_tier_request_path_is_the_general_path(policy, leaf_first):
+    """`TierStack.access_request` on one plain tier takes a short path: the same usable prefixes, hits, misses,
+    evictions, moves and resident chunks as the general path after every request, with watermarks below 1
+    (batch eviction), chunks pinned from outside, and a policy that refuses admission."""
+    make = PickyLRUPolicy if policy == "picky" else lambda: make_policy(policy)
+    for capacity, low in ((7, 1.0), (40, 0.75)):
+        fast = TierStack(make(), [TierSpec("l1_hbm", capacity, 1.0, low)])
+        slow = HookedStack(make(), [TierSpec("l1_hbm", capacity, 1.0, low)])
+        assert fast._plain and not slow._plain
+        for i, keys in enumerate(random_requests(capacity, 1500)):
+            if i % 97 == 0:  # a chunk held by a caller stays whatever the policy says
+                for s in (fast, slow):
+                    s.pinned.clear()
+                    s.pinned.update(sorted(fast.resident[0])[:2])
+            got = fast.access_request(keys, float(i), 10 * i, leaf_first)
+            assert got == slow.access_request(keys, float(i), 10 * i, leaf_first), i
+            assert (fast.hits, fast.misses, fast.evictions) == (slow.hits, slow.misses, slow.evictions), i
+            assert fast.moved == slow.moved and fast.resident == slow.resident, i
+        assert fast.evictions[0] > 100 and fast.hits[0] > 100
