@@ -296,3 +296,32 @@ def test_one_tier_request_path_is_the_general_path(policy, leaf_first):
             assert (fast.hits, fast.misses, fast.evictions) == (slow.hits, slow.misses, slow.evictions), i
             assert fast.moved == slow.moved and fast.resident == slow.resident, i
         assert fast.evictions[0] > 100 and fast.hits[0] > 100
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 50])
+def test_lecar_lfu_victim_is_the_least_used_longest_ago(capacity):
+    """LeCaR's LFU expert (use counts grouped, a heap of the counts in use) proposes the unpinned chunk with
+    the fewest uses and, among equals, the oldest last use (the clock of its last push), by brute force."""
+    rng = random.Random(capacity + 3)
+    t = LeCaRTier(capacity, seed=2)
+    last_use: dict = {}
+    checked = 0
+    for i in range(5000):
+        key = int(rng.paretovariate(0.8)) % (5 * capacity + 7)
+        if key in t._freq:
+            t.touch(key, float(i))
+        else:
+            if len(t) >= capacity:
+                residents = list(t._freq)
+                pinned = set(rng.sample(residents, rng.randrange(len(residents) + 1))) if rng.random() < 0.3 else ()
+                free = [k for k in residents if k not in pinned]
+                want = min(free, key=lambda k: (t._freq[k], last_use[k])) if free else None
+                assert t._lfu_victim(pinned) == want, i
+                checked += 1
+                for gone in t.evict(1, float(i), pinned):
+                    del last_use[gone]
+                if len(t) >= capacity:
+                    continue
+            t.insert(key, float(i))
+        last_use[key] = t.clock
+    assert checked > 200
