@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent, XferState
-from datamover.agents.metadata import encode_metadata
+from datamover.agents.metadata import decode_metadata, encode_metadata
 from datamover.backends import backend_status
 from datamover.backends.ucx.address import AddressCheck, parse
 from datamover.backends.ucx.segments import POSIX, SYSV
@@ -251,6 +251,60 @@ def test_incomplete_frames_of_many_peers_are_bounded_in_all():
             local.write(0, data)
             xfer = agent.transfer("WRITE", local.descs([0], [1 << 20]), remote.descs([0], [1 << 20]), target.name)
             assert xfer.wait() == XferState.DONE and remote.read(0, 1 << 20) == data
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def test_rows_served_for_peers_at_once_are_bounded():
+    """Three unauthenticated WRITEs of 1M one-byte rows into a region the target registered, whose data never
+    comes, took its RSS from 51 to 2277 MiB (each posted row holds UCX request state) and its service thread for
+    30 s; nothing bounded how many. Now ``max_served_rows`` (here 1000): 800 rows are posted, a second 800-row
+    request is refused with the reason (its data drained), a real 100-row WRITE still fits and lands, a 300-row one
+    does not, and fits once the first request's peer hung up (its rows given back)."""
+    cfg = {"backends": {"ucx": {"max_served_rows": 1000}}}
+    served = {"backends": {"ucx": {"one_sided": False}}}
+    with RemotePeer("rows-target", cfg) as target, Agent("rows-init", served) as agent:
+        remote = RemoteBuffer(target, 1 << 20)
+        blob = target.metadata()
+        base = int(decode_metadata(blob).rows[0, 1])
+        address = agent.backend("ucx").connection_info()["address"]
+
+        def req(sock, rows: int, k: int) -> None:
+            cols = [base + np.arange(rows, dtype="<i8"), np.ones(rows, dtype="<i8"), np.zeros(rows, dtype="<i8")]
+            send(sock, {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols[0].tobytes(),
+                        "len": cols[1].tobytes(), "dev": cols[2].tobytes(), "tag": k << 40, "notify": b""})  # fmt: skip
+
+        socks = []
+        try:
+            for k in (1, 2):
+                sock = socket.create_connection(_control(target), timeout=30)
+                socks.append(sock)
+                assert recv(sock)["t"] == "challenge"
+                send(
+                    sock,
+                    {"t": "hello", "name": f"rows{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
+                )
+                assert recv(sock)["t"] == "welcome"
+                req(sock, 800, k)
+            answer = recv(socks[1])  # the known point: the target read the first request before this one
+            assert answer is not None and answer["t"] == "refuse" and "at most 1000 rows" in answer["reason"], answer
+            agent.add_remote(blob)
+            local = HostBuffer(agent, 1 << 20)
+            data = random_bytes(1 << 20, 4)
+            local.write(0, data)
+
+            def write(rows: int) -> XferState:  # rows of 1 KiB, 2 KiB apart: none merged
+                offs = np.arange(rows) * 2048
+                return agent.transfer("WRITE", local.descs(offs, 1024), remote.descs(offs, 1024), target.name).wait()
+
+            assert write(100) == XferState.DONE  # served by the target (one_sided off): 900 of 1000
+            assert remote.read(0, 1024) == data[:1024]
+            with pytest.raises(DatamoverError, match="at most 1000 rows"):
+                write(300)
+            socks.pop(0).close()  # its 800 rows go with it
+            assert write(300) == XferState.DONE
+            assert target.call("ping", timeout=10) == target.pid
         finally:
             for sock in socks:
                 sock.close()
