@@ -8,6 +8,7 @@ message starts with the dotted path of the offending key, e.g. `kv_cache_tiered.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import shutil
 import typing
@@ -296,6 +297,8 @@ def _check_scalar(tp: Any, value: Any, path: str) -> Any:
     elif tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
     else:
         ok = isinstance(value, str)
     if not ok:

@@ -185,3 +185,17 @@ def test_top_level_must_be_kv_cache_tiered():
     assert err.value.path == "kv_cache"
     with pytest.raises(ConfigError, match="no tier is enabled"):
         parse_config({"kv_cache_tiered": {"l1_hbm": {"enabled": False}, "l2_dram": {"enabled": False}}})
+
+
+FLOATS = [(section, name) for section, name, kind in SCALARS if kind == "float"]
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize(("section", "name"), FLOATS)
+def test_non_finite_numbers_are_named(section, name, text):
+    """YAML's .nan and .inf are floats: each float field refuses them naming the field (NaN passed every range
+    check, and a NaN or infinite capacity crashed later turning GiB into chunks)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(yaml.safe_load(f"kv_cache_tiered:\n  {section}:\n    {name}: {text}\n"))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+    assert "finite" in str(err.value)
