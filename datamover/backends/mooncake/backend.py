@@ -54,9 +54,9 @@ from ..base import (
     run_parts,
     split_by_bytes,
 )
+from ..fence import ReadFence
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
-from .fence import ReadFence
 
 
 @dataclass

@@ -226,7 +226,7 @@ class PoolClient:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
         and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
         replica per get, so another try may reach a live holder). ``groups`` as in ``put``; with a ``fence``
-        (``fence.ReadFence``) nothing reaches ``addrs`` once it was cancelled (those keys are CANCELLED)."""
+        (``backends.fence.ReadFence``) nothing reaches ``addrs`` once it was cancelled (those keys: CANCELLED)."""
         keys = keys if type(keys) is list else list(keys)
         status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes), fence)
         if not any(status):

@@ -156,8 +156,8 @@ def get_objects(
 ) -> list[int]:
     """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``, each checked; a status per key
     (0: delivered and verified). Staged, a failed row's memory is untouched; zero-copy, it is zeroed. With a
-    ``fence`` (``fence.ReadFence``) the caller's memory is touched only inside its ``enter``/``leave``: once it
-    was cancelled, every key is CANCELLED and nothing is written there."""
+    ``fence`` (``backends.fence.ReadFence``) the caller's memory is touched only inside its ``enter``/``leave``:
+    once it was cancelled, every key is CANCELLED and nothing is written there."""
     n = len(keys)
     if fence is not None and not staged and not fence.enter():
         return [codes.CANCELLED] * n

@@ -1,11 +1,11 @@
-"""ReadFence: the completion of a mooncake READ run on pool threads, whose ``cancel`` keeps its bytes out of the
+"""ReadFence: the completion of a READ run in parts on pool threads, whose ``cancel`` keeps its bytes out of the
 caller's memory from then on.
 
 ``Transfer`` reports ERR (a timeout) or returns from ``release`` right after ``cancel``, while parts may still be
-inside a store call. A part touches the caller's memory only inside ``enter``/``leave``: staged, the copy of
-verified objects out of the arena; zero-copy, the whole store call (Mooncake writes into the caller's memory
-itself) and the zeroing of rows that failed. ``cancel`` waits until no part is inside (at most ``FENCE_S``
-seconds, then it logs that the fence did not hold), and a part that enters after it touches nothing.
+inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
+part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
+most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call) and posix (each synchronous preadv).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from ..base import Completion
+from .base import Completion
 
-log = logging.getLogger("datamover.mooncake")
+log = logging.getLogger("datamover.fence")
 
-#: the longest ``cancel`` waits for a part writing into the caller's memory (a zero-copy get from a stalled holder)
+#: the longest ``cancel`` waits for a part writing into the caller's memory (a get from a stalled holder, a hung disk)
 FENCE_S = 10.0
 
 
@@ -54,7 +54,7 @@ class ReadFence(Completion):
                 self.fencing.set()
                 if not self._idle.wait_for(lambda: not self._busy, FENCE_S):
                     log.warning(
-                        "a mooncake READ was cancelled while a store call wrote into its destination for over %g s:"
+                        "a READ was cancelled while one of its parts wrote into its destination for over %g s:"
                         " its bytes may still land",
                         FENCE_S,
                     )
