@@ -444,6 +444,18 @@ def with_overrides(config: TierConfig, **sections: dict[str, Any]) -> TierConfig
     return parse_config({ROOT: data})
 
 
+def checked_config(config: Any) -> TierConfig:
+    """``config`` validated as a file is: a TierConfig (which code may have built with any values), a mapping
+    (the YAML document, ``{kv_cache_tiered: {...}}``) or None (the defaults); anything else is a ConfigError."""
+    if config is None:
+        return TierConfig()
+    if isinstance(config, TierConfig):
+        return parse_config({ROOT: _plain(config)})
+    if isinstance(config, dict):
+        return parse_config(config)
+    raise ConfigError(ROOT, f"expected a TierConfig or a mapping, got {type(config).__name__}")
+
+
 def _plain(value: Any) -> Any:
     """A config value back in YAML-document form (for re-validation)."""
     if is_dataclass(value):
@@ -467,6 +479,7 @@ __all__ = [
     "ObservabilityConfig",
     "PolicyConfig",
     "TierConfig",
+    "checked_config",
     "default_config_yaml",
     "load_config",
     "parse_config",
