@@ -76,6 +76,7 @@ class AdaptiveTier(TierPolicy):
         horizon = float(SAMPLE_FACTOR * max(size, SHADOW_MIN))
         self.shadows = [make(size) for make in experts]  # key-only caches, run by `TierPolicy.ref`
         self._refs = [shadow.ref for shadow in self.shadows]
+        self._pairs: dict[int, list[tuple[int, int]]] = {}  # hit mask -> (hit, missed) expert pairs
         n = len(experts)
         # wins[i][j]: sampled references where expert i's shadow hit and j's missed, faded over `horizon`
         # (kept in units of `_unit`, which grows by 1/keep each sampled reference instead of fading them all)
@@ -87,20 +88,27 @@ class AdaptiveTier(TierPolicy):
         self.leader = 0
         self.switches = 0
         self.real: TierPolicy = experts[0](capacity)
+        self._admits = type(self.real).admit is not TierPolicy.admit  # whether the real policy may refuse
         self.recency: OrderedDict[Key, None] = OrderedDict()
 
     def _sample(self, key: Key, now: float) -> None:
         """One reference of a sampled key (`insert` and `touch` test the hash): to every shadow, then count."""
-        hit = [ref(key, now) for ref in self._refs]
+        hit, bit = 0, 1
+        for ref in self._refs:  # which shadows hit, as a bit mask
+            if ref(key, now):
+                hit |= bit
+            bit <<= 1
         unit = self._unit = self._unit / self._keep
-        if 0 < sum(hit) < len(hit):
+        if 0 < hit < bit - 1:  # some hit, some missed: every (hit, missed) pair counts one
+            pairs = self._pairs.get(hit)
+            if pairs is None:
+                n = len(self._refs)
+                pairs = self._pairs[hit] = [
+                    (i, j) for i in range(n) if hit >> i & 1 for j in range(n) if not hit >> j & 1
+                ]
             wins = self.wins
-            for i, h in enumerate(hit):
-                if h:
-                    row = wins[i]
-                    for j, g in enumerate(hit):
-                        if not g:
-                            row[j] += unit
+            for i, j in pairs:
+                wins[i][j] += unit
         if unit > 1e150:
             self._unit = 1.0
             self.wins = [[x / unit for x in row] for row in self.wins]
@@ -130,11 +138,12 @@ class AdaptiveTier(TierPolicy):
         self.leader = expert
         self.switches += 1
         self.real = self.experts[expert](self.capacity)
+        self._admits = type(self.real).admit is not TierPolicy.admit
         counts = self.sketch.counts if self.sketch is not None else {}
         self.real.adopt(list(self.recency), counts)  # type: ignore[attr-defined]
 
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
-        return self.real.admit(key, now, ref)
+        return self.real.admit(key, now, ref) if self._admits else True
 
     def insert(self, key: Key, now: float, ref: int = -1) -> None:
         self.recency[key] = None
@@ -175,7 +184,7 @@ class AdaptiveTier(TierPolicy):
         a leaf below the last one goes instead (a chunk whose parent is gone is of no use: evict leaves
         first, as a radix tree does)."""
         out: list[Key] = []
-        real, children = self.real, self.children
+        real, children, recency, up = self.real, self.children, self.recency, self._up
         while len(out) < count:
             key = real.evict_avoiding(children, LEAF_TRIES, now, pinned)
             if key is None:
@@ -186,7 +195,13 @@ class AdaptiveTier(TierPolicy):
                     real.restore(key, now)
                     real.remove(leaf)
                     key = leaf
-            self._gone(key)
+            del recency[key]  # `_gone`, written out
+            parent = up.pop(key, None)
+            if parent is not None:
+                kids = children[parent]
+                kids.discard(key)
+                if not kids:
+                    del children[parent]
             out.append(key)
         return out
 
@@ -213,10 +228,12 @@ class AdaptivePolicy(Policy):
         self.sketch = FrequencySketch()
         self.chunks = 0
         self.parents: OrderedDict[Key, Key] = OrderedDict()  # recent chunks -> the chunk before them
+        self._limit = 1024
 
     def tier(self, capacity: int) -> TierPolicy:
         self.chunks += capacity
         self.sketch.period = max(64, SAMPLE_FACTOR * self.chunks)
+        self._limit = 2 * self.chunks + 1024  # parents remembered: every tier's chunks twice, and some
         sketch = self.sketch
         make: dict[str, Callable[[int], TierPolicy]] = {
             "s3fifo": S3FIFOTier,
@@ -233,7 +250,7 @@ class AdaptivePolicy(Policy):
         parents = self.parents
         parents.pop(key, None)
         parents[key] = parent
-        if len(parents) > 2 * self.chunks + 1024:
+        if len(parents) > self._limit:
             parents.popitem(last=False)
 
     def observe(self, key: Key, now: float, ref: int = -1) -> None:

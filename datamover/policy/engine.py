@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from .base import TierPolicy
 from .config import TierConfig
 from .policies import Policy
 
@@ -55,6 +56,10 @@ class TierStack:
         self.moved: Counter = Counter()
         self.pinned: set[Hashable] = set()  # never evicted
         self.closed: set[int] = set()  # tiers being drained: no new chunks
+        cls = type(self)  # none of the steps a subclass may hook overridden: one tier can take the short path
+        self._plain = all(
+            getattr(cls, name) is getattr(TierStack, name) for name in ("hit", "place", "evict", "_placed", "_removed")
+        )
 
     def access(self, key: Hashable, now: float, ref: int = -1) -> int:
         """Replay one reference; return the tier index that served it, or -1 for a miss."""
@@ -74,13 +79,9 @@ class TierStack:
         chunk first, so the request's first chunk ends most recent, and tells the policy each chunk's parent
         (without it, in order and without parents, as TieredCache's get and put do today). Every found chunk
         counts in `hits`; returns the usable prefix, the number of leading chunks found."""
+        if self._plain and len(self.resident) == 1 and not self.closed:
+            return self._one_tier_request(keys, now, first_ref, leaf_first)
         where, pinned, policy = self.where, self.pinned, self.policy
-        if len(self.resident) == 1:  # one tier: the look-up is a set membership (no call)
-            only = self.resident[0]
-
-            def where(key: Hashable) -> int:
-                return 0 if key in only else -1
-
         n = len(keys)
         for i, key in enumerate(keys):
             if where(key) < 0:
@@ -120,6 +121,61 @@ class TierStack:
             else:
                 self.misses += 1
                 place(0, key, now, ref, PREFILL)
+        return n
+
+    def _one_tier_request(self, keys: Sequence[Hashable], now: float, first_ref: int, leaf_first: bool) -> int:
+        """`access_request` for one open tier with none of the hooks overridden (the replay's `--single-tier`):
+        the same steps, with `hit`, `place` and `evict` written out in the loop (one tier: a found chunk is
+        only touched, a missing one is placed in the tier or refused, a victim just leaves)."""
+        only, order, pinned, policy = self.resident[0], self.orders[0], self.pinned, self.policy
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if key not in only:
+                n = i
+                break
+        held = [k for k in keys[:n] if k not in pinned]
+        pinned.update(held)
+        link = policy.link if leaf_first and type(policy).link is not Policy.link else None
+        observe = policy.observe if type(policy).observe is not Policy.observe else None
+        admit = order.admit if type(order).admit is not TierPolicy.admit else None
+        touch, insert, evict, add, drop = order.touch, order.insert, order.evict, only.add, only.remove
+        high, low = self.high[0], self.low[0]
+        found = missed = placed = evicted = 0
+        last = len(keys) - 1
+        if leaf_first:
+            steps = [*range(n - 1, -1, -1), *range(last, n - 1, -1)]
+        else:
+            steps = range(len(keys))
+        for step, i in enumerate(steps):
+            if step == n:  # the found prefix is served: its pins go before the rest is stored
+                pinned.difference_update(held)
+            key, ref = keys[i], first_ref + i if first_ref >= 0 else -1
+            if link is not None:
+                link(key, keys[i - 1] if i else None)
+            if observe is not None:
+                observe(key, now, ref)
+            if key in only:
+                found += 1
+                touch(key, now, ref)
+                continue
+            missed += 1
+            if len(only) >= high:
+                if admit is None or admit(key, now, ref):
+                    for victim in evict(len(only) + 1 - low, now, pinned):
+                        drop(victim)
+                        evicted += 1
+                if len(only) >= high:  # refused, or all that is left is pinned: the only tier has no next
+                    continue
+            add(key)
+            insert(key, now, ref)
+            placed += 1
+        if n == len(keys):
+            pinned.difference_update(held)
+        self.hits[0] += found
+        self.misses += missed
+        self.evictions[0] += evicted
+        if placed:
+            self.moved[PREFILL, self.names[0]] += placed
         return n
 
     def where(self, key: Hashable) -> int:

@@ -32,21 +32,32 @@ class LeCaRTier(TierPolicy):
         self.clock = 0
         self._lru: OrderedDict[Key, None] = OrderedDict()
         self._freq: dict[Key, int] = {}
-        self._entry: dict[Key, tuple[int, int, Key]] = {}
-        self._heap: list[tuple[int, int, Key]] = []
+        # LFU's order: chunks grouped by use count, each group oldest use first, and a min-heap of the counts
+        # in use (a count whose group emptied leaves the heap when it reaches the top)
+        self._groups: dict[int, OrderedDict[Key, None]] = {}
+        self._heap: list[int] = []
         self.h_lru: OrderedDict[Key, tuple[int, int]] = OrderedDict()  # key -> (evicted at, uses)
         self.h_lfu: OrderedDict[Key, tuple[int, int]] = OrderedDict()
         self._learned: Key | None = None
 
     def _push(self, key: Key, freq: int) -> None:
+        """`key` (in no group) was used: `freq` uses, newest of its group; the clock counts every use."""
         self._freq[key] = freq
         self.clock += 1
-        entry = (freq, self.clock, key)
-        self._entry[key] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._entry) + 64:
-            self._heap = list(self._entry.values())
-            heapq.heapify(self._heap)
+        group = self._groups.get(freq)
+        if group is None:
+            group = self._groups[freq] = OrderedDict()
+            heapq.heappush(self._heap, freq)
+            if len(self._heap) > 2 * len(self._groups) + 64:
+                self._heap = list(self._groups)
+                heapq.heapify(self._heap)
+        group[key] = None
+
+    def _ungroup(self, key: Key, freq: int) -> None:
+        group = self._groups[freq]
+        del group[key]
+        if not group:
+            del self._groups[freq]
 
     def _learn(self, key: Key) -> None:
         old = self.h_lru.get(key)
@@ -74,37 +85,35 @@ class LeCaRTier(TierPolicy):
         self._learned = None
         old = self.h_lru.pop(key, None) or self.h_lfu.pop(key, None)
         self._lru[key] = None
+        if key in self._freq:
+            self._ungroup(key, self._freq[key])
         self._push(key, 1 if old is None else old[1] + 1)
 
     def touch(self, key: Key, now: float, ref: int = -1) -> None:
         self._lru.move_to_end(key)
-        self._push(key, self._freq[key] + 1)
+        freq = self._freq[key]
+        self._ungroup(key, freq)
+        self._push(key, freq + 1)
 
     def remove(self, key: Key) -> None:
-        del self._lru[key], self._freq[key], self._entry[key]
+        del self._lru[key]
+        self._ungroup(key, self._freq.pop(key))
 
     def _lfu_victim(self, pinned: Container[Key]) -> Key | None:
-        heap, entries = self._heap, self._entry
-        while heap:  # drop stale entries from the top; the least used live one, if unpinned, is the answer
-            entry = heap[0]
-            if entries.get(entry[2]) is not entry:
-                heapq.heappop(heap)
-            elif entry[2] not in pinned:
-                return entry[2]
-            else:
-                break
-        held, found = [], None
-        while heap:
-            entry = heapq.heappop(heap)
-            if entries.get(entry[2]) is not entry:
-                continue
-            held.append(entry)
-            if entry[2] not in pinned:
-                found = entry[2]
-                break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        return found
+        """The least used unpinned chunk, the one used longest ago among equals (None if all are pinned)."""
+        heap, groups = self._heap, self._groups
+        while heap and heap[0] not in groups:  # counts whose groups emptied
+            heapq.heappop(heap)
+        if not heap:
+            return None
+        for key in groups[heap[0]]:
+            if key not in pinned:
+                return key
+        for freq in sorted(groups):  # the lowest group is all pinned: the next ones, in order
+            for key in groups[freq]:
+                if key not in pinned:
+                    return key
+        return None
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         out: list[Key] = []
@@ -115,10 +124,12 @@ class LeCaRTier(TierPolicy):
             if key is None:
                 break
             history = self.h_lru if use_lru else self.h_lfu
-            history[key] = (self.clock, freq.pop(key))
+            uses = freq.pop(key)
+            history[key] = (self.clock, uses)
             if len(history) > self.capacity:
                 history.popitem(last=False)
-            del lru[key], self._entry[key]
+            del lru[key]
+            self._ungroup(key, uses)
             out.append(key)
         return out
 

@@ -8,96 +8,156 @@ chunks that were popular once give way to new ones without a decay constant to t
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
 
 class LFUTier(TierPolicy):
-    """LFU-DA over one tier: a min-heap of (priority, sequence, key) with lazy deletion."""
+    """LFU-DA over one tier. Chunks are grouped by priority, each group in the order its chunks' priorities were
+    set (the tie-break), and a min-heap holds the priorities in use (a priority whose group emptied leaves the
+    heap when it reaches the top): a victim is the first chunk of the lowest group, without sifting a heap of
+    every use."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.age = 0.0
         self._count: dict[Key, int] = {}
-        self._entry: dict[Key, tuple[float, int, Key]] = {}
-        self._heap: list[tuple[float, int, Key]] = []
-        self._seq = 0
+        self._prio: dict[Key, float] = {}
+        self._groups: dict[float, OrderedDict[Key, None]] = {}
+        self._heap: list[float] = []
 
-    def _push(self, key: Key, count: int) -> None:
+    def _set(self, key: Key, count: int) -> None:
+        """Give `key` (in no group) `count` uses and the priority age + count, newest of its group."""
         self._count[key] = count
-        self._seq += 1
-        entry = (self.age + count, self._seq, key)
-        self._entry[key] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._entry) + 64:
-            self._heap = list(self._entry.values())
-            heapq.heapify(self._heap)
+        p = self.age + count
+        self._prio[key] = p
+        group = self._groups.get(p)
+        if group is None:
+            group = self._groups[p] = OrderedDict()
+            heap = self._heap
+            heapq.heappush(heap, p)
+            if len(heap) > 2 * len(self._groups) + 64:
+                self._heap = list(self._groups)
+                heapq.heapify(self._heap)
+        group[key] = None
+
+    def _unset(self, key: Key) -> None:
+        """Take `key` out of its group (its count stays to the caller)."""
+        p = self._prio.pop(key)
+        group = self._groups[p]
+        del group[key]
+        if not group:
+            del self._groups[p]
 
     def insert(self, key: Key, now: float, ref: int = -1) -> None:
-        self._push(key, 1)
+        if key in self._prio:
+            self._unset(key)
+        self._set(key, 1)
 
     def touch(self, key: Key, now: float, ref: int = -1) -> None:
-        self._push(key, self._count[key] + 1)
+        count = self._count[key] + 1
+        self._unset(key)
+        self._set(key, count)
 
     def remove(self, key: Key) -> None:
-        del self._count[key], self._entry[key]
+        del self._count[key]
+        self._unset(key)
 
     def priority(self, key: Key) -> float:
         """The current priority of resident `key` (uses + age when last set)."""
-        return self._entry[key][0]
+        return self._prio[key]
 
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
-        heap, entries = self._heap, self._entry
+        heap, groups = self._heap, self._groups
         if count == 1 and not pinned:  # the common case, without the bookkeeping for pins
-            pop = heapq.heappop
             while heap:
-                entry = pop(heap)
-                key = entry[2]
-                if entries.get(key) is entry:
-                    self.age = entry[0]
-                    del self._count[key], entries[key]
-                    return [key]
+                p = heap[0]
+                group = groups.get(p)
+                if group is None:
+                    heapq.heappop(heap)
+                    continue
+                key = group.popitem(last=False)[0]
+                if not group:
+                    del groups[p]
+                self.age = p
+                del self._count[key], self._prio[key]
+                return [key]
             return []
         out: list[Key] = []
-        held = []
+        seen: list[float] = []  # priorities taken off the heap whose groups still hold chunks
         while len(out) < count and heap:
-            entry = heapq.heappop(heap)
-            key = entry[2]
-            if entries.get(key) is not entry:
+            p = heapq.heappop(heap)
+            group = groups.get(p)
+            if group is None:
                 continue
-            if key in pinned:
-                held.append(entry)
-                continue
-            self.age = entry[0]
-            del self._count[key], entries[key]
-            out.append(key)
-        for entry in held:
-            heapq.heappush(heap, entry)
+            seen.append(p)
+            taken = []
+            for key in group:  # oldest first, pinned ones stay
+                if key not in pinned:
+                    taken.append(key)
+                    if len(out) + len(taken) == count:
+                        break
+            for key in taken:
+                del group[key], self._count[key], self._prio[key]
+                self.age = p
+                out.append(key)
+            if not group:
+                del groups[p]
+                seen.pop()
+        for p in seen:
+            heapq.heappush(heap, p)
         return out
+
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """`evict(1)`, then while the victim is in `avoid` and tries remain, `restore` it (as inserted: one use at
+        the new age) and `evict(1)` again; written out for the case with nothing pinned."""
+        if pinned:
+            return super().evict_avoiding(avoid, tries, now, pinned)
+        heap, groups, counts, prios = self._heap, self._groups, self._count, self._prio
+        while heap:
+            p = heap[0]
+            group = groups.get(p)
+            if group is None:
+                heapq.heappop(heap)
+                continue
+            key = group.popitem(last=False)[0]
+            if not group:
+                del groups[p]
+            self.age = p
+            if tries <= 0 or key not in avoid:
+                del counts[key], prios[key]
+                return key
+            tries -= 1
+            self._set(key, 1)
+        return None
 
     def ref(self, key: Key, now: float) -> bool:
         count = self._count.get(key)
         if count is not None:
-            self._push(key, count + 1)
+            self._unset(key)
+            self._set(key, count + 1)
             return True
-        if len(self._entry) >= self.capacity:
+        if len(self._count) >= self.capacity:
             self.evict(1, now)
-        self._push(key, 1)
+        self._set(key, 1)
         return False
 
     def holds(self, key: Key) -> bool:
-        return key in self._entry
+        return key in self._count
 
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch), each with its use count from `counts`
         (at least 1; ties leave oldest first)."""
         counts = counts or {}
         for key in keys:
-            self._push(key, max(1, counts.get(key, 1)))
+            if key in self._prio:
+                self._unset(key)
+            self._set(key, max(1, counts.get(key, 1)))
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return len(self._count)
 
 
 class LFUPolicy(Policy):

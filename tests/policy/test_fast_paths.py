@@ -6,15 +6,18 @@ state after every step, so a fast path that drifts from its policy fails here.""
 from __future__ import annotations
 
 import copy
+import heapq
 import random
 
 import pytest
 
 from datamover.policy.arc import ARCTier
-from datamover.policy.base import TierPolicy
+from datamover.policy.base import Policy, TierPolicy
+from datamover.policy.engine import TierSpec, TierStack
 from datamover.policy.lecar import LeCaRTier
 from datamover.policy.lfu import LFUTier
 from datamover.policy.lru import LRUTier
+from datamover.policy.policies import make_policy
 from datamover.policy.s3fifo import S3FIFOTier
 from datamover.policy.tinylfu import FrequencySketch, WTinyLFUTier
 
@@ -35,6 +38,11 @@ def state(t: TierPolicy):
         if name in ("sketch", "rng"):
             continue
         out[name] = list(value.items()) if isinstance(value, dict) else value
+    if isinstance(t, LFUTier):  # the heap of priorities is lazy: what counts is which live groups it reaches
+        assert set(t._groups) <= set(t._heap)
+        out["_heap"] = sorted(set(t._heap) & set(t._groups))
+        for name in ("_count", "_prio", "_groups"):  # looked up by key: their own order decides nothing
+            out[name] = dict(getattr(t, name))  # (each group is an OrderedDict: its order is compared)
     if isinstance(t, WTinyLFUTier):
         out["sketch"] = sorted(t.sketch.counts.items())
     return out
@@ -145,3 +153,175 @@ def test_evicting_without_pins_is_evicting_with_a_pin_on_nothing(name):
         plain.insert(key, float(i))
         pinned.insert(key, float(i))
         assert state(plain) == state(pinned), i
+
+
+class HeapLFUDA:
+    """LFU-DA as the textbook writes it (and as `LFUTier` was): a lazy min-heap of (priority, sequence, key),
+    one entry per use, stale entries skipped; the reference the grouped `LFUTier` must match step for step."""
+
+    def __init__(self) -> None:
+        self.age, self.count, self.entry, self.heap, self.seq = 0.0, {}, {}, [], 0
+
+    def push(self, key, count: int) -> None:
+        self.count[key] = count
+        self.seq += 1
+        self.entry[key] = (self.age + count, self.seq, key)
+        heapq.heappush(self.heap, self.entry[key])
+
+    def remove(self, key) -> None:
+        del self.count[key], self.entry[key]
+
+    def evict(self, count: int, pinned) -> list:
+        out, held = [], []
+        while len(out) < count and self.heap:
+            entry = heapq.heappop(self.heap)
+            key = entry[2]
+            if self.entry.get(key) is not entry:
+                continue
+            if key in pinned:
+                held.append(entry)
+                continue
+            self.age = entry[0]
+            self.remove(key)
+            out.append(key)
+        for entry in held:
+            heapq.heappush(self.heap, entry)
+        return out
+
+
+@pytest.mark.parametrize("capacity", [1, 4, 60])
+def test_grouped_lfu_da_evicts_as_the_lazy_heap_does(capacity):
+    """Random inserts, uses, removals, evictions of 1-4 chunks with and without pins, adoption: the grouped
+    LFU-DA picks the same victims in the same order, and keeps the same age, counts and priorities."""
+    rng = random.Random(capacity * 31 + 1)
+    fast, ref = LFUTier(capacity), HeapLFUDA()
+    resident: list = []
+    evicted = 0
+    for i in range(6000):
+        key = int(rng.paretovariate(0.9)) % (6 * capacity + 7)
+        if i == 3000:  # a policy switch hands a new instance the resident chunks with counts
+            counts = {k: rng.randrange(0, 6) for k in resident}
+            fast = LFUTier(capacity)
+            fast.adopt(list(resident), counts)
+            ref = HeapLFUDA()
+            for k in resident:
+                ref.push(k, max(1, counts.get(k, 1)))
+        if fast.holds(key):
+            if rng.random() < 0.1:
+                fast.remove(key)
+                ref.remove(key)
+                resident.remove(key)
+            else:
+                fast.touch(key, float(i))
+                ref.push(key, ref.count[key] + 1)
+        else:
+            if len(resident) >= capacity:
+                count = rng.choice([1, 1, 1, 2, 4])
+                pinned = set(rng.sample(resident, min(len(resident), rng.randrange(3)))) if rng.random() < 0.3 else ()
+                got = fast.evict(count, float(i), pinned)
+                assert got == ref.evict(count, pinned), i
+                evicted += len(got)
+                for k in got:
+                    resident.remove(k)
+            fast.insert(key, float(i))
+            ref.push(key, 1)
+            resident.append(key)
+        assert fast.age == ref.age, i
+        assert fast._count == ref.count, i
+        assert {k: fast.priority(k) for k in resident} == {k: e[0] for k, e in ref.entry.items()}, i
+    assert evicted > 100
+
+
+class HookedStack(TierStack):
+    """A stack whose placement hook is overridden (as the runtime's is): it takes the general request path."""
+
+    def _placed(self, source: str, j: int, key) -> None:
+        pass
+
+
+def random_requests(seed: int, n: int) -> list[list[int]]:
+    """Prefix chains as a KV cache sees them: shared heads (system prompts), growing sessions, fresh tails,
+    now and then a key repeated within one request."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(10**6) for _ in range(rng.randrange(1, 6))] for _ in range(6)]
+    sessions: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.4 and sessions:
+            s = rng.choice(sessions)
+            s.extend(rng.randrange(10**6) for _ in range(rng.randrange(1, 4)))
+            req = list(s)
+        elif r < 0.8:
+            req = rng.choice(heads) + [rng.randrange(10**6) for _ in range(rng.randrange(0, 8))]
+            sessions.append(list(req))
+        else:
+            req = [rng.randrange(10**6) for _ in range(rng.randrange(1, 12))]
+        if rng.random() < 0.05 and len(req) > 2:
+            req.insert(rng.randrange(1, len(req)), req[0])
+        out.append(req)
+    return out
+
+
+class PickyLRU(LRUTier):
+    """LRU that refuses every third key into a full tier (a policy with admission control)."""
+
+    def admit(self, key, now: float, ref: int = -1) -> bool:
+        return key % 3 != 0
+
+
+class PickyLRUPolicy(Policy):
+    def tier(self, capacity: int) -> TierPolicy:
+        return PickyLRU(capacity)
+
+
+@pytest.mark.parametrize("leaf_first", [True, False])
+@pytest.mark.parametrize("policy", ["default", "lru", "lfu", "arc", "s3fifo", "wtinylfu", "lecar", "picky"])
+def test_one_tier_request_path_is_the_general_path(policy, leaf_first):
+    """`TierStack.access_request` on one plain tier takes a short path: the same usable prefixes, hits, misses,
+    evictions, moves and resident chunks as the general path after every request, with watermarks below 1
+    (batch eviction), chunks pinned from outside, and a policy that refuses admission."""
+    make = PickyLRUPolicy if policy == "picky" else lambda: make_policy(policy)
+    for capacity, low in ((7, 1.0), (40, 0.75)):
+        fast = TierStack(make(), [TierSpec("l1_hbm", capacity, 1.0, low)])
+        slow = HookedStack(make(), [TierSpec("l1_hbm", capacity, 1.0, low)])
+        assert fast._plain and not slow._plain
+        for i, keys in enumerate(random_requests(capacity, 1500)):
+            if i % 97 == 0:  # a chunk held by a caller stays whatever the policy says
+                for s in (fast, slow):
+                    s.pinned.clear()
+                    s.pinned.update(sorted(fast.resident[0])[:2])
+            got = fast.access_request(keys, float(i), 10 * i, leaf_first)
+            assert got == slow.access_request(keys, float(i), 10 * i, leaf_first), i
+            assert (fast.hits, fast.misses, fast.evictions) == (slow.hits, slow.misses, slow.evictions), i
+            assert fast.moved == slow.moved and fast.resident == slow.resident, i
+        assert fast.evictions[0] > 100 and fast.hits[0] > 100
+
+
+@pytest.mark.parametrize("capacity", [1, 5, 50])
+def test_lecar_lfu_victim_is_the_least_used_longest_ago(capacity):
+    """LeCaR's LFU expert (use counts grouped, a heap of the counts in use) proposes the unpinned chunk with
+    the fewest uses and, among equals, the oldest last use (the clock of its last push), by brute force."""
+    rng = random.Random(capacity + 3)
+    t = LeCaRTier(capacity, seed=2)
+    last_use: dict = {}
+    checked = 0
+    for i in range(5000):
+        key = int(rng.paretovariate(0.8)) % (5 * capacity + 7)
+        if key in t._freq:
+            t.touch(key, float(i))
+        else:
+            if len(t) >= capacity:
+                residents = list(t._freq)
+                pinned = set(rng.sample(residents, rng.randrange(len(residents) + 1))) if rng.random() < 0.3 else ()
+                free = [k for k in residents if k not in pinned]
+                want = min(free, key=lambda k: (t._freq[k], last_use[k])) if free else None
+                assert t._lfu_victim(pinned) == want, i
+                checked += 1
+                for gone in t.evict(1, float(i), pinned):
+                    del last_use[gone]
+                if len(t) >= capacity:
+                    continue
+            t.insert(key, float(i))
+        last_use[key] = t.clock
+    assert checked > 200

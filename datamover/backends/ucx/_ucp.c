@@ -120,7 +120,13 @@ static int need_bound(void) {
  * holds the worker (it drives the worker itself, see Flush.drive), UCX's fd is taken out of that set, so events
  * the waiter handles do not wake this thread too; the last release() puts it back and arms the worker, kicking
  * the thread only when events are already pending (or it noticed the hold). A transfer its caller waits for thus
- * costs this thread no wakeup at all. */
+ * costs this thread no wakeup at all.
+ *
+ * With poll_s > 0, a burst of work is followed by sleeps of poll_s on a timer (UCX's fd not waited on) and
+ * another progress, for as long as each finds work; the first progress that finds none arms the worker and
+ * blocks on the fd again. While a peer streams puts or gets in, the thread then wakes once per poll_s on its
+ * own timer instead of once per arriving segment through the sender's syscall (a wakeup the sender pays for
+ * and, where both share cores, a preemption of the sender). An idle worker still costs no wakeup. */
 
 typedef struct {
     PyObject_HEAD
@@ -133,11 +139,12 @@ typedef struct {
     int held_sleep; /* the thread noticed a hold and sleeps until released */
     int notify; /* written (one 8-byte count) after progress that did work, or -1 */
     double spin_s;
+    double poll_s; /* > 0: after work, sleep this long on a timer and progress again while there is work */
     pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
     pthread_t thread;
     int running;
     volatile int quit;
-    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks;
+    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls;
 } ProgressObject;
 
 static void notify_fd(int fd) {
@@ -451,6 +458,13 @@ static void *progress_main(void *arg) {
             }
             if (did) p->bursts++;
             if (is_held(p)) continue;
+            if (did && p->poll_s > 0.0 && !p->quit) {
+                /* traffic is flowing: look again after poll_s instead of being woken by each arrival */
+                struct timespec ts = {(time_t)p->poll_s, (long)((p->poll_s - (double)(time_t)p->poll_s) * 1e9)};
+                nanosleep(&ts, NULL);
+                p->polls++;
+                continue;
+            }
             ucs_status_t st = ucp.arm(p->worker);
             if (st == UCS_ERR_BUSY) continue; /* events came in meanwhile: progress them first */
             if (st != UCS_OK) {
@@ -478,11 +492,15 @@ static void *progress_main(void *arg) {
 }
 
 static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"worker", "spin_s", "notify_fd", NULL};
+    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", NULL};
     unsigned long long worker;
-    double spin_s = 0.0;
+    double spin_s = 0.0, poll_s = 0.0;
     int notify = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|di", kwlist, &worker, &spin_s, &notify)) return NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|did", kwlist, &worker, &spin_s, &notify, &poll_s)) return NULL;
+    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s must be >= 0 and poll_s in [0, 1] seconds");
+        return NULL;
+    }
     if (!need_bound()) return NULL;
     int efd = -1;
     ucs_status_t st = ucp.get_efd((void *)(uintptr_t)worker, &efd);
@@ -520,6 +538,7 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
     p->stop = stop;
     p->notify = notify;
     p->spin_s = spin_s;
+    p->poll_s = poll_s;
     int rc = pthread_create(&p->thread, NULL, progress_main, p);
     if (rc != 0) {
         Py_DECREF(p);
@@ -584,9 +603,9 @@ static void progress_dealloc(ProgressObject *p) {
 }
 
 static PyObject *progress_stats(ProgressObject *p, void *closure) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts", p->bursts,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts", p->bursts,
                          "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds, "release_kicks",
-                         p->release_kicks, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
+                         p->release_kicks, "polls", p->polls, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
                          p->running ? Py_True : Py_False);
 }
 
@@ -605,7 +624,8 @@ static PyMethodDef progress_methods[] = {
 static PyGetSetDef progress_getset[] = {
     {"stats", (getter)progress_stats, NULL,
      "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
-     "that did work), kicks, holds, release_kicks (releases that had to wake the thread), held (holds now)",
+     "that did work), kicks, holds, release_kicks (releases that had to wake the thread), polls (timer sleeps "
+     "after work, with poll_s), held (holds now)",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -615,8 +635,8 @@ static PyTypeObject ProgressType = {
     .tp_basicsize = sizeof(ProgressObject),
     .tp_dealloc = (destructor)progress_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1): a native thread progressing a UCP worker, sleeping on "
-              "its event fd when idle.",
+    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0): a native thread progressing a UCP worker, "
+              "sleeping on its event fd when idle (with poll_s, on a timer of poll_s while work keeps coming).",
     .tp_methods = progress_methods,
     .tp_getset = progress_getset,
     .tp_new = progress_new,

@@ -56,6 +56,7 @@ import numpy as np
 from ...descriptors import MemType
 from ...errors import (
     InvalidMetadata,
+    InvalidParameter,
     RemoteDisconnected,
 )
 from ..base import (
@@ -140,6 +141,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # how long that thread keeps polling after work before it sleeps on the event fd again (spin_us is the
         # Python service thread's); spinning takes a core from the peer and the caller where cores are few
         "progress_spin_us": 0,
+        # after work, that thread sleeps this long on a timer and progresses again while work keeps coming,
+        # instead of waking (through the sender's syscall) on each segment a peer streams in; 0: always the fd
+        "progress_poll_us": 0,
         # a waiter driving its request polls UCX this long without progress before it sleeps on UCX's event fd
         "drive_spin_us": 50,
         "connect_timeout_s": 5.0,
@@ -164,6 +168,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
+        poll_us = self.params["progress_poll_us"]
+        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 <= poll_us <= 1_000_000:
+            raise InvalidParameter(
+                f"progress_poll_us must be a number of microseconds in [0, 1000000], got {poll_us!r}", backend=self.name
+            )
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -291,7 +300,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             },
             "control": f"{self.params['host']}:{self._port}",
             "native path": rma.data_path(),
-            "UCX progress": "a native thread on UCX's event fd" if self._progress is not None else "the service thread",
+            "UCX progress": self._progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
@@ -300,7 +309,16 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "requests": dict(self.counts),
         }
 
+    def _progress_mode(self) -> str:
+        if self._progress is None:
+            return "the service thread"
+        poll_us = self.params["progress_poll_us"]
+        if poll_us:
+            return f"a native thread on UCX's event fd, polling every {poll_us:g} us after work while work keeps coming"
+        return "a native thread on UCX's event fd"
+
     # -- metadata and peers ---------------------------------------------------
+
     def connection_info(self) -> dict[str, Any]:
         host = self.params["host"]
         if host in ("0.0.0.0", ""):

@@ -44,7 +44,11 @@ class ServiceLoop:
         lib = rma.native() if self.params["native_progress"] else None
         if lib is not None:
             try:
-                self._progress = lib.Progress(self._worker.handle, float(self.params["progress_spin_us"]) * 1e-6)
+                self._progress = lib.Progress(
+                    self._worker.handle,
+                    float(self.params["progress_spin_us"]) * 1e-6,
+                    poll_s=float(self.params["progress_poll_us"]) * 1e-6,
+                )
                 return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)

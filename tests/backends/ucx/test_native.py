@@ -228,3 +228,64 @@ def test_native_post_refuses_rows_that_are_not_an_n_by_5_uint64_array():
         _ucp.post(False, 0, np.zeros((2, 5), dtype=np.float64))
     with pytest.raises(TypeError):
         _ucp.post(False, 0, [1, 2, 3, 4, 5])
+
+
+@needs_native
+@pytest.mark.parametrize("poll_us", [0, 100])
+def test_a_native_thread_that_polls_after_work_serves_a_stream_and_still_respects_holds(poll_us):
+    """With progress_poll_us, the thread looks again on its own timer after work (polls counted) instead of
+    being woken by each arriving segment; off, it never does. Either way a hold keeps it off the worker."""
+    params = {**TCP, "progress_poll_us": poll_us}
+    with Agent(f"native-poll{poll_us}", {"backends": {"ucx": params}}) as owner:
+        backend = owner.backend("ucx")
+        progress = backend._progress
+        assert ("polling every 100 us" in backend.describe()["UCX progress"]) == (poll_us > 0)
+        n, bs = 256, 4096
+        mem = HostBuffer(owner, n * bs)
+        blocks = b"".join(bytes([i % 251 + 1]) * bs for i in range(n))
+        with RemotePeer(f"native-poll{poll_us}-writer", {"backends": {"ucx": TCP}}, env={"UCX_TLS": "tcp,self"}) as w:
+            w.call("add_remote", owner.metadata())
+            handle, _ = w.call("alloc", n * bs)
+            w.call("write", handle, 0, blocks)
+            addrs = mem.descs(np.arange(n)[::-1] * bs, bs).addr  # block i to slot n-1-i
+            before = progress.stats
+            for _ in range(3):
+                xid = w.call("start_transfer", "WRITE", handle, owner.name, addrs, [bs] * n)
+                assert w.call("wait_transfer", xid) == "DONE"
+            want = b"".join(blocks[(n - 1 - j) * bs : (n - j) * bs] for j in range(n))
+            assert mem.read(0, n * bs) == want
+            after = progress.stats
+            assert after["progressed"] > before["progressed"]
+            assert (after["polls"] > before["polls"]) == (poll_us > 0)
+            mem.write(0, bytes(n * bs))
+            progress.hold()
+            try:
+                held_and_idle(progress, backend._worker)
+                before = progress.stats
+                xid = w.call("start_transfer", "WRITE", handle, owner.name, addrs, [bs] * n)
+                event_arrives(backend._worker)  # known point: the puts reached the target's socket
+                assert mem.read(0, n * bs) == bytes(n * bs)
+                held = progress.stats
+                assert held["progressed"] == before["progressed"] and held["polls"] == before["polls"]
+            finally:
+                progress.release()
+            assert w.call("wait_transfer", xid) == "DONE"
+            assert mem.read(0, n * bs) == want
+        assert backend.describe()["native progress"]["polls"] >= after["polls"]
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [-1, 1_000_001, "100", True, None])
+def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(bad):
+    from datamover.errors import InvalidParameter
+
+    with Agent("native-poll-bad", {"backends": {"ucx": {**TCP, "progress_poll_us": bad}}}) as agent:
+        with pytest.raises(InvalidParameter, match="progress_poll_us"):
+            agent.backend("ucx")  # started on first use
+    from datamover.backends.ucx import _ucp
+
+    with Agent("native-poll-ok", {"backends": {"ucx": TCP}}) as agent:
+        worker = agent.backend("ucx")._worker.handle
+        for poll_s in (-1e-6, 1.5, float("nan")):
+            with pytest.raises(ValueError, match="poll_s"):
+                _ucp.Progress(worker, 0.0, -1, poll_s)
