@@ -27,6 +27,8 @@ from ..errors import AuthenticationError, InvalidDescriptor, InvalidMetadata
 SCHEMA_VERSION = 1
 MAX_BLOB_BYTES = 64 << 20
 MAX_REGIONS = 1 << 20
+#: lists and maps a blob may hold besides one per region (the document, its backends' maps, their values)
+_SPARE_CONTAINERS = 1024
 MAX_NAME_LEN = 256
 _INT64_MAX = (1 << 63) - 1
 _IDENT_LEN = 32
@@ -95,10 +97,22 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
     if len(blob) > MAX_BLOB_BYTES:
         raise InvalidMetadata(f"metadata blob of {len(blob)} bytes exceeds {MAX_BLOB_BYTES}")
     max_regions = min(int(max_regions), MAX_REGIONS)
+    # lists and maps as msgpack builds them, innermost first: a blob is its regions' rows and a few maps, and
+    # bytes alone bound containers badly (8 MiB of empty lists are 8M Python lists, about 600 MB)
+    containers = max_regions + _SPARE_CONTAINERS
+
+    def count(container: Any) -> Any:
+        nonlocal containers
+        containers -= 1
+        if containers < 0:
+            raise ValueError(f"more than {max_regions + _SPARE_CONTAINERS} lists and maps")
+        return container
+
     try:
         doc = msgpack.unpackb(
             bytes(blob), raw=False, strict_map_key=True, max_bin_len=MAX_BLOB_BYTES,
             max_str_len=MAX_BLOB_BYTES, max_array_len=max(max_regions, 5), max_map_len=MAX_REGIONS,
+            object_hook=count, list_hook=count,
         )  # fmt: skip
     except Exception as exc:
         if "max_array_len" in str(exc):

@@ -180,3 +180,25 @@ def test_any_bytes_leave_the_peers_and_the_server_as_they_were(fuzzed, data):
             pass
     assert b.remotes == ["a"] and b.remote_metadata("a") is before
     assert len(fetch_metadata(*b.listen_address, timeout=5)) > 0
+
+
+def test_a_push_of_millions_of_empty_lists_is_refused_before_they_are_built():
+    """8 MB of metadata whose 65,535 region rows each hold 120 empty lists: 7.9M Python lists (a peak of about
+    600 MB for one unauthenticated PUSH, two handled at once) before. The decoder counts lists and maps as msgpack
+    builds them (a region row each, and a few) and refuses the blob at the first one over."""
+    import msgpack
+
+    rows = b"\xdc" + struct.pack(">H", 65535) + (b"\xdc\x00\x78" + b"\x90" * 120) * 65535
+    blob = b"\x83" + b"".join(map(msgpack.packb, ["schema", 1, "name", "bomb", "regions"])) + rows
+    assert len(blob) < 8 << 20  # under the side channel's PUSH limit: the decoder is what must refuse it
+    with _agent("a") as a:
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            with pytest.raises(RemoteRefused, match="lists and maps"):
+                send_request(*a.listen_address, PUSH, blob)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 100 << 20, f"decoding one PUSH took a peak of {peak >> 20} MiB"
+        assert a.remotes == []

@@ -30,7 +30,8 @@ own checksums neither on ranged GETs nor as a whole-object value for multipart
 uploads; objects written by other tools are verified with S3's whole-object
 CRC32C (by us) or CRC32/SHA (by botocore). A mismatch fails the descriptor with
 ChecksumMismatch and its destination never keeps the bytes: up to 1 MiB they
-are checked before the copy, larger ones land and are zeroed on mismatch.
+are checked before the copy, larger ones land and are zeroed on mismatch, and
+a row read in parts that fails is zeroed (its parts were never checked whole).
 
 Work runs on a bounded pool of ``concurrency`` threads pulling objects and
 parts from one shared list, so 4096 small objects cost ``concurrency``
@@ -630,13 +631,18 @@ class _Run:
             except ChecksumMismatch:
                 dst[:] = 0  # never leave unverified bytes behind
                 raise
+        g.finished = True
 
     def cleanup(self) -> None:
         """Abort every multipart upload this post started and did not complete (no half object is visible), and
-        say on the transfer's error which objects it committed and which uploads it aborted."""
+        say on the transfer's error which objects it committed and which uploads it aborted. A row read in parts
+        that did not complete (a part failed, or the object changed between parts) is zeroed: its parts landed
+        unverified."""
         for g in self.groups.values():
             if self.write and g.upload_id is not None and not g.finished and g.row not in self.outcomes:
                 self.settle(g)
+            elif not self.write and not g.finished and g.left < g.nparts:
+                self.view(g.row, 0, self.req.plan.len[g.row])[:] = 0
         err = self.completion.error
         if self.write and err is not None:
             done = getattr(err, "outcomes", None) or {}

@@ -85,6 +85,7 @@ from .fence import Fencing
 from .messages import Req, Revoke, Rkeys
 from .one_sided import OneSided
 from .outbound import Outbound
+from .protocol import FrameBudget
 from .service import ServiceLoop
 from .serving import Serving
 from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
@@ -147,8 +148,13 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # a waiter driving its request polls UCX this long without progress before it sleeps on UCX's event fd
         "drive_spin_us": 50,
         "connect_timeout_s": 5.0,
+        # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
+        "close_timeout_s": 60.0,
         # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
         "max_inbound": 1024,
+        # bytes of control frames not yet complete that all inbound connections may hold together (each holds
+        # at most one frame of up to 64 MiB): a connection that would go over is dropped
+        "max_buffered_bytes": 256 << 20,
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
         "launch_margin_s": 0.001,
@@ -198,6 +204,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._cmds: collections.deque[Callable[[], None]] = collections.deque()
         self._peers: dict[str, Peer] = {}
         self._inbound: dict[int, Inbound] = {}
+        self._frames = FrameBudget(int(self.params["max_buffered_bytes"]))
+        # the service thread ended / close() gave up waiting for it (then the thread closes what it polls)
+        self._ending, self._ended, self._orphaned = threading.Lock(), False, False
         self._next_conn_id = 1
         self._next_op = 1
         self._tag_ctr = 0
@@ -299,6 +308,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "control": f"{self.params['host']}:{self._port}",
+            "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
             "native path": rma.data_path(),
             "UCX progress": self._progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
@@ -507,30 +517,30 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             raise done.error
 
     def close(self) -> None:
+        """Stop the service thread; it frees every UCX object (endpoints, workers, the context) as it ends, so
+        they are gone when this returns. A thread still running after ``close_timeout_s`` (a UCX call that does
+        not return) is left to free them, and what it polls, when it ends: logged as an error."""
         if self._stop:
             return
         self._submit(lambda: None)
         self._stop = True
         self._wake()
-        self._thread.join(10)
-        if self._progress is not None:  # before the worker it progresses goes
-            self._progress.close()
+        self._thread.join(float(self.params["close_timeout_s"]))
+        with self._ending:  # the thread, at its end, reads this under the same lock
+            self._orphaned = not self._ended
+        if self._orphaned:
+            log.error(
+                "the ucx service thread of %s did not end within %g s; it frees its UCX objects when it ends",
+                self.host.name, float(self.params["close_timeout_s"]),
+            )  # fmt: skip
+            return
+        self._close_rest(wait=True)
+        gc.collect()
+
+    def _close_rest(self, wait: bool) -> None:
+        """What the service thread polls and hands work to, once it has ended (or as its last act)."""
         if self._cma_pool is not None:
-            self._cma_pool.shutdown(wait=True)
+            self._cma_pool.shutdown(wait=wait)
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
-        # UCX's objects go with the last reference: endpoints, then workers (their fds, shared memory, the
-        # async thread's events), then the context
-        self._peers.clear()
-        self._inbound.clear()
-        self._directs.clear()
-        self._checked.clear()
-        self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
-        for hangup in self._hangups:
-            hangup.reqs = []  # a request's UCX objects go before its endpoint's
-        self._hangups.clear()
-        self._prober = None
-        self._quarantines_by.clear()
-        self._worker = self._ctx = None  # type: ignore[assignment]
-        gc.collect()

@@ -27,7 +27,7 @@ from ..base import (
 from . import cma, rma
 from .config import _MASK40, _READ_TAG, parse_rkeys
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
-from .protocol import FrameConn, handshake_mac, new_nonce, session_key
+from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .state import OutOp, Peer
 
 
@@ -241,7 +241,7 @@ class Outbound:
         except Exception as exc:
             raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id
-        regions = parse_rkeys(peer.name, msgpack.unpackb(rkeys) if rkeys else []) if self._one_sided else {}
+        regions = parse_rkeys(peer.name, decode(rkeys, max_maps=0) if rkeys else []) if self._one_sided else {}
         pid, why = 0, "direct_cma is off here" if self._cma_token is None else "the peer offered no token"
         if self._cma_token is not None and local:
             try:

@@ -26,12 +26,72 @@ import struct
 import msgpack
 
 from ...errors import AuthenticationError, InvalidMetadata
-from .messages import Message, from_wire
+from .messages import MAX_RKEY_ROWS, Message, from_wire
 
 MAX_FRAME = 64 << 20  # after the handshake: a request of MAX_ROWS rows (24 bytes each) fits with room to spare
 MAX_HELLO_FRAME = 64 << 10  # before it: challenge, hello, welcome carry an address, a token and small keys
 MAC_LEN = 16
 _LEN = struct.Struct("!I")
+_CHUNK = 1 << 20
+
+
+#: an rkey row (``messages.Rkeys``) has six fields: the only lists a message holds besides the list of rows
+_ROW_FIELDS = 6
+
+
+def decode(payload: bytes, max_maps: int = 1) -> object:
+    """A msgpack document shaped like a control message, or InvalidMetadata: at most ``max_maps`` maps of up to
+    64 entries, and lists only as rkey rows (at most ``MAX_RKEY_ROWS`` lists, one of them longer than six).
+
+    Bytes bound only what a document spends on strings: 64 MiB of empty arrays would be 64M Python lists (about
+    4 GiB); the hooks refuse the first container over those counts, so the work stops there.
+    """
+    maps = lists = long = 0
+
+    def on_map(d: dict) -> dict:
+        nonlocal maps
+        maps += 1
+        if maps > max_maps:
+            raise ValueError("maps nested in a control message")
+        return d
+
+    def on_list(items: list) -> list:
+        nonlocal lists, long
+        lists += 1
+        long += len(items) > _ROW_FIELDS
+        if lists > MAX_RKEY_ROWS + 1 or long > 1:
+            raise ValueError("lists nested in a control message beyond its rkey rows")
+        return items
+
+    try:
+        return msgpack.unpackb(
+            payload, raw=False, object_hook=on_map, list_hook=on_list, max_map_len=64,
+            max_array_len=MAX_RKEY_ROWS, max_ext_len=0,
+        )  # fmt: skip
+    except Exception as exc:
+        raise InvalidMetadata(f"control frame is not a valid message: {type(exc).__name__}: {exc}"[:200]) from None
+
+
+class FrameBudget:
+    """The bytes of frames not yet complete that the connections sharing it may hold in all.
+
+    Each connection holds at most one frame (``MAX_FRAME``), but 1024 of them are 64 GiB: a peer that sends
+    the start of a large frame and stops would keep it forever. A connection that would take more than what
+    is left is refused (its peer is told nothing more; the caller drops it).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
 
 
 def new_nonce() -> bytes:
@@ -55,7 +115,7 @@ class FrameConn:
     takes, so two service threads writing to each other never deadlock.
     """
 
-    def __init__(self, sock: socket.socket, outbound: bool) -> None:
+    def __init__(self, sock: socket.socket, outbound: bool, budget: FrameBudget | None = None) -> None:
         sock.setblocking(False)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -70,6 +130,8 @@ class FrameConn:
         self._recv_seq = 0
         self.closed = False
         self.max_frame = MAX_HELLO_FRAME  # raised by ``authenticate``/``open_up`` once the handshake is done
+        self._budget = budget
+        self._held = 0  # the bytes of an incomplete frame charged to the budget
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -115,13 +177,15 @@ class FrameConn:
     def feed(self) -> list[Message]:
         """Read available bytes; return complete messages, each parsed by ``messages.from_wire``.
 
-        Sets ``closed`` on EOF or error.
+        Reads at most one frame ahead (the socket keeps the rest), so a connection holds at most one frame;
+        what an incomplete frame holds is charged to the shared budget. Sets ``closed`` on EOF or error.
 
-        Raises AuthenticationError on a bad MAC and InvalidMetadata on a malformed frame.
+        Raises AuthenticationError on a bad MAC and InvalidMetadata on a malformed frame, a frame over
+        ``max_frame``, or an incomplete frame the budget has no room for.
         """
-        while True:
+        while len(self._in) <= self.max_frame + 4:
             try:
-                chunk = self.sock.recv(1 << 20)
+                chunk = self.sock.recv(_CHUNK)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
@@ -131,7 +195,7 @@ class FrameConn:
                 self.closed = True
                 break
             self._in += chunk
-            if len(chunk) < (1 << 20):
+            if len(chunk) < _CHUNK:
                 break
         out = []
         while len(self._in) >= 4:
@@ -150,15 +214,30 @@ class FrameConn:
                     raise AuthenticationError("control frame failed authentication (bad or missing HMAC)")
                 self._recv_seq += 1
                 payload = body
-            try:
-                msg = msgpack.unpackb(payload, raw=False)
-            except Exception as exc:
-                raise InvalidMetadata(f"control frame is not valid msgpack: {type(exc).__name__}") from None
-            out.append(from_wire(msg))
+            out.append(from_wire(decode(payload)))
+        if self._budget is not None:
+            self._charge(len(self._in))
         return out
+
+    def _charge(self, held: int) -> None:
+        """Charge the budget for ``held`` bytes of an incomplete frame (what was charged before is returned)."""
+        budget = self._budget
+        assert budget is not None
+        budget.give(self._held)
+        self._held = 0
+        if held and not budget.take(held):
+            self._in.clear()
+            raise InvalidMetadata(
+                f"control frames not yet complete would hold more than {budget.limit} bytes in all "
+                f"({budget.used} held by other connections, {held} by this one)"
+            )
+        self._held = held
 
     def close(self) -> None:
         self.closed = True
+        self._in.clear()
+        if self._budget is not None:
+            self._charge(0)
         try:
             self.sock.close()
         except OSError:

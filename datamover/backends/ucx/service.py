@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import selectors
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -105,8 +107,8 @@ class ServiceLoop:
                     busy = True
                     try:
                         self._cmds.popleft()()
-                    except Exception:  # a bug in one command must not stop the service for every peer
-                        log.exception("ucx command failed")
+                    except Exception as exc:  # a bug in one command must not stop the service for every peer
+                        log.error("ucx command failed: %s", _trace(exc))
                 n = 0
                 # a waiter progressing the same worker does this thread's UCX work too; two threads
                 # progressing one worker only contend for its lock (and the GIL)
@@ -158,11 +160,21 @@ class ServiceLoop:
                 in_flight = self._active_out or self._active_in or self._revokes or self._directs
                 if self._poll(0.001 if in_flight else 0.05):
                     last = time.monotonic()
-        except BaseException:
-            log.exception("ucx service thread of %s died", self.host.name)
+        except BaseException as exc:
+            log.error("ucx service thread of %s died: %s", self.host.name, _trace(exc))
             raise
         finally:
-            self._shutdown()
+            # an exception raised on this thread and kept (a transfer's error, a log record) holds this frame
+            # through its traceback after the thread ended: it must not hold a worker
+            worker = None
+            try:
+                self._shutdown()
+            finally:
+                self._free()
+                with self._ending:
+                    self._ended, orphaned = True, self._orphaned
+                if orphaned:  # close() returned without them (the cma pool's threads may wait on this one)
+                    self._close_rest(wait=False)
 
     def _poll(self, timeout: float) -> bool:
         """Handle ready sockets (waiting up to ``timeout`` s); True when something happened."""
@@ -235,7 +247,7 @@ class ServiceLoop:
                 self._lost(owner, InvalidMetadata(f"malformed control message {msg.WIRE!r}: {exc}"))
                 return
             except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
-                log.exception("handling control message %r failed", msg.WIRE)
+                log.error("handling control message %r failed: %s", msg.WIRE, _trace(exc))
                 self._lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
                 return
         if conn.closed:
@@ -260,7 +272,7 @@ class ServiceLoop:
                 self._confine_hangup(owner, why)
                 return
             if why is not None:
-                log.warning("dropping connection from %r: %s", owner.name or "?", why)
+                log.warning("dropping connection from %r: %s", owner.name or "?", str(why))
             # its requests go before its endpoint closes: UCX objects a request still holds outlive the reset
             self._drop_inbound(owner)
         if receiving:
@@ -404,6 +416,25 @@ class ServiceLoop:
         self._graveyard.append((time.monotonic(), ep))
 
     # -- lifetime ---------------------------------------------------------------
+    def _free(self) -> None:
+        """The service thread's last act: let go of every UCX object (endpoints, then workers with their fds,
+        shared memory and async events, then the context), so that they are gone when close() returns."""
+        if self._progress is not None:  # before the worker it progresses goes
+            self._progress.close()
+            self._progress = None
+        self._peers.clear()
+        self._inbound.clear()
+        self._directs.clear()
+        self._checked.clear()
+        self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        for hangup in self._hangups:
+            hangup.reqs = []  # a request's UCX objects go before its endpoint's
+        self._hangups.clear()
+        self._prober = None
+        self._quarantines_by.clear()
+        self._worker = self._ctx = None  # type: ignore[assignment]
+        gc.collect()
+
     def _shutdown(self) -> None:
         why = RemoteDisconnected("the ucx backend was closed", backend=self.name)
         for name in list(self._peers):
@@ -423,3 +454,9 @@ class ServiceLoop:
             self._listener.close()
         except OSError:
             pass
+
+
+def _trace(exc: BaseException) -> str:
+    """An exception with its traceback, as text: a log record holding the exception itself would keep the
+    service thread's frames (and the UCX objects in them) alive for as long as the record lives."""
+    return "".join(traceback.format_exception(exc)).rstrip()

@@ -32,7 +32,7 @@ class Serving:
                 log.warning("refusing a control connection: %d already open", len(self._inbound))
                 sock.close()
                 continue
-            inbound = Inbound(FrameConn(sock, outbound=False), self._next_conn_id)
+            inbound = Inbound(FrameConn(sock, outbound=False, budget=self._frames), self._next_conn_id)
             self._next_conn_id = self._next_conn_id % ((1 << 22) - 1) + 1
             self._inbound[sock.fileno()] = inbound
             self._sel.register(sock, selectors.EVENT_READ, inbound)

@@ -215,6 +215,105 @@ def test_refused_million_row_writes_keep_the_targets_memory(target, real_address
             sock.close()
 
 
+def test_incomplete_frames_of_many_peers_are_bounded_in_all():
+    """Every connection may hold one frame of up to 64 MiB; eight unauthenticated ones each sending 20 MiB of a
+    64 MiB frame and stopping took the target's RSS up by 160 MiB (1024 connections: 64 GiB). Now the frames
+    not yet complete share ``max_buffered_bytes`` (here 48 MiB): the first two are held, each later one is
+    dropped when it would go over, the target keeps serving, and a dropped one's share is free again."""
+    cfg = {"backends": {"ucx": {"max_buffered_bytes": 48 << 20}}}
+    with RemotePeer("frames-target", cfg) as target, Agent("frames-init", UCX) as agent:
+        address = agent.backend("ucx").connection_info()["address"]
+        before = _rss(target.pid)
+        socks, part = [], 20 << 20
+        try:
+            for k in range(8):
+                sock = socket.create_connection(_control(target), timeout=30)
+                socks.append(sock)
+                assert recv(sock)["t"] == "challenge"
+                send(
+                    sock,
+                    {"t": "hello", "name": f"part{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
+                )
+                assert recv(sock)["t"] == "welcome"
+                sock.sendall(struct.pack("!I", (64 << 20) - 1) + bytes(part))
+                if k >= 2:  # the known point: the target hung up on this one
+                    assert sock.recv(4096) == b"", f"connection {k} was kept beyond the budget"
+                else:  # the known point: the target has read it all
+                    want = (k + 1) * (part + 4)
+                    _until(lambda want=want: target.call("describe", "ucx")["control bytes buffered"]["held"] == want)
+            grown = _rss(target.pid) - before
+            assert grown < 100 << 20, f"the target's RSS grew by {grown >> 20} MiB"
+            socks.pop(0).close()
+            _until(lambda: target.call("describe", "ucx")["control bytes buffered"]["held"] == part + 4)
+            remote, local = RemoteBuffer(target, 1 << 20), HostBuffer(agent, 1 << 20)
+            agent.add_remote(target.metadata())
+            data = random_bytes(1 << 20, 3)
+            local.write(0, data)
+            xfer = agent.transfer("WRITE", local.descs([0], [1 << 20]), remote.descs([0], [1 << 20]), target.name)
+            assert xfer.wait() == XferState.DONE and remote.read(0, 1 << 20) == data
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def _peak(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def _array(n: int) -> bytes:
+    return b"\xdd" + struct.pack(">I", n)
+
+
+def _map(n: int) -> bytes:
+    i = np.arange(n)
+    entries = np.empty((n, 6), dtype=np.uint8)
+    entries[:, 0], entries[:, 5] = 0xA4, 0x80  # a str of 4 bytes -> {}
+    for d in range(4):  # n distinct ASCII keys: base-64 digits from 0x40 on
+        entries[:, 1 + d] = 0x40 + (i >> (6 * d)) % 64
+    return b"\xdf" + struct.pack(">I", n) + entries.tobytes()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        _array(16 << 20) + b"\x90" * (16 << 20),  # 16M empty lists
+        _array(1 << 16) + (b"\xdc\x00\xff" + b"\x90" * 255) * (1 << 16),  # 64K lists of 255 empty lists
+        _map(5 << 19),  # a map of 2.5M keys, each holding an empty map
+    ],
+    ids=["lists", "lists-of-lists", "maps"],
+)
+def test_a_frame_of_millions_of_containers_is_refused_before_they_are_built(shape):
+    """After a valid hello, one 16 MiB frame of empty lists (or of maps): as Python objects about 1 GB; before,
+    the target built them all (peak RSS 50 -> 1242 MiB, 12 s of its service thread). Control messages are flat
+    maps whose only lists are rkey rows: the decoder refuses the first container beyond that."""
+    with RemotePeer("bomb-target", UCX) as target, Agent("bomb-init", UCX) as agent:
+        address = agent.backend("ucx").connection_info()["address"]
+        before = _peak(target.pid)
+        with socket.create_connection(_control(target), timeout=120) as sock:
+            assert recv(sock)["t"] == "challenge"
+            send(sock, {"t": "hello", "name": "bomb", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX})
+            assert recv(sock)["t"] == "welcome"
+            sock.sendall(struct.pack("!I", len(shape)) + shape)
+            assert recv(sock) is None, "the target answered a frame that is no control message"
+        assert target.call("ping", timeout=60) == target.pid
+        grown = _peak(target.pid) - before
+        assert grown < 200 << 20, f"the target's peak RSS grew by {grown >> 20} MiB decoding one 16 MiB frame"
+
+
+def _until(cond, timeout: float = 30.0) -> None:
+    """Wait (bounded) for the target to have done what was sent to it: a hang guard, not a race."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the target did not get there"
+        time.sleep(0.02)
+
+
 class _FakeTarget:
     """A control port that answers every hello with a welcome carrying ``self.address`` (set per example)."""
 

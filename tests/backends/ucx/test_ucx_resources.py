@@ -10,14 +10,17 @@ right after they posted a transfer.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import socket
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from datamover import Agent
+from datamover.agents.metadata import encode_metadata
 from datamover.backends import backend_status
 from datamover.testing import HostBuffer
 from datamover.testing.remote import RemoteBuffer, RemotePeer
@@ -122,3 +125,116 @@ def test_resets_free_what_they_replace_and_close_frees_everything():
         extra = [n for n in _fd_names() if n not in names0]
         assert _fds() <= fds0, f"fds {fds0} before the agent, {_fds()} after close(): {extra}"
         assert _threads() <= threads0, f"threads {threads0} before the agent, {_threads()} after close()"
+
+
+def _live_ucx_objects() -> list[str]:
+    gc.collect()
+    return [
+        type(o).__name__ for o in gc.get_objects() if type(o).__name__ in ("UCXWorker", "UCXContext", "UCXEndpoint")
+    ]
+
+
+class _Keep(logging.Handler):
+    """Keeps every record, as pytest's log capture does for the length of a test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_errors_kept_after_close_hold_no_worker():
+    """What failed under load ("two UCX workers alive after close()"), set up at known points: an exception raised
+    on the service thread and kept past close() (a log record of it, a transfer's error) held the thread's frames
+    through its traceback, and the loop's frame held the worker in a local: fds 6 -> 27 after close(), a UCXWorker
+    alive. Here a hello the agent refuses (logged), and a notification whose target answers with a malformed
+    welcome (its error kept by the test)."""
+    with Agent("warm-up", UCX):
+        pass
+    gc.collect()
+    keep = _Keep()
+    logger = logging.getLogger("datamover")
+    logger.addHandler(keep)
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        fds0, names0 = _fds(), _fd_names()
+        agent = Agent("keeps", UCX)
+        address = agent.backend("ucx").connection_info()["address"]
+        with socket.create_connection(control_of(agent.metadata()), timeout=10) as sock:
+            assert recv(sock)["t"] == "challenge"
+            send(sock, {"t": "hello", "name": 5})  # the known point: the service thread raises and logs it
+            assert recv(sock) is None
+        blob = encode_metadata(
+            "fake", {"ucx": {"address": address, "host": "127.0.0.1", "port": listener.getsockname()[1]}}, []
+        )
+        agent.add_remote(blob)
+        noted: list[BaseException] = []
+        sender = threading.Thread(target=_notify_into, args=(agent, noted))
+        sender.start()
+        sock, _ = listener.accept()  # the known point: the agent connects; it gets a malformed welcome
+        with sock:
+            send(sock, {"t": "challenge", "nonce": os.urandom(16), "tcp_rx": TCP_RX})
+            assert recv(sock)["t"] == "hello"
+            send(sock, {"t": "welcome", "conn_id": "not an int", "address": address})
+            sender.join(30)
+        assert noted and "conn_id" in str(noted[0]), noted
+        assert any("dropping connection" in r.getMessage() for r in keep.records), "nothing logged: checks nothing"
+        agent.close()
+        del agent
+        gc.collect()
+        extra = [n for n in _fd_names() if n not in names0]
+        assert _fds() <= fds0, f"fds {fds0} before the agent, {_fds()} after close(): {extra}"
+        assert _live_ucx_objects() == [], "UCX objects outlived close()"
+        assert noted[0].__traceback__ is not None  # still kept: the error itself is not what was freed
+    finally:
+        logger.removeHandler(keep)
+        listener.close()
+
+
+def _notify_into(agent, noted: list) -> None:
+    try:
+        agent.send_notification("fake", b"x")
+    except Exception as exc:  # kept, with its traceback, past close()
+        noted.append(exc)
+
+
+def test_a_close_that_outlasts_its_timeout_leaves_the_freeing_to_the_service_thread(monkeypatch):
+    """The other way two workers could outlive close(): close() used to wait 10 s for the service thread and
+    then drop the UCX objects under a ``_shutdown`` still running (their endpoints and mappings still in use).
+    ``_shutdown`` is held at a known point past ``close_timeout_s``: close() returns, logs it, takes nothing
+    from the thread; released, the thread shuts down cleanly and frees every object itself."""
+    from datamover.backends.ucx.service import ServiceLoop
+
+    with Agent("warm-up", UCX):
+        pass
+    gc.collect()
+    entered, release = threading.Event(), threading.Event()
+    real = ServiceLoop._shutdown
+    failed: list[BaseException] = []
+
+    def held(self) -> None:
+        entered.set()
+        assert release.wait(60), "never released"
+        try:
+            real(self)
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+
+    monkeypatch.setattr(ServiceLoop, "_shutdown", held)
+    fds0, names0 = _fds(), _fd_names()
+    agent = Agent("held-close", {"backends": {"ucx": {"close_timeout_s": 0.2}}})
+    local = HostBuffer(agent, 1 << 20)  # a mapped region: _shutdown unmaps it with the context
+    thread = agent.backend("ucx")._thread
+    agent.close()  # returns after close_timeout_s: _shutdown is held
+    assert entered.is_set() and thread.is_alive()
+    release.set()
+    thread.join(30)
+    assert not thread.is_alive() and failed == [], failed
+    del agent, local
+    gc.collect()
+    extra = [n for n in _fd_names() if n not in names0]
+    assert _fds() <= fds0, f"fds {fds0} before the agent, {_fds()} after its service thread ended: {extra}"
+    assert _live_ucx_objects() == [], "UCX objects outlived the service thread"
