@@ -447,15 +447,17 @@ def run_parts(
     work: Callable[[int, int, Completion], None],
     *,
     backend: str,
+    completion_type: type[Completion] = Completion,
 ) -> Completion:
     """Run ``work(start, stop, completion)`` for each range on ``executor``; inline (``run_inline``) when it is None.
 
     Errors raised by ``work`` finish its part with that error; anything not a
     DatamoverError is wrapped so the caller always sees a typed error.
+    ``completion_type`` is the completion made (a backend's subclass whose ``cancel`` fences its parts).
     """
     if executor is None:
         return run_inline(ranges, work, backend=backend)
-    completion = Completion(len(ranges))
+    completion = completion_type(len(ranges))
 
     def one(start: int, stop: int) -> None:
         err: BaseException | None = None

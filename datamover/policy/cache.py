@@ -35,7 +35,7 @@ from ..descriptors.buffers import host_view
 from ..errors import NotRegistered
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
-from .config import TIER_NAMES, TierConfig
+from .config import TIER_NAMES, TierConfig, checked_config
 from .engine import PREFILL
 from .keys import ChunkKey
 from .l3_index import INDEX_FILE, L3Index
@@ -58,12 +58,13 @@ class TieredCache:
 
     def __init__(
         self,
-        config: TierConfig,
+        config: TierConfig | dict[str, Any] | None,
         agent: Agent | None = None,
         metrics: CacheMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.config = config
+        # checked as a file is: a TierConfig built in code, or a mapping, fails here naming the field
+        self.config = config = checked_config(config)
         self.page = config.l1_hbm.page_size_bytes
         on_gpu = config.l1_hbm.enabled and config.l1_hbm.device != "dram" and self._gpu_reason() is None
         config.check_fits(gpu_bytes=self._gpu_bytes() if on_gpu else None)

@@ -8,6 +8,7 @@ message starts with the dotted path of the offending key, e.g. `kv_cache_tiered.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import shutil
 import typing
@@ -296,6 +297,8 @@ def _check_scalar(tp: Any, value: Any, path: str) -> Any:
     elif tp is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
+        if ok and not math.isfinite(value):
+            raise ConfigError(path, f"expected a finite number, got {value!r}")
     else:
         ok = isinstance(value, str)
     if not ok:
@@ -441,6 +444,18 @@ def with_overrides(config: TierConfig, **sections: dict[str, Any]) -> TierConfig
     return parse_config({ROOT: data})
 
 
+def checked_config(config: Any) -> TierConfig:
+    """``config`` validated as a file is: a TierConfig (which code may have built with any values), a mapping
+    (the YAML document, ``{kv_cache_tiered: {...}}``) or None (the defaults); anything else is a ConfigError."""
+    if config is None:
+        return TierConfig()
+    if isinstance(config, TierConfig):
+        return parse_config({ROOT: _plain(config)})
+    if isinstance(config, dict):
+        return parse_config(config)
+    raise ConfigError(ROOT, f"expected a TierConfig or a mapping, got {type(config).__name__}")
+
+
 def _plain(value: Any) -> Any:
     """A config value back in YAML-document form (for re-validation)."""
     if is_dataclass(value):
@@ -464,6 +479,7 @@ __all__ = [
     "ObservabilityConfig",
     "PolicyConfig",
     "TierConfig",
+    "checked_config",
     "default_config_yaml",
     "load_config",
     "parse_config",

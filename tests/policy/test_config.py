@@ -185,3 +185,52 @@ def test_top_level_must_be_kv_cache_tiered():
     assert err.value.path == "kv_cache"
     with pytest.raises(ConfigError, match="no tier is enabled"):
         parse_config({"kv_cache_tiered": {"l1_hbm": {"enabled": False}, "l2_dram": {"enabled": False}}})
+
+
+FLOATS = [(section, name) for section, name, kind in SCALARS if kind == "float"]
+
+
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
+@pytest.mark.parametrize(("section", "name"), FLOATS)
+def test_non_finite_numbers_are_named(section, name, text):
+    """YAML's .nan and .inf are floats: each float field refuses them naming the field (NaN passed every range
+    check, and a NaN or infinite capacity crashed later turning GiB into chunks)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(yaml.safe_load(f"kv_cache_tiered:\n  {section}:\n    {name}: {text}\n"))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+    assert "finite" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "path", "words"),
+    [
+        (lambda: TierConfig(l2_dram=dataclasses.replace(TierConfig().l2_dram, pinned_pool_gb=float("nan"))),
+         "kv_cache_tiered.l2_dram.pinned_pool_gb", "finite"),
+        (lambda: TierConfig(l1_hbm=dataclasses.replace(TierConfig().l1_hbm, block_pool_size=-5)),
+         "kv_cache_tiered.l1_hbm.block_pool_size", "greater than 0"),
+        (lambda: TierConfig(l1_hbm=dataclasses.replace(TierConfig().l1_hbm, block_pool_size="8")),
+         "kv_cache_tiered.l1_hbm.block_pool_size", "expected an integer"),
+        (lambda: {"kv_cache_tiered": {"l2_dram": {"pinned_pool_gb": -1}}},
+         "kv_cache_tiered.l2_dram.pinned_pool_gb", "greater than 0"),
+        (lambda: 5, "kv_cache_tiered", "expected a TierConfig or a mapping"),
+    ],
+)  # fmt: skip
+def test_the_cache_checks_the_config_it_is_given(config, path, words):
+    """TieredCache checks what it is handed as a file is checked: a TierConfig built in code with bad values,
+    or a mapping (before: numpy's "negative dimensions", a TypeError adding str to int, float NaN to integer,
+    or AttributeError "'dict' object has no attribute 'l1_hbm'")."""
+    from datamover.policy.cache import TieredCache
+
+    with pytest.raises(ConfigError) as err:
+        TieredCache(config())
+    assert err.value.path == path and words in str(err.value)
+
+
+def test_the_cache_takes_a_mapping():
+    from datamover.policy.cache import TieredCache
+
+    cache = TieredCache({"kv_cache_tiered": {"l1_hbm": {"device": "dram", "block_pool_size": 8}}})
+    try:
+        assert cache.config.l1_hbm.block_pool_size == 8
+    finally:
+        cache.close()

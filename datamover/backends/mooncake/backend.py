@@ -54,6 +54,7 @@ from ..base import (
     run_parts,
     split_by_bytes,
 )
+from ..fence import ReadFence
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
 
@@ -217,8 +218,10 @@ class MooncakeBackend(Backend):
 
         if p.inline:
             return run_inline(p.parts, part, backend=self.name)
-        # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop)
-        return run_parts(self._pool, p.parts, part, backend=self.name)
+        # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop). A READ's
+        # completion fences its parts: once it is cancelled (timed out, released) nothing reaches the caller
+        kind = ReadFence if req.op is Op.READ else Completion
+        return run_parts(self._pool, p.parts, part, backend=self.name, completion_type=kind)
 
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         keys, addrs, sizes, groups = req.plan.calls[a]
@@ -230,9 +233,10 @@ class MooncakeBackend(Backend):
     def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         p: MooncakePlan = req.plan
         keys, addrs, sizes, offsets = p.keys, p.addrs, p.sizes, p.offsets
+        fence = c if type(c) is ReadFence else None
         if p.all_whole:
             k, ad, sz, groups = p.calls[a]
-            got = self.client.get(k, ad, sz, groups)
+            got = self.client.get(k, ad, sz, groups, fence)
             if not any(got):
                 return
             st = np.asarray(got, dtype=np.int64)
@@ -241,12 +245,12 @@ class MooncakeBackend(Backend):
             st = np.zeros(z - a, dtype=np.int64)
             if whole:
                 st[np.array(whole) - a] = self.client.get(
-                    [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole]
+                    [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole], None, fence
                 )
         # ranged reads, and whole-row reads of objects that hold more (their prefix): verified in a bounce buffer
         for i in range(a, z):
             if not p.whole[i] or st[i - a] == codes.SIZE_MISMATCH:
-                st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i])[0]
+                st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i], fence)[0]
         bad = np.flatnonzero(st != 0)
         if bad.size:
             row = a + int(bad[0])

@@ -221,12 +221,14 @@ class PoolClient:
         addrs: Sequence[int],
         sizes: Sequence[int],
         groups: Sequence[tuple[int, int, bool]] | None = None,
+        fence: Any = None,
     ) -> list[int]:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
         and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
-        replica per get, so another try may reach a live holder). ``groups`` as in ``put``."""
+        replica per get, so another try may reach a live holder). ``groups`` as in ``put``; with a ``fence``
+        (``backends.fence.ReadFence``) nothing reaches ``addrs`` once it was cancelled (those keys: CANCELLED)."""
         keys = keys if type(keys) is list else list(keys)
-        status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes))
+        status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes), fence)
         if not any(status):
             return status
         n = len(keys)
@@ -235,7 +237,7 @@ class PoolClient:
             if not todo:
                 break
             sub = [sizes[i] for i in todo]
-            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], sub, self.groups(sub))
+            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], sub, self.groups(sub), fence)
             for i, st in zip(todo, got):
                 status[i] = st
         for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
@@ -247,14 +249,19 @@ class PoolClient:
         return status
 
     def _get_round(
-        self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], groups: Sequence[tuple[int, int, bool]]
+        self,
+        keys: list[str],
+        addrs: Sequence[int],
+        sizes: Sequence[int],
+        groups: Sequence[tuple[int, int, bool]],
+        fence: Any = None,
     ) -> list[int]:
         """One try at every row: a status per key."""
         if len(groups) == 1:
-            return get_objects(self._store, self._arena, keys, addrs, sizes, groups[0][2])
+            return get_objects(self._store, self._arena, keys, addrs, sizes, groups[0][2], fence)
         out: list[int] = []
         for a, z, staged in groups:
-            out += get_objects(self._store, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged)
+            out += get_objects(self._store, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged, fence)
         return out
 
     def size(self, key: str) -> int | None:
@@ -273,9 +280,10 @@ class PoolClient:
             return codes.TOO_LARGE
         return total - TRAILER
 
-    def get_range(self, key: str, offset: int, addr: int, nbytes: int) -> tuple[int, int | None]:
+    def get_range(self, key: str, offset: int, addr: int, nbytes: int, fence: Any = None) -> tuple[int, int | None]:
         """Read ``nbytes`` at ``offset`` of object ``key`` into ``addr``: the whole object is read into a
-        bounce buffer and verified first. Returns (status, the object's payload size or None)."""
+        bounce buffer and verified first. Returns (status, the object's payload size or None). ``fence`` as
+        in ``get``."""
         size = self._size(key)
         if size < 0:
             return size, None
@@ -288,7 +296,13 @@ class PoolClient:
         finally:
             self.unregister(bounce.ctypes.data)
         if st == 0 and nbytes:
-            host_view(addr, nbytes)[:] = bounce[offset : offset + nbytes]
+            if fence is not None and not fence.enter():
+                return codes.CANCELLED, size
+            try:
+                host_view(addr, nbytes)[:] = bounce[offset : offset + nbytes]
+            finally:
+                if fence is not None:
+                    fence.leave()
         return st, size
 
     # -- the pool's view -----------------------------------------------------

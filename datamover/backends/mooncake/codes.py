@@ -36,6 +36,7 @@ NOT_DATAMOVER = -20001  # the object has no datamover trailer (written by anothe
 SIZE_MISMATCH = -20002  # the object's payload is not the size the descriptor reads
 NO_ANSWER = -20003  # the store answered fewer results than keys (client not initialized, closed)
 TOO_LARGE = -20004  # the store reports an object larger than max_object_bytes: refused before allocating
+CANCELLED = -20005  # the READ was cancelled (timed out or released) before its bytes reached the caller
 
 NAMES = {
     INTERNAL_ERROR: "INTERNAL_ERROR",
@@ -75,6 +76,7 @@ NAMES = {
     SIZE_MISMATCH: "the object's size differs from the descriptor's length",
     NO_ANSWER: "the store answered no result (is the client set up?)",
     TOO_LARGE: "the store reports an object larger than max_object_bytes (refused before allocating)",
+    CANCELLED: "the transfer was cancelled (timed out or released) before these bytes were delivered",
 }
 
 #: codes that mean "the pool does not hold a readable copy": a miss, not a fault

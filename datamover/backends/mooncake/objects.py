@@ -146,12 +146,28 @@ def put_objects(
 
 
 def get_objects(
-    store: Any, arena: Arena, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool
+    store: Any,
+    arena: Arena,
+    keys: list[str],
+    addrs: Sequence[int],
+    sizes: Sequence[int],
+    staged: bool,
+    fence: Any = None,
 ) -> list[int]:
     """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``, each checked; a status per key
-    (0: delivered and verified). Staged, a failed row's memory is untouched; zero-copy, it is zeroed."""
+    (0: delivered and verified). Staged, a failed row's memory is untouched; zero-copy, it is zeroed. With a
+    ``fence`` (``backends.fence.ReadFence``) the caller's memory is touched only inside its ``enter``/``leave``:
+    once it was cancelled, every key is CANCELLED and nothing is written there."""
     n = len(keys)
-    block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
+    if fence is not None and not staged and not fence.enter():
+        return [codes.CANCELLED] * n
+    entered = fence is not None and not staged
+    try:
+        block = arena.take(staged_bytes(sizes) if staged else TRAILER * n)
+    except BaseException:
+        if entered:
+            fence.leave()
+        raise
     try:
         arr, base, mv = block
         offs: list[int] = []
@@ -176,6 +192,10 @@ def get_objects(
             got = store.batch_get_into_multi_buffers(keys, ptrs, lens)
         if type(got) is not list or len(got) != n:
             got = answers(got, n)
+        if fence is not None and staged:
+            if not fence.enter():
+                return [codes.CANCELLED] * n
+            entered = True
         out = []
         for a, s, o, r in zip(addrs, sizes, offs, got):
             if r != s + TRAILER:
@@ -198,6 +218,8 @@ def get_objects(
                 ctypes.memset(a, 0, s)
             out.append(st)
     finally:
+        if entered:
+            fence.leave()
         arena.give(block)
     return out
 

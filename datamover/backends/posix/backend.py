@@ -44,6 +44,7 @@ from ..base import (
     split_by_bytes,
     typed_error,
 )
+from ..fence import ReadFence
 from ..workers import Workers
 from .aio import AioContext, AioRun, IocbBatch, aio_available
 
@@ -331,7 +332,10 @@ class PosixBackend(Backend):
         def work(a: int, b: int, completion: Completion) -> None:
             self._run_groups(req, p, write, a, b, completion)
 
-        return run_parts(self._pool, p.ranges, work, backend=self.name)
+        # a READ's preadv writes into the caller's memory: once it is cancelled (timed out, released) its fence
+        # waits for the syscalls in flight, and no later one starts
+        kind = Completion if write else ReadFence
+        return run_parts(self._pool, p.ranges, work, backend=self.name, completion_type=kind)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:
@@ -382,40 +386,53 @@ class PosixBackend(Backend):
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
-        fds, offs, views, groups = p.fds, p.offs, p.views, p.groups
         touched = set()
+        fence = completion if type(completion) is ReadFence else None
         for g in range(first, last):
-            if completion.cancelled:
-                return
-            s, e, aligned = groups[g]
-            h = p.handles[fds[s]]
-            touched.add(h.fd)
-            if h.direct and not aligned:
-                for i in range(s, e):
-                    self._bounce_io(req, h, i, offs[i], views[i], write)
+            if fence is None:
+                if completion.cancelled:
+                    return
+                touched.add(self._run_group(req, p, g, write))
                 continue
+            if not fence.enter():
+                return
             try:
-                self._vectored(h, views[s:e], offs[s], write)
-            except OSError as exc:
-                if exc.errno == errno_mod.EINVAL and h.direct:
-                    # the device wants stricter alignment than configured: take the bounce path
-                    for i in range(s, e):
-                        self._bounce_io(req, h, i, offs[i], views[i], write)
-                    continue
-                raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
-            except EOFError as exc:
-                raise TransferIOError(
-                    f"read past the end of {h.path!r} ({exc})",
-                    errno=errno_mod.EIO,
-                    index=_index_at(req, s, views[s:e], exc.moved),
-                    backend=self.name,
-                ) from None
+                touched.add(self._run_group(req, p, g, write))
+            finally:
+                fence.leave()
         if write and self.params["fsync"]:
             for fd in touched:
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
                     raise self._error(req, first, p.handles[fd], exc, write) from exc
+
+    def _run_group(self, req, p, g: int, write: bool) -> int:
+        """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
+        fds, offs, views = p.fds, p.offs, p.views
+        s, e, aligned = p.groups[g]
+        h = p.handles[fds[s]]
+        if h.direct and not aligned:
+            for i in range(s, e):
+                self._bounce_io(req, h, i, offs[i], views[i], write)
+            return h.fd
+        try:
+            self._vectored(h, views[s:e], offs[s], write)
+        except OSError as exc:
+            if exc.errno == errno_mod.EINVAL and h.direct:
+                # the device wants stricter alignment than configured: take the bounce path
+                for i in range(s, e):
+                    self._bounce_io(req, h, i, offs[i], views[i], write)
+                return h.fd
+            raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
+        except EOFError as exc:
+            raise TransferIOError(
+                f"read past the end of {h.path!r} ({exc})",
+                errno=errno_mod.EIO,
+                index=_index_at(req, s, views[s:e], exc.moved),
+                backend=self.name,
+            ) from None
+        return h.fd
 
     @staticmethod
     def _vectored(h: FileHandle, views: list[memoryview], offset: int, write: bool) -> None:

@@ -1,0 +1,60 @@
+"""ReadFence: the completion of a READ run in parts on pool threads, whose ``cancel`` keeps its bytes out of the
+caller's memory from then on.
+
+``Transfer`` reports ERR (a timeout) or returns from ``release`` right after ``cancel``, while parts may still be
+inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
+part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
+most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call) and posix (each synchronous preadv).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from .base import Completion
+
+log = logging.getLogger("datamover.fence")
+
+#: the longest ``cancel`` waits for a part writing into the caller's memory (a get from a stalled holder, a hung disk)
+FENCE_S = 10.0
+
+
+class ReadFence(Completion):
+    """A completion whose parts write into the caller's memory only between ``enter`` and ``leave``."""
+
+    __slots__ = ("_busy", "_idle", "fencing")
+
+    def __init__(self, parts: int = 1) -> None:
+        super().__init__(parts)
+        self._idle = threading.Condition(threading.Lock())
+        self._busy = 0
+        #: set when ``cancel`` starts waiting for the parts inside (a known point for tests)
+        self.fencing = threading.Event()
+
+    def enter(self) -> bool:
+        """Before touching the caller's memory: False (touch nothing) once the transfer was cancelled."""
+        with self._idle:
+            if self.cancelled:
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        with self._idle:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.notify_all()
+
+    def cancel(self, error: BaseException | None = None) -> None:
+        super().cancel(error)
+        with self._idle:
+            if self._busy:
+                self.fencing.set()
+                if not self._idle.wait_for(lambda: not self._busy, FENCE_S):
+                    log.warning(
+                        "a READ was cancelled while one of its parts wrote into its destination for over %g s:"
+                        " its bytes may still land",
+                        FENCE_S,
+                    )
