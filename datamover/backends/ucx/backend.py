@@ -313,6 +313,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             },
             "control": f"{self.params['host']}:{self._port}",
             "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
+            "rows served for peers": {"now": self.served_rows(), "limit": int(self.params["max_served_rows"])},
             "native path": rma.data_path(),
             "UCX progress": self._progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
@@ -519,6 +520,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             raise RemoteDisconnected(f"notification to {remote!r} was not sent in time", backend=self.name)
         if done.error is not None:
             raise done.error
+
+    def served_rows(self) -> int:
+        """Rows of peers' requests with sends or receives posted here, not yet ended (``max_served_rows``)."""
+        return sum(len(entry[0].reqs) for i in list(self._inbound.values()) for entry in list(i.ops.values()))
 
     def close(self) -> None:
         """Stop the service thread; it frees every UCX object (endpoints, workers, the context) as it ends, so

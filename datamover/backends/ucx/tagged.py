@@ -114,8 +114,7 @@ class Tagged:
         op_id, op, tag0 = msg.id, msg.op, msg.tag
         # a prepared transfer posted again sends the same descriptors: reuse their check while the
         # registrations are unchanged (the table object is rebuilt on every change)
-        cap = int(self.b.params["max_served_rows"])
-        serving = sum(len(entry[0].reqs) for i in self.b._inbound.values() for entry in i.ops.values())
+        cap, serving = int(self.b.params["max_served_rows"]), self.b.served_rows()
         if serving + msg.rows > cap:  # each posted row holds UCX request state (about 700 bytes) until it ends
             reason = f"this agent serves at most {cap} rows for its peers at once ({serving} now); retry later"
             inbound.conn.send(Refuse(op_id, reason, None))

@@ -235,9 +235,16 @@ def test_incomplete_frames_of_many_peers_are_bounded_in_all():
                     {"t": "hello", "name": f"part{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
                 )
                 assert recv(sock)["t"] == "welcome"
-                sock.sendall(struct.pack("!I", (64 << 20) - 1) + bytes(part))
+                try:
+                    sock.sendall(struct.pack("!I", (64 << 20) - 1) + bytes(part))
+                except (ConnectionResetError, BrokenPipeError):
+                    assert k >= 2, f"connection {k} was dropped within the budget"
+                    continue  # the target hung up while the frame was still being sent
                 if k >= 2:  # the known point: the target hung up on this one
-                    assert sock.recv(4096) == b"", f"connection {k} was kept beyond the budget"
+                    try:
+                        assert sock.recv(4096) == b"", f"connection {k} was kept beyond the budget"
+                    except ConnectionResetError:
+                        pass
                 else:  # the known point: the target has read it all
                     want = (k + 1) * (part + 4)
                     _until(lambda want=want: target.call("describe", "ucx")["control bytes buffered"]["held"] == want)
@@ -287,7 +294,9 @@ def test_rows_served_for_peers_at_once_are_bounded():
                 )
                 assert recv(sock)["t"] == "welcome"
                 req(sock, 800, k)
-            answer = recv(socks[1])  # the known point: the target read the first request before this one
+                if k == 1:  # the known point: the target posted its rows
+                    _until(lambda: target.call("describe", "ucx")["rows served for peers"]["now"] == 800)
+            answer = recv(socks[1])
             assert answer is not None and answer["t"] == "refuse" and "at most 1000 rows" in answer["reason"], answer
             agent.add_remote(blob)
             local = HostBuffer(agent, 1 << 20)
@@ -302,7 +311,8 @@ def test_rows_served_for_peers_at_once_are_bounded():
             assert remote.read(0, 1024) == data[:1024]
             with pytest.raises(DatamoverError, match="at most 1000 rows"):
                 write(300)
-            socks.pop(0).close()  # its 800 rows go with it
+            socks.pop(0).close()  # its 800 rows go with it: the known point is the target's count
+            _until(lambda: target.call("describe", "ucx")["rows served for peers"]["now"] == 0)
             assert write(300) == XferState.DONE
             assert target.call("ping", timeout=10) == target.pid
         finally:
