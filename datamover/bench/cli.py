@@ -69,6 +69,12 @@ def add_bench_parser(sub) -> None:
         help="run the ucx workload's targets (ours and NIXL's) on a second test host: its own network and pid "
         "namespace, reached over a veth pair, so the transfer crosses a network stack (needs root)",
     )
+    vs.add_argument(
+        "--pin-hosts",
+        action="store_true",
+        help="with --ucx-peer-host: split this machine's CPUs between the two test hosts (the initiator on one "
+        "share, both targets on the other), as two machines would be, instead of the hosts sharing every core",
+    )
     m = p.add_argument_group("model-shaped blocks (--model)")
     m.add_argument("--model", help="built-in model name or a YAML/JSON shape file (Hugging Face config.json works)")
     m.add_argument("--isl", type=int, default=4096, help="input sequence length in tokens (default 4096)")
@@ -146,6 +152,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"{size_text(p.block_bytes):>8} ({p.total_bytes / (1 << 20):.0f} MiB)"
             )
         return 0
+    if args.pin_hosts and not args.ucx_peer_host:
+        print("datamover bench --pin-hosts: only with --ucx-peer-host (it pins the two test hosts)", file=sys.stderr)
+        return 2
     max_bytes = parse_size(args.max_bytes)
     points = labels = None
     model_lines: list[str] = []
@@ -182,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
             try:
                 # before this process makes any UCX connection: UCX reads the routing table once per process
-                hosts = stack.enter_context(TestHosts(2))
+                hosts = stack.enter_context(TestHosts(2, cpus="split" if args.pin_hosts else None))
             except TestHostsUnavailable as exc:
                 print(f"datamover bench --ucx-peer-host: {exc}", file=sys.stderr)
                 return 1
@@ -190,6 +199,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
             # UCX here (ours, raw ucxx, NIXL's initiator) uses host 0's veth; the hosts' processes have theirs
             stack.enter_context(_env({"UCX_NET_DEVICES": hosts[0].ifname}))
             print(f"ucx targets on test host {hosts[1].name} ({hosts[1].address}), initiator on {hosts[0].address}")
+            if args.pin_hosts:
+                hosts[0].pin_here()
+                cpus = f"initiator {list(hosts[0].cpus)}, targets {list(hosts[1].cpus)}"
+                print(f"hosts pinned to CPUs of their own: {cpus}")
         return _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max_bytes, points, labels,
                       model_lines)  # fmt: skip
 

@@ -129,8 +129,9 @@ class ScoredTier(TierPolicy):
         return None
 
     def _cooling_order(self) -> list[Key]:
-        """Chunks still cooling down, the longest-cooling first."""
-        return [k for since, k in self._fifo if self._cooling.get(k) == since]
+        """Chunks still cooling down, the longest-cooling first, each once (two uses at one time leave two
+        FIFO entries of the same start)."""
+        return list(dict.fromkeys(k for since, k in self._fifo if self._cooling.get(k) == since))
 
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
         if not self.admission:

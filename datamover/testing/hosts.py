@@ -169,13 +169,17 @@ class _HostProcess(mp.context.SpawnProcess):
 class Host:
     """One test host: its address and interface, and the means to start processes on it and cut its link."""
 
-    def __init__(self, hosts: TestHosts, index: int, netns: str | None, ifname: str, address: str) -> None:
+    def __init__(
+        self, hosts: TestHosts, index: int, netns: str | None, ifname: str, address: str, cpus: tuple[int, ...] = ()
+    ) -> None:
         self.index = index
+        self.cpus = cpus  # CPUs this host's processes run on (``TestHosts(cpus="split")``); () = any
         self.name = f"{hosts.prefix}-h{index}"
         self.netns = netns  # None: the calling process's own network namespace
         self.ifname = ifname
         self.address = address
         self.hostname = self.name if netns else None
+        self._hosts = hosts
         self._dir = hosts._dir
         self._wrapper = self._write_wrapper()
 
@@ -188,7 +192,14 @@ class Host:
             "unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--uts", "--",
             "sh", "-c", self._setup_script() + 'exec "$@"', "sh", *argv,
         ]  # fmt: skip
-        return (["ip", "netns", "exec", self.netns] if self.netns else []) + inner
+        pin = ["taskset", "-c", ",".join(map(str, self.cpus))] if self.cpus else []
+        return (["ip", "netns", "exec", self.netns] if self.netns else []) + pin + inner
+
+    def pin_here(self) -> None:
+        """Run every thread of the calling process on this host's CPUs (host 0 of ``here=True`` hosts), until
+        the hosts close; threads started later inherit it. Without ``cpus`` it does nothing."""
+        if self.cpus:
+            self._hosts._pin_here(set(self.cpus))
 
     def _setup_script(self) -> str:
         # UCX's network device on a host is its veth: left to itself UCX would also open lanes on devices
@@ -263,12 +274,23 @@ class TestHosts:
 
     __test__ = False
 
-    def __init__(self, n: int = 2, *, here: bool = True, prefix: str | None = None) -> None:
+    def __init__(self, n: int = 2, *, here: bool = True, prefix: str | None = None, cpus: str | None = None) -> None:
+        """``cpus="split"``: the CPUs this process may use are split evenly between the hosts, each host's processes
+        pinned to its share (``taskset``; host 0 of ``here=True``: ``hosts[0].pin_here()``), as machines of their
+        own would be instead of sharing every core; TestHostsUnavailable with fewer CPUs than hosts."""
         if not 2 <= n <= _MAX_HOSTS:
             raise ValueError(f"test hosts: n must be 2..{_MAX_HOSTS}, not {n}")
+        if cpus not in (None, "split"):
+            raise ValueError(f'test hosts: cpus must be None or "split", not {cpus!r}')
         why = unavailable()
         if why:
             raise TestHostsUnavailable(why)
+        mine = sorted(os.sched_getaffinity(0))
+        if cpus and len(mine) < n:
+            raise TestHostsUnavailable(f"pinning {n} hosts to CPUs of their own needs {n} CPUs, not {mine}")
+        share = len(mine) // n
+        self._cpus = [tuple(mine[i * share : (i + 1) * share]) if cpus else () for i in range(n)]
+        self._unpin: dict[int, set[int]] = {}
         base = re.sub(r"[^a-z0-9]", "", (prefix or os.environ.get("DATAMOVER_TESTHOSTS_PREFIX") or "dm").lower())
         base = (base if base[:1].isalpha() else "dm" + base)[:6]
         self.hosts: list[Host] = []
@@ -318,7 +340,7 @@ class TestHosts:
                   f"echo 1 > /proc/sys/net/ipv6/conf/{ifname}/disable_ipv6 || true"])  # fmt: skip
             _run(["ip", *ns, "addr", "add", f"{address}/{self.subnet.prefixlen}", "dev", ifname])
             _run(["ip", *ns, "link", "set", ifname, "up"])
-            self.hosts.append(Host(self, i, netns, ifname, address))
+            self.hosts.append(Host(self, i, netns, ifname, address, self._cpus[i]))
 
     def __getitem__(self, i: int) -> Host:
         return self.hosts[i]
@@ -329,8 +351,18 @@ class TestHosts:
     def __iter__(self) -> Iterator[Host]:
         return iter(self.hosts)
 
+    def _pin_here(self, cpus: set[int]) -> None:
+        for tid in map(int, os.listdir("/proc/self/task")):
+            with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                self._unpin.setdefault(tid, os.sched_getaffinity(tid))
+                os.sched_setaffinity(tid, cpus)
+
     def close(self) -> None:
-        """Kill what runs in the hosts, delete their namespaces and links (idempotent)."""
+        """Kill what runs in the hosts, delete their namespaces and links, unpin this process (idempotent)."""
+        unpin, self._unpin = self._unpin, {}
+        for tid, cpus in unpin.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cpus)
         self._finalizer()
 
     def __enter__(self) -> TestHosts:

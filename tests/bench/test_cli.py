@@ -74,3 +74,8 @@ def test_param_reaches_our_backend(tmp_path, monkeypatch) -> None:
     assert all(r["checked"] for r in json.loads(js.read_text())["results"])
     with pytest.raises(SystemExit, match=r"BACKEND\.KEY=VALUE"):
         main(["bench", "--param", "aio=false", *TINY])
+
+
+def test_pin_hosts_without_peer_hosts_is_an_error(capsys) -> None:
+    assert main(["bench", "--backend", "memcpy", "--pin-hosts", *TINY]) == 2
+    assert "--pin-hosts: only with --ucx-peer-host" in capsys.readouterr().err

@@ -276,7 +276,7 @@ class PickyLRUPolicy(Policy):
 
 
 @pytest.mark.parametrize("leaf_first", [True, False])
-@pytest.mark.parametrize("policy", ["default", "lru", "lfu", "arc", "s3fifo", "wtinylfu", "lecar", "picky"])
+@pytest.mark.parametrize("policy", ["default", "lru", "lfu", "arc", "s3fifo", "wtinylfu", "lecar", "scored", "picky"])
 def test_one_tier_request_path_is_the_general_path(policy, leaf_first):
     """`TierStack.access_request` on one plain tier takes a short path: the same usable prefixes, hits, misses,
     evictions, moves and resident chunks as the general path after every request, with watermarks below 1

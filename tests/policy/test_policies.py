@@ -145,6 +145,21 @@ def test_cooldown_protects_recent_chunks():
     assert len(tier) == 0
 
 
+def test_a_chunk_used_twice_at_one_time_is_evicted_once_from_its_cooldown():
+    """Two uses at the same time leave two FIFO entries of one start: the last-resort eviction of cooling chunks
+    must still give up each chunk once (it used to list the chunk twice and fail removing it again)."""
+    policy = ScoredPolicy(PolicySettings(cooldown_s=5.0, admission=False))
+    tier = policy.tier(3)
+    policy.observe("a", 1.0)
+    tier.insert("a", 1.0)
+    tier.touch("a", 1.0)
+    for key in ("b", "c"):
+        policy.observe(key, 1.0)
+        tier.insert(key, 1.0)
+    assert tier.evict(2, now=1.5) == ["a", "b"]
+    assert len(tier) == 1 and tier.evict(1, now=1.5) == ["c"]
+
+
 def test_pinned_chunks_are_never_evicted():
     for name in ("lru", "default"):
         policy = make_policy(name, PolicySettings(cooldown_s=0.0))

@@ -4,6 +4,8 @@ import multiprocessing as mp
 import os
 import socket
 import subprocess
+import sys
+import threading
 
 import numpy as np
 import pytest
@@ -170,3 +172,51 @@ def test_ucx_between_hosts_moves_bytes_and_direct_cma_says_why_it_is_off(test_ho
             assert np.array_equal(got[::-1], mem.reshape(16, 4096))
             why_not = agent.backend("ucx").describe()["direct cma"]["far"]
             assert "another pid namespace" in why_not
+
+
+_AFFINITY = "import os; print(','.join(map(str, sorted(os.sched_getaffinity(0)))))"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two hosts needs two CPUs")
+def test_split_cpus_pin_each_hosts_processes_to_its_own_share_and_close_unpins_this_one():
+    mine = os.sched_getaffinity(0)
+    with make_test_hosts(2, prefix="natpin", cpus="split") as hosts:
+        h0, h1 = hosts[0].cpus, hosts[1].cpus
+        assert h0 and h1 and not set(h0) & set(h1) and set(h0) | set(h1) <= mine
+        for host in hosts:
+            out = host.run([sys.executable, "-c", _AFFINITY], capture_output=True, text=True, check=True).stdout
+            assert out.strip() == ",".join(map(str, host.cpus))
+        assert os.sched_getaffinity(0) == mine  # nothing pinned here until asked
+        hosts[0].pin_here()
+        assert os.sched_getaffinity(0) == set(h0)
+        # a thread started after inherits it
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        assert seen == [set(h0)]
+    assert os.sched_getaffinity(0) == mine
+
+
+def test_without_split_cpus_processes_run_anywhere_and_pin_here_does_nothing():
+    mine = os.sched_getaffinity(0)
+    with make_test_hosts(2, prefix="natpin", here=False) as hosts:
+        assert hosts[0].cpus == hosts[1].cpus == ()
+        out = hosts[1].run([sys.executable, "-c", _AFFINITY], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == ",".join(map(str, sorted(mine)))
+        hosts[0].pin_here()
+        assert os.sched_getaffinity(0) == mine
+
+
+def test_split_cpus_need_a_cpu_per_host_and_a_known_mode():
+    mine = os.sched_getaffinity(0)
+    if unavailable():
+        pytest.skip(f"test hosts unavailable: {unavailable()}")
+    os.sched_setaffinity(0, {min(mine)})
+    try:
+        with pytest.raises(TestHostsUnavailable, match="needs 2 CPUs"):
+            TestHosts(2, prefix="natpin", cpus="split")
+    finally:
+        os.sched_setaffinity(0, mine)
+    with pytest.raises(ValueError, match="cpus"):
+        TestHosts(2, prefix="natpin", cpus="all")
