@@ -146,12 +146,14 @@ class TieredCache:
             self.index.freed(slot)
         self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
 
-    def _invalidate(self, key: ChunkKey) -> None:
-        """Drop a chunk whose bytes cannot be trusted from every tier."""
+    def _invalidate(self, key: ChunkKey, checksum: bool = True) -> None:
+        """Drop a chunk whose bytes cannot be trusted from every tier (``checksum``: they failed their CRC32C;
+        else a move of it failed)."""
         self._invalid.add(key)
-        self.checksum_failures += 1
-        if self.metrics is not None:
-            self.metrics.checksum_failures.labels("l3_nvme").inc()
+        if checksum:
+            self.checksum_failures += 1
+            if self.metrics is not None:
+                self.metrics.checksum_failures.labels("l3_nvme").inc()
         for j, resident in enumerate(self.engine.resident):
             if key in resident:
                 self.engine.drop(j, key)

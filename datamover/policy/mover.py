@@ -40,7 +40,7 @@ class Mover:
         tiers: list[Slab],
         stage: Slab,
         crc: dict[ChunkKey, int],
-        invalidate: Callable[[ChunkKey], None],
+        invalidate: Callable[..., None],
         metrics: CacheMetrics | None = None,
         spans: SpanRecorder | None = None,
         shared_pool: bool = False,
@@ -217,7 +217,16 @@ class Mover:
                 live = [m for m in moves if m.key not in self.invalid]
                 if not live:
                     continue
-                self._run_group(src, dst, live, user)
+                try:
+                    self._run_group(src, dst, live, user)
+                except DatamoverError as exc:
+                    # the plan goes on (the engine already counts every move of it as done): what this group
+                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
+                    a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
+                    log.warning("moving %d chunk(s) %s -> %s failed, dropped: %s", len(live), a, b, exc)
+                    for m in live:
+                        self.invalidate(m.key, checksum=False)
+                    continue
                 if dst == l3 and index is not None:
                     for m in live:
                         if m.key not in self.invalid:

@@ -27,6 +27,7 @@ non-CUDA build of Mooncake cannot address device memory (datamover's tier cache 
 from __future__ import annotations
 
 import errno as errno_mod
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,8 @@ from ..base import (
 from ..fence import ReadFence
 from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
+
+log = logging.getLogger("datamover.mooncake")
 
 
 @dataclass
@@ -143,9 +146,16 @@ class MooncakeBackend(Backend):
 
     # -- registration ----------------------------------------------------------
     def register(self, reg) -> Any:
+        """The region registered with the store client, for zero-copy moves; None when it is not (not DRAM, or
+        the client refused it: with the master gone, register_buffer fails, and that must not fail the agent's
+        registration, which other backends and local tiers use; staged moves do not need it)."""
         if reg.mem_type != MemType.DRAM:
             return None
-        self.client.register(reg.addr, reg.length)
+        try:
+            self.client.register(reg.addr, reg.length)
+        except OSError as exc:
+            log.warning("%s; that memory is not registered with the Mooncake client", exc)
+            return None
         return reg.addr
 
     def deregister(self, reg, handle: Any) -> None:

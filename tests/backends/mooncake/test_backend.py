@@ -400,3 +400,36 @@ def test_master_takes_fresh_ports_when_one_was_taken(mooncake_master):
             assert (m.rpc_port, m.http_port, m.metrics_port) == ports
         finally:
             m.close()
+
+
+def test_memory_registered_while_the_master_is_down(fault_master):
+    """With the master gone the store refuses register_buffer: registering memory with the agent still works
+    (before: the client's OSError failed the agent's registration, so a TieredCache could not serve even its
+    local tiers), a READ is a typed error that leaves the buffer untouched, and once the master is back that
+    memory moves again (a zero-copy agent), every byte checked."""
+    m = fault_master
+    with mooncake_agent(m, "down", global_segment_size=32 * MiB, transfer_mode="zero_copy") as agent:
+        reg = agent.register_objects("down", prefix="")
+        m.kill()
+        buf = HostBuffer(agent, 4 * 65536)
+        assert buf.registration.handles["mooncake"] is None
+        buf.write(0, b"\x33" * (4 * 65536))
+        with pytest.raises(DatamoverError):
+            read(agent, buf, reg, [f"k{i}" for i in range(4)], 65536).wait()
+        assert buf.read(0, 4 * 65536) == b"\x33" * (4 * 65536)
+        m.start()
+        data = random_bytes(4 * 65536, 9)
+        buf.write(0, data)
+        keys = [f"k{i}" for i in range(4)]
+
+        def written() -> bool:
+            try:
+                write(agent, buf, reg, keys, 65536)
+                return True
+            except DatamoverError:
+                return False  # the client re-mounts its segment on the new master first
+
+        until(written, what="a WRITE after the master came back")
+        buf.write(0, bytes(4 * 65536))
+        assert read(agent, buf, reg, keys, 65536).wait() == XferState.DONE
+        assert buf.read(0, 4 * 65536) == data
