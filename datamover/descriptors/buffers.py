@@ -98,8 +98,8 @@ def aligned_empty(nbytes: int, alignment: int = 4096) -> np.ndarray:
     O_DIRECT I/O goes straight from such buffers; misaligned ones go through a
     bounce buffer. Buffers of two huge pages or more start on a huge page
     boundary, so that transparent huge pages (numpy asks for them from 4 MiB
-    up) back them from the first byte: a head of small pages made 64 KiB rows
-    copied there over cma up to 1.8x slower. The padding is never touched.
+    up) back them from the first byte: a head of small pages made rows copied
+    there over cma slower (BENCHMARKS.md). The padding is never touched.
     """
     huge = huge_page_size()
     if huge and nbytes >= 2 * huge:

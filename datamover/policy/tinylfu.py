@@ -27,8 +27,8 @@ class FrequencySketch:
 
     The counts are exact (a dict of the keys referenced since the last halvings) rather than a count-min sketch:
     the keys of a KV cache are few next to the chunks' bytes, and no sketch library here is fast enough per
-    call (datasketches' count_min_sketch takes 3.5 us per update and 4.5 us per estimate on this machine,
-    several times the whole per-reference budget of the replay).
+    call (datasketches' count_min_sketch costs several times the whole per-reference budget of the replay;
+    BENCHMARKS.md).
     """
 
     def __init__(self, period: int = 64) -> None:

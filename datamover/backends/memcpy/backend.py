@@ -1,10 +1,10 @@
 """memcpy: DRAM <-> DRAM within one agent, on threads that release the GIL.
 
 Three paths, picked per request: many equal small blocks between two regions
-go through one numpy gather/scatter (about 0.6 us a block); a single
+go through one numpy gather/scatter (one call for all blocks); a single
 coalesced run is one numpy copy between views of the two regions; everything
-else is a ``ctypes.memmove`` per coalesced run (about 1.7 us of call
-overhead). All copy with the GIL released. A one-part request of at most
+else is a ``ctypes.memmove`` per coalesced run (one foreign call per
+run). All copy with the GIL released. A one-part request of at most
 ``inline_bytes`` is copied inside ``post()``, on the caller's thread; larger
 requests are split by bytes across threads.
 """
@@ -75,7 +75,7 @@ class MemcpyBackend(Backend):
     default_params = {
         "threads": min(4, os.cpu_count() or 1),
         # a request of at most this many bytes is copied inside post(), on the caller's thread: a thread hop
-        # and a wake-up cost more than the copy (~50 us for 1 MiB)
+        # and a wake-up cost more than the copy (BENCHMARKS.md)
         "inline_bytes": 1 << 20,
         # each thread gets at least this many bytes
         "min_part_bytes": 4 << 20,

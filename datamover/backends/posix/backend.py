@@ -311,9 +311,8 @@ class PosixBackend(Backend):
         p = req.plan
         single = p.single
         if single is not None:
-            # the fast path for one syscall, with as little Python as possible around it: measured on the 2-vCPU
-            # VM, each Python frame between the syscall and post() returning added 2-7 us (far more than the same
-            # frame costs in a warm loop), ~20 us in all before this path
+            # the fast path for one syscall, with as little Python as possible around it: each Python frame
+            # between the syscall and post() returning costs more right after a syscall than in a warm loop
             fd, views, offset, nbytes = single
             try:
                 if (os.pwritev(fd, views, offset) if p.write else os.preadv(fd, views, offset)) == nbytes:

@@ -156,8 +156,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # at most one frame of up to 64 MiB): a connection that would go over is dropped
         "max_buffered_bytes": 256 << 20,
         # rows of peers' requests this agent has posted sends or receives for (each holds about 700 bytes of UCX
-        # request state until it ends: three unauthenticated 1M-row WRITEs took 2.2 GB); a request that would go
-        # over is refused with the reason (one of MAX_ROWS rows fits when nothing else is served)
+        # request state until it ends, so unauthenticated million-row WRITEs could take gigabytes); a request that
+        # would go over is refused with the reason (one of MAX_ROWS rows fits when nothing else is served)
         "max_served_rows": 1 << 20,
         # a request with less than this left of its timeout is not started: it could not finish, and once
         # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)

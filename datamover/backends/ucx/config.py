@@ -126,16 +126,14 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
     tls = config.get("TLS", os.environ.get("UCX_TLS"))
     shared_memory = any(tls_includes(tls, t, frozenset({"mm", "sm", "shm"})) for t in ("posix", "sysv"))
     if shared_memory and "TCP_PUT_ENABLE" not in config and "UCX_TCP_PUT_ENABLE" not in os.environ:
-        # with tcp's own put, UCX carries puts between two processes of one host over loopback TCP (0.4-2.2 GB/s
-        # for 64 KiB-1 MiB rows) rather than emulating them over shared memory (1.9-3.2 GB/s). Where no shared
-        # memory is left (TLS tcp only, as between hosts without RDMA) it stays on: emulated over tcp, puts ran
-        # 4x slower (0.5-0.6 GB/s against 2.5-3.1 for 1 MiB rows)
+        # with tcp's own put, UCX carries puts between two processes of one host over loopback TCP rather than
+        # emulating them over shared memory, which is faster. Where no shared memory is left (TLS tcp only, as
+        # between hosts without RDMA) it stays on: puts emulated over tcp are slower still (BENCHMARKS.md)
         config["TCP_PUT_ENABLE"] = "n"
     if tls_includes(tls, "tcp") and not any(k in config or f"UCX_{k}" in os.environ for k in _TCP_SEGS):
         # an emulated get (tcp has no get of its own) comes back in active messages of at most one send
-        # segment each, copied through it: with 64 KiB segments instead of UCX's 8 KiB, READs of 64 KiB-1 MiB
-        # rows between two hosts took 0.6x the time and 0.7x the target's CPU (BENCHMARKS.md); a peer keeping
-        # the default receives them as well
+        # segment each, copied through it: 64 KiB segments instead of UCX's 8 KiB make a 64 KiB row one message
+        # instead of eight (the measured effect is in BENCHMARKS.md); the handshake checks both sides agree
         config.update(dict.fromkeys(_TCP_SEGS, _TCP_SEG_SIZE))
     if "USE_MT_MUTEX" not in config and "UCX_USE_MT_MUTEX" not in os.environ:
         # the worker is shared by threads (a caller driving its request, the native progress thread, the service

@@ -73,6 +73,19 @@ def _hello(target, address: bytes, name: str = "fuzzer") -> dict | None:
         return recv(sock)
 
 
+def _welcomed(target, address: bytes, name: str, timeout: float = 30) -> socket.socket:
+    """A control connection to ``target`` that said hello with ``address`` and was welcomed."""
+    sock = socket.create_connection(_control(target), timeout=timeout)
+    try:
+        assert recv(sock)["t"] == "challenge"
+        send(sock, {"t": "hello", "name": name, "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX})
+        assert recv(sock)["t"] == "welcome"
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def _mutations(base: bytes):
     n = len(base)
     flips = st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, 255)), min_size=1, max_size=6)
@@ -143,20 +156,7 @@ _TYPES = ["req", "notif", "rkeys", "revoke", "revoked", "cancel", "hello", "welc
 @given(msgs=st.lists(st.fixed_dictionaries({"t": st.sampled_from(_TYPES)}, optional=dict.fromkeys(_FIELDS, _VALUES)),
                      min_size=1, max_size=5))  # fmt: skip
 def test_random_messages_after_a_valid_hello_never_kill_the_target(target, real_address, msgs):
-    with socket.create_connection(_control(target), timeout=10) as sock:
-        assert recv(sock)["t"] == "challenge"
-        send(
-            sock,
-            {
-                "t": "hello",
-                "name": "fuzzer",
-                "address": real_address,
-                "nonce": os.urandom(16),
-                "mac": b"",
-                "tcp_rx": TCP_RX,
-            },
-        )
-        assert recv(sock)["t"] == "welcome"
+    with _welcomed(target, real_address, "fuzzer", timeout=10) as sock:
         for m in msgs:
             try:
                 send(sock, m)
@@ -194,14 +194,8 @@ def test_refused_million_row_writes_keep_the_targets_memory(target, real_address
     socks = []
     try:
         for k in range(3):
-            sock = socket.create_connection(_control(target), timeout=30)
+            sock = _welcomed(target, real_address, f"big{k}")
             socks.append(sock)
-            assert recv(sock)["t"] == "challenge"
-            send(
-                sock,
-                {"t": "hello", "name": f"big{k}", "address": real_address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
-            )
-            assert recv(sock)["t"] == "welcome"
             req = {"t": "req", "id": 1, "op": "WRITE", "mem": "DRAM", "addr": cols, "len": cols, "dev": cols,
                    "tag": 1 << 40, "notify": b""}  # fmt: skip
             send(sock, req)
@@ -227,14 +221,8 @@ def test_incomplete_frames_of_many_peers_are_bounded_in_all():
         socks, part = [], 20 << 20
         try:
             for k in range(8):
-                sock = socket.create_connection(_control(target), timeout=30)
+                sock = _welcomed(target, address, f"part{k}")
                 socks.append(sock)
-                assert recv(sock)["t"] == "challenge"
-                send(
-                    sock,
-                    {"t": "hello", "name": f"part{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
-                )
-                assert recv(sock)["t"] == "welcome"
                 try:
                     sock.sendall(struct.pack("!I", (64 << 20) - 1) + bytes(part))
                 except (ConnectionResetError, BrokenPipeError):
@@ -285,14 +273,8 @@ def test_rows_served_for_peers_at_once_are_bounded():
         socks = []
         try:
             for k in (1, 2):
-                sock = socket.create_connection(_control(target), timeout=30)
+                sock = _welcomed(target, address, f"rows{k}")
                 socks.append(sock)
-                assert recv(sock)["t"] == "challenge"
-                send(
-                    sock,
-                    {"t": "hello", "name": f"rows{k}", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX},
-                )
-                assert recv(sock)["t"] == "welcome"
                 req(sock, 800, k)
                 if k == 1:  # the known point: the target posted its rows
                     _until(lambda: target.call("describe", "ucx")["rows served for peers"]["now"] == 800)
@@ -357,10 +339,7 @@ def test_a_frame_of_millions_of_containers_is_refused_before_they_are_built(shap
     with RemotePeer("bomb-target", UCX) as target, Agent("bomb-init", UCX) as agent:
         address = agent.backend("ucx").connection_info()["address"]
         before = _peak(target.pid)
-        with socket.create_connection(_control(target), timeout=120) as sock:
-            assert recv(sock)["t"] == "challenge"
-            send(sock, {"t": "hello", "name": "bomb", "address": address, "nonce": os.urandom(16), "tcp_rx": TCP_RX})
-            assert recv(sock)["t"] == "welcome"
+        with _welcomed(target, address, "bomb", timeout=120) as sock:
             sock.sendall(struct.pack("!I", len(shape)) + shape)
             assert recv(sock) is None, "the target answered a frame that is no control message"
         assert target.call("ping", timeout=60) == target.pid
