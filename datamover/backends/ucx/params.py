@@ -1,0 +1,78 @@
+"""The ucx backend's parameters and their defaults (``UcxBackend.default_params``), one comment each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+DEFAULT_PARAMS: dict[str, Any] = {
+    # control listener: bound here and advertised in the metadata
+    "host": "127.0.0.1",
+    "port": 0,
+    # UCX settings passed to the context, e.g. {"TLS": "tcp"}
+    "ucx_config": {},
+    # cma lets UCX read a peer's memory with process_vm_readv; when that peer dies mid-transfer UCX
+    # (error handling off) aborts the survivor, so unless this is on, TLS defaults to everything but cma
+    "cma": False,
+    # UCX endpoint error handling: on forces transports that report peer failure (tcp, much slower)
+    "error_handling": False,
+    # let peers put into and get from this agent's registered memory directly (UCP RMA, as NIXL does:
+    # the owner's CPU stays out of the data path) and do the same to peers that allow it; off, every
+    # request is checked and served by the owner over tag send/recv
+    "one_sided": True,
+    # one-sided to a peer on this host that the kernel lets this process attach to (a probe at connect time
+    # tells): DRAM rows go with process_vm_writev/readv, up to IOV_MAX rows per syscall, instead of one UCX
+    # put/get per row; a peer dying mid-copy makes the copy fail (not this process abort, as UCX's cma does)
+    "direct_cma": True,
+    # direct cma requests of up to this many bytes are copied inside post() (as posix's inline_bytes): 1 MiB
+    # copied there ran about 25% faster than handed to a thread; larger ones in parts on up to
+    # cma_threads threads (a waiting caller copies parts too), so that post() returns at once and large
+    # copies use more than one core
+    "cma_inline_bytes": 1 << 20,
+    "cma_threads": 2,
+    # a part is a run of chunks of one syscall each: a quarter of a request per thread, 1 MiB to this
+    "cma_chunk_bytes": 8 << 20,
+    # where UCX can only emulate put/get (no cma or RDMA: active messages through shared memory or tcp),
+    # requests with a row larger than this go through the owner, whose tag rendezvous streams large
+    # messages faster
+    "emulated_max_bytes": 8 << 20,
+    # keep polling UCX this long after the last activity before sleeping in epoll
+    "spin_us": 2000,
+    # where the native extension is built: a native thread progresses UCX (sleeping on its event fd), so a
+    # target whose transport needs it (tcp, emulated put/get) is served without a Python thread waking
+    "native_progress": True,
+    # how long that thread keeps polling after work before it sleeps on the event fd again (spin_us is the
+    # Python service thread's); spinning takes a core from the peer and the caller where cores are few
+    "progress_spin_us": 0,
+    # after work, that thread sleeps this long on a timer and progresses again while work keeps coming,
+    # instead of waking (through the sender's syscall) on each segment a peer streams in; 0: always the fd
+    "progress_poll_us": 0,
+    # a waiter driving its request polls UCX this long without progress before it sleeps on UCX's event fd
+    "drive_spin_us": 50,
+    "connect_timeout_s": 5.0,
+    # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
+    "close_timeout_s": 60.0,
+    # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
+    "max_inbound": 1024,
+    # bytes of control frames not yet complete that all inbound connections may hold together (each holds
+    # at most one frame of up to 64 MiB): a connection that would go over is dropped
+    "max_buffered_bytes": 256 << 20,
+    # rows of peers' requests this agent has posted sends or receives for (each holds about 700 bytes of UCX
+    # request state until it ends, so unauthenticated million-row WRITEs could take gigabytes); a request that
+    # would go over is refused with the reason (one of MAX_ROWS rows fits when nothing else is served)
+    "max_served_rows": 1 << 20,
+    # a request with less than this left of its timeout is not started: it could not finish, and once
+    # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
+    "launch_margin_s": 0.001,
+    # a READ cut off with UCX gets or receives still in flight (a frozen or dying peer) keeps the UCX worker
+    # they were posted on, never progressed again, until close(): about a dozen fds each. A peer that made
+    # this many quarantines gets its READs refused (direct cma READs, which need none, still run), and once
+    # this agent holds max_quarantined_workers in all, every such READ is refused; close() frees them
+    "max_quarantines_per_peer": 2,
+    # a peer that hangs up while this agent has receives posted for its WRITE: the hang-up is confined to
+    # its own requests when, within this many seconds, every one of them ended (the ones it never matched
+    # are ended here with empty self-sends) and a probe sent by a second worker of this process came
+    # through this worker's shared-memory receive queue (a sender killed mid-message can leave that queue
+    # stuck for every sender); else, or at 0, the UCX worker is reset (every peer reconnects)
+    "hangup_probe_s": 5.0,
+    "max_quarantined_workers": 16,
+}
