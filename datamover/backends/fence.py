@@ -5,7 +5,8 @@ caller's memory from then on.
 inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
-nothing. Used by mooncake (staged copy-out; the whole zero-copy store call) and posix (each synchronous preadv).
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call) and posix (each synchronous preadv; an
+AIO READ from its first io_submit until all it submitted is reaped).
 """
 
 from __future__ import annotations
