@@ -391,7 +391,7 @@ class PosixBackend(Backend):
                 try:
                     os.fdatasync(h.fd)
                 except OSError as exc:
-                    raise self._error(req, 0, h, exc, write) from exc
+                    raise self._sync_error(req, p, h, exc) from exc
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
@@ -414,7 +414,7 @@ class PosixBackend(Backend):
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
-                    raise self._error(req, first, p.handles[fd], exc, write) from exc
+                    raise self._sync_error(req, p, p.handles[fd], exc) from exc
 
     def _run_group(self, req, p, g: int, write: bool) -> int:
         """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
@@ -542,6 +542,16 @@ class PosixBackend(Backend):
             f"{what} on {h.path!r} failed: {exc.strerror or exc}",
             errno=exc.errno,
             index=req.caller_index(row) if views is None else _index_at(req, row, views, moved),
+            backend=self.name,
+        )
+
+    def _sync_error(self, req, p, h: FileHandle, exc: OSError) -> TransferIOError:
+        """fdatasync does not say which block it lost: name the first of the caller's descriptors in that file."""
+        return TransferIOError(
+            f"fdatasync of {h.path!r} failed after this WRITE wrote it: {exc.strerror or exc}; what it wrote there"
+            " may not be on the disk",
+            errno=exc.errno,
+            index=req.caller_index(p.fds.index(h.fd)),
             backend=self.name,
         )
 
