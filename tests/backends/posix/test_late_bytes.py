@@ -184,3 +184,59 @@ def test_an_aio_read_cut_short_is_reaped_before_err(tmp_path, monkeypatch, end, 
         mem[:] = 0
         assert agent.transfer("READ", DescList.blocks(mem, B), slots).wait() == XferState.DONE
         assert np.array_equal(mem.reshape(N, B), data.reshape(N, 2, B)[:, 0])
+
+
+def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, monkeypatch):
+    """Thread A's poll turns the READ ERR and waits on the fence for the held preadv; thread B polls meanwhile.
+    B must not see ERR before A's fence is done: the destination B sees at ERR is what it holds after."""
+    params = {"aio": False, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(N * B)
+        agent.register_memory(mem)
+        path = tmp_path / "f.bin"
+        path.write_bytes(np.random.default_rng(5).integers(0, 256, N * B, dtype=np.uint8).tobytes())
+        reg = agent.register_file(path, size=N * B, direct=False)
+        mem[:] = 0xAA
+        reached, go = threading.Event(), threading.Event()
+        real = os.preadv
+        armed = [True]
+
+        def held(fd, views, offset):
+            hold, armed[0] = armed[0], False
+            if hold:
+                reached.set()
+                assert go.wait(60), "the test never let the preadv go"
+            return real(fd, views, offset)
+
+        monkeypatch.setattr(os, "preadv", held)
+        xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
+        assert reached.wait(60), "the READ never reached preadv"
+        fence = xfer._completion
+        waits = [0]
+        real_wait_for = fence._idle.wait_for
+
+        def counted(pred, timeout=None):
+            waits[0] += 1  # called with the condition's lock held
+            return real_wait_for(pred, timeout)
+
+        fence._idle.wait_for = counted  # a known point: a thread waiting on the fence
+        seen: dict[str, bytes] = {}
+
+        def poll(who: str) -> None:
+            until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+            seen[who] = mem.tobytes()
+
+        a = threading.Thread(target=poll, args=("A",))
+        a.start()
+        until(lambda: waits[0] >= 1, what="A waiting on the fence")
+        b = threading.Thread(target=poll, args=("B",))
+        b.start()
+        until(lambda: waits[0] >= 2 or not b.is_alive(), what="B waiting on the fence, or B seeing ERR")
+        go.set()
+        a.join(60)
+        b.join(60)
+        assert fence.wait(60)
+        after = mem.tobytes()
+        for who in "AB":
+            changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen[who], np.uint8)))
+            assert changed == 0, f"{changed} bytes of the READ landed after thread {who} saw ERR"
