@@ -258,10 +258,13 @@ class AdaptivePolicy(Policy):
         if parent is None:
             return
         parents = self.parents
-        parents.pop(key, None)
-        parents[key] = parent
-        if len(parents) > self._limit:
-            parents.popitem(last=False)
+        if key in parents:  # most recent now; no new entry, so nothing to trim
+            parents.move_to_end(key)
+            parents[key] = parent
+        else:
+            parents[key] = parent
+            if len(parents) > self._limit:
+                parents.popitem(last=False)
 
     def observe(self, key: Key, now: float, ref: int = -1) -> None:
         sketch = self.sketch  # FrequencySketch.add, inlined: this runs on every reference
