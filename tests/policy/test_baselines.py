@@ -257,3 +257,16 @@ def test_the_default_evicts_leaves_before_their_parents():
     assert 0 in s.resident[0] and 100 in s.resident[0] and len(s.resident[0]) == 10
     gone = set(chain) - s.resident[0]
     assert len(gone) == 1 and not tier.children.get(gone.pop())  # what left had no children
+
+
+def test_the_default_remembers_the_most_recently_linked_parents():
+    """The parent book is bounded and kept in order of last use: a chunk linked again is kept over older ones,
+    and takes the parent it was last linked with."""
+    policy = make_policy("default")
+    policy._limit = 3
+    for key, parent in ((1, 0), (2, 1), (3, 2), (1, 9)):
+        policy.link(key, parent)
+    policy.link(4, 3)  # over the limit: the least recently linked (2) goes
+    assert list(policy.parents.items()) == [(3, 2), (1, 9), (4, 3)]
+    policy.link(5, None)  # a request's first chunk has no parent: nothing to remember
+    assert 5 not in policy.parents
