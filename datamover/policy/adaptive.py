@@ -151,6 +151,8 @@ class AdaptiveTier(TierPolicy):
             return
         counts = self.sketch.counts if self.sketch is not None else {}
         self.real.adopt(list(self.recency), counts)  # type: ignore[attr-defined]
+        if isinstance(shadow, ARCTier):  # what ARC has learnt, T1's target, is a share of the cache: scale it
+            self.real.p = shadow.p * self.capacity / shadow.capacity  # type: ignore[attr-defined]
 
     def admit(self, key: Key, now: float, ref: int = -1) -> bool:
         return self.real.admit(key, now, ref) if self._admits else True

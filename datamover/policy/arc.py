@@ -102,10 +102,32 @@ class ARCTier(TierPolicy):
         if key in t2:
             t2.move_to_end(key)
             return True
+        # a miss: `admit`, `evict(1)` and `insert`, written out (the default's shadows run this per sampled miss)
+        b1, b2 = self.b1, self.b2
+        in_b1 = key in b1
+        in_b2 = key in b2
+        if in_b1 or in_b2:
+            self._adapt(key)
         if len(t1) + len(t2) >= self.capacity:
-            self.admit(key, now)
-            self.evict(1, now)
-        self.insert(key, now)
+            n1 = len(t1)
+            if n1 >= 1 and (n1 > self.p or (in_b2 and n1 == self.p)):
+                b1[t1.popitem(last=False)[0]] = None
+            elif t2:
+                b2[t2.popitem(last=False)[0]] = None
+            elif t1:
+                b1[t1.popitem(last=False)[0]] = None
+        if in_b1 or in_b2:
+            b1.pop(key, None)
+            b2.pop(key, None)
+            t2[key] = None
+        else:
+            t1[key] = None
+        self._adapted = None
+        c = self.capacity
+        while b1 and len(t1) + len(b1) > c:
+            b1.popitem(last=False)
+        while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
+            b2.popitem(last=False)
         return False
 
     def holds(self, key: Key) -> bool:

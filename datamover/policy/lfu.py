@@ -139,8 +139,20 @@ class LFUTier(TierPolicy):
             self._unset(key)
             self._set(key, count + 1)
             return True
-        if len(self._count) >= self.capacity:
-            self.evict(1, now)
+        if len(self._count) >= self.capacity:  # `evict(1)`, written out
+            heap, groups = self._heap, self._groups
+            while heap:
+                p = heap[0]
+                group = groups.get(p)
+                if group is None:
+                    heapq.heappop(heap)
+                    continue
+                victim = group.popitem(last=False)[0]
+                if not group:
+                    del groups[p]
+                self.age = p
+                del self._count[victim], self._prio[victim]
+                break
         self._set(key, 1)
         return False
 

@@ -111,9 +111,19 @@ class S3FIFOTier(TierPolicy):
             if f < MAX_FREQ:
                 freq[key] = f + 1
             return True
-        if len(freq) >= self.capacity:
-            self.evict(1, now)
-        self.insert(key, now)
+        if len(freq) >= self.capacity:  # `evict(1)`, written out
+            victim = None
+            if len(self.small) >= self.small_size or not self.main:
+                victim = self._evict_small(())
+            if victim is None and self._evict_main(()) is None:
+                self._evict_small(())
+        ghost = self.ghost  # `insert`, written out (after the eviction, which may push `key` out of the ghosts)
+        if key in ghost:
+            del ghost[key]
+            self.main[key] = None
+        else:
+            self.small[key] = None
+        freq[key] = 0
         return False
 
     def holds(self, key: Key) -> bool:

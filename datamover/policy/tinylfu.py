@@ -209,12 +209,28 @@ class WTinyLFUTier(TierPolicy):
                 probation[old] = None
 
     def ref(self, key: Key, now: float) -> bool:
-        if key in self.window or key in self.probation or key in self.protected:
-            self.touch(key, now)
+        window, probation, protected = self.window, self.probation, self.protected
+        if key in window:  # `touch`, written out
+            window.move_to_end(key)
             return True
-        if len(self) >= self.capacity:
+        if key in probation:
+            del probation[key]
+            protected[key] = None
+            while len(protected) > self.protected_size:
+                old = next(iter(protected))
+                del protected[old]
+                probation[old] = None
+            return True
+        if key in protected:
+            protected.move_to_end(key)
+            return True
+        if len(window) + len(probation) + len(protected) >= self.capacity:
             self._one(())
-        self.insert(key, now)
+        window[key] = None  # `insert`, written out
+        while len(window) > self.window_size:
+            old = next(iter(window))
+            del window[old]
+            probation[old] = None
         return False
 
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:

@@ -89,3 +89,15 @@ def test_the_default_switches_into_the_shadows_state_when_it_samples_every_key()
     assert isinstance(tier.real, LFUTier)
     assert {k: tier.real.priority(k) for k in stack.resident[0]} == {k: lfu.priority(k) for k in lfu._count}
     assert tier.real.age == lfu.age and tier.real.age > 0
+
+
+def test_a_sampled_arc_shadow_hands_over_its_target_as_a_share():
+    """Over 256 chunks the shadows are miniatures (here 256 of 1000): a switch to ARC takes the shadow's T1
+    target scaled to the tier, not a target of 0 that ARC would have to relearn from ghosts it does not have."""
+    policy = make_policy("default")
+    tier = policy.tier(1000)
+    arc = tier.shadows[2]
+    assert isinstance(arc, ARCTier) and arc.capacity == 256
+    arc.p = 64.0
+    tier._switch(2)
+    assert isinstance(tier.real, ARCTier) and tier.real.p == 250.0
