@@ -18,7 +18,7 @@ How it decides, for one tier of C chunks:
    LFU-DA's age) for the chunks both hold, and the chunks the shadow does not hold, which it would have
    evicted, go first. Otherwise the chunks come in their recency order with their use counts from the cache's
    frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its protected segment, LFU-DA and S3-FIFO
-   start from the counts).
+   start from the counts), and ARC takes its shadow's T1 target as a share of the tier.
 4. Prefixes: the engine hands each request's chunks to the policy leaf first (the request's first chunk ends
    most recent), and tells it each chunk's parent. When the leading policy picks a victim that still has
    children in the tier, the victim is handed back (as just used) and the policy picks again (up to 8
