@@ -442,8 +442,10 @@ static void *progress_main(void *arg) {
                 continue;
             }
         } else {
-            double idle_since = 0.0;
+            double idle_since = 0.0, spin_s, poll_s;
             int did = 0;
+            __atomic_load(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
+            __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
             for (;;) { /* progress while there is work, and spin a little after work (only after work) */
                 unsigned k = 0;
                 while (ucp.progress(p->worker)) k++;
@@ -452,15 +454,15 @@ static void *progress_main(void *arg) {
                     p->progressed += k;
                     idle_since = monotonic_s();
                     notify_fd(__atomic_load_n(&p->notify, __ATOMIC_RELAXED));
-                } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s || is_held(p)) {
+                } else if (!did || p->quit || monotonic_s() - idle_since >= spin_s || is_held(p)) {
                     break;
                 }
             }
             if (did) p->bursts++;
             if (is_held(p)) continue;
-            if (did && p->poll_s > 0.0 && !p->quit) {
+            if (did && poll_s > 0.0 && !p->quit) {
                 /* traffic is flowing: look again after poll_s instead of being woken by each arrival */
-                struct timespec ts = {(time_t)p->poll_s, (long)((p->poll_s - (double)(time_t)p->poll_s) * 1e9)};
+                struct timespec ts = {(time_t)poll_s, (long)((poll_s - (double)(time_t)poll_s) * 1e9)};
                 nanosleep(&ts, NULL);
                 p->polls++;
                 continue;
@@ -576,6 +578,20 @@ static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* tune(spin_s, poll_s): the thread's spin after work and its timer poll, from its next burst on (each is read
+ * once per burst: a word-sized store another thread sees whole) */
+static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
+    double spin_s, poll_s;
+    if (!PyArg_ParseTuple(args, "dd", &spin_s, &poll_s)) return NULL;
+    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0 && spin_s <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s and poll_s must be in [0, 1] seconds");
+        return NULL;
+    }
+    __atomic_store(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
+    __atomic_store(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyObject *progress_hold(ProgressObject *p, PyObject *unused) {
     progress_hold_c(p);
     Py_RETURN_NONE;
@@ -616,6 +632,8 @@ static PyMethodDef progress_methods[] = {
     {"kick", (PyCFunction)progress_kick, METH_NOARGS,
      "Wake the thread to progress now: operations posted from another thread raise no UCX event."},
     {"release", (PyCFunction)progress_release, METH_NOARGS, "End a hold(); the last one wakes the thread."},
+    {"tune", (PyCFunction)progress_tune, METH_VARARGS,
+     "tune(spin_s, poll_s): how long the thread spins after work, and its timer poll after work (0: off)."},
     {"set_notify", (PyCFunction)progress_set_notify, METH_VARARGS,
      "set_notify(fd): write to fd after progress that did work (-1: nobody to tell)."},
     {NULL, NULL, 0, NULL},

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -165,6 +167,21 @@ def tcp_segments(config: Mapping[str, str]) -> tuple[int, int]:
         except InvalidParameter:
             out.append(UCX_TCP_SEG_DEFAULT)
     return out[0], out[1]
+
+
+def peer_elsewhere(sock: socket.socket) -> bool:
+    """Whether the peer at the other end of a connected control socket runs on another machine.
+
+    The peer's address is this machine's own exactly when a socket can bind to it (loopback, or any address of
+    this network namespace; a test host has a namespace of its own, as a machine would).
+    """
+    try:
+        ip = sock.getpeername()[0]
+        with socket.socket(sock.family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError as exc:
+        return exc.errno == errno.EADDRNOTAVAIL  # anything else (not connected, ...): taken as this machine
+    return False
 
 
 def tls_includes(tls: str | None, transport: str, groups: frozenset[str] = frozenset()) -> bool:

@@ -82,7 +82,7 @@ class OneSided:
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
-        spin = float(self.b.params["drive_spin_us"]) * 1e-6
+        spin = self.b._drive_spin_s(direct.peer)
         direct.driven = True
         self.b._drivers.add(direct)
         native = not isinstance(direct.flush, rma.Flush)
