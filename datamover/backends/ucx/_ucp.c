@@ -66,6 +66,14 @@ typedef struct {
     uint64_t laddr, length, raddr, rkey, param; /* param: a ucp_request_param_t* for nbx (device rows), or 0 */
 } row_t;
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 static double monotonic_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of Python's time.monotonic() on Linux */
@@ -271,8 +279,8 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
  * released throughout. */
 static PyObject *flush_drive(FlushObject *f, PyObject *args) {
     unsigned long long worker_ull;
-    double deadline, spin_s = 50e-6;
-    if (!PyArg_ParseTuple(args, "Kd|d", &worker_ull, &deadline, &spin_s)) return NULL;
+    double deadline, spin_s = 50e-6, pause_s = 0.0;
+    if (!PyArg_ParseTuple(args, "Kd|dd", &worker_ull, &deadline, &spin_s, &pause_s)) return NULL;
     void *worker = (void *)(uintptr_t)worker_ull;
     int st, efd = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -291,7 +299,16 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
             last = now;
             continue;
         }
-        if (efd < 0 || now - last < spin_s) continue;
+        if (efd < 0 || now - last < spin_s) {
+            /* nothing to do yet: wait pause_s before asking UCX again, on the CPU (no syscall), so that each
+             * progress (an epoll_wait on UCX's sockets) finds more work and the polling does not contend with
+             * the kernel delivering the peer's data into those sockets */
+            if (pause_s > 0.0) {
+                double until = now + pause_s;
+                while (monotonic_s() < until) cpu_relax();
+            }
+            continue;
+        }
         if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
         pthread_mutex_lock(&f->lock);
         st = flush_check_locked(f);
@@ -314,8 +331,9 @@ static PyMethodDef flush_methods[] = {
     {"unhold", (PyCFunction)flush_unhold, METH_NOARGS,
      "Give the worker back to the progress thread now (the flush ends under it): nobody drives this request."},
     {"drive", (PyCFunction)flush_drive, METH_VARARGS,
-     "drive(worker_handle, deadline, spin_s=50e-6): progress the worker until the flush ends or the monotonic "
-     "deadline passes, sleeping on UCX's event fd after spin_s without progress."},
+     "drive(worker_handle, deadline, spin_s=50e-6, pause_s=0): progress the worker until the flush ends or the "
+     "monotonic deadline passes, sleeping on UCX's event fd after spin_s without progress, and waiting pause_s on "
+     "the CPU after each progress that found nothing."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -108,7 +108,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
-        for key in ("progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us"):
+        for key in (
+            "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+            "far_drive_pause_us",
+        ):  # fmt: skip
             us = self.params[key]
             if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:
                 raise InvalidParameter(

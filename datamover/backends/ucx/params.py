@@ -51,6 +51,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # the same for a peer on another machine whose put/get UCX carries over tcp (no RDMA transport: emulated,
     # so the peer's CPU serves every row), where the flush waits on the network
     "far_drive_spin_us": 50,
+    # a waiter whose progress found nothing waits this long on the CPU before asking UCX again (0: at once),
+    # near and far peers; each progress is an epoll_wait on UCX's sockets
+    "drive_pause_us": 0,
+    "far_drive_pause_us": 0,
     # once this agent serves such a peer, its native progress thread spins this long after work, and polls on a
     # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
     "far_progress_spin_us": 0,

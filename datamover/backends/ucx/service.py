@@ -70,8 +70,13 @@ class ServiceLoop:
 
     def _drive_spin_s(self, peer: Any) -> float:
         """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
+        return self._drive_s(peer, "drive_spin_us")
+
+    def _drive_s(self, peer: Any, key: str) -> float:
+        """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
+        peer on another machine whose put/get UCX emulates over tcp."""
         far = peer.elsewhere and not self._rma_native
-        return float(self.params["far_drive_spin_us" if far else "drive_spin_us"]) * 1e-6
+        return float(self.params[f"far_{key}" if far else key]) * 1e-6
 
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""

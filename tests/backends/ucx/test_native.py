@@ -61,9 +61,12 @@ def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatc
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_both_paths_move_permuted_rows_one_sided(target, path, op):
+@pytest.mark.parametrize("pause_us", [0, 5])
+def test_both_paths_move_permuted_rows_one_sided(target, path, op, pause_us):
+    """Every row lands where it should, whichever path posts it (and however long the waiter pauses between
+    progress calls that found nothing)."""
     n, bs = 512, 4096
-    with Agent(f"native-{path}", {"backends": {"ucx": TCP}}) as agent:
+    with Agent(f"native-{path}", {"backends": {"ucx": {**TCP, "drive_pause_us": pause_us}}}) as agent:
         backend = agent.backend("ucx")
         assert (backend._progress is not None) == (path == "native")
         mine, theirs = HostBuffer(agent, n * bs), RemoteBuffer(target, n * bs)
@@ -276,8 +279,12 @@ def test_a_native_thread_that_polls_after_work_serves_a_stream_and_still_respect
 
 @needs_native
 @pytest.mark.parametrize(
-    "key", ["progress_poll_us", "progress_spin_us", "far_progress_spin_us", "far_progress_poll_us"]
-)
+    "key",
+    [
+        "progress_poll_us", "progress_spin_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+        "far_drive_pause_us",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("bad", [-1, 1_000_001, "100", True, None])
 def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(key, bad):
     from datamover.errors import InvalidParameter
