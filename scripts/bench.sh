@@ -7,9 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-# NIXL for `--vs nixl` (no deps: its meta packages would pull CUDA builds of torch); optional
-python -m pip install -q --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1" \
-  || echo "bench: NIXL not installable here; --vs nixl will say why"
 mkdir -p bench-results
 datamover info
 datamover bench --check --json bench-results/bench.json "$@"

@@ -20,6 +20,10 @@ python -m pip install -q --upgrade pip
 # torch: the CPU build (a plain "torch" would pull a multi-GB CUDA build)
 python -m pip install -q "torch==2.13.0" || echo "setup: torch 2.13.0 not installable here; torch-based tests will skip"
 python -m pip install -q -e ".[test,s3,ucx,policy,telemetry,bench,mooncake]"
+# NIXL, which the bench compares against and tests/bench/test_nixl.py runs (no deps: its meta packages would
+# pull CUDA builds of torch); optional
+python -m pip install -q --no-deps "nixl==1.5.2" "nixl-cu12==1.5.1" \
+  || echo "setup: NIXL not installable here; --vs nixl and its tests will say why"
 # etcd for the metadata-exchange tests (Debian package etcd-server)
 if ! command -v etcd >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -151,11 +151,15 @@ class Transfer:
         return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
 
     def _time_out(self, c: Completion) -> None:
-        self._error = TransferTimeout(
+        err = TransferTimeout(
             f"{self.op} of {self.descriptors} descriptor(s) did not complete within {self.request.timeout:g} s",
             backend=self.backend.name,
         )
-        c.cancel(self._error)
+        # ERR is seen once _error is set: only after cancel returned (its fence held), for every thread polling
+        # meanwhile too, since each of them comes here and waits in cancel itself
+        c.cancel(err)
+        if self._error is None:
+            self._error = err
 
     @property
     def error(self) -> BaseException | None:

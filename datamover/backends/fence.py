@@ -5,7 +5,9 @@ caller's memory from then on.
 inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
-nothing. Used by mooncake (staged copy-out; the whole zero-copy store call) and posix (each synchronous preadv).
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv; an
+AIO READ from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy), gds (each
+worker's kvikio reads) and s3 (each READ runner, for its whole life: ``join``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ FENCE_S = 10.0
 class ReadFence(Completion):
     """A completion whose parts write into the caller's memory only between ``enter`` and ``leave``."""
 
-    __slots__ = ("_busy", "_idle", "fencing")
+    __slots__ = ("_busy", "_closed", "_idle", "fencing")
 
     def __init__(self, parts: int = 1) -> None:
         super().__init__(parts)
         self._idle = threading.Condition(threading.Lock())
         self._busy = 0
+        self._closed = False  # set by ``cancel``: from then on nothing enters
         #: set when ``cancel`` starts waiting for the parts inside (a known point for tests)
         self.fencing = threading.Event()
 
@@ -37,6 +40,16 @@ class ReadFence(Completion):
         """Before touching the caller's memory: False (touch nothing) once the transfer was cancelled."""
         with self._idle:
             if self.cancelled:
+                return False
+            self._busy += 1
+            return True
+
+    def join(self) -> bool:
+        """As ``enter``, refused only once ``cancel`` ran (a timeout, a release), not after another part failed: for
+        work that must run after a failure too (zeroing bytes left unverified). A part reports its own failure
+        with ``Completion.cancel``, which does not wait for the parts inside."""
+        with self._idle:
+            if self._closed:
                 return False
             self._busy += 1
             return True
@@ -50,6 +63,7 @@ class ReadFence(Completion):
     def cancel(self, error: BaseException | None = None) -> None:
         super().cancel(error)
         with self._idle:
+            self._closed = True
             if self._busy:
                 self.fencing.set()
                 if not self._idle.wait_for(lambda: not self._busy, FENCE_S):

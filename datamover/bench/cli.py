@@ -226,14 +226,15 @@ def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max
            model_lines) -> int:  # fmt: skip
     """Run the sweep ``cmd_bench`` set up, print and write its results; the exit code."""
     if settings is not None:
-        from .nixl_api import nixl_versions
+        from .nixl_api import nixl_versions, ucx_modules
     headers: dict[str, dict] = {}
     info = machine_info()
     print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs ({info['cpu_model']}), python {info['python']}")
     if settings is not None:
         print(
             f"  vs nixl {nixl_versions()}: UCX_TLS={settings.ucx_tls}, NIXL ucx_error_handling_mode="
-            f"{settings.ucx_err_mode}, NIXL POSIX queue={settings.posix_queue}, NIXL progress thread=off"
+            f"{settings.ucx_err_mode}, NIXL POSIX queue={settings.posix_queue}, NIXL progress thread=off, "
+            f"NIXL's UCX_MODULES={ucx_modules()}"
         )
     for line in model_lines:
         print(line)

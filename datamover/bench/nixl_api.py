@@ -50,7 +50,38 @@ class NixlSettings:
                 os.environ["UCX_TLS"] = before
 
     def header(self) -> dict[str, Any]:
-        return asdict(self) | {"UCX_TLS (env)": os.environ.get("UCX_TLS", "")}
+        return asdict(self) | {"UCX_TLS (env)": os.environ.get("UCX_TLS", ""), "NIXL's UCX_MODULES": ucx_modules()}
+
+
+#: UCX's modules that need an RDMA device. Through them NIXL's wheel loads libibverbs and the libnl it bundles,
+#: whose exit handler (``rtnl_tc_unregister``) crashes the process after it is done (SIGSEGV, exit code 139).
+RDMA_MODULES_OFF = "^ib,rdmacm"
+
+
+def rdma_devices() -> list[str]:
+    """This host's RDMA devices (``/sys/class/infiniband``); empty on a machine without InfiniBand or RoCE."""
+    try:
+        return sorted(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        return []
+
+
+def ucx_modules() -> str:
+    """The UCX_MODULES NIXL loads UCX with here: the caller's, else all but the RDMA ones without a device."""
+    return os.environ.get("UCX_MODULES") or ("all" if rdma_devices() else RDMA_MODULES_OFF)
+
+
+@contextlib.contextmanager
+def ucx_modules_for_this_host() -> Iterator[None]:
+    """While NIXL loads UCX: leave out the RDMA modules where there is no RDMA device (they cannot be used)."""
+    if "UCX_MODULES" in os.environ or rdma_devices():
+        yield
+        return
+    os.environ["UCX_MODULES"] = RDMA_MODULES_OFF
+    try:
+        yield
+    finally:
+        os.environ.pop("UCX_MODULES", None)
 
 
 #: where NIXL's Python API lives: the ``nixl`` meta package, or a CUDA-flavoured wheel installed alone
@@ -101,12 +132,14 @@ def make_agent(name: str, settings: NixlSettings, backends: dict[str, dict[str, 
     nixl_agent, nixl_agent_config = api.nixl_agent, api.nixl_agent_config
     logging.getLogger("nixl").setLevel(logging.WARNING)  # NIXL logs every agent and backend at INFO, to stdout
 
-    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[]))
-    for backend, params in backends.items():
-        try:
-            agent.create_backend(backend, params)
-        except Exception as exc:
-            raise NixlError(f"NIXL could not create its {backend} backend ({params}): {exc}", backend="nixl") from exc
+    with ucx_modules_for_this_host():
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=settings.progress_thread, backends=[]))
+        for backend, params in backends.items():
+            try:
+                agent.create_backend(backend, params)
+            except Exception as exc:
+                msg = f"NIXL could not create its {backend} backend ({params}): {exc}"
+                raise NixlError(msg, backend="nixl") from exc
     return agent
 
 

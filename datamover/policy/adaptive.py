@@ -12,9 +12,13 @@ How it decides, for one tier of C chunks:
 3. The tier runs one expert for real (S3-FIFO first). Sixteen times per horizon it compares: a challenger that
    won `up` of the references split with the leader, and lost `down`, leads by more than three standard
    deviations when up - down > 3 x sqrt(up + down) (with no real difference each split is a coin toss); the
-   challenger furthest ahead takes over. It takes over the resident chunks in their recency order with their
-   use counts from the cache's frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its protected
-   segment, LFU-DA and S3-FIFO start from the counts), so it does not start cold, and nothing is moved.
+   challenger furthest ahead takes over the resident chunks, so it does not start cold, and nothing is moved.
+   When the shadows sample every key (tiers of up to 256 chunks), the challenger's shadow is that policy run
+   on this tier's references: the new policy takes its state (queues, lists, counts, ghosts, ARC's target,
+   LFU-DA's age) for the chunks both hold, and the chunks the shadow does not hold, which it would have
+   evicted, go first. Otherwise the chunks come in their recency order with their use counts from the cache's
+   frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its protected segment, LFU-DA and S3-FIFO
+   start from the counts).
 4. Prefixes: the engine hands each request's chunks to the policy leaf first (the request's first chunk ends
    most recent), and tells it each chunk's parent. When the leading policy picks a victim that still has
    children in the tier, the victim is handed back (as just used) and the policy picks again (up to 8
@@ -133,12 +137,18 @@ class AdaptiveTier(TierPolicy):
             self._switch(best)
 
     def _switch(self, expert: int) -> None:
-        """Hand the resident chunks, oldest first, to a fresh instance of `expert`, with their use counts from
-        the cache's frequency sketch (so the new policy does not start cold)."""
+        """Hand the resident chunks to a fresh instance of `expert`. When its shadow samples every key (so it is
+        that policy run on this tier's references), in the shadow's own order and state, the chunks the shadow
+        does not hold first to go; else oldest first with their use counts from the cache's frequency sketch.
+        Either way the new policy does not start cold, and nothing is moved."""
         self.leader = expert
         self.switches += 1
         self.real = self.experts[expert](self.capacity)
         self._admits = type(self.real).admit is not TierPolicy.admit
+        shadow = self.shadows[expert]
+        if self.threshold > _MASK and shadow.capacity == self.capacity:
+            self.real.assume(shadow, list(self.recency))  # type: ignore[attr-defined]
+            return
         counts = self.sketch.counts if self.sketch is not None else {}
         self.real.adopt(list(self.recency), counts)  # type: ignore[attr-defined]
 

@@ -118,6 +118,24 @@ class ARCTier(TierPolicy):
         for key in keys:
             (self.t2 if counts.get(key, 0) >= 2 else self.t1)[key] = None
 
+    def assume(self, shadow: ARCTier, resident: list[Key]) -> None:
+        """Take over `resident` (oldest first) in the lists `shadow`, an ARC cache of this size fed the same
+        references, keeps them in, with its ghosts and its target `p`; the chunks it does not hold (it would
+        have evicted them) go to T1's LRU end, the first that T1 gives up."""
+        for key in resident:
+            if key not in shadow.t1 and key not in shadow.t2:
+                self.t1[key] = None
+        wanted = set(resident)
+        for lists in ((shadow.t1, self.t1), (shadow.t2, self.t2)):
+            for key in lists[0]:
+                if key in wanted:
+                    lists[1][key] = None
+        for lists in ((shadow.b1, self.b1), (shadow.b2, self.b2)):
+            for key in lists[0]:
+                if key not in wanted:
+                    lists[1][key] = None
+        self.p = shadow.p
+
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)
 

@@ -156,6 +156,28 @@ class LFUTier(TierPolicy):
                 self._unset(key)
             self._set(key, max(1, counts.get(key, 1)))
 
+    def assume(self, shadow: LFUTier, resident: list[Key]) -> None:
+        """Take over `resident` (oldest first) with the counts and priorities `shadow`, an LFU-DA cache of this
+        size fed the same references, gives them, and its age; the chunks it does not hold (it would have
+        evicted them) get no uses and the lowest priority (the age), so they leave first."""
+        self.age = shadow.age
+        for key in resident:
+            if key not in shadow._count:
+                self._set(key, 0)
+        wanted = set(resident)
+        for p in sorted(shadow._groups):
+            group = None
+            for key in shadow._groups[p]:
+                if key in wanted:
+                    if group is None:
+                        group = self._groups.get(p)
+                        if group is None:
+                            group = self._groups[p] = OrderedDict()
+                            heapq.heappush(self._heap, p)
+                    group[key] = None
+                    self._count[key] = shadow._count[key]
+                    self._prio[key] = p
+
     def __len__(self) -> int:
         return len(self._count)
 

@@ -53,6 +53,18 @@ class LRUTier(TierPolicy):
         for key in keys:
             self._order[key] = None
 
+    def assume(self, shadow: LRUTier, resident: list[Key]) -> None:
+        """Take over `resident` (oldest first) in the order `shadow`, an LRU cache of this size fed the same
+        references, keeps them; the chunks it does not hold (it would have evicted them) go first."""
+        held = shadow._order
+        for key in resident:
+            if key not in held:
+                self._order[key] = None
+        wanted = set(resident)
+        for key in held:
+            if key in wanted:
+                self._order[key] = None
+
     def __len__(self) -> int:
         return len(self._order)
 

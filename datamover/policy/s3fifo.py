@@ -127,6 +127,25 @@ class S3FIFOTier(TierPolicy):
             self.main[key] = None
             self.freq[key] = min(MAX_FREQ, max(0, counts.get(key, 0) - 1))
 
+    def assume(self, shadow: S3FIFOTier, resident: list[Key]) -> None:
+        """Take over `resident` (oldest first) in the queues and with the use counts that `shadow`, an S3-FIFO
+        cache of this size fed the same references, gives them; the chunks it does not hold (it would have
+        evicted them) go to the tail of the small queue with no uses, so they leave first. Its ghosts come too."""
+        held = shadow.freq
+        for key in resident:
+            if key not in held:
+                self.small[key] = None
+                self.freq[key] = 0
+        wanted = set(resident)
+        for queue, mine in ((shadow.small, self.small), (shadow.main, self.main)):
+            for key in queue:
+                if key in wanted:
+                    mine[key] = None
+                    self.freq[key] = held[key]
+        for key in shadow.ghost:
+            if key not in wanted:
+                self.ghost[key] = None
+
     def __len__(self) -> int:
         return len(self.freq)
 

@@ -237,6 +237,23 @@ class WTinyLFUTier(TierPolicy):
         for key in keys[cut:]:
             self.window[key] = None
 
+    def assume(self, shadow: WTinyLFUTier, resident: list[Key]) -> None:
+        """Take over `resident` (oldest first) in the segments and order `shadow`, a W-TinyLFU cache of this
+        size fed the same references, keeps them in; the chunks it does not hold (it would have evicted them)
+        go to probation's LRU end, so they are the main region's first victims."""
+        for key in resident:
+            if key not in shadow.window and key not in shadow.probation and key not in shadow.protected:
+                self.probation[key] = None
+        wanted = set(resident)
+        for theirs, mine in (
+            (shadow.probation, self.probation),
+            (shadow.protected, self.protected),
+            (shadow.window, self.window),
+        ):
+            for key in theirs:
+                if key in wanted:
+                    mine[key] = None
+
     def __len__(self) -> int:
         return len(self.window) + len(self.probation) + len(self.protected)
 

@@ -154,3 +154,39 @@ def test_when_the_nixl_peer_must_progress() -> None:
     assert not needs_progress(NixlSettings(ucx_tls="self,sm,tcp"))
     assert needs_progress(NixlSettings(ucx_tls="self,sm,tcp", ucx_err_mode="peer"))
     assert needs_progress(NixlSettings(ucx_tls="^cma"))
+
+
+@needs_nixl
+def test_a_process_that_made_a_nixl_ucx_agent_exits_cleanly() -> None:
+    """NIXL's bundled libnl crashed such a process in its exit handler (SIGSEGV, 139) when RDMA modules loaded."""
+    import subprocess
+    import sys
+
+    code = (
+        "from datamover.bench.nixl_api import NixlSettings, make_agent, ucx_params\n"
+        "s = NixlSettings(ucx_tls='tcp,self')\n"
+        "make_agent('exit-probe', s, {'UCX': ucx_params(s)})\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_rdma_modules_are_left_out_only_without_a_device_and_without_the_callers_choice(monkeypatch) -> None:
+    import datamover.bench.nixl_api as nixl_mod
+
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    monkeypatch.setattr(nixl_mod, "rdma_devices", lambda: [])
+    with nixl_mod.ucx_modules_for_this_host():
+        assert os.environ["UCX_MODULES"] == "^ib,rdmacm"
+    assert "UCX_MODULES" not in os.environ
+    assert nixl_mod.ucx_modules() == "^ib,rdmacm"
+    monkeypatch.setattr(nixl_mod, "rdma_devices", lambda: ["mlx5_0"])
+    with nixl_mod.ucx_modules_for_this_host():
+        assert "UCX_MODULES" not in os.environ
+    assert nixl_mod.ucx_modules() == "all"
+    monkeypatch.setenv("UCX_MODULES", "^cuda")
+    monkeypatch.setattr(nixl_mod, "rdma_devices", lambda: [])
+    with nixl_mod.ucx_modules_for_this_host():
+        assert os.environ["UCX_MODULES"] == "^cuda"
+    assert nixl_mod.ucx_modules() == "^cuda"

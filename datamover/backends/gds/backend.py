@@ -4,7 +4,10 @@ A registered file is opened once, as a ``kvikio.CuFile``, at registration.
 ``post`` hands the request to a few worker threads; each issues
 ``CuFile.pread``/``pwrite`` per coalesced row (kvikio splits a row into
 ``task_size`` tasks on its own thread pool) and waits on the returned
-``IOFuture`` objects, keeping at most ``inflight`` of them outstanding.
+``IOFuture`` objects, keeping at most ``inflight`` of them outstanding. A
+READ's completion is a ``ReadFence`` entered by each worker for all it issues:
+kvikio's threads write into the caller's memory until its futures are waited
+on, so ERR and ``release`` come only after that, and nothing is issued after.
 kvikio's thread count, task size and compat mode come from this backend's
 parameters. kvikio is imported on first use, never at ``import datamover``.
 """
@@ -29,6 +32,7 @@ from ...errors import InvalidParameter, TransferIOError
 from ...units import parse_size
 from ..base import Backend, BackendHost, Completion, TransferRequest, run_parts, split_by_bytes
 from ..cuda.backend import driver_missing
+from ..fence import ReadFence
 
 log = logging.getLogger("datamover.gds")
 
@@ -247,9 +251,22 @@ class GdsBackend(Backend):
         def work(a: int, b: int, completion: Completion) -> None:
             self._run(req, a, b, write, completion)
 
-        return run_parts(self._pool, req.plan.ranges, work, backend=self.name)
+        kind = Completion if write else ReadFence
+        return run_parts(self._pool, req.plan.ranges, work, backend=self.name, completion_type=kind)
 
     def _run(self, req: TransferRequest, first: int, last: int, write: bool, completion: Completion) -> None:
+        fence = completion if type(completion) is ReadFence else None
+        if fence is None:
+            return self._issue(req, first, last, write, completion)
+        if not fence.enter():
+            return None
+        try:
+            return self._issue(req, first, last, write, completion)
+        finally:
+            fence.leave()  # every future this part issued was waited on
+
+    def _issue(self, req: TransferRequest, first: int, last: int, write: bool, completion: Completion) -> None:
+        """Rows [first, last) as kvikio calls, ``inflight`` at a time; returns once every one issued has ended."""
         rows, bufs, sizes, offsets, files = req.plan.rows
         task_size = self.params["task_size"]
         inflight = int(self.params["inflight"])

@@ -6,14 +6,16 @@ coalesced run is one numpy copy between views of the two regions; everything
 else is a ``ctypes.memmove`` per coalesced run (one foreign call per
 run). All copy with the GIL released. A one-part request of at most
 ``inline_bytes`` is copied inside ``post()``, on the caller's thread; larger
-requests are split by bytes across threads.
+requests are split by bytes across threads, and their completion is a
+``ReadFence`` (both sides are the caller's memory): each piece of a copy is
+fenced, so ERR and ``release`` come only once no copy is writing.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -35,8 +37,10 @@ from ..base import (
     run_parts,
     split_by_bytes,
 )
+from ..fence import ReadFence
 
 _memmove = ctypes.memmove
+_copyto = np.copyto
 
 
 @dataclass(eq=False)
@@ -83,6 +87,8 @@ class MemcpyBackend(Backend):
         "gather_max_block": 64 << 10,
         # the gather path works in chunks of this many bytes (bounds its temporary memory)
         "gather_chunk_bytes": 8 << 20,
+        # a one-run copy on the pool goes in pieces of this many bytes: a cancel stops it at the next piece
+        "row_piece_bytes": 64 << 20,
     }
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
@@ -216,12 +222,24 @@ class MemcpyBackend(Backend):
         if p.inline:
             # one small part: copy it here, and post() returns DONE without waking a thread
             return run_inline(p.ranges, work, p, backend=self.name)
-        return run_parts(self._pool, p.ranges, partial(work, p), backend=self.name)
+        # the copies write into the caller's memory: once cancelled (timed out, released) the fence waits for
+        # the piece being copied, and no later one starts
+        return run_parts(self._pool, p.ranges, partial(work, p), backend=self.name, completion_type=ReadFence)
 
-    @staticmethod
-    def _row(p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
+    def _row(self, p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
         dst, src = p.row
-        dst[...] = src
+        enter, leave = _gate(completion)
+        step = max(1, int(self.params["row_piece_bytes"]))
+        pieces = range(0, max(1, dst.shape[0]), step)
+        if dst.ctypes.data > src.ctypes.data:
+            pieces = reversed(pieces)  # as memmove: a destination overlapping the source's tail is copied from the back
+        for a in pieces:
+            if not enter():
+                return
+            try:
+                _copyto(dst[a : a + step], src[a : a + step])
+            finally:
+                leave()
 
     def _gather(self, p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
         """Equal blocks in one numpy call per chunk; a contiguous side is used in place (no temporary)."""
@@ -229,33 +247,52 @@ class MemcpyBackend(Backend):
         sarr, darr, srows, drows = p.views
         src_off, dst_off = p.src_off, p.dst_off
         step = max(1, int(self.params["gather_chunk_bytes"]) // block)
+        enter, leave = _gate(completion)
         for a in range(start, stop, step):
-            if completion.cancelled:
+            if not enter():
                 return
             b = min(stop, a + step)
-            if p.src_run:
-                s0 = int(src_off[a])
-                drows[dst_off[a:b]] = sarr[s0 : s0 + (b - a) * block].reshape(b - a, block)
-            elif p.dst_run:
-                # np.take would first copy the whole overlapping strided source; fancy indexing gathers
-                # only the rows asked for, into a temporary of at most gather_chunk_bytes
-                d0 = int(dst_off[a])
-                darr[d0 : d0 + (b - a) * block].reshape(b - a, block)[...] = srows[src_off[a:b]]
-            else:
-                drows[dst_off[a:b]] = srows[src_off[a:b]]
+            try:
+                if p.src_run:
+                    s0 = int(src_off[a])
+                    drows[dst_off[a:b]] = sarr[s0 : s0 + (b - a) * block].reshape(b - a, block)
+                elif p.dst_run:
+                    # np.take would first copy the whole overlapping strided source; fancy indexing gathers
+                    # only the rows asked for, into a temporary of at most gather_chunk_bytes
+                    d0 = int(dst_off[a])
+                    darr[d0 : d0 + (b - a) * block].reshape(b - a, block)[...] = srows[src_off[a:b]]
+                else:
+                    drows[dst_off[a:b]] = srows[src_off[a:b]]
+            finally:
+                leave()
 
     @staticmethod
     def _memmove(p: MemcpyPlan, start: int, stop: int, completion: Completion) -> None:
         src, dst, ln = p.src, p.dst, p.len
         step = 64
+        enter, leave = _gate(completion)
         for base in range(start, stop, step):
-            if completion.cancelled:
+            if not enter():
                 return
-            for i in range(base, min(base + step, stop)):
-                _memmove(dst[i], src[i], ln[i])
+            try:
+                for i in range(base, min(base + step, stop)):
+                    _memmove(dst[i], src[i], ln[i])
+            finally:
+                leave()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _gate(completion: Completion) -> tuple[Callable[[], bool], Callable[[], None]]:
+    """``enter``/``leave`` around each piece of a copy: the fence's on the pool, a cancel check inline."""
+    if type(completion) is ReadFence:
+        return completion.enter, completion.leave
+    return (lambda: not completion.cancelled), _nothing
 
 
 def _is_run(descs: DescList) -> bool:

@@ -105,13 +105,21 @@ class _AioReap:
     wins saves waiting for the pool thread's wake-up. A caller arriving after
     the request's timeout leaves it to the pool, so that its wait times out
     rather than blocking until the I/O is done.
+
+    A READ's completion is a ``ReadFence`` entered from its first io_submit (in ``post``) until every I/O
+    submitted is reaped: the kernel writes into the caller's memory until then, so ``cancel`` (ERR, release)
+    returns only after that, and nothing is submitted once it is cancelled.
     """
 
     __slots__ = ("backend", "claim", "completion", "deadline", "p", "req", "run", "write")
 
     def __init__(self, backend: PosixBackend, req, p, run: AioRun, write: bool) -> None:
         self.backend, self.req, self.p, self.run, self.write = backend, req, p, run, write
-        self.completion = Completion(1)
+        if write:
+            self.completion = Completion(1)
+        else:
+            self.completion = ReadFence(1)
+            self.completion.enter()  # a fresh fence: cannot be cancelled before post() returns it
         self.claim = _thread.allocate_lock()
         self.deadline = req.deadline
 
@@ -137,6 +145,8 @@ class _AioReap:
             finally:
                 if not run.ctx._lock.locked():  # a context still busy (finish never ran) is not handed out again
                     backend._aio_free.put(run.ctx)
+                if not self.write and not run.inflight:  # an I/O never reaped keeps the fence shut (cancel warns)
+                    completion.leave()
             if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
                 backend._aio_done(self.req, self.p, self.run, self.write, 0, 1, completion)
         except BaseException as exc:
@@ -381,7 +391,7 @@ class PosixBackend(Backend):
                 try:
                     os.fdatasync(h.fd)
                 except OSError as exc:
-                    raise self._error(req, 0, h, exc, write) from exc
+                    raise self._sync_error(req, p, h, exc) from exc
 
     # -- execution -----------------------------------------------------------
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
@@ -404,7 +414,7 @@ class PosixBackend(Backend):
                 try:
                     os.fdatasync(fd)
                 except OSError as exc:
-                    raise self._error(req, first, p.handles[fd], exc, write) from exc
+                    raise self._sync_error(req, p, p.handles[fd], exc) from exc
 
     def _run_group(self, req, p, g: int, write: bool) -> int:
         """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
@@ -532,6 +542,16 @@ class PosixBackend(Backend):
             f"{what} on {h.path!r} failed: {exc.strerror or exc}",
             errno=exc.errno,
             index=req.caller_index(row) if views is None else _index_at(req, row, views, moved),
+            backend=self.name,
+        )
+
+    def _sync_error(self, req, p, h: FileHandle, exc: OSError) -> TransferIOError:
+        """fdatasync does not say which block it lost: name the first of the caller's descriptors in that file."""
+        return TransferIOError(
+            f"fdatasync of {h.path!r} failed after this WRITE wrote it: {exc.strerror or exc}; what it wrote there"
+            " may not be on the disk",
+            errno=exc.errno,
+            index=req.caller_index(p.fds.index(h.fd)),
             backend=self.name,
         )
 

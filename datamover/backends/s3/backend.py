@@ -65,6 +65,7 @@ from ...errors import (
 )
 from ...units import MiB
 from ..base import Backend, BackendHost, Completion, TransferRequest, refuse_offset_writes, typed_error
+from ..fence import ReadFence
 
 log = logging.getLogger("datamover.s3")
 
@@ -332,7 +333,9 @@ class S3Backend(Backend):
         p = req.plan
         tasks = p.tasks
         runners = min(int(self.params["concurrency"]), len(tasks))
-        completion = Completion(runners)
+        # a READ's runners write into the caller's memory (GET bodies, zeroing what was not verified): each is inside
+        # the fence for its whole life, so ERR and release() come once every runner stopped (up to 10 s)
+        completion = Completion(runners) if req.op == "WRITE" else ReadFence(runners)
         if not runners:
             return completion
         run = _Run(req, self, completion, runners)
@@ -383,13 +386,16 @@ class S3Backend(Backend):
             kw["ChecksumCRC32C"] = crc
         self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
 
-    def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray) -> dict:
+    def get(
+        self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray, stop: Any = lambda: False
+    ) -> dict:
         """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response facts we need.
 
         A whole row at object offset 0 is asked for without a Range: when the
         object is exactly that long (the usual case) S3 then sends its own
         checksums too, and the read is verified. A longer object makes it a
         prefix read: ``count`` bytes are kept and the connection is dropped.
+        Once ``stop()`` is true (the transfer was cancelled) no more of the body reaches ``dst``.
         """
         p = req.plan
         off = p.off[row] + start
@@ -415,14 +421,16 @@ class S3Backend(Backend):
                     index=req.caller_index(row, start + got if got < count else start), backend=self.name,
                 )  # fmt: skip
             if ranged or got > count:
-                _read_into(body, dst)  # a range or a prefix: nothing to verify it against
+                _read_into(body, dst, stop=stop)  # a range or a prefix: nothing to verify it against
             elif count <= _VERIFY_BEFORE_COPY:
                 data = body.read()  # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
                 self._verify(req, row, data, resp, meta)
+                if stop():
+                    raise _Cancelled()
                 dst[:] = np.frombuffer(data, dtype=np.uint8)
             else:
                 try:
-                    crc = _read_into(body, dst, crc=True)  # CRC32C of each chunk while the next one arrives
+                    crc = _read_into(body, dst, crc=True, stop=stop)  # CRC32C of each chunk while the next arrives
                     body.read()
                     self._verify(req, row, crc, resp, meta)
                 except Exception:
@@ -495,7 +503,7 @@ class _Run:
                 submitted += 1
         except RuntimeError as exc:  # the pool is shut down: account for the runners that never started
             missing = self.active - 1 - submitted
-            self.completion.cancel(DatamoverError(f"the S3 backend is closed ({exc})", backend="s3"))
+            Completion.cancel(self.completion, DatamoverError(f"the S3 backend is closed ({exc})", backend="s3"))
             with self.lock:
                 self.active -= missing
             for _ in range(missing):
@@ -505,8 +513,10 @@ class _Run:
     def runner(self) -> None:
         tasks = self.req.plan.tasks
         c = self.completion
+        fence = c if type(c) is ReadFence else None
+        inside = fence is None or fence.join()  # False: a READ cancelled before this runner began touches nothing
         try:
-            while not c.cancelled:
+            while inside and not c.cancelled:
                 i = next(self.next)
                 if i >= len(tasks):
                     break
@@ -514,14 +524,22 @@ class _Run:
                 try:
                     self.one(row, part, start, count)
                 except BaseException as exc:
-                    c.cancel(typed_error(exc, "s3", self.req.caller_index(row)))
+                    # stops the other runners; Completion's cancel, as a fence's would wait for this runner itself
+                    Completion.cancel(c, typed_error(exc, "s3", self.req.caller_index(row)))
         finally:
             with self.lock:
                 self.active -= 1
                 last = self.active == 0
-            if last:
-                self.cleanup()
+            try:
+                if last and inside:
+                    self.cleanup()
+            finally:
+                if fence is not None and inside:
+                    fence.leave()
             c.finish_part(None)
+
+    def _stop(self) -> bool:
+        return self.completion.cancelled
 
     def view(self, row: int, start: int, count: int) -> np.ndarray:
         p = self.req.plan
@@ -539,7 +557,7 @@ class _Run:
                     raise
                 self.outcomes[row] = "committed"
             else:
-                self.b.get(self.req, row, start, count, view)
+                self.b.get(self.req, row, start, count, view, self._stop)
             return
         g = self.groups[row]
         ok = False
@@ -547,7 +565,7 @@ class _Run:
             if self.write:
                 self.upload_part(g, part, view)
             else:
-                info = self.b.get(self.req, row, start, count, view)
+                info = self.b.get(self.req, row, start, count, view, self._stop)
                 with g.lock:
                     g.etags.append(info["etag"])
                     g.meta_crc, g.total = info["crc"], info["total"]
@@ -693,13 +711,16 @@ class _Cancelled(DatamoverError):
         super().__init__("cancelled", backend="s3")
 
 
-def _read_into(body: Any, dst: np.ndarray, crc: bool = False) -> str | None:
-    """Fill ``dst`` from a response body, a chunk at a time; with ``crc``, return the CRC32C of what was read."""
+def _read_into(body: Any, dst: np.ndarray, crc: bool = False, stop: Any = lambda: False) -> str | None:
+    """Fill ``dst`` from a response body, a chunk at a time, until ``stop()``; with ``crc``, return the CRC32C of
+    what was read."""
     import crc32c
 
     mv = memoryview(dst).cast("B")
     got, value = 0, 0
     while got < mv.nbytes:
+        if stop():
+            raise _Cancelled()
         n = body.readinto(mv[got : got + _READ_CHUNK])
         if not n:
             raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")

@@ -16,7 +16,10 @@ own. Addresses of another machine (another system id) or of a pid namespace
 UCX cannot reach are not attached by UCX and are left alone.
 
 Left open: a hostile process on this host can still swap its own fd between
-this check and UCX's open of it.
+this check and UCX's open of it; and once connected, UCX attaches the segment
+each of the peer's receive FIFO elements names (``elem->desc.seg_id`` when
+sending a bcopy message), which no check here sees. Shared memory trusts a
+connected local peer: README "Not covered" says how to leave it out.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from ..base import (
     TransferRequest,
 )
 from . import rma
-from .config import _DRAIN_IDLE_S, _DRAIN_WINDOW
+from .config import _DRAIN_IDLE_S, _DRAIN_WINDOW, _FENCE_S, log
 from .messages import Req
 from .protocol import FrameConn, new_nonce
 
@@ -60,17 +60,30 @@ class Fenced(Completion):
     is still in flight before the caller is told.
     """
 
-    __slots__ = ("fence",)
+    __slots__ = ("_cut", "fence")
 
     def __init__(self, parts: int = 1) -> None:
         super().__init__(parts)
         self.fence: Callable[[Fenced], None] | None = None
+        self._cut: threading.Event | None = None
 
     def cancel(self, error: BaseException | None = None) -> None:
         super().cancel(error)
-        fence, self.fence = self.fence, None
-        if fence is not None and self.finished_at is None:
-            fence(self)
+        with self._lock:
+            fence, self.fence = self.fence, None
+            if fence is not None:
+                self._cut = threading.Event()
+            cut = self._cut
+        if fence is None:
+            # another thread is running the fence: return (and let the caller report ERR) only once it has
+            if cut is not None and not cut.wait(2 * _FENCE_S):
+                log.warning("a cancelled request's fence, run by another thread, did not end within %g s", 2 * _FENCE_S)
+            return
+        try:
+            if self.finished_at is None:
+                fence(self)
+        finally:
+            cut.set()
 
 
 class Requests:

@@ -1,9 +1,9 @@
-"""posix READs that time out or are released while a preadv is in flight: what the destination holds when ERR
-is seen (or ``release`` returned) is what it holds after; no byte of the READ lands later.
+"""posix READs that time out or are released while a preadv or native AIO is in flight: what the destination
+holds when ERR is seen (or ``release`` returned) is what it holds after; no byte of the READ lands later.
 
-The fault is the synchronous path's preadv held at a known point (before the kernel copies anything) until the
-test lets it go; a watcher thread polls the transfer's state until its deadline has turned it ERR. Nothing
-waits for a fixed time.
+The fault is the synchronous path's preadv, or the AIO reaper's io_submit or io_getevents, held at a known point
+(before the kernel sees it) until the test lets it go; a watcher thread polls the transfer's state until its
+deadline has turned it ERR. Nothing waits for a fixed time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, XferState, aligned_empty
+from datamover.backends.posix.aio import aio_available
 from datamover.errors import TransferTimeout
 
 B = 4096
@@ -88,3 +89,154 @@ def test_a_read_cut_short_mid_preadv_lands_nothing_after_err(tmp_path, monkeypat
             XferState.DONE
         )
         assert np.array_equal(mem, data)
+
+
+class _HeldAio:
+    """libc for ``aio``: counts the I/Os in flight (submitted, not yet reaped) and holds the ``nth`` call of
+    syscall ``nr`` (io_submit or io_getevents) before the kernel sees it, until the test lets it go."""
+
+    def __init__(self, real, nr: int, nth: int) -> None:
+        self.real, self.nr, self.nth = real, nr, nth
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.submits_after_err = 0
+        self.err_seen = False
+        self.reached, self.go, self.returned = threading.Event(), threading.Event(), threading.Event()
+
+    def syscall(self, nr, *args):
+        from datamover.backends.posix import aio
+
+        hold = False
+        if nr == self.nr:
+            with self.lock:
+                self.calls += 1
+                hold = self.calls == self.nth
+        if hold:
+            self.reached.set()
+            assert self.go.wait(60), "the test never let the held syscall go"
+        ret = self.real.syscall(nr, *args)
+        with self.lock:
+            if nr == aio._NR_SUBMIT and ret > 0:
+                self.in_flight += ret
+                self.submits_after_err += self.err_seen
+            elif nr == aio._NR_GETEVENTS and ret > 0:
+                self.in_flight -= ret
+        if hold:
+            self.returned.set()
+        return ret
+
+
+@pytest.mark.skipif(not aio_available()[0], reason="native AIO unavailable here")
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("held", ["io_submit", "io_getevents"])
+def test_an_aio_read_cut_short_is_reaped_before_err(tmp_path, monkeypatch, end, held):
+    """Two of the READ's eight I/Os go out in post(); the reaper's next io_submit (a top-up, past its check for
+    a cancel) or its first io_getevents (both I/Os in flight) is held while the deadline passes or ``release``
+    runs. ERR is seen only once every I/O submitted was reaped, none is submitted after, and the destination
+    at ERR is what it holds once everything settled."""
+    from datamover.backends.posix import aio
+
+    params = {"aio_depth": 2, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(N * B)
+        agent.register_memory(mem)
+        path = tmp_path / "f.bin"
+        data = np.random.default_rng(4).integers(0, 256, 2 * N * B, dtype=np.uint8)
+        path.write_bytes(data.tobytes())
+        reg = agent.register_file(path, size=2 * N * B)
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)  # gaps between rows: eight I/Os, not one
+        mem[:] = 0xAA
+        nr = aio._NR_SUBMIT if held == "io_submit" else aio._NR_GETEVENTS
+        libc = _HeldAio(aio._libc, nr, 2 if held == "io_submit" else 1)  # io_submit 1 runs in post()
+        monkeypatch.setattr(aio, "_libc", libc)
+        xfer = agent.transfer("READ", DescList.blocks(mem, B), slots, timeout=0.5)
+        assert xfer.request.plan.aio is not None and not xfer.request.plan.inline
+        assert libc.reached.wait(60), f"the READ's reaper never reached {held}"
+        seen: dict = {}
+
+        def cut() -> None:
+            if end == "timeout":
+                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+            else:
+                xfer.release()
+            with libc.lock:
+                libc.err_seen = True
+                seen["in flight"] = libc.in_flight
+            seen["at ERR"] = mem.tobytes()
+
+        watcher = threading.Thread(target=cut)
+        watcher.start()
+        fencing = getattr(xfer._completion, "fencing", None)
+        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
+        libc.go.set()
+        watcher.join(60)
+        assert libc.returned.wait(60), f"the held {held} never returned"
+        assert xfer._completion.wait(60), "the reaper never finished"
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        after = mem.tobytes()
+        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
+        assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
+        assert seen["in flight"] == 0, f"ERR was reported with {seen['in flight']} I/O(s) of the READ in flight"
+        assert libc.submits_after_err == 0, "an I/O of the READ was submitted after ERR"
+        monkeypatch.undo()
+        mem[:] = 0
+        assert agent.transfer("READ", DescList.blocks(mem, B), slots).wait() == XferState.DONE
+        assert np.array_equal(mem.reshape(N, B), data.reshape(N, 2, B)[:, 0])
+
+
+def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, monkeypatch):
+    """Thread A's poll turns the READ ERR and waits on the fence for the held preadv; thread B polls meanwhile.
+    B must not see ERR before A's fence is done: the destination B sees at ERR is what it holds after."""
+    params = {"aio": False, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(N * B)
+        agent.register_memory(mem)
+        path = tmp_path / "f.bin"
+        path.write_bytes(np.random.default_rng(5).integers(0, 256, N * B, dtype=np.uint8).tobytes())
+        reg = agent.register_file(path, size=N * B, direct=False)
+        mem[:] = 0xAA
+        reached, go = threading.Event(), threading.Event()
+        real = os.preadv
+        armed = [True]
+
+        def held(fd, views, offset):
+            hold, armed[0] = armed[0], False
+            if hold:
+                reached.set()
+                assert go.wait(60), "the test never let the preadv go"
+            return real(fd, views, offset)
+
+        monkeypatch.setattr(os, "preadv", held)
+        xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
+        assert reached.wait(60), "the READ never reached preadv"
+        fence = xfer._completion
+        waits = [0]
+        real_wait_for = fence._idle.wait_for
+
+        def counted(pred, timeout=None):
+            waits[0] += 1  # called with the condition's lock held
+            return real_wait_for(pred, timeout)
+
+        fence._idle.wait_for = counted  # a known point: a thread waiting on the fence
+        seen: dict[str, bytes] = {}
+
+        def poll(who: str) -> None:
+            until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+            seen[who] = mem.tobytes()
+
+        a = threading.Thread(target=poll, args=("A",))
+        a.start()
+        until(lambda: waits[0] >= 1, what="A waiting on the fence")
+        b = threading.Thread(target=poll, args=("B",))
+        b.start()
+        until(lambda: waits[0] >= 2 or not b.is_alive(), what="B waiting on the fence, or B seeing ERR")
+        go.set()
+        a.join(60)
+        b.join(60)
+        assert fence.wait(60)
+        after = mem.tobytes()
+        for who in "AB":
+            changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen[who], np.uint8)))
+            assert changed == 0, f"{changed} bytes of the READ landed after thread {who} saw ERR"

@@ -1,0 +1,88 @@
+"""gds READs (simulated kvikio) that time out or are released while a kvikio read is in flight: what the
+destination holds when ERR is seen (or ``release`` returned) is what it holds after; no byte lands later.
+
+The fault is the first read on kvikio's (simulated) thread pool held before it copies anything, until the test
+lets it go; a watcher thread polls the transfer's state until its deadline has turned it ERR. Nothing waits for a
+fixed time. On a GPU the same fence holds around real ``IOFuture`` objects; this checks the control flow.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from datamover import Agent, DescList, XferState
+from datamover.errors import TransferTimeout
+from datamover.testing import HostBuffer, kvikio_sim
+
+B = 4096
+N = 8
+
+
+def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout:g} s")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+def test_a_gds_read_cut_short_lands_nothing_after_err(tmp_path, monkeypatch, end):
+    kvikio_sim.install(monkeypatch)
+    with Agent("g", {"backends": {"gds": {"inflight": 3, "workers": 1}}}) as agent:
+        path = tmp_path / "f.bin"
+        data = np.random.default_rng(7).integers(0, 256, 2 * N * B, dtype=np.uint8)
+        path.write_bytes(data.tobytes())
+        reg = agent.register_file(path, size=2 * N * B)
+        mem = HostBuffer(agent, N * B)
+        mem.array[:] = 0xAA
+        local = mem.descs(np.arange(N) * B, np.full(N, B))
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)  # gaps: N kvikio reads, not one
+        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
+        real = os.preadv
+        armed = [True]
+
+        def held(fd, views, offset):
+            hold, armed[0] = armed[0], False
+            if hold:
+                reached.set()
+                assert go.wait(60), "the test never let the read go"
+            try:
+                return real(fd, views, offset)
+            finally:
+                if hold:
+                    returned.set()
+
+        monkeypatch.setattr(os, "preadv", held)
+        xfer = agent.transfer("READ", local, slots, timeout=0.5)
+        assert reached.wait(60), "the READ never reached kvikio"
+        seen: dict[str, bytes] = {}
+
+        def cut() -> None:
+            if end == "timeout":
+                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+            else:
+                xfer.release()
+            seen["at ERR"] = mem.array.tobytes()
+
+        watcher = threading.Thread(target=cut)
+        watcher.start()
+        fencing = getattr(xfer._completion, "fencing", None)
+        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
+        go.set()
+        watcher.join(60)
+        assert returned.wait(60), "the held read never returned"
+        assert xfer._completion.wait(60), "the READ's worker never finished"
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        after = mem.array.tobytes()
+        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
+        assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
+        monkeypatch.setattr(os, "preadv", real)
+        assert agent.transfer("READ", local, slots).wait() == XferState.DONE
+        assert np.array_equal(mem.array.reshape(N, B), data.reshape(N, 2, B)[:, 0])

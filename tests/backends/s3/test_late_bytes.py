@@ -1,0 +1,104 @@
+"""s3 READs that time out or are released while a GET body is being read into the caller's memory: what the
+destination holds when ERR is seen (or ``release`` returned) is what it holds after; no byte lands later.
+
+The fault is the first read of the response body (``readinto`` of a streamed GET, or ``read`` of a small one
+copied after it is verified) held at a known point until the test lets it go; a watcher thread polls the
+transfer's state until its deadline has turned it ERR. Nothing waits for a fixed time. moto_server on loopback.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from botocore import httpchecksum, response
+
+from datamover import Agent, DescList, XferState
+from datamover.errors import TransferTimeout
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.s3server import S3Server
+
+MiB = 1 << 20
+SIZES = {"streamed": 3 * MiB, "small": 64 << 10}  # above and below the backend's verify-before-copy size
+
+
+@pytest.fixture(scope="module")
+def server():
+    ok, reason = S3Server.available()
+    if not ok:
+        pytest.skip(reason)
+    with S3Server(bucket="late") as srv:
+        yield srv
+
+
+def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not hold within {timeout:g} s")
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("size", list(SIZES))
+def test_an_s3_read_cut_short_lands_nothing_after_err(server, monkeypatch, size, end):
+    n = SIZES[size]
+    key = f"late/{size}-{end}"
+    data = random_bytes(n, 11)
+    server.client().put_object(Bucket=server.bucket, Key=key, Body=data)
+    cfg = server.config(max_attempts=1, concurrency=2, part_size=64 * MiB, multipart_threshold=64 * MiB)
+    with Agent("s3-late", {"backends": {"s3": cfg}}) as agent:
+        buf = HostBuffer(agent, n)
+        buf.array[:] = 0xAA
+        reg = agent.register_objects(server.bucket, keys=[key])
+        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
+        armed = [True]
+
+        def holding(real):
+            def held(self, *args, **kwargs):
+                hold, armed[0] = armed[0], False
+                if hold:
+                    reached.set()
+                    assert go.wait(60), "the test never let the body read go"
+                try:
+                    return real(self, *args, **kwargs)
+                finally:
+                    if hold:
+                        returned.set()
+
+            return held
+
+        name = "readinto" if size == "streamed" else "read"
+        for cls in (response.StreamingBody, httpchecksum.StreamingChecksumBody):
+            if name in vars(cls):
+                monkeypatch.setattr(cls, name, holding(vars(cls)[name]))
+        objs = DescList.objects(reg, [n], 0, keys=[key])
+        xfer = agent.transfer("READ", buf.descs([0], [n]), objs, backends="s3", timeout=0.5)
+        assert reached.wait(60), "the GET never reached its body"
+        seen: dict[str, bytes] = {}
+
+        def cut() -> None:
+            if end == "timeout":
+                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+            else:
+                xfer.release()
+            seen["at ERR"] = buf.array.tobytes()
+
+        watcher = threading.Thread(target=cut)
+        watcher.start()
+        fencing = getattr(xfer._completion, "fencing", None)
+        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
+        go.set()
+        watcher.join(60)
+        assert returned.wait(60), "the held body read never returned"
+        assert xfer._completion.wait(60), "the READ's runners never finished"
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        after = buf.array.tobytes()
+        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
+        assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
+        monkeypatch.undo()
+        assert agent.transfer("READ", buf.descs([0], [n]), objs, backends="s3").wait() == XferState.DONE
+        assert buf.array.tobytes() == data
