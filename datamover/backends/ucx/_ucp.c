@@ -66,6 +66,14 @@ typedef struct {
     uint64_t laddr, length, raddr, rkey, param; /* param: a ucp_request_param_t* for nbx (device rows), or 0 */
 } row_t;
 
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
 static double monotonic_s(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of Python's time.monotonic() on Linux */
@@ -271,8 +279,8 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
  * released throughout. */
 static PyObject *flush_drive(FlushObject *f, PyObject *args) {
     unsigned long long worker_ull;
-    double deadline, spin_s = 50e-6;
-    if (!PyArg_ParseTuple(args, "Kd|d", &worker_ull, &deadline, &spin_s)) return NULL;
+    double deadline, spin_s = 50e-6, pause_s = 0.0;
+    if (!PyArg_ParseTuple(args, "Kd|dd", &worker_ull, &deadline, &spin_s, &pause_s)) return NULL;
     void *worker = (void *)(uintptr_t)worker_ull;
     int st, efd = -1;
     Py_BEGIN_ALLOW_THREADS
@@ -291,7 +299,16 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
             last = now;
             continue;
         }
-        if (efd < 0 || now - last < spin_s) continue;
+        if (efd < 0 || now - last < spin_s) {
+            /* nothing to do yet: wait pause_s before asking UCX again, on the CPU (no syscall), so that each
+             * progress (an epoll_wait on UCX's sockets) finds more work and the polling does not contend with
+             * the kernel delivering the peer's data into those sockets */
+            if (pause_s > 0.0) {
+                double until = now + pause_s;
+                while (monotonic_s() < until) cpu_relax();
+            }
+            continue;
+        }
         if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
         pthread_mutex_lock(&f->lock);
         st = flush_check_locked(f);
@@ -314,8 +331,9 @@ static PyMethodDef flush_methods[] = {
     {"unhold", (PyCFunction)flush_unhold, METH_NOARGS,
      "Give the worker back to the progress thread now (the flush ends under it): nobody drives this request."},
     {"drive", (PyCFunction)flush_drive, METH_VARARGS,
-     "drive(worker_handle, deadline, spin_s=50e-6): progress the worker until the flush ends or the monotonic "
-     "deadline passes, sleeping on UCX's event fd after spin_s without progress."},
+     "drive(worker_handle, deadline, spin_s=50e-6, pause_s=0): progress the worker until the flush ends or the "
+     "monotonic deadline passes, sleeping on UCX's event fd after spin_s without progress, and waiting pause_s on "
+     "the CPU after each progress that found nothing."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -442,8 +460,10 @@ static void *progress_main(void *arg) {
                 continue;
             }
         } else {
-            double idle_since = 0.0;
+            double idle_since = 0.0, spin_s, poll_s;
             int did = 0;
+            __atomic_load(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
+            __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
             for (;;) { /* progress while there is work, and spin a little after work (only after work) */
                 unsigned k = 0;
                 while (ucp.progress(p->worker)) k++;
@@ -452,15 +472,15 @@ static void *progress_main(void *arg) {
                     p->progressed += k;
                     idle_since = monotonic_s();
                     notify_fd(__atomic_load_n(&p->notify, __ATOMIC_RELAXED));
-                } else if (!did || p->quit || monotonic_s() - idle_since >= p->spin_s || is_held(p)) {
+                } else if (!did || p->quit || monotonic_s() - idle_since >= spin_s || is_held(p)) {
                     break;
                 }
             }
             if (did) p->bursts++;
             if (is_held(p)) continue;
-            if (did && p->poll_s > 0.0 && !p->quit) {
+            if (did && poll_s > 0.0 && !p->quit) {
                 /* traffic is flowing: look again after poll_s instead of being woken by each arrival */
-                struct timespec ts = {(time_t)p->poll_s, (long)((p->poll_s - (double)(time_t)p->poll_s) * 1e9)};
+                struct timespec ts = {(time_t)poll_s, (long)((poll_s - (double)(time_t)poll_s) * 1e9)};
                 nanosleep(&ts, NULL);
                 p->polls++;
                 continue;
@@ -576,6 +596,20 @@ static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* tune(spin_s, poll_s): the thread's spin after work and its timer poll, from its next burst on (each is read
+ * once per burst: a word-sized store another thread sees whole) */
+static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
+    double spin_s, poll_s;
+    if (!PyArg_ParseTuple(args, "dd", &spin_s, &poll_s)) return NULL;
+    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0 && spin_s <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s and poll_s must be in [0, 1] seconds");
+        return NULL;
+    }
+    __atomic_store(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
+    __atomic_store(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
 static PyObject *progress_hold(ProgressObject *p, PyObject *unused) {
     progress_hold_c(p);
     Py_RETURN_NONE;
@@ -616,6 +650,8 @@ static PyMethodDef progress_methods[] = {
     {"kick", (PyCFunction)progress_kick, METH_NOARGS,
      "Wake the thread to progress now: operations posted from another thread raise no UCX event."},
     {"release", (PyCFunction)progress_release, METH_NOARGS, "End a hold(); the last one wakes the thread."},
+    {"tune", (PyCFunction)progress_tune, METH_VARARGS,
+     "tune(spin_s, poll_s): how long the thread spins after work, and its timer poll after work (0: off)."},
     {"set_notify", (PyCFunction)progress_set_notify, METH_VARARGS,
      "set_notify(fd): write to fd after progress that did work (-1: nobody to tell)."},
     {NULL, NULL, 0, NULL},

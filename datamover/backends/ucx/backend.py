@@ -108,11 +108,15 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
-        poll_us = self.params["progress_poll_us"]
-        if isinstance(poll_us, bool) or not isinstance(poll_us, (int, float)) or not 0 <= poll_us <= 1_000_000:
-            raise InvalidParameter(
-                f"progress_poll_us must be a number of microseconds in [0, 1000000], got {poll_us!r}", backend=self.name
-            )
+        for key in (
+            "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+            "far_drive_pause_us",
+        ):  # fmt: skip
+            us = self.params[key]
+            if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:
+                raise InvalidParameter(
+                    f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=self.name
+                )
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -184,6 +188,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
+        self._serving_far_tcp = False  # an initiator on another machine was served over tcp (see _serving_far)
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         if not self._start_progress():
             self._watch_ucx(True)
@@ -241,6 +246,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "direct cma": {
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
+            "peers on other machines": {  # name -> how long its waiters poll UCX before sleeping (us)
+                name: round(self._drive_spin_s(p) * 1e6) for name, p in list(self._peers.items()) if p.elsewhere
+            },
             "control": f"{self.params['host']}:{self._port}",
             "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
             "rows served for peers": {"now": self.served_rows(), "limit": int(self.params["max_served_rows"])},
@@ -257,10 +265,15 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
     def _progress_mode(self) -> str:
         if self._progress is None:
             return "the service thread"
-        poll_us = self.params["progress_poll_us"]
-        if poll_us:
-            return f"a native thread on UCX's event fd, polling every {poll_us:g} us after work while work keeps coming"
-        return "a native thread on UCX's event fd"
+        spin_s, poll_s = self._progress_times()
+        mode = "a native thread on UCX's event fd"
+        if spin_s:
+            mode += f", spinning {spin_s * 1e6:g} us after work"
+        if poll_s:
+            mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
+        near = (float(self.params["progress_spin_us"]), float(self.params["progress_poll_us"]))
+        tuned = self._serving_far_tcp and (spin_s * 1e6, poll_s * 1e6) != near
+        return mode + (" (for peers on other machines over tcp)" if tuned else "")
 
     # -- metadata and peers ---------------------------------------------------
 

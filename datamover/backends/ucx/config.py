@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -132,8 +134,9 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
         config["TCP_PUT_ENABLE"] = "n"
     if tls_includes(tls, "tcp") and not any(k in config or f"UCX_{k}" in os.environ for k in _TCP_SEGS):
         # an emulated get (tcp has no get of its own) comes back in active messages of at most one send
-        # segment each, copied through it: 64 KiB segments instead of UCX's 8 KiB make a 64 KiB row one message
-        # instead of eight (the measured effect is in BENCHMARKS.md); the handshake checks both sides agree
+        # segment each, copied through it: 64 KiB send segments instead of UCX's 8 KiB make a 64 KiB row one
+        # message instead of eight (the measured effect is in BENCHMARKS.md); UCX receives 64 KiB segments by
+        # default, set here too so that both stay equal; the handshake checks a peer receives what we send
         config.update(dict.fromkeys(_TCP_SEGS, _TCP_SEG_SIZE))
     if "USE_MT_MUTEX" not in config and "UCX_USE_MT_MUTEX" not in os.environ:
         # the worker is shared by threads (a caller driving its request, the native progress thread, the service
@@ -146,7 +149,8 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
     return config
 
 
-UCX_TCP_SEG_DEFAULT = 8192  # UCX's own TCP_TX_SEG_SIZE and TCP_RX_SEG_SIZE
+UCX_TCP_SEG_DEFAULT = 8192  # UCX's own TCP_TX_SEG_SIZE; a peer that does not say what it receives is taken to
+UCX_TCP_RX_SEG_DEFAULT = 65536  # UCX's own TCP_RX_SEG_SIZE (src/uct/tcp/tcp_iface.c, 1.15 to 1.23)
 
 
 def tcp_segments(config: Mapping[str, str]) -> tuple[int, int]:
@@ -158,13 +162,28 @@ def tcp_segments(config: Mapping[str, str]) -> tuple[int, int]:
     if not tls_includes(config.get("TLS", os.environ.get("UCX_TLS")), "tcp"):
         return 0, 0
     out = []
-    for key in _TCP_SEGS:
+    for key, default in zip(_TCP_SEGS, (UCX_TCP_SEG_DEFAULT, UCX_TCP_RX_SEG_DEFAULT)):
         value = config.get(key, os.environ.get(f"UCX_{key}"))
         try:
-            out.append(parse_size(value) if value is not None else UCX_TCP_SEG_DEFAULT)
+            out.append(parse_size(value) if value is not None else default)
         except InvalidParameter:
-            out.append(UCX_TCP_SEG_DEFAULT)
+            out.append(default)
     return out[0], out[1]
+
+
+def peer_elsewhere(sock: socket.socket) -> bool:
+    """Whether the peer at the other end of a connected control socket runs on another machine.
+
+    The peer's address is this machine's own exactly when a socket can bind to it (loopback, or any address of
+    this network namespace; a test host has a namespace of its own, as a machine would).
+    """
+    try:
+        ip = sock.getpeername()[0]
+        with socket.socket(sock.family, socket.SOCK_STREAM) as probe:
+            probe.bind((ip, 0))
+    except OSError as exc:
+        return exc.errno == errno.EADDRNOTAVAIL  # anything else (not connected, ...): taken as this machine
+    return False
 
 
 def tls_includes(tls: str | None, transport: str, groups: frozenset[str] = frozenset()) -> bool:

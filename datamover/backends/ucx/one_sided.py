@@ -82,7 +82,7 @@ class OneSided:
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
-        spin = float(self.b.params["drive_spin_us"]) * 1e-6
+        spin, pause = self.b._drive_spin_s(direct.peer), self.b._drive_s(direct.peer, "drive_pause_us")
         direct.driven = True
         self.b._drivers.add(direct)
         native = not isinstance(direct.flush, rma.Flush)
@@ -97,7 +97,7 @@ class OneSided:
                 if native:
                     if self.b._worker is worker:
                         # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
-                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin)
+                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin, pause)
                 else:
                     while self.b._worker is worker and worker.progress_once():
                         pass

@@ -25,7 +25,7 @@ from ..base import (
     TransferRequest,
 )
 from . import cma, rma
-from .config import _MASK40, _READ_TAG, parse_rkeys
+from .config import _MASK40, _READ_TAG, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .state import OutOp, Peer
@@ -253,6 +253,7 @@ class Outbound:
             peer.epoch = next(self._epochs)
             peer.regions = regions
             peer.cma_pid, peer.cma_why = pid, why
+            peer.elsewhere = peer_elsewhere(peer.conn.sock)  # type: ignore[union-attr]
         self._ready(peer)
 
     def _ready(self, peer: Peer) -> None:

@@ -48,6 +48,17 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "progress_poll_us": 0,
     # a waiter driving its request polls UCX this long without progress before it sleeps on UCX's event fd
     "drive_spin_us": 50,
+    # the same for a peer on another machine whose put/get UCX carries over tcp (no RDMA transport: emulated,
+    # so the peer's CPU serves every row), where the flush waits on the network
+    "far_drive_spin_us": 50,
+    # a waiter whose progress found nothing waits this long on the CPU before asking UCX again (0: at once),
+    # near and far peers; each progress is an epoll_wait on UCX's sockets
+    "drive_pause_us": 0,
+    "far_drive_pause_us": 0,
+    # once this agent serves such a peer, its native progress thread spins this long after work, and polls on a
+    # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
+    "far_progress_spin_us": 0,
+    "far_progress_poll_us": 0,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,

@@ -46,15 +46,37 @@ class ServiceLoop:
         lib = rma.native() if self.params["native_progress"] else None
         if lib is not None:
             try:
-                self._progress = lib.Progress(
-                    self._worker.handle,
-                    float(self.params["progress_spin_us"]) * 1e-6,
-                    poll_s=float(self.params["progress_poll_us"]) * 1e-6,
-                )
+                spin_s, poll_s = self._progress_times()
+                self._progress = lib.Progress(self._worker.handle, spin_s, poll_s=poll_s)
                 return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
         return False
+
+    def _progress_times(self) -> tuple[float, float]:
+        """(spin, timer poll) seconds after work for the native progress thread: the far_ ones once it serves a
+        peer on another machine over tcp (``_serving_far``)."""
+        far = "far_" if self._serving_far_tcp else ""
+        return float(self.params[f"{far}progress_spin_us"]) * 1e-6, float(self.params[f"{far}progress_poll_us"]) * 1e-6
+
+    def _serving_far(self) -> None:
+        """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
+        the progress thread takes the far_ settings from now on."""
+        if self._rma_native or self._serving_far_tcp:
+            return
+        self._serving_far_tcp = True
+        if self._progress is not None:
+            self._progress.tune(*self._progress_times())
+
+    def _drive_spin_s(self, peer: Any) -> float:
+        """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
+        return self._drive_s(peer, "drive_spin_us")
+
+    def _drive_s(self, peer: Any, key: str) -> float:
+        """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
+        peer on another machine whose put/get UCX emulates over tcp."""
+        far = peer.elsewhere and not self._rma_native
+        return float(self.params[f"far_{key}" if far else key]) * 1e-6
 
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""

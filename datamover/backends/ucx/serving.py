@@ -12,7 +12,7 @@ from ...errors import (
     AuthenticationError,
     InvalidMetadata,
 )
-from .config import log
+from .config import log, peer_elsewhere
 from .messages import Cancel, Challenge, Error, Hello, Message, Notif, Req, Revoked, Welcome
 from .protocol import FrameConn, handshake_mac, session_key
 from .state import Inbound
@@ -106,6 +106,9 @@ class Serving:
             inbound.conn.send(Error(f"cannot reach your UCX worker: {exc}"))
             raise InvalidMetadata(f"agent {name!r} sent an unusable UCX address: {exc}") from None
         inbound.name = name
+        inbound.elsewhere = peer_elsewhere(inbound.conn.sock)
+        if inbound.elsewhere:
+            self._serving_far()
         rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
         local = msgpack.packb(self._cma_token.offer()) if self._cma_token is not None else b""
         mac = b""

@@ -228,6 +228,7 @@ class Peer:
         self.epoch = 0
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()
+        self.elsewhere = False  # on another machine (``config.peer_elsewhere`` of the control connection)
 
 
 class Hangup:
@@ -263,5 +264,6 @@ class Inbound:
         self.since = time.monotonic()  # a connection that has not said hello within connect_timeout_s is dropped
         self.name = ""
         self.ep: Any = None
+        self.elsewhere = False  # the initiator runs on another machine
         # op id -> (requests, op, notify, first tag, ids of the registered regions it touches)
         self.ops: dict[int, tuple[Requests, str, bytes, int, frozenset[int]]] = {}

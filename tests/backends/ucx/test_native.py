@@ -61,9 +61,12 @@ def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatc
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_both_paths_move_permuted_rows_one_sided(target, path, op):
+@pytest.mark.parametrize("pause_us", [0, 5])
+def test_both_paths_move_permuted_rows_one_sided(target, path, op, pause_us):
+    """Every row lands where it should, whichever path posts it (and however long the waiter pauses between
+    progress calls that found nothing)."""
     n, bs = 512, 4096
-    with Agent(f"native-{path}", {"backends": {"ucx": TCP}}) as agent:
+    with Agent(f"native-{path}", {"backends": {"ucx": {**TCP, "drive_pause_us": pause_us}}}) as agent:
         backend = agent.backend("ucx")
         assert (backend._progress is not None) == (path == "native")
         mine, theirs = HostBuffer(agent, n * bs), RemoteBuffer(target, n * bs)
@@ -275,12 +278,19 @@ def test_a_native_thread_that_polls_after_work_serves_a_stream_and_still_respect
 
 
 @needs_native
+@pytest.mark.parametrize(
+    "key",
+    [
+        "progress_poll_us", "progress_spin_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+        "far_drive_pause_us",
+    ],
+)  # fmt: skip
 @pytest.mark.parametrize("bad", [-1, 1_000_001, "100", True, None])
-def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(bad):
+def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(key, bad):
     from datamover.errors import InvalidParameter
 
-    with Agent("native-poll-bad", {"backends": {"ucx": {**TCP, "progress_poll_us": bad}}}) as agent:
-        with pytest.raises(InvalidParameter, match="progress_poll_us"):
+    with Agent("native-poll-bad", {"backends": {"ucx": {**TCP, key: bad}}}) as agent:
+        with pytest.raises(InvalidParameter, match=key):
             agent.backend("ucx")  # started on first use
     from datamover.backends.ucx import _ucp
 
@@ -289,3 +299,24 @@ def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(bad):
         for poll_s in (-1e-6, 1.5, float("nan")):
             with pytest.raises(ValueError, match="poll_s"):
                 _ucp.Progress(worker, 0.0, -1, poll_s)
+        progress = agent.backend("ucx")._progress
+        for spin_s, poll_s in ((-1e-6, 0.0), (0.0, 1.5), (float("nan"), 0.0), (2.0, 0.0)):
+            with pytest.raises(ValueError, match="spin_s and poll_s"):
+                progress.tune(spin_s, poll_s)
+
+
+@needs_native
+def test_a_peer_on_this_machine_keeps_the_near_waiting_settings():
+    """The far_ settings are for peers on other machines only: over loopback neither side takes them."""
+    far = {**TCP, "far_drive_spin_us": 1234, "far_progress_spin_us": 55}
+    env = {"UCX_TLS": "tcp,self"}
+    with (
+        Agent("native-near", {"backends": {"ucx": far}}) as agent,
+        RemotePeer("native-near-target", {"backends": {"ucx": far}}, env=env) as peer,
+    ):
+        agent.add_remote(peer.metadata())
+        mem, remote = HostBuffer(agent, 4096), RemoteBuffer(peer, 4096)
+        agent.add_remote(peer.metadata())
+        assert agent.transfer("WRITE", mem.descs([0], [4096]), remote.descs([0], [4096]), peer.name).wait()
+        assert agent.backend("ucx").describe()["peers on other machines"] == {}
+        assert peer.call("describe", "ucx")["UCX progress"] == "a native thread on UCX's event fd"

@@ -490,6 +490,21 @@ def test_ucx_config_defaults_yield_to_the_user_and_the_environment(monkeypatch):
     assert ucx_config({"USE_MT_MUTEX": "n"}, cma=False) == {"USE_MT_MUTEX": "n"}
 
 
+def test_tcp_segments_read_what_ucx_will_use_its_own_defaults_for_what_nobody_set(monkeypatch):
+    """What the handshake tells a peer this agent receives: UCX's receive default is 64 KiB (its send default
+    8 KiB), so a user who sets only the send segment still receives 64 KiB messages, and says so."""
+    from datamover.backends.ucx.config import tcp_segments
+
+    for var in ("UCX_TLS", "UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert tcp_segments({"TLS": "tcp"}) == (8192, 65536)
+    assert tcp_segments({"TLS": "tcp", "TCP_TX_SEG_SIZE": "16k"}) == (16384, 65536)
+    assert tcp_segments({"TLS": "tcp", "TCP_RX_SEG_SIZE": "16k"}) == (8192, 16384)
+    assert tcp_segments({"TLS": "sm,self"}) == (0, 0)
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "32k")
+    assert tcp_segments({"TLS": "tcp,self"}) == (8192, 32768)
+
+
 def test_tls_includes_reads_ucx_tls_as_ucx_does():
     from datamover.backends.ucx import tls_includes
 

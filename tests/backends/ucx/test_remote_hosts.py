@@ -263,3 +263,21 @@ def test_peers_whose_tcp_segments_are_smaller_than_ours_are_refused_not_crashed(
             agent.transfer("READ", local.descs([0], [1 << 20]), remote.descs([0], [1 << 20]), peer.name).wait()
         assert peer.call("ping") is not None
         assert local.read(0, 1 << 20) == bytes(1 << 20)
+
+
+@pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
+def test_a_peer_on_another_machine_gets_the_far_waiting_settings_on_both_sides(test_hosts):
+    """Between machines over tcp the initiator's waiters poll ``far_drive_spin_us`` before sleeping, and a target
+    that serves such an initiator switches its native progress thread to ``far_progress_spin_us`` /
+    ``far_progress_poll_us``; the near settings stay for everyone else (the far ones are chosen per peer)."""
+    far = {"far_drive_spin_us": 1234, "far_progress_spin_us": 55, "far_progress_poll_us": 0}
+    with _far(test_hosts, "far-tuned", **far) as peer, _near(test_hosts, "near-tuned", **far) as agent:
+        assert peer.call("describe", "ucx")["UCX progress"] == "a native thread on UCX's event fd"
+        agent.add_remote(peer.metadata())
+        _roundtrip(agent, peer)
+        mine, theirs = agent.backend("ucx").describe(), peer.call("describe", "ucx")
+        assert mine["peers on other machines"] == {"far-tuned": 1234}
+        assert theirs["UCX progress"] == (
+            "a native thread on UCX's event fd, spinning 55 us after work (for peers on other machines over tcp)"
+        )
+        assert mine["UCX progress"] == "a native thread on UCX's event fd"  # it served nobody
