@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,17 +17,10 @@ import pytest
 from datamover import Agent, DescList, XferState
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, kvikio_sim
+from datamover.testing.waiting import until
 
 B = 4096
 N = 8
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout:g} s")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("end", ["timeout", "release"])

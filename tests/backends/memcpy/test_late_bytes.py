@@ -9,7 +9,6 @@ deadline has turned it ERR. Nothing waits for a fixed time.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,17 +16,10 @@ import pytest
 from datamover import Agent, DescList, XferState, aligned_empty
 from datamover.backends.memcpy import backend as memcpy_mod
 from datamover.errors import TransferTimeout
+from datamover.testing.waiting import until
 
 R = 128 << 10  # a run: above gather_max_block, so runs are memmoved
 N = 8
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout:g} s")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("end", ["timeout", "release"])

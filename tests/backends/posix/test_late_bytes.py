@@ -17,19 +17,10 @@ import pytest
 from datamover import Agent, DescList, XferState, aligned_empty
 from datamover.backends.posix.aio import aio_available
 from datamover.errors import TransferTimeout
+from datamover.testing.waiting import until
 
 B = 4096
 N = 8
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout:g} s")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("end", ["timeout", "release"])

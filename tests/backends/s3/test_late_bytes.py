@@ -9,7 +9,6 @@ transfer's state until its deadline has turned it ERR. Nothing waits for a fixed
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from datamover import Agent, DescList, XferState
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.s3server import S3Server
+from datamover.testing.waiting import until
 
 MiB = 1 << 20
 SIZES = {"streamed": 3 * MiB, "small": 64 << 10}  # above and below the backend's verify-before-copy size
@@ -31,14 +31,6 @@ def server():
         pytest.skip(reason)
     with S3Server(bucket="late") as srv:
         yield srv
-
-
-def until(cond, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not hold within {timeout:g} s")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("end", ["timeout", "release"])
