@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .base import Completion
 
@@ -26,7 +27,7 @@ FENCE_S = 10.0
 class ReadFence(Completion):
     """A completion whose parts write into the caller's memory only between ``enter`` and ``leave``."""
 
-    __slots__ = ("_busy", "_closed", "_idle", "fencing")
+    __slots__ = ("_busy", "_closed", "_idle", "drain", "fencing")
 
     def __init__(self, parts: int = 1) -> None:
         super().__init__(parts)
@@ -35,6 +36,9 @@ class ReadFence(Completion):
         self._closed = False  # set by ``cancel``: from then on nothing enters
         #: set when ``cancel`` starts waiting for the parts inside (a known point for tests)
         self.fencing = threading.Event()
+        #: work ``cancel`` runs itself (given the seconds it may take) before it waits: a part that no pool
+        #: thread has started yet, which would otherwise keep the fence shut until one is free
+        self.drain: Callable[[float], None] | None = None
 
     def enter(self) -> bool:
         """Before touching the caller's memory: False (touch nothing) once the transfer was cancelled."""
@@ -62,6 +66,9 @@ class ReadFence(Completion):
 
     def cancel(self, error: BaseException | None = None) -> None:
         super().cancel(error)
+        drain = self.drain
+        if drain is not None:
+            drain(FENCE_S)
         with self._idle:
             self._closed = True
             if self._busy:

@@ -231,3 +231,58 @@ def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, mon
         for who in "AB":
             changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen[who], np.uint8)))
             assert changed == 0, f"{changed} bytes of the READ landed after thread {who} saw ERR"
+
+
+@pytest.mark.skipif(not aio_available()[0], reason="native AIO unavailable here")
+def test_an_aio_read_whose_reaper_gets_no_pool_thread_is_reaped_by_its_cancel(tmp_path, monkeypatch, caplog):
+    """The pool's one thread is held inside another READ's preadv, so the AIO READ's reaper is still queued behind
+    it when the deadline passes: the cancel reaps the two I/Os post() submitted itself. Before, it waited on the
+    fence for 10 s, warned that bytes may still land, and ERR came with both I/Os never reaped."""
+    from datamover.backends.posix import aio
+
+    params = {"threads": 1, "aio_depth": 2, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(2 * N * B)
+        agent.register_memory(mem)
+        data = np.random.default_rng(6).integers(0, 256, 2 * N * B, dtype=np.uint8)
+        (tmp_path / "buffered.bin").write_bytes(data[: N * B].tobytes())
+        (tmp_path / "direct.bin").write_bytes(data.tobytes())
+        buffered = agent.register_file(tmp_path / "buffered.bin", size=N * B, direct=False)
+        direct = agent.register_file(tmp_path / "direct.bin", size=2 * N * B)
+        hog_dst, dst = DescList.blocks(mem[: N * B], B), DescList.blocks(mem[N * B :], B)
+        reached, go = threading.Event(), threading.Event()
+        real = os.preadv
+        armed = [True]
+
+        def held(fd, views, offset):
+            hold, armed[0] = armed[0], False
+            if hold:
+                reached.set()
+                assert go.wait(60), "the test never let the preadv go"
+            return real(fd, views, offset)
+
+        monkeypatch.setattr(os, "preadv", held)
+        hog = agent.transfer("READ", hog_dst, DescList.file(buffered, np.arange(N) * B, B), timeout=60)
+        assert reached.wait(60), "the first READ never reached preadv on the pool's thread"
+        libc = _HeldAio(aio._libc, -1, 0)  # holds nothing: counts the I/Os in flight
+        monkeypatch.setattr(aio, "_libc", libc)
+        try:
+            xfer = agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B), timeout=0.5)
+            assert xfer.request.plan.aio is not None and not xfer.request.plan.inline
+            assert libc.in_flight == 2, "post() did not submit the READ's first two I/Os"
+            # ``error`` polls without running the reaper itself (``state`` would, before the deadline)
+            until(lambda: xfer.error is not None, what="the READ timing out")
+            with libc.lock:
+                libc.err_seen = True
+                in_flight = libc.in_flight
+            assert isinstance(xfer.error, TransferTimeout)
+            assert in_flight == 0, f"ERR was reported with {in_flight} I/O(s) of the READ in flight"
+            assert not [r for r in caplog.records if r.name == "datamover.fence"], "the fence gave up waiting"
+        finally:
+            go.set()
+        assert hog.wait() == XferState.DONE
+        assert libc.submits_after_err == 0, "an I/O of the READ was submitted after ERR"
+        monkeypatch.undo()
+        mem[:] = 0
+        assert agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B)).wait() == XferState.DONE
+        assert np.array_equal(mem[N * B :].reshape(N, B), data.reshape(N, 2, B)[:, 0])
