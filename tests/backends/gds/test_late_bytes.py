@@ -9,7 +9,6 @@ fixed time. On a GPU the same fence holds around real ``IOFuture`` objects; this
 from __future__ import annotations
 
 import os
-import threading
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from datamover import Agent, DescList, XferState
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, kvikio_sim
-from datamover.testing.waiting import until
+from datamover.testing.waiting import HeldOnce, cut_short
 
 B = 4096
 N = 8
@@ -35,45 +34,14 @@ def test_a_gds_read_cut_short_lands_nothing_after_err(tmp_path, monkeypatch, end
         mem.array[:] = 0xAA
         local = mem.descs(np.arange(N) * B, np.full(N, B))
         slots = DescList.file(reg, np.arange(N) * 2 * B, B)  # gaps: N kvikio reads, not one
-        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
         real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the read go"
-            try:
-                return real(fd, views, offset)
-            finally:
-                if hold:
-                    returned.set()
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the read")
+        monkeypatch.setattr(os, "preadv", held.wrap(real))
         xfer = agent.transfer("READ", local, slots, timeout=0.5)
-        assert reached.wait(60), "the READ never reached kvikio"
-        seen: dict[str, bytes] = {}
-
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
-            seen["at ERR"] = mem.array.tobytes()
-
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        go.set()
-        watcher.join(60)
-        assert returned.wait(60), "the held read never returned"
-        assert xfer._completion.wait(60), "the READ's worker never finished"
+        assert held.reached.wait(60), "the READ never reached kvikio"
+        changed = cut_short(xfer, xfer._completion, end, mem.array.tobytes, held)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = mem.array.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         monkeypatch.setattr(os, "preadv", real)
         assert agent.transfer("READ", local, slots).wait() == XferState.DONE

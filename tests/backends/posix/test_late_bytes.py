@@ -17,7 +17,7 @@ import pytest
 from datamover import Agent, DescList, XferState, aligned_empty
 from datamover.backends.posix.aio import aio_available
 from datamover.errors import TransferTimeout
-from datamover.testing.waiting import until
+from datamover.testing.waiting import HeldOnce, cut_short, until
 
 B = 4096
 N = 8
@@ -34,45 +34,13 @@ def test_a_read_cut_short_mid_preadv_lands_nothing_after_err(tmp_path, monkeypat
         path.write_bytes(data.tobytes())
         reg = agent.register_file(path, size=N * B, direct=False)
         mem[:] = 0xAA
-        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
-        real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the preadv go"
-            try:
-                return real(fd, views, offset)
-            finally:
-                if hold:
-                    returned.set()
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the preadv")
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
         xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
-        assert reached.wait(60), "the READ never reached preadv"
-        seen: dict[str, bytes] = {}
-
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
-            seen["at ERR"] = mem.tobytes()
-
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        # the watcher's cancel either waits on the fence for the held preadv, or (no fence) is already done
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        go.set()
-        watcher.join(60)
-        assert returned.wait(60), "the held preadv never returned"
+        assert held.reached.wait(60), "the READ never reached preadv"
+        changed = cut_short(xfer, xfer._completion, end, mem.tobytes, held)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = mem.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         monkeypatch.undo()
         mem[:] = 0
@@ -146,28 +114,14 @@ def test_an_aio_read_cut_short_is_reaped_before_err(tmp_path, monkeypatch, end, 
         assert libc.reached.wait(60), f"the READ's reaper never reached {held}"
         seen: dict = {}
 
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
+        def at_err() -> None:
             with libc.lock:
                 libc.err_seen = True
                 seen["in flight"] = libc.in_flight
-            seen["at ERR"] = mem.tobytes()
 
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        libc.go.set()
-        watcher.join(60)
-        assert libc.returned.wait(60), f"the held {held} never returned"
-        assert xfer._completion.wait(60), "the reaper never finished"
+        changed = cut_short(xfer, xfer._completion, end, mem.tobytes, libc, at_err)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = mem.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         assert seen["in flight"] == 0, f"ERR was reported with {seen['in flight']} I/O(s) of the READ in flight"
         assert libc.submits_after_err == 0, "an I/O of the READ was submitted after ERR"
@@ -188,18 +142,9 @@ def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, mon
         path.write_bytes(np.random.default_rng(5).integers(0, 256, N * B, dtype=np.uint8).tobytes())
         reg = agent.register_file(path, size=N * B, direct=False)
         mem[:] = 0xAA
-        reached, go = threading.Event(), threading.Event()
-        real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the preadv go"
-            return real(fd, views, offset)
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the preadv")
+        reached, go = held.reached, held.go
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
         xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
         assert reached.wait(60), "the READ never reached preadv"
         fence = xfer._completion
@@ -250,18 +195,9 @@ def test_an_aio_read_whose_reaper_gets_no_pool_thread_is_reaped_by_its_cancel(tm
         buffered = agent.register_file(tmp_path / "buffered.bin", size=N * B, direct=False)
         direct = agent.register_file(tmp_path / "direct.bin", size=2 * N * B)
         hog_dst, dst = DescList.blocks(mem[: N * B], B), DescList.blocks(mem[N * B :], B)
-        reached, go = threading.Event(), threading.Event()
-        real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the preadv go"
-            return real(fd, views, offset)
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the preadv")
+        reached, go = held.reached, held.go
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
         hog = agent.transfer("READ", hog_dst, DescList.file(buffered, np.arange(N) * B, B), timeout=60)
         assert reached.wait(60), "the first READ never reached preadv on the pool's thread"
         libc = _HeldAio(aio._libc, -1, 0)  # holds nothing: counts the I/Os in flight
