@@ -1,13 +1,14 @@
-"""ReadFence: the completion of a READ run in parts on pool threads, whose ``cancel`` keeps its bytes out of the
-caller's memory from then on.
+"""ReadFence: the completion of a transfer run in parts on pool threads, whose ``cancel`` keeps its bytes out of
+the caller's memory, and the caller's bytes out of its destination, from then on.
 
 ``Transfer`` reports ERR (a timeout) or returns from ``release`` right after ``cancel``, while parts may still be
-inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
+inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer) or,
+for a WRITE, reads it (a buffer the caller reuses after ERR must not reach the file under this transfer's name). A
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
-nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv; an
-AIO READ from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy), gds (each
-worker's kvikio reads) and s3 (each READ runner, for its whole life: ``join``).
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv or
+pwritev; an AIO batch from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy),
+gds (each worker's kvikio reads and writes) and s3 (each READ runner, for its whole life: ``join``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class ReadFence(Completion):
                 self.fencing.set()
                 if not self._idle.wait_for(lambda: not self._busy, FENCE_S):
                     log.warning(
-                        "a READ was cancelled while one of its parts wrote into its destination for over %g s:"
-                        " its bytes may still land",
+                        "a transfer was cancelled while one of its parts was still moving its bytes for over %g s:"
+                        " they may still land",
                         FENCE_S,
                     )

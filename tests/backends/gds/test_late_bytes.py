@@ -46,3 +46,36 @@ def test_a_gds_read_cut_short_lands_nothing_after_err(tmp_path, monkeypatch, end
         monkeypatch.setattr(os, "preadv", real)
         assert agent.transfer("READ", local, slots).wait() == XferState.DONE
         assert np.array_equal(mem.array.reshape(N, B), data.reshape(N, 2, B)[:, 0])
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+def test_a_gds_write_cut_short_writes_nothing_after_err(tmp_path, monkeypatch, end):
+    """kvikio's first write held while the deadline passes or ``release`` runs; at ERR the caller refills its
+    buffer. Before, ERR came at once and the held write then put the refilled bytes in the file."""
+    kvikio_sim.install(monkeypatch)
+    with Agent("g", {"backends": {"gds": {"inflight": 3, "workers": 1}}}) as agent:
+        path = tmp_path / "f.bin"
+        path.write_bytes(bytes(2 * N * B))
+        reg = agent.register_file(path, size=2 * N * B)
+        mem = HostBuffer(agent, N * B)
+        data = np.random.default_rng(8).integers(0, 256, N * B, dtype=np.uint8)
+        mem.array[:] = data
+        local = mem.descs(np.arange(N) * B, np.full(N, B))
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)
+        real = os.pwritev
+        held = HeldOnce("the write")
+        monkeypatch.setattr(os, "pwritev", held.wrap(real))
+        xfer = agent.transfer("WRITE", local, slots, timeout=0.5)
+        assert held.reached.wait(60), "the WRITE never reached kvikio"
+
+        def reuse() -> None:
+            mem.array[:] = 0xBB
+
+        changed = cut_short(xfer, xfer._completion, end, path.read_bytes, held, reuse)
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        assert changed == 0, f"{changed} bytes reached the file from the caller's buffer after the WRITE reported ERR"
+        mem.array[:] = data
+        monkeypatch.setattr(os, "pwritev", real)
+        assert agent.transfer("WRITE", local, slots).wait() == XferState.DONE
+        assert np.frombuffer(path.read_bytes(), np.uint8).reshape(N, 2, B)[:, 0].tobytes() == data.tobytes()

@@ -222,3 +222,55 @@ def test_an_aio_read_whose_reaper_gets_no_pool_thread_is_reaped_by_its_cancel(tm
         mem[:] = 0
         assert agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B)).wait() == XferState.DONE
         assert np.array_equal(mem[N * B :].reshape(N, B), data.reshape(N, 2, B)[:, 0])
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("held", ["pwritev", "io_submit"])
+def test_a_write_cut_short_writes_nothing_after_err(tmp_path, monkeypatch, end, held):
+    """A WRITE's pwritev (the pool's synchronous path), or its AIO reaper's next io_submit (a top-up past its
+    check for a cancel), is held while the deadline passes or ``release`` runs; at ERR the caller refills the
+    source buffer with other bytes. The file must hold at ERR what it holds once everything settled: before,
+    ERR came at once and the held call then wrote the refilled bytes into the file under the cut-off WRITE."""
+    from datamover.backends.posix import aio
+
+    if held == "io_submit" and not aio_available()[0]:
+        pytest.skip("native AIO unavailable here")
+    params = {"aio": held == "io_submit", "aio_depth": 2, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        src = aligned_empty(N * B)
+        agent.register_memory(src)
+        data = np.random.default_rng(7).integers(0, 256, N * B, dtype=np.uint8)
+        src[:] = data
+        path = tmp_path / "f.bin"
+        path.write_bytes(bytes(2 * N * B))
+        reg = agent.register_file(path, size=2 * N * B, direct=held == "io_submit")
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)  # gaps between rows: eight I/Os, not one
+        if held == "pwritev":
+            hold = HeldOnce("the pwritev")
+            monkeypatch.setattr(os, "pwritev", hold.wrap(os.pwritev))
+        else:
+            hold = _HeldAio(aio._libc, aio._NR_SUBMIT, 2)  # io_submit 1 runs in post()
+            monkeypatch.setattr(aio, "_libc", hold)
+        xfer = agent.transfer("WRITE", DescList.blocks(src, B), slots, timeout=0.5)
+        assert (xfer.request.plan.aio is not None) == (held == "io_submit") and not xfer.request.plan.inline
+        assert hold.reached.wait(60), f"the WRITE never reached {held}"
+        seen: dict = {}
+
+        def reuse() -> None:
+            src[:] = 0xBB  # the caller's next use of its buffer, once the WRITE reported ERR
+            if held == "io_submit":
+                with hold.lock:
+                    hold.err_seen = True
+                    seen["in flight"] = hold.in_flight
+
+        changed = cut_short(xfer, xfer._completion, end, path.read_bytes, hold, reuse)
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        assert changed == 0, f"{changed} bytes reached the file from the caller's buffer after the WRITE reported ERR"
+        if held == "io_submit":
+            assert seen["in flight"] == 0, f"ERR was reported with {seen['in flight']} I/O(s) of the WRITE in flight"
+            assert hold.submits_after_err == 0, "an I/O of the WRITE was submitted after ERR"
+        monkeypatch.undo()
+        src[:] = data
+        assert agent.transfer("WRITE", DescList.blocks(src, B), slots).wait() == XferState.DONE
+        assert np.frombuffer(path.read_bytes(), np.uint8).reshape(N, 2, B)[:, 0].tobytes() == data.tobytes()
