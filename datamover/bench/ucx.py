@@ -36,12 +36,13 @@ TARGET = "bench-ucx-target"
 
 def _raw_worker(params: dict[str, Any]):
     """A plain ucxx worker with the same UCX settings as the backend's, so both use the same transports."""
-    from ..backends.ucx import UcxBackend, import_ucxx, ucx_config
+    from ..backends.ucx import UcxBackend, import_ucxx
+    from ..backends.ucx.config import make_context
 
     ucx_api, Array = import_ucxx()
     p = {**UcxBackend.default_params, **params}
-    ctx = ucx_api.UCXContext(
-        ucx_config(p["ucx_config"], bool(p["cma"])), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
+    ctx, _ = make_context(
+        ucx_api, p["ucx_config"], bool(p["cma"]), feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP)
     )
     worker = ucx_api.UCXWorker(ctx)
     worker.init_blocking_progress_mode()

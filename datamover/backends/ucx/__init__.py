@@ -14,6 +14,7 @@
 from .backend import UcxBackend
 from .config import (
     import_ucxx,
+    make_context,
     parse_rkeys,
     probe_transports,
     tls_includes,
@@ -25,6 +26,7 @@ from .config import (
 __all__ = [
     "UcxBackend",
     "import_ucxx",
+    "make_context",
     "parse_rkeys",
     "probe_transports",
     "tls_includes",

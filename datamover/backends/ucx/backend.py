@@ -72,13 +72,12 @@ from .address import AddressCheck
 from .config import (
     _MAX_ADDRESS,
     _NATIVE_RMA,
-    features,
     import_ucxx,
     log,
+    make_context,
     probe_transports,
     tcp_segments,
     transports_of,
-    ucx_config,
 )
 from .direct_cma import DirectCma
 from .fence import Fencing
@@ -121,8 +120,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
         self.one_sided, self.cma_path, self.tagged = OneSided(self), DirectCma(self), Tagged(self)
-        config = ucx_config(self.params["ucx_config"], bool(self.params["cma"]))
-        self._ctx = ucx_api.UCXContext(config, feature_flags=features(ucx_api))
+        self._ctx, config = make_context(ucx_api, self.params["ucx_config"], bool(self.params["cma"]))
         self._tcp_tx, self._tcp_rx = tcp_segments(config)  # compared with each peer's in the handshake
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
@@ -212,7 +210,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         """UCX version and the transports this machine offers (the data path picks among them)."""
         try:
             ucx_api, _ = import_ucxx()
-            ctx = ucx_api.UCXContext(ucx_config({}, False), feature_flags=features(ucx_api))
+            ctx, _ = make_context(ucx_api, {}, False)
         except Exception as exc:
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {

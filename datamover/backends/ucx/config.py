@@ -149,6 +149,38 @@ def ucx_config(user: Mapping[str, Any], cma: bool) -> dict[str, str]:
     return config
 
 
+# our defaults for transports UCX builds as loadable modules: a UCX that did not load the module (not built, not
+# loadable, or left out by UCX_MODULES) refuses the whole context over them ("Invalid parameter")
+_MODULE_DEFAULTS = {"CMA_TX_QUOTA": "cma"}
+
+
+def make_context(
+    ucx_api: Any, user: Mapping[str, Any], cma: bool, feature_flags: tuple | None = None
+) -> tuple[Any, dict[str, str]]:
+    """A UCX context made with ``ucx_config(user, cma)`` (and ``features`` unless given), and its settings.
+
+    Where UCX refuses it, the context is made again without our defaults for transport modules (a UCX without
+    its cma module would otherwise leave the backend unusable); the user's own settings are never dropped.
+    """
+    config = ucx_config(user, cma)
+    flags = features(ucx_api) if feature_flags is None else feature_flags
+    try:
+        return ucx_api.UCXContext(config, feature_flags=flags), config
+    except ucx_api.UCXInvalidParamError:
+        given = {str(k) for k in dict(user)}
+        ours = [k for k in _MODULE_DEFAULTS if k in config and k not in given]
+        if not ours:
+            raise
+    for key in ours:
+        del config[key]
+    ctx = ucx_api.UCXContext(config, feature_flags=flags)
+    log.info(
+        "UCX refused %s (its %s module is not loaded): the context is made without them",
+        ", ".join(ours), ", ".join(sorted({_MODULE_DEFAULTS[k] for k in ours})),
+    )  # fmt: skip
+    return ctx, config
+
+
 UCX_TCP_SEG_DEFAULT = 8192  # UCX's own TCP_TX_SEG_SIZE; a peer that does not say what it receives is taken to
 UCX_TCP_RX_SEG_DEFAULT = 65536  # UCX's own TCP_RX_SEG_SIZE (src/uct/tcp/tcp_iface.c, 1.15 to 1.23)
 
@@ -255,9 +287,9 @@ def transports_in_use(log: str) -> list[str]:
 _PROBE = """
 import numpy as np
 from datamover.backends.ucx import rma
-from datamover.backends.ucx.config import features, import_ucxx, ucx_config
+from datamover.backends.ucx.config import import_ucxx, make_context
 u, Array = import_ucxx()
-ctxs = [u.UCXContext(ucx_config({}, False), feature_flags=features(u)) for _ in range(2)]
+ctxs = [make_context(u, {}, False)[0] for _ in range(2)]
 ws = [u.UCXWorker(c) for c in ctxs]
 ep = ws[0].create_endpoint_from_worker_address(ws[1].address, False)
 def wait(done):
