@@ -305,6 +305,21 @@ def test_a_native_thread_that_polls_after_work_serves_a_stream_and_still_respect
 
 
 @needs_native
+def test_the_native_progress_thread_is_named_and_sleeps_on_its_timer_without_slack():
+    """The thread shows as dm-ucx-progress (top, perf); its timer polls of tens of microseconds are not stretched by
+    the default 50 us timer slack (1 us instead)."""
+    import glob
+    import os
+
+    with Agent("native-slack", {"backends": {"ucx": TCP}}) as agent:
+        assert agent.backend("ucx")._progress is not None
+        tids = [t.rsplit("/", 1)[1] for t in glob.glob(f"/proc/{os.getpid()}/task/*")]
+        mine = [t for t in tids if open(f"/proc/{os.getpid()}/task/{t}/comm").read().strip() == "dm-ucx-progress"]
+        assert mine
+        assert {int(open(f"/proc/{t}/timerslack_ns").read()) for t in mine} == {1000}
+
+
+@needs_native
 @pytest.mark.parametrize(
     "key",
     [
