@@ -1,19 +1,21 @@
-"""ReadFence: the completion of a READ run in parts on pool threads, whose ``cancel`` keeps its bytes out of the
-caller's memory from then on.
+"""ReadFence: the completion of a transfer run in parts on pool threads, whose ``cancel`` keeps its bytes out of
+the caller's memory, and the caller's bytes out of its destination, from then on.
 
 ``Transfer`` reports ERR (a timeout) or returns from ``release`` right after ``cancel``, while parts may still be
-inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer). A
+inside a call that writes into the caller's memory (a syscall, a store call, a copy out of a staging buffer) or,
+for a WRITE, reads it (a buffer the caller reuses after ERR must not reach the file under this transfer's name). A
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
-nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv; an
-AIO READ from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy), gds (each
-worker's kvikio reads) and s3 (each READ runner, for its whole life: ``join``).
+nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv or
+pwritev; an AIO batch from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy),
+gds (each worker's kvikio reads and writes) and s3 (each READ runner, for its whole life: ``join``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from .base import Completion
 
@@ -26,7 +28,7 @@ FENCE_S = 10.0
 class ReadFence(Completion):
     """A completion whose parts write into the caller's memory only between ``enter`` and ``leave``."""
 
-    __slots__ = ("_busy", "_closed", "_idle", "fencing")
+    __slots__ = ("_busy", "_closed", "_idle", "drain", "fencing")
 
     def __init__(self, parts: int = 1) -> None:
         super().__init__(parts)
@@ -35,6 +37,9 @@ class ReadFence(Completion):
         self._closed = False  # set by ``cancel``: from then on nothing enters
         #: set when ``cancel`` starts waiting for the parts inside (a known point for tests)
         self.fencing = threading.Event()
+        #: work ``cancel`` runs itself (given the seconds it may take) before it waits: a part that no pool
+        #: thread has started yet, which would otherwise keep the fence shut until one is free
+        self.drain: Callable[[float], None] | None = None
 
     def enter(self) -> bool:
         """Before touching the caller's memory: False (touch nothing) once the transfer was cancelled."""
@@ -62,13 +67,16 @@ class ReadFence(Completion):
 
     def cancel(self, error: BaseException | None = None) -> None:
         super().cancel(error)
+        drain = self.drain
+        if drain is not None:
+            drain(FENCE_S)
         with self._idle:
             self._closed = True
             if self._busy:
                 self.fencing.set()
                 if not self._idle.wait_for(lambda: not self._busy, FENCE_S):
                     log.warning(
-                        "a READ was cancelled while one of its parts wrote into its destination for over %g s:"
-                        " its bytes may still land",
+                        "a transfer was cancelled while one of its parts was still moving its bytes for over %g s:"
+                        " they may still land",
                         FENCE_S,
                     )

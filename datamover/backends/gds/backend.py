@@ -4,10 +4,11 @@ A registered file is opened once, as a ``kvikio.CuFile``, at registration.
 ``post`` hands the request to a few worker threads; each issues
 ``CuFile.pread``/``pwrite`` per coalesced row (kvikio splits a row into
 ``task_size`` tasks on its own thread pool) and waits on the returned
-``IOFuture`` objects, keeping at most ``inflight`` of them outstanding. A
-READ's completion is a ``ReadFence`` entered by each worker for all it issues:
-kvikio's threads write into the caller's memory until its futures are waited
-on, so ERR and ``release`` come only after that, and nothing is issued after.
+``IOFuture`` objects, keeping at most ``inflight`` of them outstanding. The
+completion is a ``ReadFence`` entered by each worker for all it issues:
+kvikio's threads write into (READ) or read (WRITE) the caller's memory until
+its futures are waited on, so ERR and ``release`` come only after that, and
+nothing is issued after.
 kvikio's thread count, task size and compat mode come from this backend's
 parameters. kvikio is imported on first use, never at ``import datamover``.
 """
@@ -251,8 +252,7 @@ class GdsBackend(Backend):
         def work(a: int, b: int, completion: Completion) -> None:
             self._run(req, a, b, write, completion)
 
-        kind = Completion if write else ReadFence
-        return run_parts(self._pool, req.plan.ranges, work, backend=self.name, completion_type=kind)
+        return run_parts(self._pool, req.plan.ranges, work, backend=self.name, completion_type=ReadFence)
 
     def _run(self, req: TransferRequest, first: int, last: int, write: bool, completion: Completion) -> None:
         fence = completion if type(completion) is ReadFence else None

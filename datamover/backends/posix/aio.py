@@ -276,10 +276,14 @@ class AioRun:
             if got < want:
                 return
 
-    def finish(self, cancelled: Callable[[], bool] | None = None, spin: bool = True) -> np.ndarray | None:
+    def finish(
+        self, cancelled: Callable[[], bool] | None = None, spin: bool = True, limit_s: float | None = None
+    ) -> np.ndarray | None:
         """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context.
 
-        Returns the per-row results (None for a run started with ``rows=False``; see ``ok``).
+        Returns the per-row results (None for a run started with ``rows=False``; see ``ok``). With ``limit_s``
+        it returns after that many seconds even with I/Os still in flight (``inflight``; the context must then
+        not be used again: their completions are still to come).
         Each wait asks for a quarter of the queue (or all that is in flight
         once nothing is left to submit), so a batch costs a few wake-ups,
         not one per I/O. With ``spin_us`` (and ``spin``), the last ones are first polled for
@@ -289,6 +293,7 @@ class AioRun:
         words = ctx._words
         spin_until = None
         spin_s = ctx.spin_s if spin else 0.0
+        limit_at = None if limit_s is None else time.monotonic() + limit_s
         try:
             while True:
                 if self.nxt < self.stop:
@@ -306,6 +311,11 @@ class AioRun:
                         spin_until = time.perf_counter() + spin_s
                     if spin_until is not None and time.perf_counter() < spin_until:
                         min_nr, timeout = 0, ctx._no_wait_ref  # poll: a sleeping thread wakes late
+                if limit_at is not None and timeout is None:
+                    left = limit_at - time.monotonic()
+                    if left <= 0:
+                        return self.res
+                    timeout = ctypes.byref(_Timespec(int(left), int(left % 1 * 1e9)))
                 n = _libc.syscall(_NR_GETEVENTS, ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ctx._events_ptr, timeout)
                 if n < 0:
                     err = ctypes.get_errno()

@@ -106,20 +106,20 @@ class _AioReap:
     the request's timeout leaves it to the pool, so that its wait times out
     rather than blocking until the I/O is done.
 
-    A READ's completion is a ``ReadFence`` entered from its first io_submit (in ``post``) until every I/O
-    submitted is reaped: the kernel writes into the caller's memory until then, so ``cancel`` (ERR, release)
-    returns only after that, and nothing is submitted once it is cancelled.
+    The completion is a ``ReadFence`` entered from the first io_submit (in ``post``) until every I/O
+    submitted is reaped: the kernel writes into (READ) or reads (WRITE) the caller's memory until then, so
+    ``cancel`` (ERR, release) returns only after that, and nothing is submitted once it is cancelled. A
+    cancel that finds the job not yet taken (every pool thread busy, e.g. in other transfers' hung syscalls)
+    takes it and reaps on its own thread (the fence's ``drain``), for at most the fence's bound.
     """
 
     __slots__ = ("backend", "claim", "completion", "deadline", "p", "req", "run", "write")
 
     def __init__(self, backend: PosixBackend, req, p, run: AioRun, write: bool) -> None:
         self.backend, self.req, self.p, self.run, self.write = backend, req, p, run, write
-        if write:
-            self.completion = Completion(1)
-        else:
-            self.completion = ReadFence(1)
-            self.completion.enter()  # a fresh fence: cannot be cancelled before post() returns it
+        self.completion = ReadFence(1)
+        self.completion.enter()  # a fresh fence: cannot be cancelled before post() returns it
+        self.completion.drain = self.reap_once
         self.claim = _thread.allocate_lock()
         self.deadline = req.deadline
 
@@ -130,7 +130,8 @@ class _AioReap:
     def cancelled(self) -> bool:
         return self.completion.cancelled
 
-    def reap_once(self) -> None:
+    def reap_once(self, limit_s: float | None = None) -> None:
+        """Reap the rest (at most ``limit_s`` seconds when given: a cancel's own reap), unless another took it."""
         if not self.claim.acquire(blocking=False):
             return
         completion, backend = self.completion, self.backend
@@ -141,11 +142,13 @@ class _AioReap:
             try:
                 # no polling when all of it went out in post(): a batch too big to run inline takes far longer
                 # than the spin, and a poll loop only trades the GIL back and forth with the woken pool thread
-                run.finish(self.cancelled, run.nxt < run.stop)
+                run.finish(self.cancelled, run.nxt < run.stop and limit_s is None, limit_s)
             finally:
-                if not run.ctx._lock.locked():  # a context still busy (finish never ran) is not handed out again
+                # a context still busy (finish never ran), or with I/Os to come (a bounded reap gave up), is not
+                # handed out again
+                if not run.ctx._lock.locked() and not run.inflight:
                     backend._aio_free.put(run.ctx)
-                if not self.write and not run.inflight:  # an I/O never reaped keeps the fence shut (cancel warns)
+                if not run.inflight:  # an I/O never reaped keeps the fence shut (cancel warns)
                     completion.leave()
             if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
                 backend._aio_done(self.req, self.p, self.run, self.write, 0, 1, completion)
@@ -341,10 +344,10 @@ class PosixBackend(Backend):
         def work(a: int, b: int, completion: Completion) -> None:
             self._run_groups(req, p, write, a, b, completion)
 
-        # a READ's preadv writes into the caller's memory: once it is cancelled (timed out, released) its fence
-        # waits for the syscalls in flight, and no later one starts
-        kind = Completion if write else ReadFence
-        return run_parts(self._pool, p.ranges, work, backend=self.name, completion_type=kind)
+        # a READ's preadv writes into the caller's memory, a WRITE's pwritev reads it (a buffer reused after ERR
+        # must not reach the file under this transfer's name): once it is cancelled (timed out, released) its
+        # fence waits for the syscalls in flight, and no later one starts
+        return run_parts(self._pool, p.ranges, work, backend=self.name, completion_type=ReadFence)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:

@@ -757,6 +757,10 @@ static struct PyModuleDef module = {
     module_methods,
 };
 
+#ifndef DM_UCP_SOURCE_SHA256 /* setup.py passes the sha256 of this file, so a stale build can be told apart */
+#define DM_UCP_SOURCE_SHA256 ""
+#endif
+
 PyMODINIT_FUNC PyInit__ucp(void) {
     if (PyType_Ready(&FlushType) < 0 || PyType_Ready(&ProgressType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -764,7 +768,8 @@ PyMODINIT_FUNC PyInit__ucp(void) {
     Py_INCREF(&FlushType);
     Py_INCREF(&ProgressType);
     if (PyModule_AddObject(m, "Flush", (PyObject *)&FlushType) < 0 ||
-        PyModule_AddObject(m, "Progress", (PyObject *)&ProgressType) < 0)
+        PyModule_AddObject(m, "Progress", (PyObject *)&ProgressType) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_SHA256", DM_UCP_SOURCE_SHA256) < 0)
         return NULL;
     return m;
 }

@@ -46,6 +46,7 @@ class Transport:
     iface: bytes = b""  # the interface address itself (shared-memory transports name their segment in it)
     at: int = 0  # where ``iface`` starts in the packed address
     dev: bytes = b""  # its device's address (shared-memory transports: the machine's system id)
+    md: int = 0  # the sender's index of the memory domain it belongs to (what its packed rkeys name)
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ def parse(buf: bytes) -> Address:
                 if lane & _IFACE_LEN_MASK >= _MAX_LANES:
                     raise InvalidMetadata(f"UCX address names lane {lane & _IFACE_LEN_MASK}")
                 ep_lens.append(n)
-            out.append(Transport(csum, dev_len, iface_len, tuple(ep_lens), iface, at, dev))
+            out.append(Transport(csum, dev_len, iface_len, tuple(ep_lens), iface, at, dev, md))
     if r.p != len(buf):
         raise InvalidMetadata(f"UCX address has {len(buf) - r.p} bytes after its last device")
     if not out:

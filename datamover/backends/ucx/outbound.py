@@ -28,6 +28,7 @@ from . import cma, rma
 from .config import _MASK40, _READ_TAG, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
+from .rkeys import RkeyCheck
 from .state import OutOp, Peer
 
 
@@ -189,7 +190,7 @@ class Outbound:
 
     def _on_rkeys(self, peer: Peer, msg: Rkeys) -> None:
         if self._one_sided:
-            offered = parse_rkeys(peer.name, msg.add)
+            offered = self._offered(peer, msg.add)
             with self._rma_lock:
                 peer.regions = {**peer.regions, **offered}
                 peer.epoch = next(self._epochs)
@@ -233,7 +234,7 @@ class Outbound:
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
         else:
             peer.conn.open_up()  # type: ignore[union-attr]
-        self._addr_check.check(address, f"agent {peer.name!r}")
+        checked = self._addr_check.check(address, f"agent {peer.name!r}")
         self._check_segments(f"agent {peer.name!r}", msg.tcp_rx)
         try:  # the target's current worker (it may have been reset since its metadata was published)
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
@@ -241,7 +242,8 @@ class Outbound:
         except Exception as exc:
             raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id
-        regions = parse_rkeys(peer.name, decode(rkeys, max_maps=0) if rkeys else []) if self._one_sided else {}
+        peer.keys = RkeyCheck(checked)
+        regions = self._offered(peer, decode(rkeys, max_maps=0) if rkeys else []) if self._one_sided else {}
         pid, why = 0, "direct_cma is off here" if self._cma_token is None else "the peer offered no token"
         if self._cma_token is not None and local:
             try:
@@ -255,6 +257,16 @@ class Outbound:
             peer.cma_pid, peer.cma_why = pid, why
             peer.elsewhere = peer_elsewhere(peer.conn.sock)  # type: ignore[union-attr]
         self._ready(peer)
+
+    @staticmethod
+    def _offered(peer: Peer, rows: object) -> dict[int, tuple[str, int, int, int, bytes]]:
+        """A target's rkey rows checked field by field, each packed key parsed (rkeys.py) before UCX sees it."""
+        regions = parse_rkeys(peer.name, rows)
+        if peer.keys is None:
+            raise InvalidMetadata(f"agent {peer.name!r} sent rkeys before its UCX address")
+        for rid, (mem, _dev, _addr, _n, key) in regions.items():
+            peer.keys.check(f"agent {peer.name!r}", rid, mem, key)
+        return regions
 
     def _ready(self, peer: Peer) -> None:
         peer.state = "ready"

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -258,12 +260,35 @@ def _native_state() -> tuple[Any, str]:
         _ucp = importlib.import_module("datamover.backends.ucx._ucp")
     except ImportError as exc:
         return None, f"ctypes: the native extension datamover.backends.ucx._ucp was not built ({exc})"
+    stale = _stale_build(_ucp)
+    if stale:
+        return None, stale
     try:
         ucp()  # loads libucp through ucxx
         _ucp.bind(_loaded("libucp"))
     except (ImportError, OSError, UcpError) as exc:
         return None, f"ctypes: the native extension cannot bind libucp ({exc})"
     return _ucp, f"native: rows posted and UCX progressed in C with the GIL released ({_loaded('libucp')})"
+
+
+def _stale_build(_ucp: Any) -> str:
+    """Why the loaded extension must not be used, or "": built from another _ucp.c than the one beside it.
+
+    Only a source checkout ships _ucp.c; there a ``git pull`` without a rebuild would otherwise call C
+    functions whose arguments changed.
+    """
+    source = Path(__file__).with_name("_ucp.c")
+    if not source.is_file():
+        return ""
+    want = hashlib.sha256(source.read_bytes()).hexdigest()
+    built = getattr(_ucp, "SOURCE_SHA256", "")
+    if built == want:
+        return ""
+    return (
+        f"ctypes: the native extension {getattr(_ucp, '__file__', '_ucp')} was built from another {source.name} "
+        f"(built {built[:12] or 'unrecorded'}, source {want[:12]}): rebuild it with `pip install -e .` or "
+        "`python setup.py build_ext --inplace`"
+    )
 
 
 def native() -> Any:

@@ -39,7 +39,7 @@ _POSIX_NAME = "ucx_shm_posix_"
 _DEFAULT_PID_NS = 0xEFFFFFFC  # the initial pid namespace's inode (ucs_sys_ns_is_default)
 
 
-def _crc16(name: str) -> int:
+def crc16(name: str) -> int:
     """UCX's transport name checksum (ucs_crc16_string: CRC-16-CCITT, reflected)."""
     crc = 0xFFFF
     for b in name.encode():
@@ -49,7 +49,7 @@ def _crc16(name: str) -> int:
     return ~crc & 0xFFFF
 
 
-POSIX, SYSV = _crc16("posix"), _crc16("sysv")
+POSIX, SYSV = crc16("posix"), crc16("sysv")
 
 
 def _pid_ns() -> int:

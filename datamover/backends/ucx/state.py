@@ -19,6 +19,7 @@ from . import rma
 from .config import _DRAIN_IDLE_S, _DRAIN_WINDOW, _FENCE_S, log
 from .messages import Req
 from .protocol import FrameConn, new_nonce
+from .rkeys import RkeyCheck
 
 
 class CudaView:
@@ -225,6 +226,7 @@ class Peer:
         # rkeys unpacked on the current endpoint. ``epoch`` changes with either, invalidating cached plans.
         self.regions: dict[int, tuple[str, int, int, int, bytes]] = {}
         self.rkeys: dict[int, int] = {}
+        self.keys: RkeyCheck | None = None  # what packed keys the target's current address allows
         self.epoch = 0
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()

@@ -8,15 +8,13 @@ deadline has turned it ERR. Nothing waits for a fixed time.
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
 from datamover import Agent, DescList, XferState, aligned_empty
 from datamover.backends.memcpy import backend as memcpy_mod
 from datamover.errors import TransferTimeout
-from datamover.testing.waiting import until
+from datamover.testing.waiting import HeldOnce, cut_short
 
 R = 128 << 10  # a run: above gather_max_block, so runs are memmoved
 N = 8
@@ -38,46 +36,14 @@ def test_a_copy_cut_short_lands_nothing_after_err(monkeypatch, end, mode):
             frm = DescList.blocks(src[: N * R], R)
             to = DescList.from_columns(dst.ctypes.data + np.arange(N) * 2 * R, R)
         name = "_memmove" if mode == "memmove" else "_copyto"
-        real = getattr(memcpy_mod, name)
-        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
-        armed = [True]
-
-        def held(*args):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the copy go"
-            try:
-                return real(*args)
-            finally:
-                if hold:
-                    returned.set()
-
-        monkeypatch.setattr(memcpy_mod, name, held)
+        held = HeldOnce("the copy")
+        monkeypatch.setattr(memcpy_mod, name, held.wrap(getattr(memcpy_mod, name)))
         xfer = agent.transfer("WRITE", frm, to, timeout=0.5)
         assert xfer.request.plan.mode == mode and not xfer.request.plan.inline
-        assert reached.wait(60), "the copy never started"
-        seen: dict[str, bytes] = {}
-
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the copy timing out")
-            else:
-                xfer.release()
-            seen["at ERR"] = dst.tobytes()
-
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        go.set()
-        watcher.join(60)
-        assert returned.wait(60), "the held copy never returned"
-        assert xfer._completion.wait(60), "the copy's part never finished"
+        assert held.reached.wait(60), "the copy never started"
+        changed = cut_short(xfer, xfer._completion, end, dst.tobytes, held)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = dst.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a copy reached the caller after it reported ERR"
         monkeypatch.undo()
         assert agent.transfer("WRITE", frm, to).wait() == XferState.DONE

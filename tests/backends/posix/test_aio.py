@@ -134,8 +134,8 @@ def test_short_or_failed_aio_groups_are_redone(agent_file, monkeypatch, loss) ->
     real, real_groups = AioRun.finish, type(backend)._run_groups
     lossy_runs, redone = [], []
 
-    def lossy(self, cancelled=None, spin=True):
-        res = real(self, cancelled, spin)
+    def lossy(self, cancelled=None, spin=True, limit_s=None):
+        res = real(self, cancelled, spin, limit_s)
         self.moved -= loss  # as if the kernel had reported one group short or failed
         lossy_runs.append(self.ok)
         return res
@@ -296,3 +296,33 @@ def test_close_does_not_hang_on_a_run_that_was_never_finished(direct_file, caplo
     assert list(run.finish()) == [B]
     ctx.close()
     assert not ctx._ctx.value
+
+
+def test_a_bounded_finish_returns_with_what_never_completed_still_in_flight(direct_file, monkeypatch) -> None:
+    """A cancel's own reap (``limit_s``) must end even if the kernel never completes an I/O: each io_getevents then
+    carries a timeout, and the run returns with the I/Os still counted in flight (here io_getevents reports none,
+    as for a hung device)."""
+    fd, _ = direct_file
+    buf = _random(2 * B, 4)
+    ctx = AioContext(4)
+    real = aio._libc
+    timeouts = []
+
+    class Hung:
+        def syscall(self, nr, *args):
+            if nr == aio._NR_GETEVENTS:
+                timeouts.append(args[4])
+                return 0  # the wait's timeout ran out with nothing completed
+            return real.syscall(nr, *args)
+
+    try:
+        run = ctx.start(IocbBatch(np.full(2, fd), np.arange(2) * B, buf.ctypes.data + np.arange(2) * B,
+                                  np.full(2, B), False), rows=False)  # fmt: skip
+        monkeypatch.setattr(aio, "_libc", Hung())
+        run.finish(lambda: True, spin=False, limit_s=0.05)
+        assert run.inflight == 2 and not run.ok
+        assert timeouts and all(t is not None for t in timeouts), "an io_getevents without a timeout could hang"
+        assert not ctx._lock.locked()
+    finally:
+        monkeypatch.undo()
+        ctx.close()  # io_destroy waits for the two reads

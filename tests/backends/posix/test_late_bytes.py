@@ -17,7 +17,7 @@ import pytest
 from datamover import Agent, DescList, XferState, aligned_empty
 from datamover.backends.posix.aio import aio_available
 from datamover.errors import TransferTimeout
-from datamover.testing.waiting import until
+from datamover.testing.waiting import HeldOnce, cut_short, until
 
 B = 4096
 N = 8
@@ -34,45 +34,13 @@ def test_a_read_cut_short_mid_preadv_lands_nothing_after_err(tmp_path, monkeypat
         path.write_bytes(data.tobytes())
         reg = agent.register_file(path, size=N * B, direct=False)
         mem[:] = 0xAA
-        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
-        real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the preadv go"
-            try:
-                return real(fd, views, offset)
-            finally:
-                if hold:
-                    returned.set()
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the preadv")
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
         xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
-        assert reached.wait(60), "the READ never reached preadv"
-        seen: dict[str, bytes] = {}
-
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
-            seen["at ERR"] = mem.tobytes()
-
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        # the watcher's cancel either waits on the fence for the held preadv, or (no fence) is already done
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        go.set()
-        watcher.join(60)
-        assert returned.wait(60), "the held preadv never returned"
+        assert held.reached.wait(60), "the READ never reached preadv"
+        changed = cut_short(xfer, xfer._completion, end, mem.tobytes, held)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = mem.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         monkeypatch.undo()
         mem[:] = 0
@@ -146,28 +114,14 @@ def test_an_aio_read_cut_short_is_reaped_before_err(tmp_path, monkeypatch, end, 
         assert libc.reached.wait(60), f"the READ's reaper never reached {held}"
         seen: dict = {}
 
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
+        def at_err() -> None:
             with libc.lock:
                 libc.err_seen = True
                 seen["in flight"] = libc.in_flight
-            seen["at ERR"] = mem.tobytes()
 
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        libc.go.set()
-        watcher.join(60)
-        assert libc.returned.wait(60), f"the held {held} never returned"
-        assert xfer._completion.wait(60), "the reaper never finished"
+        changed = cut_short(xfer, xfer._completion, end, mem.tobytes, libc, at_err)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = mem.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         assert seen["in flight"] == 0, f"ERR was reported with {seen['in flight']} I/O(s) of the READ in flight"
         assert libc.submits_after_err == 0, "an I/O of the READ was submitted after ERR"
@@ -188,18 +142,9 @@ def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, mon
         path.write_bytes(np.random.default_rng(5).integers(0, 256, N * B, dtype=np.uint8).tobytes())
         reg = agent.register_file(path, size=N * B, direct=False)
         mem[:] = 0xAA
-        reached, go = threading.Event(), threading.Event()
-        real = os.preadv
-        armed = [True]
-
-        def held(fd, views, offset):
-            hold, armed[0] = armed[0], False
-            if hold:
-                reached.set()
-                assert go.wait(60), "the test never let the preadv go"
-            return real(fd, views, offset)
-
-        monkeypatch.setattr(os, "preadv", held)
+        held = HeldOnce("the preadv")
+        reached, go = held.reached, held.go
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
         xfer = agent.transfer("READ", DescList.blocks(mem, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.5)
         assert reached.wait(60), "the READ never reached preadv"
         fence = xfer._completion
@@ -231,3 +176,101 @@ def test_a_second_thread_polling_sees_err_only_once_the_fence_held(tmp_path, mon
         for who in "AB":
             changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen[who], np.uint8)))
             assert changed == 0, f"{changed} bytes of the READ landed after thread {who} saw ERR"
+
+
+@pytest.mark.skipif(not aio_available()[0], reason="native AIO unavailable here")
+def test_an_aio_read_whose_reaper_gets_no_pool_thread_is_reaped_by_its_cancel(tmp_path, monkeypatch, caplog):
+    """The pool's one thread is held inside another READ's preadv, so the AIO READ's reaper is still queued behind
+    it when the deadline passes: the cancel reaps the two I/Os post() submitted itself. Before, it waited on the
+    fence for 10 s, warned that bytes may still land, and ERR came with both I/Os never reaped."""
+    from datamover.backends.posix import aio
+
+    params = {"threads": 1, "aio_depth": 2, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(2 * N * B)
+        agent.register_memory(mem)
+        data = np.random.default_rng(6).integers(0, 256, 2 * N * B, dtype=np.uint8)
+        (tmp_path / "buffered.bin").write_bytes(data[: N * B].tobytes())
+        (tmp_path / "direct.bin").write_bytes(data.tobytes())
+        buffered = agent.register_file(tmp_path / "buffered.bin", size=N * B, direct=False)
+        direct = agent.register_file(tmp_path / "direct.bin", size=2 * N * B)
+        hog_dst, dst = DescList.blocks(mem[: N * B], B), DescList.blocks(mem[N * B :], B)
+        held = HeldOnce("the preadv")
+        reached, go = held.reached, held.go
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
+        hog = agent.transfer("READ", hog_dst, DescList.file(buffered, np.arange(N) * B, B), timeout=60)
+        assert reached.wait(60), "the first READ never reached preadv on the pool's thread"
+        libc = _HeldAio(aio._libc, -1, 0)  # holds nothing: counts the I/Os in flight
+        monkeypatch.setattr(aio, "_libc", libc)
+        try:
+            xfer = agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B), timeout=0.5)
+            assert xfer.request.plan.aio is not None and not xfer.request.plan.inline
+            assert libc.in_flight == 2, "post() did not submit the READ's first two I/Os"
+            # ``error`` polls without running the reaper itself (``state`` would, before the deadline)
+            until(lambda: xfer.error is not None, what="the READ timing out")
+            with libc.lock:
+                libc.err_seen = True
+                in_flight = libc.in_flight
+            assert isinstance(xfer.error, TransferTimeout)
+            assert in_flight == 0, f"ERR was reported with {in_flight} I/O(s) of the READ in flight"
+            assert not [r for r in caplog.records if r.name == "datamover.fence"], "the fence gave up waiting"
+        finally:
+            go.set()
+        assert hog.wait() == XferState.DONE
+        assert libc.submits_after_err == 0, "an I/O of the READ was submitted after ERR"
+        monkeypatch.undo()
+        mem[:] = 0
+        assert agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B)).wait() == XferState.DONE
+        assert np.array_equal(mem[N * B :].reshape(N, B), data.reshape(N, 2, B)[:, 0])
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("held", ["pwritev", "io_submit"])
+def test_a_write_cut_short_writes_nothing_after_err(tmp_path, monkeypatch, end, held):
+    """A WRITE's pwritev (the pool's synchronous path), or its AIO reaper's next io_submit (a top-up past its
+    check for a cancel), is held while the deadline passes or ``release`` runs; at ERR the caller refills the
+    source buffer with other bytes. The file must hold at ERR what it holds once everything settled: before,
+    ERR came at once and the held call then wrote the refilled bytes into the file under the cut-off WRITE."""
+    from datamover.backends.posix import aio
+
+    if held == "io_submit" and not aio_available()[0]:
+        pytest.skip("native AIO unavailable here")
+    params = {"aio": held == "io_submit", "aio_depth": 2, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        src = aligned_empty(N * B)
+        agent.register_memory(src)
+        data = np.random.default_rng(7).integers(0, 256, N * B, dtype=np.uint8)
+        src[:] = data
+        path = tmp_path / "f.bin"
+        path.write_bytes(bytes(2 * N * B))
+        reg = agent.register_file(path, size=2 * N * B, direct=held == "io_submit")
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)  # gaps between rows: eight I/Os, not one
+        if held == "pwritev":
+            hold = HeldOnce("the pwritev")
+            monkeypatch.setattr(os, "pwritev", hold.wrap(os.pwritev))
+        else:
+            hold = _HeldAio(aio._libc, aio._NR_SUBMIT, 2)  # io_submit 1 runs in post()
+            monkeypatch.setattr(aio, "_libc", hold)
+        xfer = agent.transfer("WRITE", DescList.blocks(src, B), slots, timeout=0.5)
+        assert (xfer.request.plan.aio is not None) == (held == "io_submit") and not xfer.request.plan.inline
+        assert hold.reached.wait(60), f"the WRITE never reached {held}"
+        seen: dict = {}
+
+        def reuse() -> None:
+            src[:] = 0xBB  # the caller's next use of its buffer, once the WRITE reported ERR
+            if held == "io_submit":
+                with hold.lock:
+                    hold.err_seen = True
+                    seen["in flight"] = hold.in_flight
+
+        changed = cut_short(xfer, xfer._completion, end, path.read_bytes, hold, reuse)
+        if end == "timeout":
+            assert isinstance(xfer.error, TransferTimeout)
+        assert changed == 0, f"{changed} bytes reached the file from the caller's buffer after the WRITE reported ERR"
+        if held == "io_submit":
+            assert seen["in flight"] == 0, f"ERR was reported with {seen['in flight']} I/O(s) of the WRITE in flight"
+            assert hold.submits_after_err == 0, "an I/O of the WRITE was submitted after ERR"
+        monkeypatch.undo()
+        src[:] = data
+        assert agent.transfer("WRITE", DescList.blocks(src, B), slots).wait() == XferState.DONE
+        assert np.frombuffer(path.read_bytes(), np.uint8).reshape(N, 2, B)[:, 0].tobytes() == data.tobytes()

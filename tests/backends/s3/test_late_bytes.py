@@ -8,9 +8,6 @@ transfer's state until its deadline has turned it ERR. Nothing waits for a fixed
 
 from __future__ import annotations
 
-import threading
-
-import numpy as np
 import pytest
 from botocore import httpchecksum, response
 
@@ -18,7 +15,7 @@ from datamover import Agent, DescList, XferState
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.s3server import S3Server
-from datamover.testing.waiting import until
+from datamover.testing.waiting import HeldOnce, cut_short
 
 MiB = 1 << 20
 SIZES = {"streamed": 3 * MiB, "small": 64 << 10}  # above and below the backend's verify-before-copy size
@@ -45,51 +42,17 @@ def test_an_s3_read_cut_short_lands_nothing_after_err(server, monkeypatch, size,
         buf = HostBuffer(agent, n)
         buf.array[:] = 0xAA
         reg = agent.register_objects(server.bucket, keys=[key])
-        reached, go, returned = threading.Event(), threading.Event(), threading.Event()
-        armed = [True]
-
-        def holding(real):
-            def held(self, *args, **kwargs):
-                hold, armed[0] = armed[0], False
-                if hold:
-                    reached.set()
-                    assert go.wait(60), "the test never let the body read go"
-                try:
-                    return real(self, *args, **kwargs)
-                finally:
-                    if hold:
-                        returned.set()
-
-            return held
-
+        held = HeldOnce("the body read")
         name = "readinto" if size == "streamed" else "read"
         for cls in (response.StreamingBody, httpchecksum.StreamingChecksumBody):
             if name in vars(cls):
-                monkeypatch.setattr(cls, name, holding(vars(cls)[name]))
+                monkeypatch.setattr(cls, name, held.wrap(vars(cls)[name]))
         objs = DescList.objects(reg, [n], 0, keys=[key])
         xfer = agent.transfer("READ", buf.descs([0], [n]), objs, backends="s3", timeout=0.5)
-        assert reached.wait(60), "the GET never reached its body"
-        seen: dict[str, bytes] = {}
-
-        def cut() -> None:
-            if end == "timeout":
-                until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
-            else:
-                xfer.release()
-            seen["at ERR"] = buf.array.tobytes()
-
-        watcher = threading.Thread(target=cut)
-        watcher.start()
-        fencing = getattr(xfer._completion, "fencing", None)
-        until(lambda: (fencing is not None and fencing.is_set()) or not watcher.is_alive(), what="ERR or the fence")
-        go.set()
-        watcher.join(60)
-        assert returned.wait(60), "the held body read never returned"
-        assert xfer._completion.wait(60), "the READ's runners never finished"
+        assert held.reached.wait(60), "the GET never reached its body"
+        changed = cut_short(xfer, xfer._completion, end, buf.array.tobytes, held)
         if end == "timeout":
             assert isinstance(xfer.error, TransferTimeout)
-        after = buf.array.tobytes()
-        changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
         assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
         monkeypatch.undo()
         assert agent.transfer("READ", buf.descs([0], [n]), objs, backends="s3").wait() == XferState.DONE

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import threading
 
 import msgpack
 
@@ -45,3 +47,45 @@ def recv(sock: socket.socket) -> dict | None:
     except (ConnectionResetError, TimeoutError):
         return None
     return None if body is None else msgpack.unpackb(body, raw=False)
+
+
+class FakeTarget:
+    """A control port that answers every hello with a welcome carrying ``self.address`` and ``self.rkeys``."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.address = b""
+        self.rkeys = b""  # msgpack of the welcome's [[id, mem, dev, addr, length, packed key], ...]
+        self.stop = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            with sock:
+                sock.settimeout(10)
+                send(sock, {"t": "challenge", "nonce": os.urandom(16), "tcp_rx": TCP_RX})
+                if recv(sock) is None:
+                    continue
+                send(
+                    sock,
+                    {
+                        "t": "welcome",
+                        "conn_id": 1,
+                        "address": self.address,
+                        "rkeys": self.rkeys,
+                        "local": b"",
+                        "tcp_rx": TCP_RX,
+                    },
+                )
+                while recv(sock) is not None:  # until the initiator hangs up (remove_remote)
+                    pass
+
+    def close(self) -> None:
+        self.stop = True
+        self.listener.close()

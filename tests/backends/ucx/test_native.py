@@ -1,8 +1,12 @@
 """The native data path (datamover.backends.ucx._ucp): rows posted and UCX progressed in C, and its ctypes fallback."""
 
+import hashlib
+import importlib
 import subprocess
 import sys
 import time
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,6 +55,27 @@ def test_info_says_which_path_is_active_and_why():
     from datamover.backends.ucx import UcxBackend
 
     assert UcxBackend.environment()["native path"] == ucx_rma.data_path()
+
+
+def test_an_extension_built_from_another_source_is_not_used_and_says_rebuild(monkeypatch):
+    monkeypatch.delenv("DATAMOVER_UCX_NATIVE", raising=False)
+    stale = types.ModuleType("datamover.backends.ucx._ucp")
+    stale.SOURCE_SHA256 = "0" * 64  # as if _ucp.c changed (a git pull) after the build
+    monkeypatch.setitem(sys.modules, "datamover.backends.ucx._ucp", stale)
+    lib, reason = ucx_rma._native_state.__wrapped__()
+    assert lib is None
+    assert reason.startswith("ctypes: the native extension") and "built 000000000000" in reason
+    assert "rebuild it" in reason
+
+
+def test_the_built_extension_was_built_from_the_source_beside_it():
+    """A stale build would quietly turn every native test into a skip: fail here instead, saying rebuild."""
+    try:
+        _ucp = importlib.import_module("datamover.backends.ucx._ucp")
+    except ImportError as exc:
+        pytest.skip(f"the native extension was not built ({exc})")
+    source = Path(ucx_rma.__file__).with_name("_ucp.c")
+    assert _ucp.SOURCE_SHA256 == hashlib.sha256(source.read_bytes()).hexdigest(), ucx_rma.data_path()
 
 
 def test_without_the_extension_the_ctypes_path_is_chosen_and_says_why(monkeypatch):

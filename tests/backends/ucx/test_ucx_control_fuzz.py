@@ -31,7 +31,7 @@ from datamover.errors import DatamoverError, InvalidMetadata
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
-from .control import TCP_RX, control_of, recv, send
+from .control import TCP_RX, FakeTarget, control_of, recv, send
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
@@ -357,47 +357,6 @@ def _until(cond, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-class _FakeTarget:
-    """A control port that answers every hello with a welcome carrying ``self.address`` (set per example)."""
-
-    def __init__(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.address = b""
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop:
-            try:
-                sock, _ = self.listener.accept()
-            except OSError:
-                return
-            with sock:
-                sock.settimeout(10)
-                send(sock, {"t": "challenge", "nonce": os.urandom(16), "tcp_rx": TCP_RX})
-                if recv(sock) is None:
-                    continue
-                send(
-                    sock,
-                    {
-                        "t": "welcome",
-                        "conn_id": 1,
-                        "address": self.address,
-                        "rkeys": b"",
-                        "local": b"",
-                        "tcp_rx": TCP_RX,
-                    },
-                )
-                while recv(sock) is not None:  # until the initiator hangs up (remove_remote)
-                    pass
-
-    def close(self) -> None:
-        self.stop = True
-        self.listener.close()
-
-
 @pytest.fixture(scope="module")
 def initiator():
     with RemotePeer("fuzz-initiator", UCX) as peer:
@@ -408,7 +367,7 @@ def initiator():
 @given(data=st.data())
 def test_fuzzed_welcome_addresses_never_kill_the_initiator(initiator, real_address, data):
     """The second abort the fault matrix found: a target whose welcome carries a malformed address."""
-    fake = _FakeTarget()
+    fake = FakeTarget()
     try:
         fake.address = data.draw(_mutations(real_address))
         blob = encode_metadata("fake", {"ucx": {"address": real_address, "host": "127.0.0.1", "port": fake.port}}, [])
@@ -425,7 +384,7 @@ def test_fuzzed_welcome_addresses_never_kill_the_initiator(initiator, real_addre
 
 def _welcome_from_fake(initiator, real_address: bytes, address: bytes) -> str:
     """A fake target's welcome carries ``address``; what the initiator's notification to it raised ('' if sent)."""
-    fake = _FakeTarget()
+    fake = FakeTarget()
     try:
         fake.address = address
         blob = encode_metadata("fake", {"ucx": {"address": real_address, "host": "127.0.0.1", "port": fake.port}}, [])
