@@ -4,7 +4,10 @@ How it decides, for one tier of C chunks:
 1. Five shadow caches, one per expert (S3-FIFO, W-TinyLFU, ARC, LRU, LFU-DA), replay the tier's own references
    on a sample of the keys (keys chosen by a hash; each shadow holds that share of C: at least 256 chunks when C
    allows and at least 1/8 of the keys: spatially sampled miniature simulation, Waldspurger et al., ATC'17).
-   Shadows hold keys only, no data.
+   Shadows hold keys only, no data. Over 256 chunks (miniature shadows) each shadow is handed each request, once
+   it is served, as that expert running the tier would have been: its own found prefix, then the rest, each
+   last chunk first (the order the tier gets depends on what the running expert holds, and would bias the
+   other experts' shadows; BENCHMARKS.md).
 2. The shadows see the same references, so their hits are strongly correlated; the evidence is therefore paired
    (McNemar's test): for each pair of experts it counts the sampled references where one hit and the other
    missed, with exponential forgetting over the last 10 x (shadow size, at least 256) sampled references, so the
@@ -16,9 +19,12 @@ How it decides, for one tier of C chunks:
    When the shadows sample every key (tiers of up to 256 chunks), the challenger's shadow is that policy run
    on this tier's references: the new policy takes its state (queues, lists, counts, ghosts, ARC's target,
    LFU-DA's age) for the chunks both hold, and the chunks the shadow does not hold, which it would have
-   evicted, go first. Otherwise the chunks come in their recency order with their use counts from the cache's
-   frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its protected segment, LFU-DA and S3-FIFO
-   start from the counts), and ARC takes its shadow's T1 target as a share of the tier.
+   evicted, go first. Over 256 chunks the new policy is rerun at the tier's size over the tier's last 10 x C
+   references (the sketch's horizon), request by request as above, and the tier takes that state the same way.
+   Without request boundaries (a cache that never calls `served`) the chunks come in their recency order with
+   their use counts from the cache's frequency sketch (ARC puts chunks used twice in T2, W-TinyLFU in its
+   protected segment, LFU-DA and S3-FIFO start from the counts), and ARC takes its shadow's T1 target as a
+   share of the tier.
 4. Prefixes: the engine hands each request's chunks to the policy leaf first (the request's first chunk ends
    most recent), and tells it each chunk's parent. When the leading policy picks a victim that still has
    children in the tier, the victim is handed back (as just used) and the policy picks again (up to 8
@@ -37,7 +43,7 @@ fitted to a trace.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container
 
 from .arc import ARCTier
@@ -94,6 +100,17 @@ class AdaptiveTier(TierPolicy):
         self.real: TierPolicy = experts[0](capacity)
         self._admits = type(self.real).admit is not TierPolicy.admit  # whether the real policy may refuse
         self.recency: OrderedDict[Key, None] = OrderedDict()
+        # Miniature shadows (threshold < 2**64) see each request as the expert they simulate would (`served`): the
+        # references of the request being served, and the last SAMPLE_FACTOR x C references, request by request
+        self.miniature = self.threshold <= _MASK
+        self._pending: list[tuple[int, Key]] = []
+        self.history: deque[list[Key]] = deque()
+        self._history_refs = 0
+        self._history_limit = SAMPLE_FACTOR * capacity
+
+    def sampled(self, key: Key) -> bool:
+        """Whether the shadows see `key` (its hash is under the sampling threshold)."""
+        return (hash(key) * _GOLDEN) & _MASK < self.threshold
 
     def _sample(self, key: Key, now: float) -> None:
         """One reference of a sampled key (`insert` and `touch` test the hash): to every shadow, then count."""
@@ -102,8 +119,43 @@ class AdaptiveTier(TierPolicy):
             if ref(key, now):
                 hit |= bit
             bit <<= 1
+        self._count(hit, bit)
+
+    def served(self, now: float) -> None:
+        """A request is done: its references (in chunk order) join the history, and each miniature shadow takes
+        its sampled ones as that expert running the tier would have been handed them: its own found prefix
+        last chunk first, then the rest last chunk first (the engine's order, which depends on what the tier
+        holds, would bias the shadows of the experts not running it). Then they are counted, in chunk order."""
+        pending = self._pending
+        if not pending:
+            return
+        pending.sort(key=_first)
+        keys = [key for _, key in pending]
+        pending.clear()
+        self.history.append(keys)
+        self._history_refs += len(keys)
+        while self._history_refs - len(self.history[0]) >= self._history_limit:
+            self._history_refs -= len(self.history.popleft())
+        threshold = self.threshold
+        sampled = [key for key in keys if (hash(key) * _GOLDEN) & _MASK < threshold]
+        if not sampled:
+            return
+        masks = [0] * len(sampled)
+        bit = 1
+        for shadow in self.shadows:
+            ref = shadow.ref
+            for i in _served_order(sampled, shadow.holds):
+                if ref(sampled[i], now):
+                    masks[i] |= bit
+            bit <<= 1
+        for hit in masks:
+            self._count(hit, bit)
+
+    def _count(self, hit: int, full: int) -> None:
+        """One sampled reference whose shadows hit as the bit mask `hit` says (`full` - 1 if all did): every
+        (hit, missed) pair of experts counts one, faded."""
         unit = self._unit = self._unit / self._keep
-        if 0 < hit < bit - 1:  # some hit, some missed: every (hit, missed) pair counts one
+        if 0 < hit < full - 1:
             pairs = self._pairs.get(hit)
             if pairs is None:
                 n = len(self._refs)
@@ -149,6 +201,14 @@ class AdaptiveTier(TierPolicy):
         if self.threshold > _MASK and shadow.capacity == self.capacity:
             self.real.assume(shadow, list(self.recency))  # type: ignore[attr-defined]
             return
+        if self.history:  # the expert run at full size over the history is what the tier would hold
+            rerun = self.experts[expert](self.capacity)
+            ref, holds = rerun.ref, rerun.holds
+            for keys in self.history:
+                for i in _served_order(keys, holds):
+                    ref(keys[i], 0.0)
+            self.real.assume(rerun, list(self.recency))  # type: ignore[attr-defined]
+            return
         counts = self.sketch.counts if self.sketch is not None else {}
         self.real.adopt(list(self.recency), counts)  # type: ignore[attr-defined]
         if isinstance(shadow, ARCTier):  # what ARC has learnt, T1's target, is a share of the cache: scale it
@@ -168,7 +228,9 @@ class AdaptiveTier(TierPolicy):
             else:
                 kids.add(key)
         self.real.insert(key, now, ref)
-        if (hash(key) * _GOLDEN) & _MASK < self.threshold:
+        if self.miniature and ref >= 0:
+            self._pending.append((ref, key))
+        elif (hash(key) * _GOLDEN) & _MASK < self.threshold:
             self._sample(key, now)
 
     def _gone(self, key: Key) -> None:
@@ -183,7 +245,9 @@ class AdaptiveTier(TierPolicy):
     def touch(self, key: Key, now: float, ref: int = -1) -> None:
         self.recency.move_to_end(key)
         self.real.touch(key, now, ref)
-        if (hash(key) * _GOLDEN) & _MASK < self.threshold:
+        if self.miniature and ref >= 0:
+            self._pending.append((ref, key))
+        elif (hash(key) * _GOLDEN) & _MASK < self.threshold:
             self._sample(key, now)
 
     def remove(self, key: Key) -> None:
@@ -229,6 +293,21 @@ class AdaptiveTier(TierPolicy):
 
     def __len__(self) -> int:
         return len(self.recency)
+
+
+def _first(item: tuple[int, Key]) -> int:
+    return item[0]
+
+
+def _served_order(keys: list[Key], holds: Callable[[Key], bool]) -> list[int]:
+    """Positions of a request's chunks (first to last) in the order the engine hands them to a tier that holds
+    what `holds` says: the found prefix last chunk first, then the rest last chunk first."""
+    n = len(keys)
+    for i, key in enumerate(keys):
+        if not holds(key):
+            n = i
+            break
+    return [*range(n - 1, -1, -1), *range(len(keys) - 1, n - 1, -1)]
 
 
 class AdaptivePolicy(Policy):

@@ -66,6 +66,11 @@ class TierPolicy(ABC):
         """Whether `key` may replace a resident chunk of this full tier (True: admission control off)."""
         return True
 
+    def served(self, now: float) -> None:
+        """The request whose chunks this tier was just told about (`insert`, `touch`) is done. The engine calls
+        this after each `access_request` and `access`; an owner that passes reference indexes (`ref` >= 0) must
+        too, since a policy may hold a request's references until then (default: nothing to do)."""
+
     def restore(self, key: Key, now: float) -> None:
         """Take back the chunk `evict` just gave up, as just used (default: as a newly inserted chunk)."""
         self.insert(key, now)

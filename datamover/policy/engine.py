@@ -62,7 +62,7 @@ class TierStack:
         )
 
     def access(self, key: Hashable, now: float, ref: int = -1) -> int:
-        """Replay one reference; return the tier index that served it, or -1 for a miss."""
+        """Replay one reference (a request of one chunk); return the tier index that served it, or -1 for a miss."""
         self.policy.observe(key, now, ref)
         j = self.where(key)
         if j >= 0:
@@ -70,6 +70,9 @@ class TierStack:
         else:
             self.misses += 1
             self.place(0, key, now, ref, PREFILL)
+        for order in self.orders:
+            if type(order).served is not TierPolicy.served:
+                order.served(now)
         return j
 
     def access_request(self, keys: Sequence[Hashable], now: float, first_ref: int = -1, leaf_first: bool = True) -> int:
@@ -78,7 +81,8 @@ class TierStack:
         already held only counts as used). With `leaf_first` each phase hands its chunks to the policy last
         chunk first, so the request's first chunk ends most recent, and tells the policy each chunk's parent
         (without it, in order and without parents, as TieredCache's get and put do today). Every found chunk
-        counts in `hits`; returns the usable prefix, the number of leading chunks found."""
+        counts in `hits`; each tier's policy is then told the request was served (`TierPolicy.served`). Returns
+        the usable prefix, the number of leading chunks found."""
         if self._plain and len(self.resident) == 1 and not self.closed:
             return self._one_tier_request(keys, now, first_ref, leaf_first)
         where, pinned, policy = self.where, self.pinned, self.policy
@@ -121,6 +125,9 @@ class TierStack:
             else:
                 self.misses += 1
                 place(0, key, now, ref, PREFILL)
+        for order in self.orders:
+            if type(order).served is not TierPolicy.served:
+                order.served(now)
         return n
 
     def _one_tier_request(self, keys: Sequence[Hashable], now: float, first_ref: int, leaf_first: bool) -> int:
@@ -171,6 +178,8 @@ class TierStack:
             placed += 1
         if n == len(keys):
             pinned.difference_update(held)
+        if type(order).served is not TierPolicy.served:
+            order.served(now)
         self.hits[0] += found
         self.misses += missed
         self.evictions[0] += evicted

@@ -233,6 +233,9 @@ class WTinyLFUTier(TierPolicy):
             probation[old] = None
         return False
 
+    def holds(self, key: Key) -> bool:
+        return key in self.window or key in self.probation or key in self.protected
+
     def adopt(self, keys: list[Key], counts: Mapping[Key, int] | None = None) -> None:
         """Take over resident chunks, oldest first (a policy switch): the newest into the window; of the rest,
         the most recent that `counts` says were used at least twice into protected, the others into probation."""

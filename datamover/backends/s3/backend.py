@@ -334,8 +334,9 @@ class S3Backend(Backend):
         tasks = p.tasks
         runners = min(int(self.params["concurrency"]), len(tasks))
         # a READ's runners write into the caller's memory (GET bodies, zeroing what was not verified): each is inside
-        # the fence for its whole life, so ERR and release() come once every runner stopped (up to 10 s)
-        completion = Completion(runners) if req.op == "WRITE" else ReadFence(runners)
+        # the fence for its whole life, so ERR and release() come once every runner stopped (up to 10 s); a WRITE's
+        # read it only to copy a body out (``_Run.copy``), inside the fence, so none is read after ERR
+        completion = ReadFence(runners)
         if not runners:
             return completion
         run = _Run(req, self, completion, runners)
@@ -376,10 +377,9 @@ class S3Backend(Backend):
         bucket, key = p.bucket[row], p.key[row]
         return object_store_error(exc, bucket, key, what, index=req.caller_index(row, at), backend=self.name)
 
-    def put(self, req: TransferRequest, row: int, view: np.ndarray) -> None:
+    def put(self, req: TransferRequest, row: int, body: bytes, crc: str) -> None:
         p = req.plan
-        crc = crc32c_b64(view)
-        kw: dict[str, Any] = {"Bucket": p.bucket[row], "Key": p.key[row], "Body": view.tobytes()}
+        kw: dict[str, Any] = {"Bucket": p.bucket[row], "Key": p.key[row], "Body": body}
         kw["Metadata"] = {CRC_META: crc}
         if self._use_native():
             kw["ChecksumAlgorithm"] = "CRC32C"
@@ -482,7 +482,7 @@ class S3Backend(Backend):
 class _Run:
     """One post of a request: runners pull tasks from a shared counter until done or cancelled."""
 
-    def __init__(self, req: TransferRequest, backend: S3Backend, completion: Completion, runners: int) -> None:
+    def __init__(self, req: TransferRequest, backend: S3Backend, completion: ReadFence, runners: int) -> None:
         self.req = req
         self.b = backend
         self.completion = completion
@@ -513,7 +513,7 @@ class _Run:
     def runner(self) -> None:
         tasks = self.req.plan.tasks
         c = self.completion
-        fence = c if type(c) is ReadFence else None
+        fence = c if not self.write else None
         inside = fence is None or fence.join()  # False: a READ cancelled before this runner began touches nothing
         try:
             while inside and not c.cancelled:
@@ -546,12 +546,33 @@ class _Run:
         base = p.mem_off[row] + start
         return p.arrays[p.mem_reg[row]][base : base + count]
 
+    def copy(self, view: np.ndarray, crc: bool = True) -> tuple[bytes, str | None]:
+        """A WRITE's body copied out of the caller's memory (and its CRC32C), inside the fence: none once cancelled."""
+        fence = self.completion
+        if not fence.enter():
+            raise _Cancelled()
+        try:
+            return view.tobytes(), (crc32c_b64(view) if crc else None)
+        finally:
+            fence.leave()
+
+    def crc(self, view: np.ndarray) -> str:
+        """The CRC32C of a whole object, read from the caller's memory inside the fence: none once cancelled."""
+        fence = self.completion
+        if not fence.enter():
+            raise _Cancelled()
+        try:
+            return crc32c_b64(view)
+        finally:
+            fence.leave()
+
     def one(self, row: int, part: int, start: int, count: int) -> None:
         view = self.view(row, start, count)
         if part < 0:
             if self.write:
+                body, crc = self.copy(view)  # raises once cancelled: nothing sent, the object untouched
                 try:
-                    self.b.put(self.req, row, view)
+                    self.b.put(self.req, row, body, crc)  # type: ignore[arg-type]
                 except BaseException as exc:  # an HTTP answer means nothing was stored; no answer, no telling
                     self.outcomes[row] = "aborted" if getattr(exc, "status", None) else "unknown"
                     raise
@@ -588,7 +609,7 @@ class _Run:
             if g.upload_id is None:
                 whole = self.view(g.row, 0, p.len[g.row])
                 g.marker = os.urandom(12).hex()
-                meta = {CRC_META: crc32c_b64(whole), UPLOAD_META: g.marker}
+                meta = {CRC_META: self.crc(whole), UPLOAD_META: g.marker}
                 kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": meta}
                 if b._use_native():
                     kw["ChecksumAlgorithm"] = "CRC32C"
@@ -598,10 +619,9 @@ class _Run:
                 g.etags = [None] * g.nparts
         if self.completion.cancelled:
             raise _Cancelled()
-        kw = {"Bucket": bucket, "Key": key, "UploadId": g.upload_id, "PartNumber": part + 1, "Body": view.tobytes()}
-        crc = None
-        if b._use_native():
-            crc = crc32c_b64(view)
+        body, crc = self.copy(view, crc=b._use_native())
+        kw = {"Bucket": bucket, "Key": key, "UploadId": g.upload_id, "PartNumber": part + 1, "Body": body}
+        if crc is not None:
             kw["ChecksumAlgorithm"] = "CRC32C"
             kw["ChecksumCRC32C"] = crc
         resp = b._call(b._client.upload_part, req=req, row=g.row, what=f"UploadPart {part + 1}", **kw)

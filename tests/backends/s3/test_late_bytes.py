@@ -8,6 +8,7 @@ transfer's state until its deadline has turned it ERR. Nothing waits for a fixed
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from botocore import httpchecksum, response
 
@@ -57,3 +58,40 @@ def test_an_s3_read_cut_short_lands_nothing_after_err(server, monkeypatch, size,
         monkeypatch.undo()
         assert agent.transfer("READ", buf.descs([0], [n]), objs, backends="s3").wait() == XferState.DONE
         assert buf.array.tobytes() == data
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("kind", ["put", "multipart"])
+def test_an_s3_write_cut_short_sends_nothing_read_after_err(server, monkeypatch, kind, end):
+    """A PUT's copy of its body out of the caller's memory (its CRC32C, first) is held while the deadline passes
+    or ``release`` runs (a multipart upload's: the whole object's, before its CreateMultipartUpload); at ERR the
+    caller refills its buffer. The object may still be committed after ERR (the
+    upload was under way; ``release`` says so), but only with the bytes read before ERR. Before, ERR came at
+    once and the held copy then read the refilled buffer: the object was committed holding it."""
+    from datamover.backends.s3 import backend as s3_backend
+
+    n = 64 << 10 if kind == "put" else 11 * MiB
+    key = f"late/write-{kind}-{end}"
+    data = random_bytes(n, 12)
+    cfg = server.config(max_attempts=1, concurrency=1, part_size=5 * MiB, multipart_threshold=8 * MiB)
+    with Agent("s3-late-w", {"backends": {"s3": cfg}}) as agent:
+        buf = HostBuffer(agent, n)
+        buf.array[:] = np.frombuffer(data, np.uint8)
+        reg = agent.register_objects(server.bucket, keys=[key])
+        held = HeldOnce("the body's copy")
+        monkeypatch.setattr(s3_backend, "crc32c_b64", held.wrap(s3_backend.crc32c_b64))
+        objs = DescList.objects(reg, [n], 0, keys=[key])
+        xfer = agent.transfer("WRITE", buf.descs([0], [n]), objs, backends="s3", timeout=0.5)
+        assert held.reached.wait(60), "the PUT never reached its body"
+
+        def reuse() -> None:
+            buf.array[:] = 0xBB
+
+        cut_short(xfer, xfer._completion, end, bytes, held, reuse)
+        xfer.release()  # waits for the upload under way
+        try:
+            stored = server.client().get_object(Bucket=server.bucket, Key=key)["Body"].read()
+        except server.client().exceptions.NoSuchKey:
+            stored = None
+        assert stored is None or stored == data, f"{stored.count(0xBB)} bytes of the refilled buffer were committed"
+        assert xfer.outcomes[0] == "committed" if stored is not None else xfer.outcomes[0] in ("aborted", "untouched")
