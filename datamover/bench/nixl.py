@@ -47,6 +47,10 @@ class NixlCase:
     verify: Callable[[], bool]
     close: Callable[[], None]
     zero_target: Callable[[], None] = lambda: None
+    #: called before and after each timed ``run`` (outside its time and CPU): a peer process that polls rests
+    #: in between, so that it takes no CPU from the other library's transfers; ``run`` alone still works
+    enter: Callable[[], None] = lambda: None
+    leave: Callable[[], None] = lambda: None
 
 
 class NixlSide(ABC):
@@ -290,6 +294,7 @@ class NixlRemoteDram(NixlSide):
         except Exception as exc:
             self.peer.close()
             raise NixlError(f"NIXL could not connect to its peer process: {exc}", backend="nixl") from exc
+        self.peer.rest()  # it polls only while NIXL's own transfers run (NixlCase.enter / leave)
 
     def header(self) -> dict[str, Any]:
         return {
@@ -297,7 +302,11 @@ class NixlRemoteDram(NixlSide):
             "ucx": self.agent.get_backend_params("UCX"),
             "peer pid": self.peer.proc.pid,
             "peer host": str(self.peer.host) if self.peer.host else "this one",
-            "peer progress": f"polled every {self.peer.poll_s * 1e6:.0f} us" if self.peer.polls else "none (one-sided)",
+            "peer progress": (
+                f"polled every {self.peer.poll_s * 1e6:.0f} us while NIXL's transfers are timed, resting otherwise"
+                if self.peer.polls
+                else "none (one-sided)"
+            ),
         }
 
     def case(self, case: Case) -> NixlCase:
@@ -306,9 +315,18 @@ class NixlRemoteDram(NixlSide):
         local_rows = block_rows(int(self.mem.ctypes.data), np.arange(batch, dtype=np.int64) * block, block, 0)
         remote_rows = block_rows(self.peer.addr, perm.astype(np.int64) * block, block, 0)
         xh, release = self._prepped(self.agent, op, local_rows, "DRAM", remote_rows, "DRAM", self.peer_name)
-        run = self._timed(self.agent, xh)
+        timed = self._timed(self.agent, xh)
         if op == "READ":
             self.peer.fill(n, seed=block ^ batch)
+
+        def run() -> tuple[float, float]:
+            if not self.peer.resting:
+                return timed()
+            self.peer.wake()
+            try:
+                return timed()
+            finally:
+                self.peer.rest()
 
         def in_remote_order() -> np.ndarray:
             out = np.empty((batch, block), dtype=np.uint8)
@@ -328,7 +346,7 @@ class NixlRemoteDram(NixlSide):
             run()
             return digest(in_remote_order()) == self.peer.digest(n)
 
-        return NixlCase(run, verify, release, zero_target)
+        return NixlCase(run, verify, release, zero_target, enter=self.peer.wake, leave=self.peer.rest)
 
     def close(self) -> None:
         try:

@@ -8,7 +8,10 @@ check them after a transfer. Between commands it does not touch UCX at all
 when RMA can complete without it: error-handling mode ``none`` and cma
 allowed by UCX_TLS (the initiator then copies into the target itself, the
 way NIXL is meant to be used). Otherwise (``peer`` mode, or no cma) UCX
-needs the target to progress, so it polls NIXL every ``poll_s`` seconds.
+needs the target to progress, so it polls NIXL every ``poll_s`` seconds,
+except while told to rest (``rest``, until ``wake``): while the other
+library's transfers are timed, a target polling on the same cores would
+take CPU from that library's target and preempt it.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class NixlPeer:
         self.addr = int(addr)
         self.nbytes = nbytes
         self.name = name
+        self.resting = False
 
     def _reply(self, timeout: float = 120.0) -> str:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -98,6 +102,22 @@ class NixlPeer:
 
     def digest(self, n: int) -> str:
         return self.command("digest", n)
+
+    def rest(self) -> None:
+        """Stop polling UCX until ``wake()``: NIXL transfers to this peer cannot complete meanwhile."""
+        if self.polls and not self.resting:
+            self.command("rest")
+            self.resting = True
+
+    def wake(self) -> None:
+        """Poll UCX again (a no-op for a peer that never needs to)."""
+        if self.resting:
+            self.command("wake")
+            self.resting = False
+
+    def polled(self) -> int:
+        """How many times the peer has progressed UCX so far."""
+        return int(self.command("polled"))
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -124,12 +144,14 @@ def serve(name: str, nbytes: int, err_mode: str, poll_s: float) -> None:
     buf[:] = 0
     reg = agent.register_memory([(int(buf.ctypes.data), nbytes, 0, "")], "DRAM")
     print(base64.b64encode(agent.get_agent_metadata()).decode(), int(buf.ctypes.data), file=out, flush=True)
-    timeout = poll_s or None
+    resting, polled = False, 0
     try:
         while True:
-            ready, _, _ = select.select([sys.stdin], [], [], timeout)
-            if poll_s:
+            polling = bool(poll_s) and not resting
+            ready, _, _ = select.select([sys.stdin], [], [], poll_s if polling else None)
+            if polling:
                 agent.get_new_notifs()  # progresses the UCX worker
+                polled += 1
             if not ready:
                 continue
             words = sys.stdin.readline().split()
@@ -144,6 +166,11 @@ def serve(name: str, nbytes: int, err_mode: str, poll_s: float) -> None:
                 print("ok", file=out, flush=True)
             elif words[0] == "digest":
                 print(digest(buf[: int(words[1])]), file=out, flush=True)
+            elif words[0] in ("rest", "wake"):
+                resting = words[0] == "rest"
+                print("ok", file=out, flush=True)
+            elif words[0] == "polled":
+                print(polled, file=out, flush=True)
             else:
                 print(f"error unknown command {words[0]!r}", file=out, flush=True)
     finally:

@@ -89,30 +89,42 @@ def sample_case(
     max_iters: int,
     min_iters: int = 3,
     vs: Callable[[], tuple[float, float]] | None = None,
+    vs_enter: Callable[[], None] | None = None,
+    vs_leave: Callable[[], None] | None = None,
 ) -> Samples:
     """Alternate ours, raw and ``vs`` (another library's run of the same case) until ``min_time`` seconds each.
 
     Every side is preceded by ``case.before_each`` (e.g. a cold page cache),
     warmed up once, and the order flips each round so that neither library
-    always runs right after the other.
+    always runs right after the other. ``vs_enter`` / ``vs_leave`` bracket each
+    ``vs`` run outside its CPU count (e.g. waking the other library's peer).
     """
     sides: list[tuple[str, Callable]] = [("ours", case.ours)]
     if case.raw is not None:
         sides.append(("raw", case.raw))
     if vs is not None:
         sides.append(("vs", vs))
-    for _, fn in sides:  # warm up: first-touch, connections, caches
+    enter, leave = vs_enter or (lambda: None), vs_leave or (lambda: None)
+    for name, fn in sides:  # warm up: first-touch, connections, caches
         case.before_each()
+        if name == "vs":
+            enter()
         fn()
+        if name == "vs":
+            leave()
     s = Samples()
     start = time.perf_counter()
     rounds = 0
     while rounds < max_iters and (rounds < min_iters or time.perf_counter() - start < len(sides) * min_time):
         for name, fn in sides if rounds % 2 == 0 else sides[::-1]:
             case.before_each()
+            if name == "vs":
+                enter()
             c0 = _cpu_seconds()
             out = fn()
             cpu = _cpu_seconds() - c0
+            if name == "vs":
+                leave()
             if name == "ours":
                 s.posts.append(out[0])
                 s.totals.append(out[1])
@@ -214,7 +226,10 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
             except DatamoverError as exc:
                 vs_error = str(exc)
         try:
-            s = sample_case(case, min_time=min_time, max_iters=max_iters, vs=vs_case.run if vs_case else None)
+            s = sample_case(
+                case, min_time=min_time, max_iters=max_iters, vs=vs_case.run if vs_case else None,
+                vs_enter=vs_case.enter if vs_case else None, vs_leave=vs_case.leave if vs_case else None,
+            )  # fmt: skip
         except DatamoverError as exc:
             if vs_case is None:
                 raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -134,6 +135,36 @@ def test_nixl_remote_pair_moves_and_checks_bytes_across_processes() -> None:
     finally:
         side.close()
     assert side.peer.proc.poll() == 0
+
+
+@needs_nixl
+def test_a_polling_nixl_peer_rests_while_the_other_library_is_timed() -> None:
+    """Over tcp NIXL's peer must poll UCX for NIXL's transfers, but it does so only between a case's enter and
+    leave (or inside a bare run): resting, it takes no CPU from our target on the same cores."""
+    from datamover.bench.nixl import NixlRemoteDram
+    from datamover.bench.workload import Case
+
+    side = NixlRemoteDram(_SourceOnly(1 << 20), NixlSettings(ucx_tls="tcp,self", timeout=30))
+    try:
+        peer = side.peer
+        assert peer.polls and peer.resting and "resting otherwise" in side.header()["peer progress"]
+        case = side.case(Case("WRITE", 65536, 16, lambda: (0.0, 0.0), None, lambda: True))
+        rested = peer.polled()
+        time.sleep(0.2)  # 2000 polls' worth, were it polling
+        assert peer.polled() == rested
+        case.enter()
+        assert not peer.resting
+        post, total = case.run()
+        assert 0 <= post <= total and peer.polled() > rested
+        case.leave()
+        assert peer.resting
+        assert case.verify() is True and peer.resting  # a bare run wakes it and lets it rest again
+        rested = peer.polled()
+        time.sleep(0.2)
+        assert peer.polled() == rested
+        case.close()
+    finally:
+        side.close()
 
 
 @needs_nixl

@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/prctl.h>
 #include <sys/eventfd.h>
 #include <time.h>
 #include <unistd.h>
@@ -273,54 +274,110 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* drive(worker, deadline, spin_s=50e-6): progress ``worker`` until the flush ends or time.monotonic() passes
- * ``deadline``; returns the flush's status (UCS_INPROGRESS at the deadline). After ``spin_s`` without progress it
- * sleeps on UCX's event fd (armed) instead of spinning, so a peer that shares the cores gets them. The GIL is
- * released throughout. */
+/* what the waiters' drive loops did, summed over every drive() in this process (see drive_stats()) */
+typedef struct {
+    unsigned long long drives, progress, empty, looks, late, sleeps, pauses;
+} drive_counts_t;
+
+static drive_counts_t drive_total;
+
+static void drive_add(const drive_counts_t *c) {
+    __atomic_add_fetch(&drive_total.drives, c->drives, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.progress, c->progress, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.empty, c->empty, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.looks, c->looks, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.late, c->late, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.sleeps, c->sleeps, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&drive_total.pauses, c->pauses, __ATOMIC_RELAXED);
+}
+
+static int flush_check(FlushObject *f) {
+    pthread_mutex_lock(&f->lock);
+    int st = flush_check_locked(f);
+    pthread_mutex_unlock(&f->lock);
+    return st;
+}
+
+/* empty progress calls in a row between looks at the clock and the flush: each is an epoll_wait, so a look
+ * (a mutex round trip and clock_gettime) every few costs little, and the flush can only end in a progress
+ * that did work (it is looked at after each of those) unless another thread progresses the worker */
+#define DRIVE_LOOK_EVERY 8
+
+/* drive(worker, deadline, spin_s=50e-6, pause_s=0): progress ``worker`` until the flush ends or
+ * time.monotonic() passes ``deadline``; returns the flush's status (UCS_INPROGRESS at the deadline). After
+ * ``spin_s`` without progress it sleeps on UCX's event fd (armed) instead of spinning, so a peer that shares
+ * the cores gets them. The GIL is released throughout. */
 static PyObject *flush_drive(FlushObject *f, PyObject *args) {
     unsigned long long worker_ull;
     double deadline, spin_s = 50e-6, pause_s = 0.0;
     if (!PyArg_ParseTuple(args, "Kd|dd", &worker_ull, &deadline, &spin_s, &pause_s)) return NULL;
     void *worker = (void *)(uintptr_t)worker_ull;
     int st, efd = -1;
+    drive_counts_t c = {.drives = 1};
     Py_BEGIN_ALLOW_THREADS
     if (ucp.get_efd(worker, &efd) != UCS_OK) efd = -1;
-    double last = monotonic_s();
-    for (;;) {
-        pthread_mutex_lock(&f->lock);
-        st = flush_check_locked(f);
-        pthread_mutex_unlock(&f->lock);
-        if (st != UCS_INPROGRESS) break;
+    double now = monotonic_s(), last = now;
+    unsigned empty = 0; /* empty progress calls since the last look */
+    st = flush_check(f);
+    while (st == UCS_INPROGRESS) {
         unsigned k = 0;
         while (ucp.progress(worker)) k++;
-        double now = monotonic_s();
-        if (now > deadline) break;
+        c.progress += k + 1;
+        c.empty++;
         if (k) {
-            last = now;
+            empty = 0;
+            st = flush_check(f);
+            now = last = monotonic_s();
+            if (st != UCS_INPROGRESS || now > deadline) break;
             continue;
         }
-        if (efd < 0 || now - last < spin_s) {
-            /* nothing to do yet: wait pause_s before asking UCX again, on the CPU (no syscall), so that each
-             * progress (an epoll_wait on UCX's sockets) finds more work and the polling does not contend with
-             * the kernel delivering the peer's data into those sockets */
-            if (pause_s > 0.0) {
-                double until = now + pause_s;
-                while (monotonic_s() < until) cpu_relax();
+        if (++empty >= DRIVE_LOOK_EVERY) {
+            empty = 0;
+            c.looks++;
+            st = flush_check(f);
+            if (st != UCS_INPROGRESS) {
+                c.late++; /* ended without a progress that did work: another thread's, or a callback's */
+                break;
             }
-            continue;
+            now = monotonic_s();
+            if (now > deadline) break;
+            if (efd >= 0 && now - last >= spin_s) {
+                if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
+                st = flush_check(f);
+                if (st != UCS_INPROGRESS) break;
+                double left_ms = (deadline - now) * 1e3;
+                struct pollfd pfd = {.fd = efd, .events = POLLIN};
+                poll(&pfd, 1, left_ms < 1.0 ? 1 : (left_ms > 10.0 ? 10 : (int)left_ms));
+                c.sleeps++;
+                now = last = monotonic_s();
+                continue;
+            }
         }
-        if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
-        pthread_mutex_lock(&f->lock);
-        st = flush_check_locked(f);
-        pthread_mutex_unlock(&f->lock);
-        if (st != UCS_INPROGRESS) break;
-        double left_ms = (deadline - now) * 1e3;
-        struct pollfd pfd = {.fd = efd, .events = POLLIN};
-        poll(&pfd, 1, left_ms < 1.0 ? 1 : (left_ms > 10.0 ? 10 : (int)left_ms));
-        last = monotonic_s();
+        if (pause_s > 0.0) {
+            /* wait pause_s on the CPU (no syscall) before asking UCX again, so that each progress (an
+             * epoll_wait on UCX's sockets) finds more work and the polling does not contend with the kernel
+             * delivering the peer's data into those sockets */
+            double until = monotonic_s() + pause_s;
+            while (monotonic_s() < until) cpu_relax();
+            c.pauses++;
+        }
     }
     Py_END_ALLOW_THREADS
+    drive_add(&c);
     return PyLong_FromLong(st);
+}
+
+static PyObject *py_drive_stats(PyObject *self, PyObject *unused) {
+    drive_counts_t t;
+    t.drives = __atomic_load_n(&drive_total.drives, __ATOMIC_RELAXED);
+    t.progress = __atomic_load_n(&drive_total.progress, __ATOMIC_RELAXED);
+    t.empty = __atomic_load_n(&drive_total.empty, __ATOMIC_RELAXED);
+    t.looks = __atomic_load_n(&drive_total.looks, __ATOMIC_RELAXED);
+    t.late = __atomic_load_n(&drive_total.late, __ATOMIC_RELAXED);
+    t.sleeps = __atomic_load_n(&drive_total.sleeps, __ATOMIC_RELAXED);
+    t.pauses = __atomic_load_n(&drive_total.pauses, __ATOMIC_RELAXED);
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "drives", t.drives, "progress", t.progress, "empty",
+                         t.empty, "looks", t.looks, "late", t.late, "sleeps", t.sleeps, "pauses", t.pauses);
 }
 
 static PyObject *flush_get_status(FlushObject *f, void *closure) { return PyLong_FromLong(f->status); }
@@ -450,6 +507,9 @@ static PyObject *py_flush(PyObject *self, PyObject *args) {
 static void *progress_main(void *arg) {
     ProgressObject *p = (ProgressObject *)arg;
     struct epoll_event evs[3];
+    pthread_setname_np(pthread_self(), "dm-ucx-progress"); /* at most 15 characters */
+    /* its timer sleeps (poll_s) are tens of microseconds: the default 50 us of slack would stretch them */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
     while (!p->quit) {
         int armed = 0;
         if (is_held(p)) {
@@ -685,6 +745,10 @@ static PyMethodDef module_methods[] = {
      "error status. With ``progress``, that thread is held off the worker from before the first put until the "
      "flush ends (or unhold()/abandon()): the caller's waiter drives it."},
     {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
+    {"drive_stats", py_drive_stats, METH_NOARGS,
+     "Counters of every Flush.drive() in this process: drives, progress (UCX progress calls), empty (of them, "
+     "those that found nothing), looks (at the clock and flush after empty calls in a row), late (flushes seen "
+     "ended at such a look), sleeps (on UCX's event fd), pauses (waits of pause_s)."},
     {NULL, NULL, 0, NULL},
 };
 

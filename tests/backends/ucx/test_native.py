@@ -125,6 +125,33 @@ def test_both_paths_move_permuted_rows_one_sided(target, path, op, pause_us):
 
 
 @needs_native
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress_calls(target, op):
+    """The drive loop asks UCX again at once after a progress that found nothing; only every DRIVE_LOOK_EVERY (8)
+    of those in a row does it take the flush's lock and read the clock, and the flush is seen to end after the
+    progress that ended it (never late, at one of those looks)."""
+    from datamover.backends.ucx import _ucp
+
+    n, bs = 256, 4096
+    with Agent("native-looks", {"backends": {"ucx": TCP}}) as agent:
+        mine, theirs = HostBuffer(agent, n * bs), RemoteBuffer(target, n * bs)
+        agent.add_remote(target.metadata())
+        data = np.random.default_rng(5).integers(0, 256, n * bs, dtype=np.uint8)
+        (mine if op == "WRITE" else theirs).write(0, data.tobytes())
+        local, remote = mine.descs(np.arange(n) * bs, bs), theirs.descs(np.arange(n)[::-1] * bs, bs)
+        before = _ucp.drive_stats()
+        for _ in range(5):
+            assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
+        after = _ucp.drive_stats()
+        d = {k: after[k] - before[k] for k in after}
+        assert d["drives"] >= 1 and d["progress"] > d["empty"] >= d["drives"]  # some progress did work
+        assert d["looks"] <= d["empty"] // 8 + d["drives"] and d["late"] == 0 and d["pauses"] == 0
+        got = (theirs if op == "WRITE" else mine).read(0, n * bs)
+        assert got == data.reshape(n, bs)[::-1].tobytes()  # either way block i is the far side's n-1-i
+        theirs.free()
+
+
+@needs_native
 def test_a_target_is_served_by_the_native_thread_not_by_python(monkeypatch):
     """Puts over tcp need the target to progress: its native thread does, its service thread never touches UCX."""
     with Agent("native-owner", {"backends": {"ucx": TCP}}) as owner:
@@ -300,6 +327,21 @@ def test_a_native_thread_that_polls_after_work_serves_a_stream_and_still_respect
             assert w.call("wait_transfer", xid) == "DONE"
             assert mem.read(0, n * bs) == want
         assert backend.describe()["native progress"]["polls"] >= after["polls"]
+
+
+@needs_native
+def test_the_native_progress_thread_is_named_and_sleeps_on_its_timer_without_slack():
+    """The thread shows as dm-ucx-progress (top, perf); its timer polls of tens of microseconds are not stretched by
+    the default 50 us timer slack (1 us instead)."""
+    import glob
+    import os
+
+    with Agent("native-slack", {"backends": {"ucx": TCP}}) as agent:
+        assert agent.backend("ucx")._progress is not None
+        tids = [t.rsplit("/", 1)[1] for t in glob.glob(f"/proc/{os.getpid()}/task/*")]
+        mine = [t for t in tids if open(f"/proc/{os.getpid()}/task/{t}/comm").read().strip() == "dm-ucx-progress"]
+        assert mine
+        assert {int(open(f"/proc/{t}/timerslack_ns").read()) for t in mine} == {1000}
 
 
 @needs_native
