@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <poll.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/epoll.h>
@@ -151,6 +152,7 @@ typedef struct {
     double poll_s; /* > 0: after work, sleep this long on a timer and progress again while there is work */
     pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
     pthread_t thread;
+    sem_t started; /* posted once the thread has named itself and set its timer slack */
     int running;
     volatile int quit;
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls;
@@ -510,6 +512,7 @@ static void *progress_main(void *arg) {
     pthread_setname_np(pthread_self(), "dm-ucx-progress"); /* at most 15 characters */
     /* its timer sleeps (poll_s) are tens of microseconds: the default 50 us of slack would stretch them */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+    sem_post(&p->started);
     while (!p->quit) {
         int armed = 0;
         if (is_held(p)) {
@@ -619,12 +622,18 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
     p->notify = notify;
     p->spin_s = spin_s;
     p->poll_s = poll_s;
+    sem_init(&p->started, 0, 0);
     int rc = pthread_create(&p->thread, NULL, progress_main, p);
     if (rc != 0) {
         Py_DECREF(p);
         errno = rc;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    /* returned only once the thread is set up, so what it set is there for whoever looks */
+    Py_BEGIN_ALLOW_THREADS
+    while (sem_wait(&p->started) != 0 && errno == EINTR) {
+    }
+    Py_END_ALLOW_THREADS
     p->running = 1;
     return (PyObject *)p;
 }
