@@ -35,6 +35,7 @@ from ..descriptors.buffers import host_view
 from ..errors import NotRegistered
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
+from .base import Policy, TierPolicy
 from .config import TIER_NAMES, TierConfig, checked_config
 from .engine import PREFILL
 from .keys import ChunkKey
@@ -82,6 +83,10 @@ class TieredCache:
         self.misses = 0
         self.checksum_failures = 0
         self._gone: set[ChunkKey] = set()
+        self._refs = 0  # references handed to the policy so far (what a replay's reference index counts)
+        # the request whose get was served and whose put may follow: its keys, first reference index, time
+        # (and how many chunks it delivered)
+        self._open: tuple[list[ChunkKey], int, float, int] | None = None
         self.index: L3Index | None = None
         self.pool: SharedPool | None = None
         try:
@@ -257,12 +262,21 @@ class TieredCache:
             self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
+                self._served()  # a request left open by an earlier get is done
+                first = self._refs
+                self._refs += len(keys)
+                self._open = (list(keys), first, now, n)
                 if self.pool is not None:
                     self._adopt(prefix, now)
-                for key in prefix:
-                    eng.policy.observe(key, now)
-                    if eng.where(key) >= 0:
-                        eng.hit(eng.where(key), key, now)
+                link, observe = self._link(), eng.policy.observe
+                for i in range(n - 1, -1, -1):  # as the replay: last chunk first, so the first ends most recent
+                    key = prefix[i]
+                    if link is not None:
+                        link(key, prefix[i - 1] if i else None)
+                    observe(key, now, first + i)
+                    j = eng.where(key)
+                    if j >= 0:
+                        eng.hit(j, key, now, first + i)
                 self._execute(eng.take_plan(), None)
                 plan = []
                 for i, key in enumerate(prefix):
@@ -288,30 +302,37 @@ class TieredCache:
 
     def put(self, keys: Sequence[ChunkKey], src: Any) -> int:
         """Store chunks (chunk i of `src`, laid out as for get, under keys[i]); chunks already cached only count
-        as used. Returns how many were newly stored in some tier."""
+        as used. Returns how many were newly stored in some tier. A put of the chunks that end the keys of the
+        last get, after the prefix it delivered, ends that request for the policy, as a request ends in the
+        replay; any other put is a request of its own."""
         if not keys:
             return 0
         with self._lock:
             user, reg = self._user(src, len(keys))
             eng = self.engine
             before = list(eng.evictions)
+            now = self.clock()
             try:
                 fresh = dict(zip(keys, self._crc_of(src, len(keys)), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
-                now = self.clock()
+                first, parent = self._continued(keys)
+                link, observe = self._link(), eng.policy.observe
                 stored = 0
-                for key in keys:
-                    eng.policy.observe(key, now)
+                for i in range(len(keys) - 1, -1, -1):  # as the replay: last chunk first
+                    key = keys[i]
+                    if link is not None:
+                        link(key, keys[i - 1] if i else parent)
+                    observe(key, now, first + i)
                     j = eng.where(key)
                     if j >= 0:
-                        eng.orders[j].touch(key, now)
+                        eng.orders[j].touch(key, now, first + i)
                     else:
-                        stored += eng.place(0, key, now, -1, PREFILL)
+                        stored += eng.place(0, key, now, first + i, PREFILL)
                 if self.pool is not None and self.config.l4_pool.publish_on_put:
                     j4 = self.names.index("l4_pool")
-                    for key in keys:  # other instances find it in the pool at once, not when it is demoted
+                    for i, key in enumerate(keys):  # other instances find it in the pool at once, not when demoted
                         if key not in eng.resident[j4]:
-                            eng.place(j4, key, now, -1, PREFILL)
+                            eng.place(j4, key, now, first + i, PREFILL)
                 # after planning: placing one chunk may have dropped another of these keys (and its old CRC)
                 self.crc.update((k, c) for k, c in fresh.items() if eng.where(k) >= 0)
                 self._execute(eng.take_plan(), user)
@@ -319,8 +340,39 @@ class TieredCache:
                 eng.user_index = {}
                 self._invalid.clear()
                 self._release(reg)
+                self._served()
             self._op_done(before)
             return stored
+
+    def _link(self) -> Callable[[ChunkKey, ChunkKey | None], None] | None:
+        """The policy's `link` (each chunk's parent: the chunk before it in the request), if it uses one."""
+        policy = self.engine.policy
+        return policy.link if type(policy).link is not Policy.link else None
+
+    def _continued(self, keys: Sequence[ChunkKey]) -> tuple[int, ChunkKey | None]:
+        """The reference index of `keys[0]` and its parent: where it stands in the request the last get opened
+        when `keys` end that request's keys after the prefix it delivered, else as the first chunk of a new
+        request (any other request still open is done first)."""
+        if self._open is not None:
+            request, first, _, delivered = self._open
+            at = len(request) - len(keys)
+            if at >= delivered and request[at:] == list(keys):
+                return first + at, request[at - 1] if at else None
+            self._served()
+        first = self._refs
+        self._refs += len(keys)
+        self._open = (list(keys), first, self.clock(), 0)
+        return first, None
+
+    def _served(self, now: float | None = None) -> None:
+        """Tell every tier's policy that the open request (if any) is done (`TierPolicy.served`)."""
+        if self._open is None:
+            return
+        when = self._open[2] if now is None else now
+        self._open = None
+        for order in self.engine.orders:
+            if type(order).served is not TierPolicy.served:
+                order.served(when)
 
     def _op_done(self, evictions_before: list[int]) -> None:
         """Eviction counters and occupancy gauges after an operation."""

@@ -80,7 +80,7 @@ class TierStack:
         found prefix is pinned and served (hits, promoted as the policy says), then the rest is stored (a chunk
         already held only counts as used). With `leaf_first` each phase hands its chunks to the policy last
         chunk first, so the request's first chunk ends most recent, and tells the policy each chunk's parent
-        (without it, in order and without parents, as TieredCache's get and put do today). Every found chunk
+        (without it, in order and without parents). Every found chunk
         counts in `hits`; each tier's policy is then told the request was served (`TierPolicy.served`). Returns
         the usable prefix, the number of leading chunks found."""
         if self._plain and len(self.resident) == 1 and not self.closed:

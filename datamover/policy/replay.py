@@ -114,7 +114,8 @@ class ReplayResult:
 
 def simulate(trace: Trace, policy: str, config: TierConfig, leaf_first: bool = True) -> ReplayResult:
     """Replay `trace` through the config's enabled tiers under `policy` (a registered name or "belady"), each
-    request as `TierStack.access_request` serves it (`leaf_first=False`: in order, as TieredCache does)."""
+    request as `TierStack.access_request` serves it, as TieredCache's get and put do (`leaf_first=False`: in
+    order, without parents)."""
     if policy == "belady":
         brain: Policy = BeladyPolicy(next_use(trace.keys))
     else:

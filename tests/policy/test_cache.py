@@ -219,7 +219,9 @@ def test_l3_survives_a_restart(tmp_path):
 def test_corrupt_chunk_is_a_miss_never_wrong_bytes(tmp_path, caplog):
     keys = chunk_keys(range(6), "m", "t")
     with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=10)) as cache:
-        cache.put(keys, chunks(keys))
+        cache.put(keys, chunks(keys))  # last chunk first: keys[0] is the one in L1 (lost at restart)
+        other = chunk_keys([99], "m", "t")
+        cache.put(other, chunks(other))  # which it leaves for L3, as the others did
         slot = cache.engine.slots[1][keys[2]]
     with open(tmp_path / "l3" / DATA_FILE, "r+b") as f:  # flip a byte of chunk 2 on "disk"
         f.seek(slot * PAGE + 100)
@@ -227,7 +229,7 @@ def test_corrupt_chunk_is_a_miss_never_wrong_bytes(tmp_path, caplog):
         f.seek(slot * PAGE + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
     with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=10)) as cache:
-        assert cache.lookup(keys)[0] == 5
+        assert cache.lookup(keys)[0] == 6
         assert check_get(cache, keys) == 2  # chunks 0 and 1; chunk 2 failed its CRC32C
         assert cache.stats()["checksum_failures"] == 1
         assert cache.lookup([keys[2]])[0] == 0  # dropped: next time it is recomputed
@@ -275,8 +277,8 @@ def test_drain_moves_every_unique_chunk_down(tmp_path):
 def test_prefetch_promotes_in_the_background(tmp_path):
     with TieredCache(tiers(tmp_path, l1=2, l2=2, l3=10)) as cache:
         keys = chunk_keys(range(8), "m", "t")
-        cache.put(keys, chunks(keys))
-        cold = keys[:2]
+        cache.put(keys, chunks(keys))  # last chunk first: the first two end in L1, the last two in L3
+        cold = keys[6:]
         assert cache.lookup(cold)[1] == ["l3_nvme", "l3_nvme"]
         assert cache.prefetch(cold).result(timeout=10) == 2
         assert cache.lookup(cold)[1] == ["l1_hbm", "l1_hbm"]
@@ -309,7 +311,8 @@ def test_spans_and_metrics(tmp_path):
     puts = [r for r in rows if r["from_tier"] == "caller"]  # chunks demoted in the same put come from the caller
     assert sorted(r["prefix_hash"] for r in puts if r["to_tier"] == "l1_hbm") == list(range(8))
     assert {r["hit_or_miss"] for r in puts} == {"miss"}
-    assert [r["token_range"] for r in puts if r["prefix_hash"] == 3] == [[48, 64]]  # chunk 3 of 16 tokens
+    # chunk 3 of 16 tokens, copied from the caller to L1 and, demoted in the same put, to L2
+    assert [r["token_range"] for r in puts if r["prefix_hash"] == 3] == [[48, 64], [48, 64]]
     assert {"evict", "hit"} <= {r["hit_or_miss"] for r in rows}
     text = metrics.render().decode()
     assert "datamover_cache_misses_total 1.0" in text
@@ -405,11 +408,11 @@ def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):
     keys = chunk_keys(range(6), "m", "t")
     config = tiers(tmp_path, l1=1, l2=0, l3=10)
     with TieredCache(config) as cache:
-        cache.put(keys, chunks(keys))
+        cache.put(keys, chunks(keys))  # last chunk first: L1 keeps keys[0] and demotes the other five
     index = tmp_path / "l3" / "index.log"
     with open(index, "ab") as f:
         f.write(b"\x94\xa3put\x07")  # a record cut off by a crash
     with TieredCache(config) as cache:
-        assert cache.lookup(keys)[0] == 5  # the five chunks L1 had demoted
-        assert check_get(cache, keys[:5]) == 5
+        assert cache.lookup(keys[1:])[0] == 5  # the five chunks L1 had demoted
+        assert check_get(cache, keys[1:]) == 5
         check_consistent(cache)

@@ -201,7 +201,7 @@ def test_the_cache_makes_the_simulators_decisions(tmp_path, policy):
     """One tier, a prefix-structured trace: moving real bytes gives exactly the simulated hits and misses."""
     path = conversation_trace(tmp_path / "conv.jsonl")
     config = with_overrides(single_tier(TierConfig(), 20), policy={"name": policy})
-    simulated = simulate(load_trace(path), policy, config, leaf_first=False)  # the cache serves keys in order
+    simulated = simulate(load_trace(path), policy, config)  # the cache serves each request as the replay does
     real = run_with_data(path, config, requests=300)
     assert real.wrong_chunks == 0
     assert real.stats["hits"]["l1_hbm"] == simulated.prefix_hits > 100  # the cache counts usable hits
