@@ -315,7 +315,7 @@ class TieredCache:
             try:
                 fresh = dict(zip(keys, self._crc_of(src, len(keys)), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
-                first, parent = self._continued(keys)
+                first, parent = self._continued(keys, now)
                 link, observe = self._link(), eng.policy.observe
                 stored = 0
                 for i in range(len(keys) - 1, -1, -1):  # as the replay: last chunk first
@@ -349,7 +349,7 @@ class TieredCache:
         policy = self.engine.policy
         return policy.link if type(policy).link is not Policy.link else None
 
-    def _continued(self, keys: Sequence[ChunkKey]) -> tuple[int, ChunkKey | None]:
+    def _continued(self, keys: Sequence[ChunkKey], now: float) -> tuple[int, ChunkKey | None]:
         """The reference index of `keys[0]` and its parent: where it stands in the request the last get opened
         when `keys` end that request's keys after the prefix it delivered, else as the first chunk of a new
         request (any other request still open is done first)."""
@@ -361,14 +361,14 @@ class TieredCache:
             self._served()
         first = self._refs
         self._refs += len(keys)
-        self._open = (list(keys), first, self.clock(), 0)
+        self._open = (list(keys), first, now, 0)
         return first, None
 
-    def _served(self, now: float | None = None) -> None:
-        """Tell every tier's policy that the open request (if any) is done (`TierPolicy.served`)."""
+    def _served(self) -> None:
+        """Tell every tier's policy that the open request (if any) is done (`TierPolicy.served`, at its time)."""
         if self._open is None:
             return
-        when = self._open[2] if now is None else now
+        when = self._open[2]
         self._open = None
         for order in self.engine.orders:
             if type(order).served is not TierPolicy.served:
