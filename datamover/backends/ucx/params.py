@@ -59,6 +59,14 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
     "far_progress_spin_us": 0,
     "far_progress_poll_us": 0,
+    # a READ of at least this many rows from such a peer is posted with this worker's tcp sockets to it corked
+    # (TCP_CORK), so its gets (one small request each) leave in full segments once the flush is posted instead
+    # of one segment and one pass through both network stacks per row; 0: never
+    "far_read_cork_rows": 32,
+    # once this agent serves such a peer, its native progress thread corks the worker's tcp sockets during each
+    # burst of work, so what one burst sends (a put's acknowledgement each, a get's reply each) leaves in full
+    # segments when the burst ends
+    "far_progress_cork": True,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
