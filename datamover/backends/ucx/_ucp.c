@@ -885,8 +885,8 @@ static PyGetSetDef progress_getset[] = {
     {"stats", (getter)progress_stats, NULL,
      "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
      "that did work), kicks, holds, release_kicks (releases that had to wake the thread), polls (timer sleeps "
-     "after work, with poll_s), events (UCX events handled, the sum of ucp_worker_progress's counts), held "
-     "(holds now)",
+     "after work, with poll_s), events (UCX events handled, the sum of ucp_worker_progress's counts), corked "
+     "(bursts that corked a socket a stream came in on, see set_cork), held (holds now)",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -188,7 +188,8 @@ def _local_data_segs_out(ip: str, skip_local_port: int) -> int:
 
 def _served_write_segments(hosts, cork: bool) -> tuple[int, str, int]:
     """Data segments this process, the target, sent while an initiator on host 1 wrote ROWS x BLOCK to it; its
-    progress cork description and bursts corked. Every byte is checked."""
+    progress cork description and bursts corked. Every byte is checked, and the UCX events its progress thread
+    counted (at least one per row)."""
     import time
 
     there, here = hosts[1], hosts[0]
@@ -215,7 +216,7 @@ def _served_write_segments(hosts, cork: bool) -> tuple[int, str, int]:
             time.sleep(0.05)  # the service thread hands the sockets over every half second while serving
         control = int(backend.describe()["control"].rsplit(":", 1)[1])
         before = _local_data_segs_out(there.address, control)
-        corked_before = backend.describe()["native progress"]["corked"]
+        progress_before = backend.describe()["native progress"]
         xid = peer.call("start_transfer", "WRITE", src.handle, agent.name, addrs.tolist(), [BLOCK] * ROWS)
         assert peer.call("wait_transfer", xid) == "DONE"
         segments = _local_data_segs_out(there.address, control) - before
@@ -223,7 +224,9 @@ def _served_write_segments(hosts, cork: bool) -> tuple[int, str, int]:
         got = np.frombuffer(target.read(0, n), np.uint8).reshape(ROWS, BLOCK)
         assert np.array_equal(got[scattered], want)
         info = backend.describe()
-        return segments, info["progress cork"], info["native progress"]["corked"] - corked_before
+        progress = {k: info["native progress"][k] - progress_before[k] for k in ("corked", "events")}
+        assert progress["events"] >= ROWS  # UCX counts an event per put (its data, then its acknowledgement)
+        return segments, info["progress cork"], progress["corked"]
 
 
 def test_a_target_acknowledges_a_far_write_stream_in_full_segments(test_hosts):
