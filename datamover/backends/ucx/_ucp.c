@@ -508,14 +508,17 @@ static FlushObject *new_flush(void *req, int status, ProgressObject *progress) {
     return f;
 }
 
-/* post(get, ep, rows, progress=None, cork=None): one put (or get) per row of a C-contiguous (n, 5) uint64
- * buffer, then one endpoint flush; returns a Flush, or the first error status (int) with nothing left
- * tracked. */
+/* post(get, ep, rows, progress=None, cork=None, push_every=0): one put (or get) per row of a C-contiguous (n, 5)
+ * uint64 buffer, then one endpoint flush; returns a Flush, or the first error status (int) with nothing left
+ * tracked. With cork, what the rows sent so far leaves every push_every rows (0: only after the flush), so the
+ * peer starts on the first rows while later ones are posted. */
 static PyObject *py_post(PyObject *self, PyObject *args) {
     int get;
     unsigned long long ep_ull;
+    Py_ssize_t push_every = 0;
     PyObject *rows_obj, *progress_obj = Py_None, *cork_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "pKO|OO", &get, &ep_ull, &rows_obj, &progress_obj, &cork_obj)) return NULL;
+    if (!PyArg_ParseTuple(args, "pKO|OOn", &get, &ep_ull, &rows_obj, &progress_obj, &cork_obj, &push_every))
+        return NULL;
     if (!need_bound()) return NULL;
     cork_t cork;
     unsigned long long inodes[MAX_CORK];
@@ -547,6 +550,10 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     if (cork.n) __atomic_add_fetch(&corked_posts, 1, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < n; i++) {
         const row_t *r = &rows[i];
+        if (cork.n && push_every > 0 && i > 0 && i % push_every == 0) {
+            cork_set(&cork, 0); /* out with what is queued, then corked again */
+            cork_set(&cork, 1);
+        }
         void *buf = (void *)(uintptr_t)r->laddr, *rkey = (void *)(uintptr_t)r->rkey;
         if (r->param == 0) {
             status = get ? ucp.get_nbi(ep, buf, r->length, r->raddr, rkey)
@@ -906,11 +913,11 @@ static PyTypeObject ProgressType = {
 static PyMethodDef module_methods[] = {
     {"bind", py_bind, METH_VARARGS, "bind(path): resolve the UCP calls from the already loaded libucp at path."},
     {"post", py_post, METH_VARARGS,
-     "post(get, ep, rows, progress=None, cork=None): a put/get per row of an (n, 5) uint64 array, then a flush; a "
-     "Flush, or an error status. With ``progress``, that thread is held off the worker from before the first put "
-     "until the flush ends (or unhold()/abandon()): the caller's waiter drives it. ``cork``: (fd, inode) pairs of "
-     "tcp sockets corked (TCP_CORK) from before the first row until the flush is posted, those whose fd still "
-     "names that inode."},
+     "post(get, ep, rows, progress=None, cork=None, push_every=0): a put/get per row of an (n, 5) uint64 array, "
+     "then a flush; a Flush, or an error status. With ``progress``, that thread is held off the worker from before "
+     "the first put until the flush ends (or unhold()/abandon()): the caller's waiter drives it. ``cork``: (fd, "
+     "inode) pairs of tcp sockets corked (TCP_CORK) from before the first row until the flush is posted, those "
+     "whose fd still names that inode; uncorked and corked again every ``push_every`` rows (0: never)."},
     {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket)."},
     {"worker_efd", py_worker_efd, METH_VARARGS, "worker_efd(worker): UCX's event fd of a ucp_worker_h."},
     {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},

@@ -116,9 +116,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 raise InvalidParameter(
                     f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=self.name
                 )
-        rows = self.params["far_read_cork_rows"]
-        if type(rows) is not int or rows < 0:
-            raise InvalidParameter(f"far_read_cork_rows must be a whole number >= 0, got {rows!r}", backend=self.name)
+        for key in ("far_read_cork_rows", "far_read_cork_push"):
+            rows = self.params[key]
+            if type(rows) is not int or rows < 0:
+                raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=self.name)
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -276,10 +277,12 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         if not rows or self._rma_native or lib is None:
             return "off"
         corked = {name: len(p.cork[1]) for name, p in list(self._peers.items()) if p.elsewhere and p.cork is not None}
+        every = int(self.params["far_read_cork_push"])
+        push = f"every {every} rows" if every else "once the flush is posted"
         return (
             f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
-            f"sockets to the peer corked (TCP_CORK); sockets found {corked}; posts corked in this process "
-            f"{lib.post_stats()['corked']}"
+            f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
+            f"process {lib.post_stats()['corked']}"
         )
 
     def _progress_mode(self) -> str:

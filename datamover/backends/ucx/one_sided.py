@@ -197,7 +197,8 @@ class OneSided:
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
                 cork = self._cork(peer) if op == "READ" and len(rows) >= self.b._read_cork_rows(peer) else None
-                return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork)
+                push = int(self.b.params["far_read_cork_push"])
+                return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork, push)
             poster = native_post
             if poster is not None and isinstance(rows, Rows) and rows.columns.host:
                 status = poster(op == "READ", ep, rows.columns)

@@ -164,7 +164,12 @@ class ServiceLoop:
                     if self._hangups:
                         self._check_hangups(now)
                     self._drop_silent(now)
-                    if self._serving_far_tcp and self._progress is not None and now - self._cork_scan > 0.5:
+                    if (
+                        self._serving_far_tcp
+                        and self._progress is not None
+                        and self.params["far_progress_cork"]
+                        and now - self._cork_scan > 0.5
+                    ):
                         self._cork_scan = now
                         self._set_progress_cork()
                 if busy:

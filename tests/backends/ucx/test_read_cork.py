@@ -32,11 +32,12 @@ pytestmark = [
 
 TCP = {"UCX_TLS": "tcp,self"}
 ROWS, BLOCK = 256, 4096
-_DATA_SEGS_OUT = 156  # offset of tcpi_data_segs_out in struct tcp_info (Linux 4.6 on)
+_DATA_SEGS_IN, _DATA_SEGS_OUT = 152, 156  # offsets of tcpi_data_segs_in / _out in struct tcp_info (Linux 4.6 on)
 
 
-def _data_segs_out(ip: str, skip_port: int) -> int:
-    """Data segments sent so far by this process's TCP sockets to ``ip``, the one to port ``skip_port`` left out."""
+def _data_segs(ip: str, skip_port: int, field: int = _DATA_SEGS_OUT) -> int:
+    """Data segments sent (or received: ``field``) so far by this process's TCP sockets to ``ip``, the one to
+    port ``skip_port`` left out."""
     total = 0
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -53,7 +54,7 @@ def _data_segs_out(ip: str, skip_port: int) -> int:
             if peer[0] != ip or peer[1] == skip_port:
                 continue
             info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            total += struct.unpack_from("I", info, _DATA_SEGS_OUT)[0]
+            total += struct.unpack_from("I", info, field)[0]
         except OSError:
             continue
         finally:
@@ -61,7 +62,7 @@ def _data_segs_out(ip: str, skip_port: int) -> int:
     return total
 
 
-def _far_read_segments(hosts, cork_rows: int) -> tuple[int, str]:
+def _far_read_segments(hosts, cork_rows: int, push: int = 0) -> tuple[int, str]:
     """Data segments this process sent during one READ of ROWS x BLOCK from a peer on host 1; and the
     initiator's READ cork description. Every byte is checked."""
     there, here = hosts[1], hosts[0]
@@ -69,7 +70,10 @@ def _far_read_segments(hosts, cork_rows: int) -> tuple[int, str]:
     near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
     with (
         RemotePeer(f"cork-peer-{cork_rows}", cfg, env=TCP, host=there) as peer,
-        Agent(f"cork-init-{cork_rows}", {"backends": {"ucx": {**near, "far_read_cork_rows": cork_rows}}}) as agent,
+        Agent(
+            f"cork-init-{cork_rows}",
+            {"backends": {"ucx": {**near, "far_read_cork_rows": cork_rows, "far_read_cork_push": push}}},
+        ) as agent,
     ):
         n = ROWS * BLOCK
         remote, local = RemoteBuffer(peer, n), HostBuffer(agent, n)
@@ -85,9 +89,9 @@ def _far_read_segments(hosts, cork_rows: int) -> tuple[int, str]:
         assert local.read(0, n) == want
         control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
         local.write(0, bytes(n))
-        before = _data_segs_out(there.address, control)
+        before = _data_segs(there.address, control)
         assert xfer.post().wait()
-        segments = _data_segs_out(there.address, control) - before
+        segments = _data_segs(there.address, control) - before
         assert local.read(0, n) == want
         text = agent.backend("ucx").describe()["READ cork"]
         xfer.release()
@@ -95,13 +99,17 @@ def _far_read_segments(hosts, cork_rows: int) -> tuple[int, str]:
 
 
 def test_a_far_read_sends_its_gets_in_full_segments(test_hosts):
-    """Corked, the 256 gets of one READ (a request of a few tens of bytes each) leave in full segments: about
-    256 x 40 / 1448 of them. Uncorked (``far_read_cork_rows=0``) each leaves when posted, unless the kernel's
-    autocorking happens to merge it with the one before: 40-255 segments measured, so that count is only shown."""
+    """Corked, the 256 gets of one READ (a request of a few tens of bytes each) leave together in full segments,
+    about 8. Uncorked (``far_read_cork_rows=0``) each leaves when posted, unless the kernel's autocorking
+    happens to merge it with the one before: 40-255 segments measured, so that count is only shown. Let out
+    every 8 rows (``far_read_cork_push``), they leave in one segment per 8 rows."""
     corked, text = _far_read_segments(test_hosts, 32)
+    pushed, every = _far_read_segments(test_hosts, 32, push=8)
     plain, off = _far_read_segments(test_hosts, 0)
-    assert corked <= 12, f"{corked} segments corked, {plain} uncorked"
-    assert "corked (TCP_CORK); sockets found {'cork-peer-32': 1}" in text
+    assert corked <= ROWS // 16, f"{corked} segments corked, {plain} uncorked"
+    assert ROWS // 8 - 2 <= pushed <= ROWS // 4, f"{pushed} segments let out every 8 rows, {corked} corked"
+    assert "corked (TCP_CORK), let out once the flush is posted; sockets found {'cork-peer-32': 1}" in text
+    assert "let out every 8 rows" in every
     assert off == "off"
 
 
@@ -153,88 +161,67 @@ def test_sockets_to_finds_the_workers_tcp_connection_and_post_corks_only_sockets
         ucx_rma.mem_unmap(ctxs[1].handle, memh)
 
 
+@pytest.mark.parametrize("key", ["far_read_cork_rows", "far_read_cork_push"])
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "32", None])
-def test_far_read_cork_rows_must_be_a_whole_number(bad):
-    with Agent("cork-bad", {"backends": {"ucx": {"far_read_cork_rows": bad}}}) as agent:
-        with pytest.raises(InvalidParameter, match="far_read_cork_rows"):
+def test_far_read_cork_rows_must_be_a_whole_number(key, bad):
+    with Agent("cork-bad", {"backends": {"ucx": {key: bad}}}) as agent:
+        with pytest.raises(InvalidParameter, match=key):
             agent.backend("ucx")  # started on first use
 
 
-def _local_data_segs_out(ip: str, skip_local_port: int) -> int:
-    """Data segments sent so far by this process's TCP sockets to ``ip``, those on local port ``skip_local_port``
-    (the control connections the peer opened to us) left out."""
-    total = 0
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-                continue
-            sock = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
-                continue
-            if sock.getpeername()[0] != ip or sock.getsockname()[1] == skip_local_port:
-                continue
-            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            total += struct.unpack_from("I", info, _DATA_SEGS_OUT)[0]
-        except OSError:
-            continue
-        finally:
-            sock.close()
-    return total
-
-
-def _served_write_segments(hosts, cork: bool) -> tuple[int, str, int]:
-    """Data segments this process, the target, sent while an initiator on host 1 wrote ROWS x BLOCK to it; its
-    progress cork description and bursts corked. Every byte is checked, and the UCX events its progress thread
-    counted (at least one per row)."""
+def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
+    """Data segments (the target's put acknowledgements) this initiator received for one WRITE of ROWS x BLOCK
+    posted while the target on host 1 was frozen (SIGSTOP), so its first burst finds every put queued; the
+    target's progress cork description and bursts corked. Every byte is checked."""
+    import signal
     import time
 
     there, here = hosts[1], hosts[0]
-    near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}, "far_progress_cork": cork}
-    cfg = {"backends": {"ucx": {"host": there.address}}}
+    cfg = {"backends": {"ucx": {"host": there.address, "far_progress_cork": cork}}}
+    near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
     with (
-        Agent(f"pcork-target-{cork}", {"backends": {"ucx": near}}) as agent,
-        RemotePeer(f"pcork-init-{cork}", cfg, env=TCP, host=there) as peer,
+        RemotePeer(f"pcork-target-{cork}", cfg, env=TCP, host=there) as peer,
+        Agent(f"pcork-init-{cork}", {"backends": {"ucx": near}}) as agent,
     ):
         n = ROWS * BLOCK
-        target = HostBuffer(agent, n)
-        src = RemoteBuffer(peer, n)
+        target, src = RemoteBuffer(peer, n), HostBuffer(agent, n)
         data = random_bytes(n, seed=7)
         src.write(0, data)
-        peer.call("add_remote", agent.metadata())
-        base = int(target.array.ctypes.data)
-        scattered = np.random.default_rng(2).permutation(ROWS)
-        addrs = base + scattered * BLOCK
-        xid = peer.call("start_transfer", "WRITE", src.handle, agent.name, addrs.tolist(), [BLOCK] * ROWS)
-        assert peer.call("wait_transfer", xid) == "DONE"  # connects UCX's sockets
-        backend = agent.backend("ucx")
+        agent.add_remote(peer.metadata())
+        scattered = np.random.default_rng(2).permutation(ROWS) * BLOCK
+        rows = (src.descs(np.arange(ROWS) * BLOCK, BLOCK), target.descs(scattered, BLOCK))
+        assert agent.transfer("WRITE", *rows, peer.name).wait()  # connects UCX's sockets
         deadline = time.monotonic() + 10
-        while cork and "0 handed" in backend.describe()["progress cork"] and time.monotonic() < deadline:
+        while cork and "0 handed" in peer.call("describe", "ucx")["progress cork"] and time.monotonic() < deadline:
             time.sleep(0.05)  # the service thread hands the sockets over every half second while serving
-        control = int(backend.describe()["control"].rsplit(":", 1)[1])
-        before = _local_data_segs_out(there.address, control)
-        progress_before = backend.describe()["native progress"]
-        xid = peer.call("start_transfer", "WRITE", src.handle, agent.name, addrs.tolist(), [BLOCK] * ROWS)
-        assert peer.call("wait_transfer", xid) == "DONE"
-        segments = _local_data_segs_out(there.address, control) - before
+        # the thread's byte counts start at its first burst after the hand-over: have that burst come first
+        assert agent.transfer("WRITE", *rows, peer.name).wait()
+        control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
+        corked_before = peer.call("describe", "ucx")["native progress"]["corked"]
+        target.write(0, bytes(n))
+        before = _data_segs(there.address, control, _DATA_SEGS_IN)
+        peer.call("ping")  # answered: idle in its command loop
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            xfer = agent.transfer("WRITE", *rows, peer.name)
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        assert xfer.wait()
+        acks = _data_segs(there.address, control, _DATA_SEGS_IN) - before
         want = np.frombuffer(data, np.uint8).reshape(ROWS, BLOCK)
         got = np.frombuffer(target.read(0, n), np.uint8).reshape(ROWS, BLOCK)
-        assert np.array_equal(got[scattered], want)
-        info = backend.describe()
-        progress = {k: info["native progress"][k] - progress_before[k] for k in ("corked", "events")}
-        assert progress["events"] >= ROWS  # UCX counts an event per put (its data, then its acknowledgement)
-        return segments, info["progress cork"], progress["corked"]
+        assert np.array_equal(got[scattered // BLOCK], want)
+        info = peer.call("describe", "ucx")
+        assert info["native progress"]["events"] >= ROWS // 2  # UCX counts about an event per put it receives
+        return acks, info["progress cork"], info["native progress"]["corked"] - corked_before
 
 
 def test_a_target_acknowledges_a_far_write_stream_in_full_segments(test_hosts):
     """The target's progress thread corks its tcp sockets while a stream of puts comes in, so the put
-    acknowledgements (one per row) of a burst leave together; uncorked (``far_progress_cork`` off) each leaves
-    as it is made, unless the kernel's autocorking merges it (only shown)."""
-    corked, text, bursts = _served_write_segments(test_hosts, True)
-    plain, off, _ = _served_write_segments(test_hosts, False)
+    acknowledgements (one per row) of a progress call leave together; uncorked (``far_progress_cork`` off) each
+    leaves as it is made, unless the kernel's autocorking merges it (only shown)."""
+    corked, text, bursts = _frozen_write_acks(test_hosts, True)
+    plain, off, _ = _frozen_write_acks(test_hosts, False)
     assert "corked during bursts while a stream comes in on them: 1 handed" in text and off == "off"
     assert bursts > 0
-    assert corked <= ROWS // 2, f"{corked} segments corked ({bursts} bursts), {plain} uncorked"
+    assert corked <= ROWS // 4, f"{corked} segments corked ({bursts} bursts), {plain} uncorked"
