@@ -451,7 +451,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 self._cma_ops[op_id] = (peer, req.plan.regions)
             elif isinstance(rows, cma.CmaPlan):
                 error = self.cma_path._copy_cma(peer, req, rows, deadline)
-            elif (held := self._reads_held(peer.name, req.op)) is not None:
+            elif (held := self._held(peer.name, req.op)) is not None:
                 completion = Completion(1)
                 completion.finish_part(held)
                 return completion

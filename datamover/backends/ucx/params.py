@@ -85,10 +85,11 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # a request with less than this left of its timeout is not started: it could not finish, and once
     # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
     "launch_margin_s": 0.001,
-    # a READ cut off with UCX gets or receives still in flight (a frozen or dying peer) keeps the UCX worker
-    # they were posted on, never progressed again, until close(): about a dozen fds each. A peer that made
-    # this many quarantines gets its READs refused (direct cma READs, which need none, still run), and once
-    # this agent holds max_quarantined_workers in all, every such READ is refused; close() frees them
+    # a transfer cut off with UCX operations still in flight (a READ's gets or receives, a WRITE's puts or
+    # sends; a frozen or dying peer) keeps the UCX worker they were posted on, never progressed again, until
+    # close(): about a dozen fds each. A peer that made this many quarantines gets its transfers that need
+    # UCX operations refused (direct cma, which needs none, still runs), and once this agent holds
+    # max_quarantined_workers in all, every such transfer is refused; close() frees them
     "max_quarantines_per_peer": 2,
     # a peer that hangs up while this agent has receives posted for its WRITE: the hang-up is confined to
     # its own requests when, within this many seconds, every one of them ended (the ones it never matched

@@ -409,10 +409,11 @@ class ServiceLoop:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
 
         The old worker is freed at once (its file descriptors and memory with
-        it) unless ``quarantine``: then a cancelled READ still has gets or
-        receives posted into its caller's memory, and the old worker is kept,
-        never progressed again, until ``close()``, and counted against
-        ``culprit``, the peer whose READ it was (see ``_reads_held``).
+        it) unless ``quarantine``: then a cancelled transfer still has UCX
+        operations pointing into its caller's memory (a READ's gets or receives,
+        a WRITE's queued puts or sends), and the old worker is kept, never
+        progressed again, until ``close()``, and counted against ``culprit``,
+        the peer of that transfer (see ``_held``).
         """
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         pending, self._hangups = self._hangups, []  # their receives and probes were on the worker being replaced
