@@ -130,7 +130,8 @@ def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch, op):
 
         monkeypatch.setattr(cma.CmaPlan, "run", run)
         monkeypatch.setattr(base.Completion, "cancel", cancel)
-        xfer = agent.transfer(op, local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=0.5)
+        # 2 s: each part checks the deadline before each chunk, so a cma thread must reach the second one within it
+        xfer = agent.transfer(op, local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=2.0)
         assert held.wait(30)
         with pytest.raises(TransferTimeout):
             xfer.wait(30)  # a bounded wait leaves the copying to the cma threads
