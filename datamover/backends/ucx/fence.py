@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from ...errors import BackendUnavailable, RemoteDisconnected, TransferAborted
 from . import rma
 from .config import _FENCE_S, log
 from .messages import Cancel
-from .state import Fenced
+from .state import Direct, Fenced
 
 
 class Fencing:
@@ -54,6 +56,7 @@ class Fencing:
                     quarantine=True,
                     culprit=name,
                 )
+                self._undriven(direct)
                 self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
                 return
         for peer in self._peers.values():
@@ -75,6 +78,17 @@ class Fencing:
                     )
                 self._submit(lambda op=op: self.tagged._end(op, why))
                 return
+
+    def _undriven(self, direct: Direct) -> None:
+        """Wait until no waiter drives ``direct``: a waiter's drive may be in a slice of progress on the worker just
+        replaced (up to 10 ms in C), and its bytes must not move after the caller hears of ERR. Once it sees the
+        worker replaced it stops; bounded by the fence's wait."""
+        end = time.monotonic() + _FENCE_S
+        while direct.driven:
+            if time.monotonic() > end:
+                log.warning("a waiter still drove a cancelled request %g s after its worker was replaced", _FENCE_S)
+                return
+            time.sleep(0.0005)
 
     def _held(self, peer: str, op: str) -> BackendUnavailable | None:
         """Why a transfer with ``peer`` that needs UCX operations (not direct cma) is refused, or None.

@@ -216,3 +216,79 @@ def test_a_cancelled_write_reads_nothing_of_the_callers_memory_after_err(path, h
         got = np.frombuffer(pbuf.read(0, SIZE - 4096), np.uint8)
         refilled = int(np.count_nonzero(got == 0x55))
         assert refilled == 0, f"{refilled} bytes written into the caller's buffer after ERR reached the peer"
+
+
+class _HeldDrive:
+    """A native flush whose first ``drive`` (a waiter's slice of progress, in C) waits for the test, then runs."""
+
+    def __init__(self, real, hold) -> None:
+        self._real, self._hold = real, hold
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def drive(self, *args):
+        return self._hold.wrap(self._real.drive)(*args)
+
+
+def _in_frame(thread: threading.Thread, name: str) -> bool:
+    """Whether ``thread`` is inside a function called ``name`` (read from its stack, not guessed from time)."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_release_from_another_thread_waits_for_the_waiter_driving_the_old_worker(op, monkeypatch):
+    """One thread waits on a one-sided transfer (its waiter drives UCX itself, in C, in slices of up to 10 ms)
+    while another releases it. The waiter's slice is held at a known point (it has begun, before the real drive);
+    the release replaces the worker. ``release()`` must return only after that slice ended: until then the old
+    worker is progressed and the transfer's bytes still move (before: release returned with the slice still to
+    run)."""
+    from datamover.backends.ucx import rma
+    from datamover.testing.waiting import HeldOnce, until
+
+    backend_cfg = {"backends": {"ucx": PATHS["one-sided"]}}
+    with RemotePeer("driven", backend_cfg) as peer, Agent("waiter", backend_cfg) as agent:
+        backend = agent.backend("ucx")
+        if rma.native() is None:
+            pytest.skip("the native extension is not built: waiters drive UCX from Python")
+        pbuf = RemoteBuffer(peer, SIZE)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, SIZE)
+        assert agent.transfer(op, local.descs([0], [4096]), pbuf.descs([0], [4096]), "driven").wait()
+        hold = HeldOnce("the waiter's drive")
+        real_post = rma.post_native
+        monkeypatch.setattr(
+            rma,
+            "post_native",
+            lambda *a, **k: (lambda f, st: (None if f is None else _HeldDrive(f, hold), st))(*real_post(*a, **k)),
+        )
+        n = SIZE // BS
+        xfer = agent.transfer(op, local.descs(np.arange(n) * BS, BS), pbuf.descs((n - 1 - np.arange(n)) * BS, BS),
+                              "driven", timeout=60)  # fmt: skip
+        released: list[bool] = []  # at release()'s return: whether the held drive had run and returned
+        waiter = threading.Thread(target=_wait, args=(xfer,))
+        waiter.start()
+        assert hold.reached.wait(60), "the waiter never drove the transfer"
+        releaser = threading.Thread(target=lambda: (xfer.release(), released.append(hold.returned.is_set())))
+        releaser.start()
+        until(lambda: released or _in_frame(backend._thread, "_undriven"), what="the release, or its wait")
+        returned_early = bool(released)
+        hold.go.set()
+        releaser.join(60)
+        waiter.join(60)
+        assert not returned_early, "release() returned while a waiter's drive of the replaced worker was still to run"
+        assert released == [True]
+
+
+def _wait(xfer) -> None:
+    try:
+        xfer.wait()
+    except Exception:
+        pass  # the release ends it in ERR (or RELEASED): what is tested is when release() returned
