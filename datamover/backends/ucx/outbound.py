@@ -256,6 +256,12 @@ class Outbound:
             peer.regions = regions
             peer.cma_pid, peer.cma_why = pid, why
             peer.elsewhere = peer_elsewhere(peer.conn.sock)  # type: ignore[union-attr]
+            peer.cork = None
+            if peer.elsewhere:
+                try:
+                    peer.ip = str(peer.conn.sock.getpeername()[0])  # type: ignore[union-attr]
+                except OSError:
+                    peer.ip = ""
         self._ready(peer)
 
     @staticmethod

@@ -59,6 +59,17 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
     "far_progress_spin_us": 0,
     "far_progress_poll_us": 0,
+    # a READ of at least this many rows from such a peer is posted with this worker's tcp sockets to it corked
+    # (TCP_CORK), so its gets (one small request each) leave in full segments once the flush is posted instead
+    # of one segment and one pass through both network stacks per row; 0: never
+    "far_read_cork_rows": 32,
+    # ... and what its gets queued is let out every this many rows (0: once, after the flush), so that the peer
+    # could start serving the first rows while the rest are posted
+    "far_read_cork_push": 0,
+    # once this agent serves such a peer, its native progress thread corks the worker's tcp sockets through each
+    # progress call while a stream of puts comes in on them (tcp_info's byte counts: received four times what was
+    # sent), so their acknowledgements, one per put, leave together instead of a segment each
+    "far_progress_cork": True,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
