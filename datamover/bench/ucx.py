@@ -101,6 +101,8 @@ def _target_main(conn, go, nbytes: int, log_path: str, params: dict[str, Any]) -
         elif cmd == "read":
             off, n = args
             conn.send(buf[off : off + n].tobytes())
+        elif cmd == "progress":
+            conn.send(dict(agent.backend("ucx").describe()["native progress"]))
         elif cmd == "fill":
             fill_random(buf[: args[0]], seed=args[1])
             conn.send(None)
@@ -163,6 +165,10 @@ class UcxWorkload(Workload):
 
     def _remote(self, slots: Any, block: int) -> DescList:
         return DescList.from_columns(self.remote_addr + np.asarray(slots, dtype=np.int64) * block, block, 0, "DRAM")
+
+    def target_progress(self) -> dict[str, Any]:
+        """The target's native progress counters now (wakeups, bursts, polls, events; {} without the thread)."""
+        return self._call("progress")
 
     def _call(self, cmd: str, *args: Any) -> Any:
         self._conn.send((cmd, args))

@@ -18,9 +18,13 @@
 #include <semaphore.h>
 #include <stdint.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -124,6 +128,75 @@ static int need_bound(void) {
     return 1;
 }
 
+/* ---- Cork: the sockets a post's rows go out on, corked while they are posted ----
+ *
+ * Over tcp each get is a small request (an active message) sent on its own: one sendmsg, one segment, and the
+ * whole path through both network stacks per row. Corked (TCP_CORK) while the rows are posted, the requests
+ * leave in full segments when the cork comes off, after the flush is posted. Each socket is named by its fd and
+ * inode: a socket that is no longer the one looked up (closed, the fd reused) is left alone. */
+
+#define MAX_CORK 8
+
+typedef struct {
+    int fd[MAX_CORK];
+    int n;
+} cork_t;
+
+static unsigned long long corked_posts;
+
+/* cork: a tuple of (fd, inode) pairs, at most MAX_CORK; parsed with the GIL held */
+static int cork_parse(PyObject *obj, cork_t *c, unsigned long long *inodes) {
+    c->n = 0;
+    if (obj == Py_None) return 1;
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) > MAX_CORK) {
+        PyErr_SetString(PyExc_TypeError, "cork must be a tuple of at most 8 (fd, inode) pairs");
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(obj); i++) {
+        int fd;
+        unsigned long long ino;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(obj, i), "iK", &fd, &ino)) return 0;
+        c->fd[c->n] = fd;
+        inodes[c->n++] = ino;
+    }
+    return 1;
+}
+
+/* cork every socket of c that is still the one named; keeps only those in c (to uncork after) */
+static void cork_on(cork_t *c, const unsigned long long *inodes) {
+    int kept = 0, one = 1;
+    for (int i = 0; i < c->n; i++) {
+        struct stat st;
+        if (fstat(c->fd[i], &st) != 0 || !S_ISSOCK(st.st_mode) || (unsigned long long)st.st_ino != inodes[i]) continue;
+        if (setsockopt(c->fd[i], IPPROTO_TCP, TCP_CORK, &one, sizeof one) == 0) c->fd[kept++] = c->fd[i];
+    }
+    c->n = kept;
+}
+
+static void cork_set(const cork_t *c, int on) {
+    for (int i = 0; i < c->n; i++) setsockopt(c->fd[i], IPPROTO_TCP, TCP_CORK, &on, sizeof on);
+}
+
+static void cork_off(const cork_t *c) { cork_set(c, 0); }
+
+/* the kernel's byte counts of a TCP socket: received, and sent and acknowledged (struct tcp_info's
+ * tcpi_bytes_received and tcpi_bytes_acked, Linux 4.1 on); 0 where it cannot tell */
+#define TCPI_BYTES_ACKED 120
+#define TCPI_BYTES_RECEIVED 128
+static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
+    unsigned char info[256];
+    socklen_t len = sizeof info;
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, info, &len) != 0 || len < TCPI_BYTES_RECEIVED + 8) return 0;
+    memcpy(tx, info + TCPI_BYTES_ACKED, 8);
+    memcpy(rx, info + TCPI_BYTES_RECEIVED, 8);
+    return 1;
+}
+
+/* a socket is corked through a burst only while a stream comes in on it: since the last burst it received at
+ * least this much and four times what it sent (puts arriving, one small acknowledgement going back each), not
+ * while it sends more than it receives (a get's reply each: corked, a reply that fills the socket waits) */
+#define CORK_STREAM_BYTES 4096
+
 /* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ----
  *
  * The thread sleeps in epoll_wait on a set of its own: UCX's event fd, a stop and a kick eventfd. While a waiter
@@ -155,7 +228,12 @@ typedef struct {
     sem_t started; /* posted once the thread has named itself and set its timer slack */
     int running;
     volatile int quit;
-    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls;
+    cork_t cork; /* sockets corked during bursts while a stream comes in (set_cork), and their inodes; under
+                  * hold_lock */
+    unsigned long long cork_ino[MAX_CORK];
+    unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
+    unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
+    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked;
 } ProgressObject;
 
 static void notify_fd(int fd) {
@@ -430,14 +508,21 @@ static FlushObject *new_flush(void *req, int status, ProgressObject *progress) {
     return f;
 }
 
-/* post(get, ep, rows): one put (or get) per row of a C-contiguous (n, 5) uint64 buffer, then one endpoint
- * flush; returns a Flush, or the first error status (int) with nothing left tracked. */
+/* post(get, ep, rows, progress=None, cork=None, push_every=0): one put (or get) per row of a C-contiguous (n, 5)
+ * uint64 buffer, then one endpoint flush; returns a Flush, or the first error status (int) with nothing left
+ * tracked. With cork, what the rows sent so far leaves every push_every rows (0: only after the flush), so the
+ * peer starts on the first rows while later ones are posted. */
 static PyObject *py_post(PyObject *self, PyObject *args) {
     int get;
     unsigned long long ep_ull;
-    PyObject *rows_obj, *progress_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "pKO|O", &get, &ep_ull, &rows_obj, &progress_obj)) return NULL;
+    Py_ssize_t push_every = 0;
+    PyObject *rows_obj, *progress_obj = Py_None, *cork_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "pKO|OOn", &get, &ep_ull, &rows_obj, &progress_obj, &cork_obj, &push_every))
+        return NULL;
     if (!need_bound()) return NULL;
+    cork_t cork;
+    unsigned long long inodes[MAX_CORK];
+    if (!cork_parse(cork_obj, &cork, inodes)) return NULL;
     ProgressObject *progress = NULL;
     if (progress_obj != Py_None) {
         if (!PyObject_TypeCheck(progress_obj, &ProgressType)) {
@@ -461,8 +546,14 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     void *req = NULL;
     Py_BEGIN_ALLOW_THREADS
     if (progress != NULL) progress_hold_c(progress); /* the poster's events must not wake the thread */
+    cork_on(&cork, inodes);
+    if (cork.n) __atomic_add_fetch(&corked_posts, 1, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < n; i++) {
         const row_t *r = &rows[i];
+        if (cork.n && push_every > 0 && i > 0 && i % push_every == 0) {
+            cork_set(&cork, 0); /* out with what is queued, then corked again */
+            cork_set(&cork, 1);
+        }
         void *buf = (void *)(uintptr_t)r->laddr, *rkey = (void *)(uintptr_t)r->rkey;
         if (r->param == 0) {
             status = get ? ucp.get_nbi(ep, buf, r->length, r->raddr, rkey)
@@ -490,6 +581,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
             status = (int)(intptr_t)p;
         }
     }
+    cork_off(&cork); /* the requests leave now, in full segments */
     if (status < 0 && progress != NULL) progress_release_c(progress);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -504,6 +596,21 @@ static PyObject *py_flush(PyObject *self, PyObject *args) {
     ucs_status_ptr_t p = ucp.flush_nbx((void *)(uintptr_t)ep, no_param);
     if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL);
     return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL);
+}
+
+static PyObject *py_post_stats(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{s:K}", "corked", __atomic_load_n(&corked_posts, __ATOMIC_RELAXED));
+}
+
+/* worker_efd(worker): UCX's event fd for the worker (UCP_FEATURE_WAKEUP); OSError without it */
+static PyObject *py_worker_efd(PyObject *self, PyObject *args) {
+    unsigned long long worker;
+    if (!PyArg_ParseTuple(args, "K", &worker)) return NULL;
+    if (!need_bound()) return NULL;
+    int efd = -1;
+    ucs_status_t st = ucp.get_efd((void *)(uintptr_t)worker, &efd);
+    if (st != UCS_OK) return PyErr_Format(PyExc_OSError, "ucp_worker_get_efd failed (status %d)", st);
+    return PyLong_FromLong(efd);
 }
 
 static void *progress_main(void *arg) {
@@ -525,11 +632,46 @@ static void *progress_main(void *arg) {
         } else {
             double idle_since = 0.0, spin_s, poll_s;
             int did = 0;
+            unsigned long long events = 0; /* UCX events this burst handled (ucp_worker_progress's counts) */
             __atomic_load(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
             __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
+            cork_t cork = {.n = 0};
+            if (p->cork.n) { /* read without the lock: a word; the list itself is copied under it */
+                unsigned long long ino[MAX_CORK], gen;
+                cork_t all;
+                pthread_mutex_lock(&p->hold_lock);
+                all = p->cork;
+                memcpy(ino, p->cork_ino, sizeof ino);
+                gen = p->cork_gen;
+                pthread_mutex_unlock(&p->hold_lock);
+                int fresh = gen != p->cork_seen;
+                p->cork_seen = gen;
+                for (int i = 0; i < all.n; i++) {
+                    unsigned long long rx, tx;
+                    struct stat st;
+                    if (fstat(all.fd[i], &st) != 0 || !S_ISSOCK(st.st_mode) || (unsigned long long)st.st_ino != ino[i])
+                        continue;
+                    if (!tcp_bytes(all.fd[i], &rx, &tx)) continue;
+                    unsigned long long drx = rx - p->cork_rx[i], dtx = tx - p->cork_tx[i];
+                    p->cork_rx[i] = rx;
+                    p->cork_tx[i] = tx;
+                    if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) cork.fd[cork.n++] = all.fd[i];
+                }
+                if (cork.n) p->corked++;
+            }
             for (;;) { /* progress while there is work, and spin a little after work (only after work) */
-                unsigned k = 0;
-                while (ucp.progress(p->worker)) k++;
+                unsigned k = 0, n;
+                for (;;) {
+                    /* corked through one progress call: what it sends (a put's acknowledgement each, a get's
+                     * reply each) leaves in full segments when it returns; never longer, since a send that
+                     * filled the socket must drain before the next call can send more */
+                    cork_set(&cork, 1);
+                    n = ucp.progress(p->worker);
+                    cork_set(&cork, 0);
+                    if (n == 0) break;
+                    k++;
+                    events += n;
+                }
                 if (k) {
                     did = 1;
                     p->progressed += k;
@@ -540,6 +682,7 @@ static void *progress_main(void *arg) {
                 }
             }
             if (did) p->bursts++;
+            p->events += events;
             if (is_held(p)) continue;
             if (did && poll_s > 0.0 && !p->quit) {
                 /* traffic is flowing: look again after poll_s instead of being woken by each arrival */
@@ -679,6 +822,21 @@ static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_cork(pairs): (fd, inode) pairs of tcp sockets to cork during each burst of work; () for none */
+static PyObject *progress_set_cork(ProgressObject *p, PyObject *args) {
+    PyObject *obj;
+    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    cork_t cork;
+    unsigned long long inodes[MAX_CORK];
+    if (!cork_parse(obj, &cork, inodes)) return NULL;
+    pthread_mutex_lock(&p->hold_lock);
+    p->cork = cork;
+    memcpy(p->cork_ino, inodes, sizeof inodes);
+    p->cork_gen++; /* the thread's byte counts start again from its next burst */
+    pthread_mutex_unlock(&p->hold_lock);
+    Py_RETURN_NONE;
+}
+
 static PyObject *progress_hold(ProgressObject *p, PyObject *unused) {
     progress_hold_c(p);
     Py_RETURN_NONE;
@@ -706,9 +864,10 @@ static void progress_dealloc(ProgressObject *p) {
 }
 
 static PyObject *progress_stats(ProgressObject *p, void *closure) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts", p->bursts,
-                         "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds, "release_kicks",
-                         p->release_kicks, "polls", p->polls, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts",
+                         p->bursts, "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds,
+                         "release_kicks", p->release_kicks, "polls", p->polls, "events", p->events, "corked",
+                         p->corked, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
                          p->running ? Py_True : Py_False);
 }
 
@@ -721,6 +880,9 @@ static PyMethodDef progress_methods[] = {
     {"release", (PyCFunction)progress_release, METH_NOARGS, "End a hold(); the last one wakes the thread."},
     {"tune", (PyCFunction)progress_tune, METH_VARARGS,
      "tune(spin_s, poll_s): how long the thread spins after work, and its timer poll after work (0: off)."},
+    {"set_cork", (PyCFunction)progress_set_cork, METH_VARARGS,
+     "set_cork(pairs): (fd, inode) pairs of tcp sockets corked during each burst of work, so what a burst sends "
+     "(acknowledgements, replies) leaves in full segments when it ends; () for none."},
     {"set_notify", (PyCFunction)progress_set_notify, METH_VARARGS,
      "set_notify(fd): write to fd after progress that did work (-1: nobody to tell)."},
     {NULL, NULL, 0, NULL},
@@ -730,7 +892,8 @@ static PyGetSetDef progress_getset[] = {
     {"stats", (getter)progress_stats, NULL,
      "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
      "that did work), kicks, holds, release_kicks (releases that had to wake the thread), polls (timer sleeps "
-     "after work, with poll_s), held (holds now)",
+     "after work, with poll_s), events (UCX events handled, the sum of ucp_worker_progress's counts), corked "
+     "(bursts that corked a socket a stream came in on, see set_cork), held (holds now)",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -750,9 +913,13 @@ static PyTypeObject ProgressType = {
 static PyMethodDef module_methods[] = {
     {"bind", py_bind, METH_VARARGS, "bind(path): resolve the UCP calls from the already loaded libucp at path."},
     {"post", py_post, METH_VARARGS,
-     "post(get, ep, rows, progress=None): a put/get per row of an (n, 5) uint64 array, then a flush; a Flush, or an "
-     "error status. With ``progress``, that thread is held off the worker from before the first put until the "
-     "flush ends (or unhold()/abandon()): the caller's waiter drives it."},
+     "post(get, ep, rows, progress=None, cork=None, push_every=0): a put/get per row of an (n, 5) uint64 array, "
+     "then a flush; a Flush, or an error status. With ``progress``, that thread is held off the worker from before "
+     "the first put until the flush ends (or unhold()/abandon()): the caller's waiter drives it. ``cork``: (fd, "
+     "inode) pairs of tcp sockets corked (TCP_CORK) from before the first row until the flush is posted, those "
+     "whose fd still names that inode; uncorked and corked again every ``push_every`` rows (0: never)."},
+    {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket)."},
+    {"worker_efd", py_worker_efd, METH_VARARGS, "worker_efd(worker): UCX's event fd of a ucp_worker_h."},
     {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
     {"drive_stats", py_drive_stats, METH_NOARGS,
      "Counters of every Flush.drive() in this process: drives, progress (UCX progress calls), empty (of them, "

@@ -116,6 +116,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 raise InvalidParameter(
                     f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=self.name
                 )
+        for key in ("far_read_cork_rows", "far_read_cork_push"):
+            rows = self.params[key]
+            if type(rows) is not int or rows < 0:
+                raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=self.name)
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -187,6 +191,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
         self._serving_far_tcp = False  # an initiator on another machine was served over tcp (see _serving_far)
+        self._cork_scan = 0.0  # when the worker's sockets were last looked up for the progress thread to cork
+        self._cork_found: tuple[tuple[int, int], ...] = ()  # what it was handed
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         if not self._start_progress():
             self._watch_ucx(True)
@@ -253,12 +259,31 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "native path": rma.data_path(),
             "UCX progress": self._progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
+            "READ cork": self._cork_text(),
+            "progress cork": (
+                f"tcp sockets corked during bursts while a stream comes in on them: {len(self._cork_found)} handed"
+                if self.params["far_progress_cork"] and self._progress is not None
+                else "off"
+            ),
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
             "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},
             "requests": dict(self.counts),
         }
+
+    def _cork_text(self) -> str:
+        rows, lib = int(self.params["far_read_cork_rows"]), rma.native()
+        if not rows or self._rma_native or lib is None:
+            return "off"
+        corked = {name: len(p.cork[1]) for name, p in list(self._peers.items()) if p.elsewhere and p.cork is not None}
+        every = int(self.params["far_read_cork_push"])
+        push = f"every {every} rows" if every else "once the flush is posted"
+        return (
+            f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
+            f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
+            f"process {lib.post_stats()['corked']}"
+        )
 
     def _progress_mode(self) -> str:
         if self._progress is None:
@@ -426,7 +451,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 self._cma_ops[op_id] = (peer, req.plan.regions)
             elif isinstance(rows, cma.CmaPlan):
                 error = self.cma_path._copy_cma(peer, req, rows, deadline)
-            elif (held := self._reads_held(peer.name, req.op)) is not None:
+            elif (held := self._held(peer.name, req.op)) is not None:
                 completion = Completion(1)
                 completion.finish_part(held)
                 return completion

@@ -33,13 +33,14 @@ class Fencing:
         """On the service thread: end the request of ``completion`` so that none of its bytes lands afterwards.
 
         A request not started yet ends here. One whose UCX operations all
-        ended ends with its error. Otherwise: a WRITE only reads the caller's
-        memory and ends now (the owner is told to drop it; its remote range is
-        undefined, as after any failed WRITE); a READ still has gets or
-        receives in flight into the caller's memory, which UCX cannot call
-        back one by one, so the worker is replaced and the old one is never
-        progressed again: the bytes of a thawed or late peer arrive at an
-        endpoint nobody reads.
+        ended ends with its error. Otherwise its UCX operations still point
+        into the caller's memory (a READ's gets or receives write it; a WRITE's
+        puts or sends, queued in UCX until the peer takes them, read it), and
+        UCX cannot call them back one by one, so the worker is replaced and the
+        old one is never progressed again: the bytes of a thawed or late peer
+        arrive at an endpoint nobody reads, and nothing queued is sent. The
+        owner of an owner-served request is told to drop it too; a WRITE's
+        remote range is undefined afterwards, as after any failed WRITE.
         """
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
         for direct in list(self._directs):  # a waiter may drop its finished one meanwhile
@@ -47,12 +48,12 @@ class Fencing:
                 with direct.lock:
                     if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS:
                         break  # ended (or ending): whoever saw it finishes it
-                if direct.op == "READ":
-                    self._reset_worker(
-                        f"a cancelled READ from agent {direct.peer.name!r} still had gets in flight",
-                        quarantine=True,
-                        culprit=direct.peer.name,
-                    )
+                what, name = ("gets" if direct.op == "READ" else "puts"), direct.peer.name
+                self._reset_worker(
+                    f"a cancelled {direct.op} {_towards(direct.op)} agent {name!r} still had {what} in flight",
+                    quarantine=True,
+                    culprit=name,
+                )
                 self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
                 return
         for peer in self._peers.values():
@@ -65,37 +66,41 @@ class Fencing:
                 pending = op.reqs.poll() is False
                 if peer.conn is not None and peer.state == "ready":
                     peer.conn.send(Cancel(op.id))  # the owner refuses what it has not started
-                if pending and op.req.op == "READ":
+                if pending:
+                    what = "receives" if op.req.op == "READ" else "sends"
                     self._reset_worker(
-                        f"a cancelled READ from agent {peer.name!r} still had receives in flight",
+                        f"a cancelled {op.req.op} {_towards(op.req.op)} agent {peer.name!r} still had {what} in flight",
                         quarantine=True,
                         culprit=peer.name,
                     )
                 self._submit(lambda op=op: self.tagged._end(op, why))
                 return
 
-    def _reads_held(self, peer: str, op: str) -> BackendUnavailable | None:
-        """Why a READ from ``peer`` that needs UCX gets or receives is refused, or None.
+    def _held(self, peer: str, op: str) -> BackendUnavailable | None:
+        """Why a transfer with ``peer`` that needs UCX operations (not direct cma) is refused, or None.
 
-        Each READ cut off with those still in flight keeps a UCX worker (never progressed again, so the late
-        bytes cannot land; freeing it would progress it) until close(). A peer that stopped answering that
-        often, or this agent holding that many such workers in all, bounds them: such READs are refused, and
-        the caller is told why, instead of fds running out.
+        Each transfer cut off with those still in flight keeps a UCX worker (never progressed again, so a READ's
+        late bytes cannot land and a WRITE's queued sends cannot read the caller's memory; freeing it would
+        progress it) until close(). A peer that stopped answering that often, or this agent holding that many
+        such workers in all, bounds them: such transfers are refused, and the caller is told why, instead of fds
+        running out.
         """
-        if op != "READ":
-            return None
         mine, total = self._quarantines_by.get(peer, 0), len(self._quarantined)
         per_peer, cap = int(self.params["max_quarantines_per_peer"]), int(self.params["max_quarantined_workers"])
         if mine < per_peer and total < cap:
             return None
         why = (
-            f"agent {peer!r} stopped answering {mine} time(s) with READs in flight"
+            f"agent {peer!r} stopped answering {mine} time(s) with transfers in flight"
             if mine >= per_peer
-            else f"{total} READs were cut off with bytes in flight"
+            else f"{total} transfers were cut off with UCX operations in flight"
         )
         return BackendUnavailable(
-            f"READ from agent {peer!r} refused: {why}; the UCX workers those READs used are held until close() so "
-            f"that their late bytes cannot land (max_quarantines_per_peer={per_peer}, "
-            f"max_quarantined_workers={cap}); WRITEs, and READs by direct cma, still run",
+            f"{op} {_towards(op)} agent {peer!r} refused: {why}; the UCX workers those transfers used are held until "
+            f"close() so that their late bytes cannot land nor their queued sends read the caller's memory "
+            f"(max_quarantines_per_peer={per_peer}, max_quarantined_workers={cap}); transfers by direct cma still run",
             backend=self.name,
         )
+
+
+def _towards(op: str) -> str:
+    return "from" if op == "READ" else "to"

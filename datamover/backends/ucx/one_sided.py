@@ -14,7 +14,7 @@ from ...errors import (
 from ..base import (
     TransferRequest,
 )
-from . import cma, rma
+from . import cma, rma, tcp_sockets
 from .config import _DIRECT_GRACE_S, ucx_error
 from .messages import Revoked
 from .state import Direct, OutOp, Peer
@@ -49,6 +49,8 @@ class NativePoster(Protocol):
 #: a poster plugged in here takes precedence; None: rows go out through the native extension where it is active
 #: (``rma.post_native``: rows and flush posted, and the flush driven, in C), else through ctypes, a call per row
 native_post: NativePoster | None = None
+
+_CORK_LOOKUPS = 3  # READs that look for the sockets to cork before a peer's endpoint is taken to have none
 
 
 class OneSided:
@@ -194,7 +196,9 @@ class OneSided:
             if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
-                return rma.post_native(op == "READ", ep, rows.native, self.b._progress)
+                cork = self._cork(peer) if op == "READ" and len(rows) >= self.b._read_cork_rows(peer) else None
+                push = int(self.b.params["far_read_cork_push"])
+                return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork, push)
             poster = native_post
             if poster is not None and isinstance(rows, Rows) and rows.columns.host:
                 status = poster(op == "READ", ep, rows.columns)
@@ -202,6 +206,18 @@ class OneSided:
                 status = rma.post_rows(op == "READ", ep, rows)
             self.b.counts["one-sided"] += 1
             return (rma.Flush(ep) if status == rma.UCS_OK else None), status
+
+    def _cork(self, peer: Peer) -> tuple[tuple[int, int], ...] | None:
+        """The worker's tcp sockets to ``peer`` for a READ to cork while posted; looked up once per endpoint (UCX
+        connects on its first send, so a lookup that finds none is tried again, up to _CORK_LOOKUPS times)."""
+        ep = peer.ep.handle
+        cached = peer.cork
+        if cached is not None and cached[0] == ep and (cached[1] or cached[2] >= _CORK_LOOKUPS):
+            return cached[1] or None
+        misses = cached[2] if cached is not None and cached[0] == ep else 0
+        found = tcp_sockets.sockets_to(rma.native().worker_efd(self.b._worker.handle), peer.ip) if peer.ip else ()
+        peer.cork = (ep, found, misses + (not found))
+        return found or None
 
     def _launch_one_sided(self, peer: Peer, op: OutOp, rows: list[rma.Row] | cma.CmaPlan) -> None:
         """A queued request's one-sided posts: done when the flush ends (direct cma: at once)."""

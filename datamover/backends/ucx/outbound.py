@@ -144,7 +144,7 @@ class Outbound:
             self.tagged._end(op, NotRegistered(f"local region(s) {sorted(gone)} were deregistered", backend=self.name))
             return
         rows = self.one_sided._one_sided_rows(peer, op.req) if peer.regions else None
-        if not isinstance(rows, cma.CmaPlan) and (held := self._reads_held(peer.name, op.req.op)) is not None:
+        if not isinstance(rows, cma.CmaPlan) and (held := self._held(peer.name, op.req.op)) is not None:
             self.tagged._end(op, held)
             return
         if rows is not None:
@@ -256,6 +256,12 @@ class Outbound:
             peer.regions = regions
             peer.cma_pid, peer.cma_why = pid, why
             peer.elsewhere = peer_elsewhere(peer.conn.sock)  # type: ignore[union-attr]
+            peer.cork = None
+            if peer.elsewhere:
+                try:
+                    peer.ip = str(peer.conn.sock.getpeername()[0])  # type: ignore[union-attr]
+                except OSError:
+                    peer.ip = ""
         self._ready(peer)
 
     @staticmethod

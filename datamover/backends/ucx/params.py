@@ -59,6 +59,17 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
     "far_progress_spin_us": 0,
     "far_progress_poll_us": 0,
+    # a READ of at least this many rows from such a peer is posted with this worker's tcp sockets to it corked
+    # (TCP_CORK), so its gets (one small request each) leave in full segments once the flush is posted instead
+    # of one segment and one pass through both network stacks per row; 0: never
+    "far_read_cork_rows": 32,
+    # ... and what its gets queued is let out every this many rows (0: once, after the flush), so that the peer
+    # could start serving the first rows while the rest are posted
+    "far_read_cork_push": 0,
+    # once this agent serves such a peer, its native progress thread corks the worker's tcp sockets through each
+    # progress call while a stream of puts comes in on them (tcp_info's byte counts: received four times what was
+    # sent), so their acknowledgements, one per put, leave together instead of a segment each
+    "far_progress_cork": True,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
@@ -74,10 +85,11 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # a request with less than this left of its timeout is not started: it could not finish, and once
     # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
     "launch_margin_s": 0.001,
-    # a READ cut off with UCX gets or receives still in flight (a frozen or dying peer) keeps the UCX worker
-    # they were posted on, never progressed again, until close(): about a dozen fds each. A peer that made
-    # this many quarantines gets its READs refused (direct cma READs, which need none, still run), and once
-    # this agent holds max_quarantined_workers in all, every such READ is refused; close() frees them
+    # a transfer cut off with UCX operations still in flight (a READ's gets or receives, a WRITE's puts or
+    # sends; a frozen or dying peer) keeps the UCX worker they were posted on, never progressed again, until
+    # close(): about a dozen fds each. A peer that made this many quarantines gets its transfers that need
+    # UCX operations refused (direct cma, which needs none, still runs), and once this agent holds
+    # max_quarantined_workers in all, every such transfer is refused; close() frees them
     "max_quarantines_per_peer": 2,
     # a peer that hangs up while this agent has receives posted for its WRITE: the hang-up is confined to
     # its own requests when, within this many seconds, every one of them ended (the ones it never matched

@@ -310,7 +310,9 @@ def native_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[R
     return rows
 
 
-def post_native(get: bool, ep: int, rows: np.ndarray, progress: Any = None) -> tuple[Any, int]:
+def post_native(
+    get: bool, ep: int, rows: np.ndarray, progress: Any = None, cork: Any = None, push_every: int = 0
+) -> tuple[Any, int]:
     """Post every row's get (``get``) or put and one endpoint flush in C: (flush, UCS_OK) or (None, the error).
 
     The flush has ``poll()`` and ``abandon()`` as ``Flush`` has, and
@@ -319,7 +321,9 @@ def post_native(get: bool, ep: int, rows: np.ndarray, progress: Any = None) -> t
     ``progress`` (the native progress thread), that thread is held off the
     worker from before the first row until the flush ends, or ``unhold()``
     gives the request to it: the caller's waiter drives its own request, and
-    its events wake nobody else.
+    its events wake nobody else. ``cork``: (fd, inode) pairs of tcp sockets
+    corked while the rows are posted (``tcp_sockets``), what was sent let out
+    every ``push_every`` rows (0: once, after the flush is posted).
     """
-    got = native().post(get, ep, rows, progress)
+    got = native().post(get, ep, rows, progress, cork, push_every)
     return (None, got) if isinstance(got, int) else (got, UCS_OK)

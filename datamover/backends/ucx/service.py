@@ -17,7 +17,7 @@ from ...errors import (
     InvalidMetadata,
     RemoteDisconnected,
 )
-from . import rma
+from . import rma, tcp_sockets
 from .config import _PROBE_TAG, log
 from .messages import Cancel, Req
 from .protocol import FrameConn
@@ -71,6 +71,21 @@ class ServiceLoop:
     def _drive_spin_s(self, peer: Any) -> float:
         """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
         return self._drive_s(peer, "drive_spin_us")
+
+    def _set_progress_cork(self) -> None:
+        """Hand the native progress thread the worker's tcp sockets to cork during bursts (far_progress_cork); UCX
+        opens them as peers connect, so this is looked up again every half second while serving."""
+        found: tuple[tuple[int, int], ...] = ()
+        if self.params["far_progress_cork"]:
+            found = tcp_sockets.sockets_to(rma.native().worker_efd(self._worker.handle), None)
+        if found != self._cork_found:
+            self._cork_found = found
+            self._progress.set_cork(found)
+
+    def _read_cork_rows(self, peer: Any) -> float:
+        """READs to ``peer`` of at least this many rows are posted with its tcp sockets corked (inf: never)."""
+        rows = int(self.params["far_read_cork_rows"])
+        return rows if rows > 0 and peer.elsewhere and not self._rma_native else float("inf")
 
     def _drive_s(self, peer: Any, key: str) -> float:
         """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
@@ -149,6 +164,14 @@ class ServiceLoop:
                     if self._hangups:
                         self._check_hangups(now)
                     self._drop_silent(now)
+                    if (
+                        self._serving_far_tcp
+                        and self._progress is not None
+                        and self.params["far_progress_cork"]
+                        and now - self._cork_scan > 0.5
+                    ):
+                        self._cork_scan = now
+                        self._set_progress_cork()
                 if busy:
                     last = now
                 if self._drivers:
@@ -386,10 +409,11 @@ class ServiceLoop:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
 
         The old worker is freed at once (its file descriptors and memory with
-        it) unless ``quarantine``: then a cancelled READ still has gets or
-        receives posted into its caller's memory, and the old worker is kept,
-        never progressed again, until ``close()``, and counted against
-        ``culprit``, the peer whose READ it was (see ``_reads_held``).
+        it) unless ``quarantine``: then a cancelled transfer still has UCX
+        operations pointing into its caller's memory (a READ's gets or receives,
+        a WRITE's queued puts or sends), and the old worker is kept, never
+        progressed again, until ``close()``, and counted against ``culprit``,
+        the peer of that transfer (see ``_held``).
         """
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         pending, self._hangups = self._hangups, []  # their receives and probes were on the worker being replaced

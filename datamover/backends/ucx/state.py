@@ -231,6 +231,10 @@ class Peer:
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()
         self.elsewhere = False  # on another machine (``config.peer_elsewhere`` of the control connection)
+        self.ip = ""  # the address its control connection reached, for a peer elsewhere
+        # the worker's tcp sockets to it that a READ's gets are corked on (``tcp_sockets.sockets_to``): (endpoint
+        # handle they were found for, (fd, inode) pairs, lookups that found none); None until looked up
+        self.cork: tuple[int, tuple[tuple[int, int], ...], int] | None = None
 
 
 class Hangup:

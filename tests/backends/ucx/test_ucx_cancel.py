@@ -19,7 +19,7 @@ import pytest
 
 from datamover import Agent, XferState
 from datamover.backends import backend_status
-from datamover.errors import TransferTimeout
+from datamover.errors import TransferAborted, TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
@@ -89,13 +89,14 @@ def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
         assert changed == 0, f"{changed} bytes of the cancelled READ landed after it ended"
 
 
-def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch):
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch, op):
     """A part copying when the caller's deadline passes: ERR comes only once no chunk can copy any more.
 
     The second chunk's copy is held at a known point (after its part checked for
     cancellation, before the syscall) until the transfer was cancelled, and then
     until the caller heard of the ERR or 2 s passed. Had ERR come first, that
-    chunk would be copied into a buffer the caller already reuses.
+    chunk would be copied into (READ) or out of (WRITE) a buffer the caller already reuses.
     """
     from datamover.backends import base
     from datamover.backends.ucx import cma
@@ -129,10 +130,88 @@ def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch):
 
         monkeypatch.setattr(cma.CmaPlan, "run", run)
         monkeypatch.setattr(base.Completion, "cancel", cancel)
-        xfer = agent.transfer("READ", local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=0.5)
+        xfer = agent.transfer(op, local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=0.5)
         assert held.wait(30)
         with pytest.raises(TransferTimeout):
             xfer.wait(30)  # a bounded wait leaves the copying to the cma threads
         copied_first = copied.is_set()
         told.set()
         assert copied_first, "ERR was reported while a cma chunk was still to be copied into the caller's buffer"
+
+
+def _rows_served(peer) -> int:
+    return peer.call("describe", "ucx")["rows served for peers"]["now"]
+
+
+#: the WRITE's paths, also with UCX's own cma transport on (its rendezvous may then read the source with cma)
+WRITE_PATHS = {
+    **PATHS,
+    "one-sided, UCX cma": {"direct_cma": False, "cma": True},
+    "owner-served, UCX cma": {"one_sided": False, "cma": True},
+}
+
+
+@pytest.mark.parametrize("how", ["timeout", "release"])
+@pytest.mark.parametrize("path", list(WRITE_PATHS))
+def test_a_cancelled_write_reads_nothing_of_the_callers_memory_after_err(path, how, monkeypatch):
+    """A WRITE cut off with its puts or sends still queued in UCX: a source refilled at ERR never reaches the peer.
+
+    The known point: this agent's native progress thread is held off its worker from before the post, so what UCX
+    could not send while posting (puts past the shared-memory queue, a tag send's rendezvous data) waits in UCX,
+    and the owner-served request's receives are posted at the peer first. ERR comes (the deadline passed, seen by
+    a poll, or ``release()``), the caller refills its buffer, the hold is let go, and whatever UCX still had has its
+    chance to go out: a one-sided WRITE after it on the same endpoint (its flush covers every earlier put), or the
+    sends ending. The owner-served WRITE's ``Cancel`` never reaches the owner (an owner busy or slow to read it, or
+    one that ignores it): an owner that drops the request's receives in time stalls the sends, one that does not
+    lets them run. Before the fix 30-32 MiB of the 32 MiB refill reached the peer on every path.
+    """
+    from datamover.backends.base import clock
+    from datamover.backends.ucx import protocol
+    from datamover.backends.ucx.messages import Cancel
+    from datamover.testing.waiting import until
+
+    real_send = protocol.FrameConn.send
+    monkeypatch.setattr(
+        protocol.FrameConn, "send", lambda conn, msg: None if isinstance(msg, Cancel) else real_send(conn, msg)
+    )
+
+    cfg = {"backends": {"ucx": WRITE_PATHS[path]}}
+    served = path.startswith("owner-served")
+    with RemotePeer("sink", cfg) as peer, Agent("writer", cfg) as agent:
+        backend = agent.backend("ucx")
+        progress = backend._progress
+        if progress is None:
+            pytest.skip("no native progress thread (the extension is not built): nothing to hold")
+        pbuf = RemoteBuffer(peer, SIZE)
+        agent.add_remote(peer.metadata())
+        local, small = HostBuffer(agent, SIZE), HostBuffer(agent, 4096)
+        local.write(0, b"\xaa" * SIZE)
+        assert agent.transfer("WRITE", small.descs([0], [4096]), pbuf.descs([0], [4096]), "sink").wait()
+        n = SIZE // BS
+        # the peer's rows in reverse order: nothing coalesces, every row is its own 1 MiB put or send
+        remote = pbuf.descs((n - 1 - np.arange(n)) * BS, BS)
+        resets = backend.resets
+        progress.hold()
+        try:
+            xfer = agent.transfer("WRITE", local.descs(np.arange(n) * BS, BS), remote, "sink", timeout=3.0)
+            if served:
+                until(lambda: _rows_served(peer) == n, what="the owner posting the WRITE's receives")
+            if how == "timeout":
+                until(lambda: clock() > xfer.request.deadline, what="the deadline")
+                assert xfer.state == XferState.ERR  # a poll: no waiter drives UCX first
+                with pytest.raises(TransferTimeout):
+                    xfer.wait()
+            else:
+                assert isinstance(xfer.release(), TransferAborted)  # cut short in flight
+            local.write(0, b"\x55" * SIZE)  # the caller reuses its buffer at once
+        finally:
+            progress.release()  # a no-op on a progress thread that was stopped meanwhile
+        if served:
+            # this side's sends ended (their data went out), or the worker they were queued on was replaced
+            until(lambda: not backend._active_out or backend.resets > resets, what="the WRITE's sends ending")
+        small.write(0, b"\x77" * 4096)
+        after = agent.transfer("WRITE", small.descs([0], [4096]), pbuf.descs([SIZE - 4096], [4096]), "sink")
+        assert after.wait() == XferState.DONE
+        got = np.frombuffer(pbuf.read(0, SIZE - 4096), np.uint8)
+        refilled = int(np.count_nonzero(got == 0x55))
+        assert refilled == 0, f"{refilled} bytes written into the caller's buffer after ERR reached the peer"

@@ -1,0 +1,227 @@
+"""A READ from a peer on another machine over tcp posts its gets with the worker's tcp sockets to that peer
+corked (``far_read_cork_rows``), so its requests leave in full segments, not one segment per row.
+
+What is counted is the kernel's own count of data segments each TCP socket sent (``TCP_INFO``), over the
+process's sockets to the peer found independently of the code under test (``/proc/self/fd``, the control
+connection left out); bytes are checked after every READ.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+
+import numpy as np
+import pytest
+
+from datamover import Agent
+from datamover.backends import backend_status
+from datamover.backends.ucx import rma as ucx_rma
+from datamover.backends.ucx import tcp_sockets
+from datamover.errors import InvalidParameter
+from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.remote import RemoteBuffer, RemotePeer
+
+ok, why = backend_status("ucx")
+pytestmark = [
+    pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}"),
+    pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path()),
+]
+
+TCP = {"UCX_TLS": "tcp,self"}
+ROWS, BLOCK = 256, 4096
+_DATA_SEGS_IN, _DATA_SEGS_OUT = 152, 156  # offsets of tcpi_data_segs_in / _out in struct tcp_info (Linux 4.6 on)
+
+
+def _data_segs(ip: str, skip_port: int, field: int = _DATA_SEGS_OUT) -> int:
+    """Data segments sent (or received: ``field``) so far by this process's TCP sockets to ``ip``, the one to
+    port ``skip_port`` left out."""
+    total = 0
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family != socket.AF_INET or sock.type != socket.SOCK_STREAM:
+                continue
+            peer = sock.getpeername()
+            if peer[0] != ip or peer[1] == skip_port:
+                continue
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+            total += struct.unpack_from("I", info, field)[0]
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return total
+
+
+def _far_read_segments(hosts, cork_rows: int, push: int = 0) -> tuple[int, str]:
+    """Data segments this process sent during one READ of ROWS x BLOCK from a peer on host 1; and the
+    initiator's READ cork description. Every byte is checked."""
+    there, here = hosts[1], hosts[0]
+    cfg = {"backends": {"ucx": {"host": there.address}}}
+    near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
+    with (
+        RemotePeer(f"cork-peer-{cork_rows}", cfg, env=TCP, host=there) as peer,
+        Agent(
+            f"cork-init-{cork_rows}",
+            {"backends": {"ucx": {**near, "far_read_cork_rows": cork_rows, "far_read_cork_push": push}}},
+        ) as agent,
+    ):
+        n = ROWS * BLOCK
+        remote, local = RemoteBuffer(peer, n), HostBuffer(agent, n)
+        data = random_bytes(n, seed=cork_rows)
+        remote.write(0, data)
+        agent.add_remote(peer.metadata())
+        offsets = np.arange(ROWS) * BLOCK
+        scattered = np.random.default_rng(1).permutation(ROWS) * BLOCK  # no two rows merge into one
+        lp, rp = agent.prepare(local.descs(offsets, BLOCK)), agent.prepare(remote.descs(scattered, BLOCK), peer.name)
+        xfer = agent.make_transfer("READ", lp, None, rp, None)
+        want = np.frombuffer(data, np.uint8).reshape(ROWS, BLOCK)[scattered // BLOCK].tobytes()
+        assert xfer.post().wait()  # connects UCX's sockets (it connects on the first send)
+        assert local.read(0, n) == want
+        control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
+        local.write(0, bytes(n))
+        before = _data_segs(there.address, control)
+        assert xfer.post().wait()
+        segments = _data_segs(there.address, control) - before
+        assert local.read(0, n) == want
+        text = agent.backend("ucx").describe()["READ cork"]
+        xfer.release()
+        return segments, text
+
+
+def test_a_far_read_sends_its_gets_in_full_segments(test_hosts):
+    """Corked, the 256 gets of one READ (a request of a few tens of bytes each) leave together in full segments,
+    about 8. Uncorked (``far_read_cork_rows=0``) each leaves when posted, unless the kernel's autocorking
+    happens to merge it with the one before: 40-255 segments measured, so that count is only shown. Let out
+    every 8 rows (``far_read_cork_push``), they leave in one segment per 8 rows."""
+    corked, text = _far_read_segments(test_hosts, 32)
+    pushed, every = _far_read_segments(test_hosts, 32, push=8)
+    plain, off = _far_read_segments(test_hosts, 0)
+    assert corked <= ROWS // 16, f"{corked} segments corked, {plain} uncorked"
+    assert ROWS // 8 - 2 <= pushed <= ROWS // 4, f"{pushed} segments let out every 8 rows, {corked} corked"
+    assert "corked (TCP_CORK), let out once the flush is posted; sockets found {'cork-peer-32': 1}" in text
+    assert "let out every 8 rows" in every
+    assert off == "off"
+
+
+def test_sockets_to_finds_the_workers_tcp_connection_and_post_corks_only_sockets_it_still_names():
+    """Two workers of this process over tcp on loopback: ``sockets_to`` finds worker 0's connection; a post
+    corks it, and skips (fd, inode) pairs that name something else (a pipe, another inode); every READ is
+    right."""
+    from datamover.backends.ucx.config import import_ucxx, make_context
+
+    u, _ = import_ucxx()
+    ctxs = [make_context(u, {"TLS": "tcp,self", "NET_DEVICES": "lo"}, False)[0] for _ in range(2)]
+    workers = [u.UCXWorker(c) for c in ctxs]
+    ep = workers[0].create_endpoint_from_worker_address(workers[1].address, False)
+    n, rows = 4096, 64
+    got, src = np.zeros(n * rows, np.uint8), np.frombuffer(random_bytes(n * rows, seed=5), np.uint8).copy()
+    memh = ucx_rma.mem_map(ctxs[1].handle, src.ctypes.data, src.nbytes)
+    rkey = ucx_rma.rkey_unpack(ep.handle, ucx_rma.rkey_pack(ctxs[1].handle, memh))
+    lib = ucx_rma.native()
+    r, w = os.pipe()
+
+    def read(cork) -> int:
+        got[:] = 0
+        offsets = np.arange(rows) * n
+        table = ucx_rma.native_rows(
+            got.ctypes.data + offsets, np.full(rows, n), src.ctypes.data + offsets, np.full(rows, rkey, np.uint64),
+            [None] * rows,
+        )  # fmt: skip
+        before = lib.post_stats()["corked"]
+        flush, status = ucx_rma.post_native(True, ep.handle, table, None, cork)
+        assert status == ucx_rma.UCS_OK
+        while flush.poll() == ucx_rma.UCS_INPROGRESS:
+            workers[0].progress()
+            workers[1].progress()
+        assert flush.poll() == ucx_rma.UCS_OK and np.array_equal(got, src)
+        return lib.post_stats()["corked"] - before
+
+    try:
+        assert read(None) == 0
+        found = tcp_sockets.sockets_to(lib.worker_efd(workers[0].handle), "127.0.0.1")
+        assert found and all(stat.S_ISSOCK(os.fstat(fd).st_mode) and os.fstat(fd).st_ino == ino for fd, ino in found)
+        assert read(found) == 1
+        assert read(((r, os.fstat(r).st_ino), (found[0][0], found[0][1] + 1))) == 0
+        with pytest.raises(TypeError, match="cork"):
+            ucx_rma.post_native(True, ep.handle, np.zeros((0, 5), np.uint64), None, ((r, 1),) * 9)
+    finally:
+        os.close(r)
+        os.close(w)
+        ucx_rma.rkey_destroy(rkey)
+        ucx_rma.mem_unmap(ctxs[1].handle, memh)
+
+
+@pytest.mark.parametrize("key", ["far_read_cork_rows", "far_read_cork_push"])
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "32", None])
+def test_far_read_cork_rows_must_be_a_whole_number(key, bad):
+    with Agent("cork-bad", {"backends": {"ucx": {key: bad}}}) as agent:
+        with pytest.raises(InvalidParameter, match=key):
+            agent.backend("ucx")  # started on first use
+
+
+def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
+    """Data segments (the target's put acknowledgements) this initiator received for one WRITE of ROWS x BLOCK
+    posted while the target on host 1 was frozen (SIGSTOP), so its first burst finds every put queued; the
+    target's progress cork description and bursts corked. Every byte is checked."""
+    import signal
+    import time
+
+    there, here = hosts[1], hosts[0]
+    cfg = {"backends": {"ucx": {"host": there.address, "far_progress_cork": cork}}}
+    near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
+    with (
+        RemotePeer(f"pcork-target-{cork}", cfg, env=TCP, host=there) as peer,
+        Agent(f"pcork-init-{cork}", {"backends": {"ucx": near}}) as agent,
+    ):
+        n = ROWS * BLOCK
+        target, src = RemoteBuffer(peer, n), HostBuffer(agent, n)
+        data = random_bytes(n, seed=7)
+        src.write(0, data)
+        agent.add_remote(peer.metadata())
+        scattered = np.random.default_rng(2).permutation(ROWS) * BLOCK
+        rows = (src.descs(np.arange(ROWS) * BLOCK, BLOCK), target.descs(scattered, BLOCK))
+        assert agent.transfer("WRITE", *rows, peer.name).wait()  # connects UCX's sockets
+        deadline = time.monotonic() + 10
+        while cork and "0 handed" in peer.call("describe", "ucx")["progress cork"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # the service thread hands the sockets over every half second while serving
+        # the thread's byte counts start at its first burst after the hand-over: have that burst come first
+        assert agent.transfer("WRITE", *rows, peer.name).wait()
+        control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
+        corked_before = peer.call("describe", "ucx")["native progress"]["corked"]
+        target.write(0, bytes(n))
+        before = _data_segs(there.address, control, _DATA_SEGS_IN)
+        peer.call("ping")  # answered: idle in its command loop
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            xfer = agent.transfer("WRITE", *rows, peer.name)
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        assert xfer.wait()
+        acks = _data_segs(there.address, control, _DATA_SEGS_IN) - before
+        want = np.frombuffer(data, np.uint8).reshape(ROWS, BLOCK)
+        got = np.frombuffer(target.read(0, n), np.uint8).reshape(ROWS, BLOCK)
+        assert np.array_equal(got[scattered // BLOCK], want)
+        info = peer.call("describe", "ucx")
+        assert info["native progress"]["events"] >= ROWS // 2  # UCX counts about an event per put it receives
+        return acks, info["progress cork"], info["native progress"]["corked"] - corked_before
+
+
+def test_a_target_acknowledges_a_far_write_stream_in_full_segments(test_hosts):
+    """The target's progress thread corks its tcp sockets while a stream of puts comes in, so the put
+    acknowledgements (one per row) of a progress call leave together; uncorked (``far_progress_cork`` off) each
+    leaves as it is made, unless the kernel's autocorking merges it (only shown)."""
+    corked, text, bursts = _frozen_write_acks(test_hosts, True)
+    plain, off, _ = _frozen_write_acks(test_hosts, False)
+    assert "corked during bursts while a stream comes in on them: 1 handed" in text and off == "off"
+    assert bursts > 0
+    assert corked <= ROWS // 4, f"{corked} segments corked ({bursts} bursts), {plain} uncorked"
