@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -12,9 +13,36 @@ import urllib.request
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range where there is room.
+
+    The kernel hands ports of that range to every outgoing connection, so one picked there can be taken before
+    the server binds it, or while a server that keeps its port across a restart (``EtcdServer.stop``/``start``)
+    is down; below it only an explicit bind takes a port. The caller still retries a server that could not bind.
+    """
+    low = _ephemeral_low()
+    for _ in range(64 if low > _LOWEST + 1024 else 0):
+        port = random.randrange(_LOWEST, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_LOWEST = 10000  # below: ports that well-known services are configured on
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), or 32768 where it cannot be read."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def etcd_binary() -> str | None:
@@ -32,14 +60,20 @@ class EtcdServer:
         binary = binary or etcd_binary()
         if binary is None:
             raise FileNotFoundError("etcd is not installed (Debian: apt-get install etcd-server)")
-        self.dir = tempfile.mkdtemp(prefix="datamover-etcd-")
-        self.port, peer = free_port(), free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        peer_url = f"http://127.0.0.1:{peer}"
-        self._binary, self._peer_url, self._timeout = binary, peer_url, timeout
-        self._log = open(os.path.join(self.dir, "etcd.log"), "ab")
+        self._binary, self._timeout = binary, timeout
         self.process: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(3):  # a port picked free can still be taken before etcd binds it: new ports, again
+            self.dir = tempfile.mkdtemp(prefix="datamover-etcd-")
+            self.port, peer = free_port(), free_port()
+            self.endpoint = f"http://127.0.0.1:{self.port}"
+            self._peer_url = f"http://127.0.0.1:{peer}"
+            self._log = open(os.path.join(self.dir, "etcd.log"), "ab")
+            try:
+                self.start()
+                return
+            except RuntimeError:
+                if attempt == 2:
+                    raise
 
     def start(self) -> None:
         """Start etcd (again, after ``stop``: same ports, same data) and wait until it is healthy."""

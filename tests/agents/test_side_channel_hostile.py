@@ -63,7 +63,8 @@ def test_past_the_cap_the_oldest_idle_connection_makes_room():
 
 
 def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
-    with _agent("a") as a, _agent("b", side_channel={"deadline_s": 1.0}) as b:
+    # 2 s: the fetch below, a legitimate client, must deliver its own request and take its reply within it too
+    with _agent("a") as a, _agent("b", side_channel={"deadline_s": 2.0}) as b:
         slow = socket.create_connection(b.listen_address, timeout=10)
         try:
             slow.sendall(PUSH + struct.pack("!I", 1000))  # then the body a byte at a time: a slow-loris
@@ -84,14 +85,52 @@ def test_a_slow_client_is_cut_at_its_deadline_and_holds_up_nobody():
         assert _until(lambda: b._peers.server.open_connections == 0, 5) and b._peers.server.expired >= 1
 
 
-def test_a_huge_push_is_refused_from_its_length_before_any_byte_is_read():
+def _refusal(s: socket.socket) -> bytes:
+    """The side channel's ERR answer on ``s``: its reason."""
+    assert s.recv(4) == b"ERR "
+    (n,) = struct.unpack("!I", s.recv(4))
+    return s.recv(n)
+
+
+@pytest.mark.parametrize("verb", [PUSH, DROP])
+def test_a_huge_push_is_refused_from_its_length_before_any_byte_is_read(verb):
     with _agent("b") as b:
         with socket.create_connection(b.listen_address, timeout=5) as s:
-            s.sendall(PUSH + struct.pack("!I", 20 << 20))  # announces 20 MB, sends none of it
-            assert s.recv(4) == b"ERR "
-            (n,) = struct.unpack("!I", s.recv(4))
-            assert b"at most" in s.recv(n)
+            s.sendall(verb + struct.pack("!I", 20 << 20))  # announces 20 MB, sends none of it
+            assert b"at most 8388608" in _refusal(s)
         assert b.remotes == []
+
+
+def test_requests_buffered_for_all_clients_together_are_bounded_from_their_length():
+    """Each announced body is reserved from its length header: one more than ``max_buffered_bytes`` in all is refused
+    before a byte of it is read, and the reservation goes with its connection."""
+    limit = 1 << 20
+    with _agent("a") as a, _agent("b", side_channel={"max_buffered_bytes": limit}) as b:
+        held = socket.create_connection(b.listen_address, timeout=5)
+        try:
+            held.sendall(PUSH + struct.pack("!I", limit - 100))  # reserved; its body never comes
+            assert _until(lambda: b._peers.server.open_connections == 1, 10)
+            with socket.create_connection(b.listen_address, timeout=5) as s:
+                s.sendall(PUSH + struct.pack("!I", 200))  # under 8 MiB alone, over the limit with the other
+                assert b"busy" in _refusal(s)
+            assert a.fetch_remote(*b.listen_address, timeout=10) == "b"  # a GET buffers nothing
+        finally:
+            held.close()
+        assert _until(lambda: b._peers.server.open_connections == 0, 10)
+        a.register_memory(np.zeros(4096, np.uint8))
+        a.send_metadata(*b.listen_address)  # the held reservation went with its connection
+        assert b.remotes == ["a"]
+
+
+def test_pushed_peers_are_bounded_in_number_a_gone_one_making_room():
+    with _agent("b", push_budget={"max_peers": 2}) as b:
+        send_request(*b.listen_address, PUSH, _blob("one", 1))
+        send_request(*b.listen_address, PUSH, _blob("two", 1))
+        with pytest.raises(RemoteRefused, match="at most 2 peers"):
+            send_request(*b.listen_address, PUSH, _blob("three", 1))
+        b.remove_remote("one")
+        send_request(*b.listen_address, PUSH, _blob("three", 1))
+        assert sorted(b.remotes) == ["three", "two"]
 
 
 def test_pushed_metadata_has_a_region_budget_checked_before_unpacking():

@@ -12,7 +12,6 @@ with the failures logged and counted, and the initiator exiting 0.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
@@ -24,12 +23,6 @@ HOST = "127.0.0.1"
 DEADLINE_S = 60.0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def _until(pred, what: str):
     end = time.monotonic() + DEADLINE_S
     while not pred():
@@ -38,13 +31,16 @@ def _until(pred, what: str):
         time.sleep(0.001)
 
 
-def target(port: int, errors) -> None:
+def target(ports, errors) -> None:
     try:
         import numpy as np
 
         from datamover.compat.nixl import nixl_agent, nixl_agent_config
 
-        agent = nixl_agent("target", nixl_agent_config(True, True, port))
+        # any free port, told to the initiator: a port picked free beforehand can be taken by then (suites
+        # side by side: "Address already in use", the initiator talking to whatever took it)
+        agent = nixl_agent("target", nixl_agent_config(True, True, 0))
+        ports.put(agent.listen_port)
         rows = np.ones((10, 16), dtype=np.float32)
         reg = agent.register_memory(agent.get_reg_descs([(rows.ctypes.data, rows.nbytes, 0, "")], "DRAM"))
         descs = agent.get_xfer_descs([(rows[i].ctypes.data, rows[i].nbytes, 0) for i in range(10)], "DRAM")
@@ -58,13 +54,14 @@ def target(port: int, errors) -> None:
         raise
 
 
-def initiator(port: int, target_gone, results, errors) -> None:
+def initiator(ports, target_gone, results, errors) -> None:
     try:
         import numpy as np
 
         from datamover.compat.nixl import nixl_agent, nixl_agent_config
 
         agent = nixl_agent("initiator", nixl_agent_config(True, True, 0))
+        port = ports.get(timeout=DEADLINE_S)
         rows = np.zeros((10, 16), dtype=np.float32)
         reg = agent.register_memory(agent.get_reg_descs([(rows.ctypes.data, rows.nbytes, 0, "")], "DRAM"))
         agent.fetch_remote_metadata("target", HOST, port)
@@ -98,11 +95,10 @@ def test_teardown_after_the_peer_exited(round_):
     if not ok:
         pytest.skip(f"ucx backend unavailable: {reason}")
     ctx = mp.get_context("spawn")
-    errors, results, gone = ctx.Queue(), ctx.Queue(), ctx.Event()
-    port = free_port()
-    t = ctx.Process(target=target, args=(port, errors))
+    errors, results, gone, ports = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Queue()
+    t = ctx.Process(target=target, args=(ports, errors))
     t.start()
-    i = ctx.Process(target=initiator, args=(port, gone, results, errors))
+    i = ctx.Process(target=initiator, args=(ports, gone, results, errors))
     i.start()
     t.join(DEADLINE_S)
     gone.set()

@@ -13,7 +13,6 @@ nixl_api_2proc.py (torch would add seconds of import time to each process).
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 import traceback
 
@@ -26,12 +25,6 @@ DEADLINE_S = 60.0
 BUF_ITEMS = 64 << 10  # float32: 256 KiB per buffer
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 def _until(pred, what: str, timeout: float = DEADLINE_S):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -42,14 +35,16 @@ def _until(pred, what: str, timeout: float = DEADLINE_S):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def target_process(target_port: int, initiator_port: int, errors) -> None:
+def target_process(ports, errors) -> None:
     try:
         import numpy as np
 
         from datamover.compat.nixl import nixl_agent, nixl_agent_config
 
-        config = nixl_agent_config(True, True, target_port)
+        # any free port, told to the initiator: a port picked free beforehand can be taken by then
+        config = nixl_agent_config(True, True, 0)
         agent = nixl_agent("target", config)
+        ports.put(agent.listen_port)
         bufs = [np.full(BUF_ITEMS, i + 1, dtype=np.float32) for i in range(2)]
         strings = [(b.ctypes.data, b.nbytes, 0, name) for b, name in zip(bufs, ("a", "b"))]
         reg_descs = agent.register_memory(agent.get_reg_descs(strings, "DRAM"))
@@ -74,14 +69,15 @@ def target_process(target_port: int, initiator_port: int, errors) -> None:
         raise
 
 
-def initiator_process(target_port: int, initiator_port: int, errors) -> None:
+def initiator_process(ports, errors) -> None:
     try:
         import numpy as np
 
         from datamover.compat.nixl import nixl_agent, nixl_agent_config
 
-        config = nixl_agent_config(True, True, initiator_port)
+        config = nixl_agent_config(True, True, 0)
         agent = nixl_agent("initiator", config)
+        target_port = ports.get(timeout=DEADLINE_S)
         bufs = [np.zeros(BUF_ITEMS, dtype=np.float32) for _ in range(2)]
         reg_descs = agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM")
 
@@ -139,11 +135,10 @@ def test_read_with_notifications_across_processes():
     if not ok:
         pytest.skip(f"ucx backend unavailable: {reason}")
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    target_port, initiator_port = free_port(), free_port()
+    errors, ports = ctx.Queue(), ctx.Queue()
     procs = [
-        ctx.Process(target=target_process, args=(target_port, initiator_port, errors), name="target"),
-        ctx.Process(target=initiator_process, args=(target_port, initiator_port, errors), name="initiator"),
+        ctx.Process(target=target_process, args=(ports, errors), name="target"),
+        ctx.Process(target=initiator_process, args=(ports, errors), name="initiator"),
     ]
     for p in procs:
         p.start()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from ...errors import BackendUnavailable, RemoteDisconnected, TransferAborted
 from . import rma
 from .config import _FENCE_S, log
 from .messages import Cancel
-from .state import Fenced
+from .state import Direct, Fenced
 
 
 class Fencing:
@@ -33,7 +36,7 @@ class Fencing:
         """On the service thread: end the request of ``completion`` so that none of its bytes lands afterwards.
 
         A request not started yet ends here. One whose UCX operations all
-        ended ends with its error. Otherwise its UCX operations still point
+        ended, or end within ``cancel_drain_s``, ends with its error. Otherwise its UCX operations still point
         into the caller's memory (a READ's gets or receives write it; a WRITE's
         puts or sends, queued in UCX until the peer takes them, read it), and
         UCX cannot call them back one by one, so the worker is replaced and the
@@ -45,15 +48,22 @@ class Fencing:
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
         for direct in list(self._directs):  # a waiter may drop its finished one meanwhile
             if direct.completion is completion:
-                with direct.lock:
-                    if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS:
-                        break  # ended (or ending): whoever saw it finishes it
+
+                def ended(direct: Direct = direct) -> bool:
+                    with direct.lock:
+                        return direct.done or direct.flush.poll() != rma.UCS_INPROGRESS
+
+                if direct.held():
+                    direct.flush.unhold()  # the native progress thread may progress it while it drains
+                if self._drained(ended):
+                    break  # ended (or ending): whoever saw it finishes it
                 what, name = ("gets" if direct.op == "READ" else "puts"), direct.peer.name
                 self._reset_worker(
                     f"a cancelled {direct.op} {_towards(direct.op)} agent {name!r} still had {what} in flight",
                     quarantine=True,
                     culprit=name,
                 )
+                self._undriven(direct)
                 self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
                 return
         for peer in self._peers.values():
@@ -63,7 +73,8 @@ class Fencing:
                 if op.reqs is None:
                     self._submit(lambda op=op: self.tagged._end(op, why))
                     return
-                pending = op.reqs.poll() is False
+                # the owner is told only after the drain: a responsive one ends the request meanwhile
+                pending = not self._drained(lambda op=op: op.reqs.poll() is not False)
                 if peer.conn is not None and peer.state == "ready":
                     peer.conn.send(Cancel(op.id))  # the owner refuses what it has not started
                 if pending:
@@ -75,6 +86,34 @@ class Fencing:
                     )
                 self._submit(lambda op=op: self.tagged._end(op, why))
                 return
+
+    def _drained(self, ended: Callable[[], bool]) -> bool:
+        """Whether a cancelled request's UCX operations end within ``cancel_drain_s`` (True at once if they had).
+
+        A responsive peer ends them in that time (their bytes move before the caller hears of ERR, which is
+        allowed), so only a frozen or slow one costs a worker replaced and quarantined. The service thread
+        progresses UCX itself meanwhile where no native thread does.
+        """
+        end = time.monotonic() + float(self.params["cancel_drain_s"])
+        while not ended():
+            if time.monotonic() > end:
+                return False
+            if self._progress is None and not self._drivers:
+                self._worker.progress_once()
+            else:
+                time.sleep(0.0005)
+        return True
+
+    def _undriven(self, direct: Direct) -> None:
+        """Wait until no waiter drives ``direct``: a waiter's drive may be in a slice of progress on the worker just
+        replaced (up to 10 ms in C), and its bytes must not move after the caller hears of ERR. Once it sees the
+        worker replaced it stops; bounded by the fence's wait."""
+        end = time.monotonic() + _FENCE_S
+        while direct.driven:
+            if time.monotonic() > end:
+                log.warning("a waiter still drove a cancelled request %g s after its worker was replaced", _FENCE_S)
+                return
+            time.sleep(0.0005)
 
     def _held(self, peer: str, op: str) -> BackendUnavailable | None:
         """Why a transfer with ``peer`` that needs UCX operations (not direct cma) is refused, or None.

@@ -85,6 +85,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # a request with less than this left of its timeout is not started: it could not finish, and once
     # started its bytes cannot be called back (tag send/recv has no cancel that is safe for the peer)
     "launch_margin_s": 0.001,
+    # a transfer cut off (timed out, released) whose UCX operations are still in flight gets this long to end
+    # them (a responsive peer does; bytes moved before ERR is reported are allowed) before its UCX worker is
+    # replaced and quarantined (below); ERR waits that much longer for a frozen peer
+    "cancel_drain_s": 1.0,
     # a transfer cut off with UCX operations still in flight (a READ's gets or receives, a WRITE's puts or
     # sends; a frozen or dying peer) keeps the UCX worker they were posted on, never progressed again, until
     # close(): about a dozen fds each. A peer that made this many quarantines gets its transfers that need

@@ -21,6 +21,9 @@ from datamover.testing import HostBuffer, random_bytes
 from .test_backend import mooncake_agent, until
 
 SIZE = 64 << 10
+#: the READ's timeout: its part checks the deadline before it calls the store, so the pool thread must reach that
+#: call within it (on a loaded machine 0.5 s can pass before a pool thread starts it)
+START_S = 2.0
 
 
 class HeldStore:
@@ -96,7 +99,7 @@ def test_staged_read_cut_short_leaves_the_destination_untouched(late_agents, mon
     caller must not happen after that (before: all 65,536 bytes landed after ERR)."""
     agent = late_agents["staged"]
     buf, data, dst, held, done = _setup(agent, f"staged-{end}", "batch_get_into", False, monkeypatch)
-    xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=0.5)
+    xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=START_S)
     assert held.reached.wait(60), "the READ never reached the store"
     if end == "timeout":
         until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
@@ -119,7 +122,7 @@ def test_zero_copy_read_timing_out_mid_call_reports_err_after_its_bytes(late_age
     what it holds after (before: ERR at once, then all 65,536 bytes landed)."""
     agent = late_agents["zero_copy"]
     buf, _, dst, held, done = _setup(agent, "zero-copy", "batch_get_into_multi_buffers", True, monkeypatch)
-    xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=0.5)
+    xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=START_S)
     assert held.reached.wait(60), "the READ never reached the store"
     seen: dict[str, bytes] = {}
 

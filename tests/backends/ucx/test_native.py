@@ -126,11 +126,16 @@ def test_both_paths_move_permuted_rows_one_sided(target, path, op, pause_us):
 
 @needs_native
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
-def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress_calls(target, op):
+def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress_calls(target, op, monkeypatch):
     """The drive loop asks UCX again at once after a progress that found nothing; only every DRIVE_LOOK_EVERY (8)
     of those in a row does it take the flush's lock and read the clock, and the flush is seen to end after the
-    progress that ended it (never late, at one of those looks)."""
-    from datamover.backends.ucx import _ucp
+    progress that ended it (never late, at one of those looks).
+
+    The waiter is made the only thread that progresses the worker: the service thread hands a request nobody
+    drives yet to the native progress thread after a 2 ms grace, which a loaded machine can take between post()
+    and wait() (that thread then ends the flush and the waiter sees it late: once, two suites side by side); here
+    the grace is lifted once connected."""
+    from datamover.backends.ucx import _ucp, one_sided
 
     n, bs = 256, 4096
     with Agent("native-looks", {"backends": {"ucx": TCP}}) as agent:
@@ -139,6 +144,10 @@ def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress
         data = np.random.default_rng(5).integers(0, 256, n * bs, dtype=np.uint8)
         (mine if op == "WRITE" else theirs).write(0, data.tobytes())
         local, remote = mine.descs(np.arange(n) * bs, bs), theirs.descs(np.arange(n)[::-1] * bs, bs)
+        # connected first: a request posted before its peer is ready goes through the service thread, which needs
+        # the grace; from here each is posted by the caller and driven by its waiter alone
+        assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
+        monkeypatch.setattr(one_sided, "_DIRECT_GRACE_S", 1e9)
         before = _ucp.drive_stats()
         for _ in range(5):
             assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE

@@ -19,6 +19,7 @@ from datamover.errors import (
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.pause import MidTransferPause
 from datamover.testing.remote import RemoteBuffer, RemotePeer
+from datamover.testing.waiting import until
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
@@ -187,8 +188,11 @@ def test_initiator_killed_mid_transfer_leaves_this_agent_alive(agent, target, op
         killer.call("pause_mid_transfer")
         parked = killer.call("start_transfer_paused", op, theirs.handle, "prefill-0", addrs, np.full(n, bs))
         assert parked, "the killer's transfer never reached its pause"
+        backend = agent.backend("ucx")
+        assert "killer" in {i.name for i in list(backend._inbound.values())}
         killer.kill()
-        time.sleep(0.5)  # a grace for this agent to trip over the dead peer, were it going to (not a fault setup)
+        # the known point: this agent has seen the dead peer's control connection close and dropped it
+        until(lambda: "killer" not in {i.name for i in list(backend._inbound.values())}, what="dropping the dead peer")
     finally:
         killer.close()
     agent.deregister_memory(mine.registration)

@@ -130,7 +130,8 @@ def test_direct_cma_parts_stop_before_err_is_reported(monkeypatch, op):
 
         monkeypatch.setattr(cma.CmaPlan, "run", run)
         monkeypatch.setattr(base.Completion, "cancel", cancel)
-        xfer = agent.transfer(op, local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=0.5)
+        # 2 s: each part checks the deadline before each chunk, so a cma thread must reach the second one within it
+        xfer = agent.transfer(op, local.descs([0], [size]), buf.descs([0], [size]), peer.name, timeout=2.0)
         assert held.wait(30)
         with pytest.raises(TransferTimeout):
             xfer.wait(30)  # a bounded wait leaves the copying to the cma threads
@@ -215,3 +216,109 @@ def test_a_cancelled_write_reads_nothing_of_the_callers_memory_after_err(path, h
         got = np.frombuffer(pbuf.read(0, SIZE - 4096), np.uint8)
         refilled = int(np.count_nonzero(got == 0x55))
         assert refilled == 0, f"{refilled} bytes written into the caller's buffer after ERR reached the peer"
+
+
+class _HeldDrive:
+    """A native flush whose first ``drive`` (a waiter's slice of progress, in C) waits for the test, then runs."""
+
+    def __init__(self, real, hold) -> None:
+        self._real, self._hold = real, hold
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def drive(self, *args):
+        return self._hold.wrap(self._real.drive)(*args)
+
+
+def _in_frame(thread: threading.Thread, name: str) -> bool:
+    """Whether ``thread`` is inside a function called ``name`` (read from its stack, not guessed from time)."""
+    import sys
+
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == name:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_release_from_another_thread_waits_for_the_waiter_driving_the_old_worker(op, monkeypatch):
+    """One thread waits on a one-sided transfer (its waiter drives UCX itself, in C, in slices of up to 10 ms)
+    while another releases it. The waiter's slice is held at a known point (it has begun, before the real drive);
+    the release replaces the worker. ``release()`` must return only after that slice ended: until then the old
+    worker is progressed and the transfer's bytes still move (before: release returned with the slice still to
+    run)."""
+    from datamover.backends.ucx import rma
+    from datamover.testing.waiting import HeldOnce, until
+
+    backend_cfg = {"backends": {"ucx": PATHS["one-sided"]}}
+    with RemotePeer("driven", backend_cfg) as peer, Agent("waiter", backend_cfg) as agent:
+        backend = agent.backend("ucx")
+        if rma.native() is None:
+            pytest.skip("the native extension is not built: waiters drive UCX from Python")
+        pbuf = RemoteBuffer(peer, SIZE)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, SIZE)
+        assert agent.transfer(op, local.descs([0], [4096]), pbuf.descs([0], [4096]), "driven").wait()
+        hold = HeldOnce("the waiter's drive")
+        real_post = rma.post_native
+        monkeypatch.setattr(
+            rma,
+            "post_native",
+            lambda *a, **k: (lambda f, st: (None if f is None else _HeldDrive(f, hold), st))(*real_post(*a, **k)),
+        )
+        n = SIZE // BS
+        xfer = agent.transfer(op, local.descs(np.arange(n) * BS, BS), pbuf.descs((n - 1 - np.arange(n)) * BS, BS),
+                              "driven", timeout=60)  # fmt: skip
+        released: list[bool] = []  # at release()'s return: whether the held drive had run and returned
+        waiter = threading.Thread(target=_wait, args=(xfer,))
+        waiter.start()
+        assert hold.reached.wait(60), "the waiter never drove the transfer"
+        progress = backend._progress
+        progress.hold()  # nor does the native thread progress it while the release lets it drain
+        releaser = threading.Thread(target=lambda: (xfer.release(), released.append(hold.returned.is_set())))
+        releaser.start()
+        try:
+            until(lambda: released or _in_frame(backend._thread, "_undriven"), what="the release, or its wait")
+        finally:
+            progress.release()
+        returned_early = bool(released)
+        hold.go.set()
+        releaser.join(60)
+        waiter.join(60)
+        assert not returned_early, "release() returned while a waiter's drive of the replaced worker was still to run"
+        assert released == [True]
+
+
+def _wait(xfer) -> None:
+    try:
+        xfer.wait()
+    except Exception:
+        pass  # the release ends it in ERR (or RELEASED): what is tested is when release() returned
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_releasing_transfers_in_flight_to_a_responsive_peer_costs_no_worker(path):
+    """A transfer released in flight whose peer answers ends its UCX operations within ``cancel_drain_s``: no worker
+    is replaced or quarantined, and the peer's transfers are not refused however often that happens (before:
+    each release of a WRITE with puts queued quarantined a worker, and from the third on the peer was refused;
+    the conformance kit's test_release_in_flight failed so)."""
+    cfg = {"backends": {"ucx": PATHS[path]}}
+    with RemotePeer("responsive", cfg) as peer, Agent("releaser", cfg) as agent:
+        backend = agent.backend("ucx")
+        pbuf = RemoteBuffer(peer, SIZE)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, SIZE)
+        n = SIZE // BS
+        rows = local.descs(np.arange(n) * BS, BS), pbuf.descs((n - 1 - np.arange(n)) * BS, BS)
+        assert agent.transfer("WRITE", *rows, "responsive").wait() == XferState.DONE  # connected
+        for op in ("WRITE", "READ", "WRITE", "READ", "WRITE"):
+            xfer = agent.transfer(op, *rows, "responsive")
+            xfer.release()
+        assert backend.resets == 0 and backend.describe()["quarantined workers"]["held"] == 0
+        data = random_bytes(4096, 21)
+        local.write(0, data)
+        assert agent.transfer("WRITE", local.descs([0], [4096]), pbuf.descs([0], [4096]), "responsive").wait()
+        assert pbuf.read(0, 4096) == data

@@ -95,6 +95,11 @@ def test_a_hang_up_whose_probe_is_lost_resets_the_worker(peers, monkeypatch):
             _until(lambda k=k: _resets(agent) == k + 1, f"reset {k + 1}")
             fds.append(_fds())
         assert _hangups(agent) == {"confined": 0, "reset": 5}
-        assert fds[-1] <= fds[0] + 2, f"5 resets after lost probes took fds {fds}"
+        # what a reset lets go (the old worker, the hung-up connection) may go a moment after the reset is counted
+        # (as in test_ucx_resources); a leak never comes back, so wait for the count, bounded
+        try:
+            _until(lambda: _fds() <= fds[0] + 2, "fds coming back")
+        except AssertionError:
+            raise AssertionError(f"5 resets after lost probes took fds {fds} -> {_fds()}") from None
         assert agent.transfer("READ", local.descs([0], [MiB]), sbuf.descs([0], [MiB]), "steady").wait()
         assert local.read(0, MiB) == data
