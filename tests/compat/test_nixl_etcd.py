@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 
 import numpy as np
@@ -14,56 +11,18 @@ from datamover.backends import backend_status
 from datamover.compat import nixl as nx
 from datamover.compat.nixl import _metadata as md
 from datamover.compat.nixl import nixl_agent, nixl_agent_config
+from datamover.testing.services import EtcdServer, etcd_binary
 
 HOST = "127.0.0.1"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def etcd_url(tmp_path_factory):
-    binary = shutil.which("etcd")
-    if binary is None:
+def etcd_url():
+    if etcd_binary() is None:
         pytest.skip("no etcd binary (Debian package etcd-server)")
-    try:
-        import etcd3gw
-    except ImportError:
-        pytest.skip("etcd3gw is not installed")
-    client_port, peer_port = _free_port(), _free_port()
-    url, peer = f"http://{HOST}:{client_port}", f"http://{HOST}:{peer_port}"
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--name=nixl-facade",
-            f"--data-dir={tmp_path_factory.mktemp('etcd')}",
-            f"--listen-client-urls={url}",
-            f"--advertise-client-urls={url}",
-            f"--listen-peer-urls={peer}",
-            f"--initial-advertise-peer-urls={peer}",
-            f"--initial-cluster=nixl-facade={peer}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        client = etcd3gw.Etcd3Client(host=HOST, port=client_port, timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.status()
-                break
-            except Exception:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("etcd did not start")
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    pytest.importorskip("etcd3gw", reason="etcd3gw is not installed")
+    with EtcdServer() as server:  # retries on fresh ports when one was taken before etcd bound it
+        yield server.endpoint
 
 
 @pytest.fixture

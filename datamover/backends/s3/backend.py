@@ -48,10 +48,10 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -82,6 +82,8 @@ _READ_CHUNK = 1 * MiB
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
+
+_T = TypeVar("_T")
 
 
 def crc32c_b64(data: Any) -> str:
@@ -546,25 +548,23 @@ class _Run:
         base = p.mem_off[row] + start
         return p.arrays[p.mem_reg[row]][base : base + count]
 
-    def copy(self, view: np.ndarray, crc: bool = True) -> tuple[bytes, str | None]:
-        """A WRITE's body copied out of the caller's memory (and its CRC32C), inside the fence: none once cancelled."""
+    def _fenced(self, read: Callable[[], _T]) -> _T:
+        """`read()` of the caller's memory inside the fence; raises _Cancelled (reading nothing) once cancelled."""
         fence = self.completion
         if not fence.enter():
             raise _Cancelled()
         try:
-            return view.tobytes(), (crc32c_b64(view) if crc else None)
+            return read()
         finally:
             fence.leave()
 
+    def copy(self, view: np.ndarray, crc: bool = True) -> tuple[bytes, str | None]:
+        """A WRITE's body copied out of the caller's memory (and its CRC32C), inside the fence: none once cancelled."""
+        return self._fenced(lambda: (view.tobytes(), crc32c_b64(view) if crc else None))
+
     def crc(self, view: np.ndarray) -> str:
         """The CRC32C of a whole object, read from the caller's memory inside the fence: none once cancelled."""
-        fence = self.completion
-        if not fence.enter():
-            raise _Cancelled()
-        try:
-            return crc32c_b64(view)
-        finally:
-            fence.leave()
+        return self._fenced(lambda: crc32c_b64(view))
 
     def one(self, row: int, part: int, start: int, count: int) -> None:
         view = self.view(row, start, count)
