@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -268,13 +268,7 @@ class TieredCache:
                 self._open = (list(keys), first, now, n)
                 if self.pool is not None:
                     self._adopt(prefix, now)
-                link, observe = self._link(), eng.policy.observe
-                for i in range(n - 1, -1, -1):  # as the replay: last chunk first, so the first ends most recent
-                    key = prefix[i]
-                    if link is not None:
-                        link(key, prefix[i - 1] if i else None)
-                    observe(key, now, first + i)
-                    j = eng.where(key)
+                for i, key, j in self._observed(prefix, None, now, first):
                     if j >= 0:
                         eng.hit(j, key, now, first + i)
                 self._execute(eng.take_plan(), None)
@@ -316,14 +310,8 @@ class TieredCache:
                 fresh = dict(zip(keys, self._crc_of(src, len(keys)), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
                 first, parent = self._continued(keys, now)
-                link, observe = self._link(), eng.policy.observe
                 stored = 0
-                for i in range(len(keys) - 1, -1, -1):  # as the replay: last chunk first
-                    key = keys[i]
-                    if link is not None:
-                        link(key, keys[i - 1] if i else parent)
-                    observe(key, now, first + i)
-                    j = eng.where(key)
+                for i, key, j in self._observed(keys, parent, now, first):
                     if j >= 0:
                         eng.orders[j].touch(key, now, first + i)
                     else:
@@ -344,10 +332,22 @@ class TieredCache:
             self._op_done(before)
             return stored
 
-    def _link(self) -> Callable[[ChunkKey, ChunkKey | None], None] | None:
-        """The policy's `link` (each chunk's parent: the chunk before it in the request), if it uses one."""
-        policy = self.engine.policy
-        return policy.link if type(policy).link is not Policy.link else None
+    def _observed(
+        self, keys: Sequence[ChunkKey], parent: ChunkKey | None, now: float, first: int
+    ) -> Iterator[tuple[int, ChunkKey, int]]:
+        """Hand `keys` (reference indexes from `first`) to the policy as the replay does, last chunk first so the
+        first ends most recent, each linked to the chunk before it (`parent` for keys[0]) where the policy uses
+        links; yields (i, key, the tier holding it or -1) after each, for the caller's hit or placement."""
+        eng = self.engine
+        policy = eng.policy
+        link = policy.link if type(policy).link is not Policy.link else None
+        observe = policy.observe
+        for i in range(len(keys) - 1, -1, -1):
+            key = keys[i]
+            if link is not None:
+                link(key, keys[i - 1] if i else parent)
+            observe(key, now, first + i)
+            yield i, key, eng.where(key)
 
     def _continued(self, keys: Sequence[ChunkKey], now: float) -> tuple[int, ChunkKey | None]:
         """The reference index of `keys[0]` and its parent: where it stands in the request the last get opened
