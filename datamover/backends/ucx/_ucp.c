@@ -28,12 +28,13 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef int ucs_status_t; /* enum ucs_status_t: 0 ok, 1 in progress, negative errors */
+typedef int ucs_status_t; /* enum ucs_status_t: 0 ok, 1 in progress, negative errors (values from ucs/type/status.h;
+                           * py_status_codes() hands them to a test that checks each against ucs_status_string) */
 typedef void *ucs_status_ptr_t;
 #define UCS_OK 0
 #define UCS_INPROGRESS 1
 #define UCS_ERR_NO_MESSAGE (-1)
-#define UCS_ERR_BUSY (-4)
+#define UCS_ERR_BUSY (-15)
 #define UCS_ERR_CANCELED (-16)
 #define UCS_ERR_LAST (-100)
 #define PTR_IS_ERR(p) (((uintptr_t)(p)) >= ((uintptr_t)UCS_ERR_LAST))
@@ -234,6 +235,7 @@ typedef struct {
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked;
+    unsigned long long busy, unarmed; /* arms that said busy (progressed again at once); arms that failed (1 ms sleep) */
 } ProgressObject;
 
 static void notify_fd(int fd) {
@@ -602,6 +604,14 @@ static PyObject *py_post_stats(PyObject *self, PyObject *unused) {
     return Py_BuildValue("{s:K}", "corked", __atomic_load_n(&corked_posts, __ATOMIC_RELAXED));
 }
 
+/* status_codes(): the UCX status values this file compares against, by name (UCX ships no headers here, so they are
+ * written out above; a test checks each against the loaded library's ucs_status_string) */
+static PyObject *py_status_codes(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{s:i,s:i,s:i,s:i,s:i}", "UCS_OK", UCS_OK, "UCS_INPROGRESS", UCS_INPROGRESS,
+                         "UCS_ERR_NO_MESSAGE", UCS_ERR_NO_MESSAGE, "UCS_ERR_BUSY", UCS_ERR_BUSY, "UCS_ERR_CANCELED",
+                         UCS_ERR_CANCELED);
+}
+
 /* worker_efd(worker): UCX's event fd for the worker (UCP_FEATURE_WAKEUP); OSError without it */
 static PyObject *py_worker_efd(PyObject *self, PyObject *args) {
     unsigned long long worker;
@@ -692,8 +702,12 @@ static void *progress_main(void *arg) {
                 continue;
             }
             ucs_status_t st = ucp.arm(p->worker);
-            if (st == UCS_ERR_BUSY) continue; /* events came in meanwhile: progress them first */
+            if (st == UCS_ERR_BUSY) { /* events came in meanwhile, or sends wait for room: progress them first */
+                p->busy++;
+                continue;
+            }
             if (st != UCS_OK) {
+                p->unarmed++;
                 struct timespec ts = {0, 1000000}; /* cannot arm: poll every millisecond instead */
                 nanosleep(&ts, NULL);
                 continue;
@@ -864,11 +878,11 @@ static void progress_dealloc(ProgressObject *p) {
 }
 
 static PyObject *progress_stats(ProgressObject *p, void *closure) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts",
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts",
                          p->bursts, "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds,
                          "release_kicks", p->release_kicks, "polls", p->polls, "events", p->events, "corked",
-                         p->corked, "held", __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running",
-                         p->running ? Py_True : Py_False);
+                         p->corked, "busy", p->busy, "unarmed", p->unarmed, "held",
+                         __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running", p->running ? Py_True : Py_False);
 }
 
 static PyMethodDef progress_methods[] = {
@@ -893,7 +907,9 @@ static PyGetSetDef progress_getset[] = {
      "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
      "that did work), kicks, holds, release_kicks (releases that had to wake the thread), polls (timer sleeps "
      "after work, with poll_s), events (UCX events handled, the sum of ucp_worker_progress's counts), corked "
-     "(bursts that corked a socket a stream came in on, see set_cork), held (holds now)",
+     "(bursts that corked a socket a stream came in on, see set_cork), busy (arms that found events or sends "
+     "waiting: progressed again at once), unarmed (arms that failed: the thread polled after 1 ms instead), held "
+     "(holds now)",
      NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -919,6 +935,7 @@ static PyMethodDef module_methods[] = {
      "inode) pairs of tcp sockets corked (TCP_CORK) from before the first row until the flush is posted, those "
      "whose fd still names that inode; uncorked and corked again every ``push_every`` rows (0: never)."},
     {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket)."},
+    {"status_codes", py_status_codes, METH_NOARGS, "The UCX status values the extension compares against, by name."},
     {"worker_efd", py_worker_efd, METH_VARARGS, "worker_efd(worker): UCX's event fd of a ucp_worker_h."},
     {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
     {"drive_stats", py_drive_stats, METH_NOARGS,

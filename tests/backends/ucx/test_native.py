@@ -396,3 +396,50 @@ def test_a_peer_on_this_machine_keeps_the_near_waiting_settings():
         assert agent.transfer("WRITE", mem.descs([0], [4096]), remote.descs([0], [4096]), peer.name).wait()
         assert agent.backend("ucx").describe()["peers on other machines"] == {}
         assert peer.call("describe", "ucx")["UCX progress"] == "a native thread on UCX's event fd"
+
+
+@needs_native
+def test_the_status_values_the_extension_compares_against_are_ucxs():
+    """_ucp.c writes UCX's status values out (no headers here); each must be the loaded UCX's, by its own text. A
+    wrong UCS_ERR_BUSY (once -4, UCX's "Out of memory") made every busy arm look like a failure: the target's
+    thread then slept 1 ms instead of progressing at once."""
+    texts = {
+        "UCS_OK": "Success",
+        "UCS_INPROGRESS": "Operation in progress",
+        "UCS_ERR_NO_MESSAGE": "No pending message",
+        "UCS_ERR_BUSY": "Device is busy",
+        "UCS_ERR_CANCELED": "Request canceled",
+    }
+    codes = ucx_rma.native().status_codes()
+    assert set(codes) == set(texts)
+    assert {name: ucx_rma.status_text(value) for name, value in codes.items()} == texts
+
+
+NO_CMA = {"ucx_config": {"TLS": "^cma"}, "direct_cma": False}  # get emulated over shared memory: the target answers
+
+
+@needs_native
+def test_a_target_woken_over_shared_memory_progresses_again_at_once_instead_of_sleeping():
+    """Over shared memory without cma each get is answered by the target's thread. Woken by the reader's signal,
+    its next arm says busy (the signal is read there): it must progress again at once (busy), never take the
+    1 ms fallback for an arm that failed (unarmed)."""
+    with Agent("native-shm-owner", {"backends": {"ucx": NO_CMA}}) as owner:
+        backend = owner.backend("ucx")
+        progress = backend._progress
+        n, bs = 16, 65536
+        mem = HostBuffer(owner, n * bs)
+        blocks = b"".join(bytes([i + 1]) * bs for i in range(n))
+        mem.write(0, blocks)
+        with RemotePeer("native-shm-reader", {"backends": {"ucx": NO_CMA}}, env={"UCX_TLS": "^cma"}) as reader:
+            reader.call("add_remote", owner.metadata())
+            handle, _ = reader.call("alloc", n * bs)
+            addrs = mem.descs(np.arange(n)[::-1] * bs, bs).addr  # slot n-1-i to block i
+            before = progress.stats
+            for _ in range(5):
+                xid = reader.call("start_transfer", "READ", handle, owner.name, addrs, [bs] * n)
+                assert reader.call("wait_transfer", xid) == "DONE"
+            after = progress.stats
+            assert reader.call("read", handle, 0, n * bs) == b"".join(bytes([n - j]) * bs for j in range(n))
+        assert after["wakeups"] > before["wakeups"]
+        assert after["busy"] > before["busy"]
+        assert after["unarmed"] == before["unarmed"]
