@@ -225,6 +225,7 @@ typedef struct {
     double spin_s;
     double poll_s; /* > 0: after work, sleep this long on a timer and progress again while there is work */
     pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
+    pthread_mutex_t run_lock; /* held by the thread through each burst of progress: quiesce() takes it */
     pthread_t thread;
     sem_t started; /* posted once the thread has named itself and set its timer slack */
     int running;
@@ -669,6 +670,8 @@ static void *progress_main(void *arg) {
                 }
                 if (cork.n) p->corked++;
             }
+            /* a quiesce() holds the thread off and then takes this: it waits for the burst to end */
+            pthread_mutex_lock(&p->run_lock);
             for (;;) { /* progress while there is work, and spin a little after work (only after work) */
                 unsigned k = 0, n;
                 for (;;) {
@@ -681,16 +684,19 @@ static void *progress_main(void *arg) {
                     if (n == 0) break;
                     k++;
                     events += n;
+                    if (is_held(p)) break; /* the holder progresses the rest (or a quiesce() waits for us) */
                 }
                 if (k) {
                     did = 1;
                     p->progressed += k;
                     idle_since = monotonic_s();
                     notify_fd(__atomic_load_n(&p->notify, __ATOMIC_RELAXED));
-                } else if (!did || p->quit || monotonic_s() - idle_since >= spin_s || is_held(p)) {
+                } else if (!did || p->quit || monotonic_s() - idle_since >= spin_s) {
                     break;
                 }
+                if (is_held(p)) break;
             }
+            pthread_mutex_unlock(&p->run_lock);
             if (did) p->bursts++;
             p->events += events;
             if (is_held(p)) continue;
@@ -771,6 +777,7 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
         return NULL;
     }
     pthread_mutex_init(&p->hold_lock, NULL);
+    pthread_mutex_init(&p->run_lock, NULL);
     p->ep = ep;
     p->kick = kick;
     p->worker = (void *)(uintptr_t)worker;
@@ -863,6 +870,26 @@ static PyObject *progress_release(ProgressObject *p, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* quiesce(): hold the thread off and wait until it is outside ucp_worker_progress; resume() (from the same
+ * thread) lets it go on. Meanwhile this thread may cancel ucxx requests of the worker: ucxx takes a request's
+ * lock and then the worker's to cancel, while a completion takes them the other way round (worker, then
+ * request), so a cancel racing a completion in another thread deadlocks both. */
+static PyObject *progress_quiesce(ProgressObject *p, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    progress_hold_c(p);
+    pthread_mutex_lock(&p->run_lock);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *progress_resume(ProgressObject *p, PyObject *unused) {
+    pthread_mutex_unlock(&p->run_lock);
+    Py_BEGIN_ALLOW_THREADS
+    progress_release_c(p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *progress_kick(ProgressObject *p, PyObject *unused) {
     notify_fd(p->kick);
     Py_RETURN_NONE;
@@ -874,6 +901,7 @@ static void progress_dealloc(ProgressObject *p) {
     if (p->kick > 0) close(p->kick);
     if (p->ep > 0) close(p->ep);
     pthread_mutex_destroy(&p->hold_lock);
+    pthread_mutex_destroy(&p->run_lock);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -892,6 +920,10 @@ static PyMethodDef progress_methods[] = {
     {"kick", (PyCFunction)progress_kick, METH_NOARGS,
      "Wake the thread to progress now: operations posted from another thread raise no UCX event."},
     {"release", (PyCFunction)progress_release, METH_NOARGS, "End a hold(); the last one wakes the thread."},
+    {"quiesce", (PyCFunction)progress_quiesce, METH_NOARGS,
+     "Hold the thread off and wait until it is outside UCX's progress (it may be in a completion callback): "
+     "ucxx requests may be cancelled safely until resume(), called from the same thread."},
+    {"resume", (PyCFunction)progress_resume, METH_NOARGS, "End a quiesce() (from the thread that called it)."},
     {"tune", (PyCFunction)progress_tune, METH_VARARGS,
      "tune(spin_s, poll_s): how long the thread spins after work, and its timer poll after work (0: off)."},
     {"set_cork", (PyCFunction)progress_set_cork, METH_VARARGS,

@@ -86,6 +86,7 @@ from .one_sided import OneSided
 from .outbound import Outbound
 from .params import DEFAULT_PARAMS
 from .protocol import FrameBudget
+from .retired import Retired
 from .service import ServiceLoop
 from .serving import Serving
 from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
@@ -155,6 +156,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._graveyard: list[tuple[float, Any]] = []
         self._self_ep: Any = None
         self._draining: list[Drain] = []
+        # in-flight UCX requests nobody tracks any more, dropped once they end or cancelled safely (retired.py);
+        # waiters progress the worker only holding the gate, so that such a cancel can stop them
+        self._retired = Retired()
+        self._progress_gate = threading.Lock()
         self._checked: dict[tuple, tuple] = {}  # request descriptors -> (region table, views, region ids)
         # replaced workers with a cancelled READ's gets or receives still posted into a caller's memory: never
         # progressed again (so none of those bytes can land), freed by close()
@@ -269,6 +274,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
             "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},
+            "requests let go in flight": {"held": len(self._retired), "cancelled": self._retired.cancelled},
             "requests": dict(self.counts),
         }
 

@@ -83,7 +83,7 @@ class OneSided:
 
         It stops at the request's deadline, so the waiter can report the timeout.
         """
-        worker, deadline, clock = self.b._worker, direct.deadline, time.monotonic
+        worker, deadline, clock, gate = self.b._worker, direct.deadline, time.monotonic, self.b._progress_gate
         spin, pause = self.b._drive_spin_s(direct.peer), self.b._drive_s(direct.peer, "drive_pause_us")
         direct.driven = True
         self.b._drivers.add(direct)
@@ -96,13 +96,15 @@ class OneSided:
         try:
             while not self._finish_direct(direct) and direct.peer.state == "ready" and not self.b._stop:
                 # a replaced worker is never progressed again (it may be quarantined; see _reset_worker)
-                if native:
-                    if self.b._worker is worker:
-                        # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
-                        direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin, pause)
-                else:
-                    while self.b._worker is worker and worker.progress_once():
-                        pass
+                # each slice holds the gate: the service thread cancels let-go requests between slices
+                with gate:
+                    if native:
+                        if self.b._worker is worker:
+                            # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
+                            direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin, pause)
+                    else:
+                        while self.b._worker is worker and worker.progress_once():
+                            pass
                 if clock() > deadline:
                     return
         finally:

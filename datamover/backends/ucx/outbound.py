@@ -58,10 +58,8 @@ class Outbound:
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
-        for op in list(peer.ops.values()):
-            self._active_out.pop(op.id, None)
-            op.finish(why)
-        peer.ops.clear()
+        self._fail_ops(peer, why)
+        self._retired.cancel_now(self._quiesced)  # what they had in flight goes before the endpoint closes
         for direct in [d for d in list(self._directs) if d.peer is peer]:
             self.one_sided._finish_direct(direct, why)
             self.one_sided._forget_direct(direct)
@@ -89,6 +87,13 @@ class Outbound:
         self._retire_ep(peer.ep)
         peer.ep = None
         peer.state = "idle"
+
+    def _fail_ops(self, peer: Peer, why: BaseException) -> None:
+        """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""
+        for op in list(peer.ops.values()):
+            self._active_out.pop(op.id, None)
+            op.finish(why)
+        peer.ops.clear()
 
     def _drop_peer(self, name: str, why: BaseException) -> None:
         peer = self._peers.pop(name, None)

@@ -9,6 +9,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 from ...errors import (
@@ -21,6 +22,7 @@ from . import rma, tcp_sockets
 from .config import _PROBE_TAG, log
 from .messages import Cancel, Req
 from .protocol import FrameConn
+from .retired import quiesced
 from .state import Hangup, Inbound, Peer
 
 
@@ -391,8 +393,10 @@ class ServiceLoop:
     def _release_hangup(self, hangup: Hangup) -> None:
         """Its requests go, then its endpoint closes: UCX objects that a request still holds when its endpoint
         closes outlive the worker (a reset would leak it)."""
+        self._retired.add([hangup.recv])
         hangup.send = hangup.recv = None
         hangup.reqs = []
+        self._retired.cancel_now(self._quiesced)  # in flight: cancelled safely, before the endpoint closes
         self._retire_ep(hangup.ep)
         hangup.ep = None
 
@@ -447,10 +451,22 @@ class ServiceLoop:
         self.resets += 1
 
     def _bury(self) -> None:
-        """Let closed endpoints go once their cancelled requests had time to finish."""
+        """Let closed endpoints go once their cancelled requests had time to finish, and in-flight requests let
+        go once they ended (or, late, cancelled with the worker quiesced: see retired.py)."""
         now = time.monotonic()
         self._graveyard = [(t, ep) for t, ep in self._graveyard if now - t < 10.0]
-        self._draining = [d for d in self._draining if d.step(now)]
+        draining, self._draining = self._draining, []
+        for d in draining:
+            if d.step(now):
+                self._draining.append(d)
+            else:
+                self._retired.add(d.reqs)
+        del draining
+        self._retired.sweep(float(self.params["cancel_drain_s"]), self._quiesced)
+
+    def _quiesced(self) -> AbstractContextManager[None]:
+        """While in it nothing but this thread progresses the worker: ucxx requests may be cancelled safely."""
+        return quiesced(self._progress_gate, self._progress)
 
     def _retire_ep(self, ep: Any) -> None:
         if ep is None:
@@ -473,6 +489,7 @@ class ServiceLoop:
         self._directs.clear()
         self._checked.clear()
         self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        self._retired.clear()  # nothing progresses the worker any more
         for hangup in self._hangups:
             hangup.reqs = []  # a request's UCX objects go before its endpoint's
         self._hangups.clear()

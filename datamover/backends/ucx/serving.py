@@ -51,6 +51,7 @@ class Serving:
         for op_id in inbound.ops:
             self._active_in.pop((inbound.conn_id, op_id), None)
         inbound.ops.clear()
+        self._retired.cancel_now(self._quiesced)  # what was in flight goes before its endpoint closes
         try:
             self._sel.unregister(inbound.conn.sock)
         except (KeyError, ValueError):

@@ -88,13 +88,22 @@ class Fenced(Completion):
 
 
 class Requests:
-    """UCX requests of one operation, checked for completion in posting order."""
+    """UCX requests of one operation, checked for completion in posting order.
 
-    __slots__ = ("k", "reqs")
+    When it goes, those still in flight go to ``sink`` (``retired.Retired``): dropped here, their cancel could
+    race their completion in another thread's progress and deadlock both.
+    """
 
-    def __init__(self, reqs: list) -> None:
+    __slots__ = ("k", "reqs", "sink")
+
+    def __init__(self, reqs: list, sink: Any = None) -> None:
         self.reqs = reqs
         self.k = 0
+        self.sink = sink
+
+    def __del__(self) -> None:
+        if self.sink is not None and self.k < len(self.reqs):
+            self.sink.add(self.reqs[self.k :])
 
     def poll(self) -> BaseException | bool:
         """True when all completed, an exception on the first failure, False while pending."""

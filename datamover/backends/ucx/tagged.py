@@ -37,7 +37,7 @@ class Tagged:
         except Exception as exc:
             self._end(op, RemoteDisconnected(f"posting to agent {peer.name!r} failed: {exc}", backend=self.b.name))
             return False
-        op.reqs = Requests(reqs)
+        op.reqs = Requests(reqs, self.b._retired)
         self.b._active_out[op.id] = op
         return True
 
@@ -148,14 +148,15 @@ class Tagged:
         except Exception as exc:
             inbound.conn.send(Fail(op_id, f"posting failed: {exc}"))
             return
-        inbound.ops[op_id] = (Requests(reqs), op, msg.notify or b"", tag0, regions)
+        inbound.ops[op_id] = (Requests(reqs, self.b._retired), op, msg.notify or b"", tag0, regions)
         self.b._active_in[(inbound.conn_id, op_id)] = inbound
 
     def _cancel_served(self, inbound: Inbound, op_id: int) -> None:
         """The initiator gave up on a request this side serves: it gets no done and no notification.
 
         Its posted sends and receives touch only memory registered here for
-        the initiator to write or read, and run out on their own.
+        the initiator to write or read: they run out on their own, or are cancelled later (``Retired``); dropped
+        here, one ending in the progress thread meanwhile would deadlock both threads.
         """
         if inbound.ops.pop(op_id, None) is not None:
             self.b._active_in.pop((inbound.conn_id, op_id), None)
