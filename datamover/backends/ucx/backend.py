@@ -67,7 +67,7 @@ from ..base import (
     finished_completion,
 )
 from ..workers import Workers
-from . import cma, rma
+from . import cma, rma, tcp_sockets
 from .address import AddressCheck
 from .config import (
     _MAX_ADDRESS,
@@ -262,6 +262,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "READ cork": self._cork_text(),
             "progress cork": (
                 f"tcp sockets corked during bursts while a stream comes in on them: {len(self._cork_found)} handed"
+                f" ({', '.join(tcp_sockets.names(self._cork_found))})"
                 if self.params["far_progress_cork"] and self._progress is not None
                 else "off"
             ),

@@ -84,3 +84,23 @@ def sockets_to(event_fd: int, peer_ip: str | None) -> tuple[tuple[int, int], ...
                     found.append((t, st.st_ino))
         level = nested
     return tuple(found)
+
+
+def names(found: tuple[tuple[int, int], ...]) -> list[str]:
+    """Each socket (local -> peer, host:port each) in ``found`` that its fd still names, for describe()."""
+    out = []
+    for fd, ino in found:
+        try:
+            if os.fstat(fd).st_ino != ino:
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            here, there = sock.getsockname(), sock.getpeername()
+            out.append(f"{here[0]}:{here[1]} -> {there[0]}:{there[1]}")
+        except OSError:
+            continue
+        finally:
+            sock.close()
+    return out
