@@ -11,4 +11,11 @@ ruff check .
 ruff format --check .
 # each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)
 [ -n "${DATAMOVER_SKIP_EXTRAS:-}" ] || bash scripts/check_extras.sh
-python -m pytest -q -ra "$@"
+# pytest serially, or with DATAMOVER_TEST_WORKERS=N (N >= 2) in N processes (pytest-xdist), each test file's tests
+# in one worker (--dist loadfile: a file's module fixtures and services start once); serial stays the default
+# until whole -n 2 runs pass as reliably as serial ones on a loaded machine
+WORKERS=${DATAMOVER_TEST_WORKERS:-1}
+case "$WORKERS" in
+  0 | 1) python -m pytest -q -ra "$@" ;;
+  *) python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@" ;;
+esac

@@ -423,6 +423,9 @@ except ImportError:  # pragma: no cover - pytest is only needed for the fixture
     _pytest = None
 
 if _pytest is not None:
+    # first among this hook's implementations: under pytest-xdist a worker reports its collection done from its own
+    # implementation, and the run's tests start once every worker has; so each worker's hosts exist before any starts
+    pytest_collection_finish = _pytest.hookimpl(tryfirst=True)(pytest_collection_finish)
 
     @_pytest.fixture(scope="session")
     def test_hosts() -> TestHosts:

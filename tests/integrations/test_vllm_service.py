@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -33,7 +34,8 @@ def handler(verb: str, args: list) -> object:
 
 @pytest.fixture
 def service():  # type: ignore[no-untyped-def]
-    svc = CacheService(socket_path("test-engine-service", 0), handler)
+    # an engine id of this process's own: the socket's path is machine-wide (a service there unlinks what was there)
+    svc = CacheService(socket_path(f"test-engine-service-{os.getpid()}", 0), handler)
     _LOCAL.pop(svc.path)  # make this process's client go through the socket, as the scheduler's does
     yield svc
     svc.close()

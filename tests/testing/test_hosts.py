@@ -220,3 +220,13 @@ def test_split_cpus_need_a_cpu_per_host_and_a_known_mode():
         os.sched_setaffinity(0, mine)
     with pytest.raises(ValueError, match="cpus"):
         TestHosts(2, prefix="natpin", cpus="all")
+
+
+def test_the_session_hosts_are_made_before_an_xdist_worker_reports_its_collection_done(request):
+    # a worker's tests start once every worker has reported: hosts made after that report appear mid-run
+    hook = request.config.pluginmanager.hook.pytest_collection_finish
+    called = list(reversed(hook.get_hookimpls()))  # pluggy calls the last first
+    ours = [i for i, impl in enumerate(called) if impl.function.__module__ == hosts_mod.__name__]
+    workers = [i for i, impl in enumerate(called) if type(impl.plugin).__name__ == "WorkerInteractor"]
+    assert len(ours) == 1 and called[ours[0]].tryfirst
+    assert all(ours[0] < i for i in workers)

@@ -69,6 +69,7 @@ from ..base import (
 from ..workers import Workers
 from . import cma, rma, tcp_sockets
 from .address import AddressCheck
+from .cancel_drain import CancelDrains
 from .config import (
     _MAX_ADDRESS,
     _NATIVE_RMA,
@@ -176,6 +177,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._rma_lock = threading.RLock()
         self._directs: list[Direct] = []
         self._drivers: set[Direct] = set()  # requests a waiter is progressing UCX for right now
+        self._cut_drains = CancelDrains()  # cancelled requests whose UCX operations get cancel_drain_s to end
         self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
@@ -270,6 +272,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
             "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},
+            "cancelled requests draining": len(self._cut_drains),
             "requests": dict(self.counts),
         }
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from functools import partial
 
 from ...errors import BackendUnavailable, RemoteDisconnected, TransferAborted
 from . import rma
+from .cancel_drain import ENDED, EXPIRED, PENDING, STUCK, CancelDrain
 from .config import _FENCE_S, log
 from .messages import Cancel
-from .state import Direct, Fenced
+from .state import Direct, Fenced, OutOp
 
 
 class Fencing:
@@ -18,91 +19,95 @@ class Fencing:
     def _fenced(self) -> Fenced:
         completion = Fenced(1)
         completion.fence = self._fence
+        completion.fence_s = 2 * _FENCE_S + float(self.params["cancel_drain_s"])  # the fence waits for the drain
         return completion
 
     def _fence(self, completion: Fenced) -> None:
-        """Cut off a cancelled request (timed out or released) before its caller hears of it; see ``_cut``."""
+        """Cut off a cancelled request (timed out or released) before its caller hears of it; see ``_cut``.
+
+        The drain runs on the service loop beside its other work; this thread waits for it to be settled."""
         if self._stop:
             return
+        box: list[CancelDrain | None] = []
         try:
-            # once _cut returned, nothing of the request can land any more; the completion itself is finished
-            # by the service thread's next command, which the caller need not wait for
-            if not self._call(lambda: self._cut(completion), timeout=_FENCE_S):
+            # once the cut is settled, nothing of the request can land any more; the completion itself is
+            # finished by the service thread's next command, which the caller need not wait for
+            if not self._call(lambda: box.append(self._cut(completion)), timeout=_FENCE_S):
                 log.warning("the ucx service thread did not cut off a cancelled request within %g s", _FENCE_S)
+                return
         except RemoteDisconnected:
             return  # the backend closed meanwhile: its worker is gone, nothing of the request can land
+        drain = box[0] if box else None
+        bound = float(self.params["cancel_drain_s"]) + _FENCE_S
+        if drain is not None and not drain.wait(bound, self._thread.is_alive) and self._thread.is_alive():
+            log.warning("a cancelled request to agent %r was not cut off within %g s", drain.peer, bound)
 
-    def _cut(self, completion: Fenced) -> None:
+    def _cut(self, completion: Fenced) -> CancelDrain | None:
         """On the service thread: end the request of ``completion`` so that none of its bytes lands afterwards.
 
-        A request not started yet ends here. One whose UCX operations all
-        ended, or end within ``cancel_drain_s``, ends with its error. Otherwise its UCX operations still point
-        into the caller's memory (a READ's gets or receives write it; a WRITE's
-        puts or sends, queued in UCX until the peer takes them, read it), and
-        UCX cannot call them back one by one, so the worker is replaced and the
-        old one is never progressed again: the bytes of a thawed or late peer
-        arrive at an endpoint nobody reads, and nothing queued is sent. The
-        owner of an owner-served request is told to drop it too; a WRITE's
-        remote range is undefined afterwards, as after any failed WRITE.
+        A request not started yet ends here. A started one's UCX operations get
+        ``cancel_drain_s`` to end (a responsive peer ends them; their bytes move
+        before the caller hears of ERR, which is allowed): unless they already
+        have, the drain is returned pending, and the service loop looks at it on
+        every turn (``cancel_drain``) while it serves every other peer; the
+        caller's fence waits for it. Operations still running when it runs out
+        point into the caller's memory (a READ's gets or receives write it; a
+        WRITE's puts or sends, queued in UCX until the peer takes them, read it),
+        and UCX cannot call them back one by one, so the worker is replaced and
+        the old one is never progressed again: the bytes of a thawed or late peer
+        arrive at an endpoint nobody reads, and nothing queued is sent. The owner
+        of an owner-served request is told to drop it too, once the drain is over;
+        a WRITE's remote range is undefined afterwards, as after any failed WRITE.
         """
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
+        deadline = time.monotonic() + float(self.params["cancel_drain_s"])
         for direct in list(self._directs):  # a waiter may drop its finished one meanwhile
             if direct.completion is completion:
-
-                def ended(direct: Direct = direct) -> bool:
-                    with direct.lock:
-                        return direct.done or direct.flush.poll() != rma.UCS_INPROGRESS
-
                 if direct.held():
                     direct.flush.unhold()  # the native progress thread may progress it while it drains
-                if self._drained(ended):
-                    break  # ended (or ending): whoever saw it finishes it
-                what, name = ("gets" if direct.op == "READ" else "puts"), direct.peer.name
-                self._reset_worker(
-                    f"a cancelled {direct.op} {_towards(direct.op)} agent {name!r} still had {what} in flight",
-                    quarantine=True,
-                    culprit=name,
-                )
-                self._undriven(direct)
-                self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
-                return
+                settle = partial(self._settle_direct, direct, why)
+                drain = CancelDrain(direct.peer.name, self._worker, partial(_flushed, direct), settle, deadline)
+                return self._cut_drains.start(drain)
         for peer in self._peers.values():
             for op in list(peer.ops.values()):
                 if op.completion is not completion:
                     continue
                 if op.reqs is None:
                     self._submit(lambda op=op: self.tagged._end(op, why))
-                    return
-                # the owner is told only after the drain: a responsive one ends the request meanwhile
-                pending = not self._drained(lambda op=op: op.reqs.poll() is not False)
-                if peer.conn is not None and peer.state == "ready":
-                    peer.conn.send(Cancel(op.id))  # the owner refuses what it has not started
-                if pending:
-                    what = "receives" if op.req.op == "READ" else "sends"
-                    self._reset_worker(
-                        f"a cancelled {op.req.op} {_towards(op.req.op)} agent {peer.name!r} still had {what} in flight",
-                        quarantine=True,
-                        culprit=peer.name,
-                    )
-                self._submit(lambda op=op: self.tagged._end(op, why))
-                return
+                    return None
+                settle = partial(self._settle_served, op, why)
+                drain = CancelDrain(peer.name, self._worker, partial(_posted, op), settle, deadline)
+                return self._cut_drains.start(drain)
+        return None
 
-    def _drained(self, ended: Callable[[], bool]) -> bool:
-        """Whether a cancelled request's UCX operations end within ``cancel_drain_s`` (True at once if they had).
+    def _settle_direct(self, direct: Direct, why: BaseException, outcome: str) -> None:
+        """A one-sided request's drain is over: ended (whoever saw it finishes it), or its worker is replaced."""
+        if outcome == ENDED:
+            return
+        if outcome in (EXPIRED, STUCK):
+            what, name = ("gets" if direct.op == "READ" else "puts"), direct.peer.name
+            self._reset_worker(
+                f"a cancelled {direct.op} {_towards(direct.op)} agent {name!r} still had {what} in flight",
+                quarantine=True,
+                culprit=name,
+            )
+        self._undriven(direct)
+        self._submit(lambda d=direct: self.one_sided._finish_direct(d, why))
 
-        A responsive peer ends them in that time (their bytes move before the caller hears of ERR, which is
-        allowed), so only a frozen or slow one costs a worker replaced and quarantined. The service thread
-        progresses UCX itself meanwhile where no native thread does.
-        """
-        end = time.monotonic() + float(self.params["cancel_drain_s"])
-        while not ended():
-            if time.monotonic() > end:
-                return False
-            if self._progress is None and not self._drivers:
-                self._worker.progress_once()
-            else:
-                time.sleep(0.0005)
-        return True
+    def _settle_served(self, op: OutOp, why: BaseException, outcome: str) -> None:
+        """An owner-served request's drain is over: the owner is told to drop it (a responsive one ended it
+        meanwhile), and its worker replaced if its receives or sends still run."""
+        peer = op.peer
+        if peer.conn is not None and peer.state == "ready":
+            peer.conn.send(Cancel(op.id))  # the owner refuses what it has not started
+        if outcome in (EXPIRED, STUCK):
+            what = "receives" if op.req.op == "READ" else "sends"
+            self._reset_worker(
+                f"a cancelled {op.req.op} {_towards(op.req.op)} agent {peer.name!r} still had {what} in flight",
+                quarantine=True,
+                culprit=peer.name,
+            )
+        self._submit(lambda: self.tagged._end(op, why))
 
     def _undriven(self, direct: Direct) -> None:
         """Wait until no waiter drives ``direct``: a waiter's drive may be in a slice of progress on the worker just
@@ -143,3 +148,20 @@ class Fencing:
 
 def _towards(op: str) -> str:
     return "from" if op == "READ" else "to"
+
+
+def _flushed(direct: Direct) -> str:
+    """Whether a cancelled one-sided request's puts or gets ended: its flush ended (STUCK once it was let go
+    unseen, e.g. its peer's connection dropped: nothing will say they ended)."""
+    with direct.lock:
+        if direct.abandoned:
+            return STUCK
+        return ENDED if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS else PENDING
+
+
+def _posted(op: OutOp) -> str:
+    """Whether a cancelled owner-served request's receives or sends all ended (completed or failed); STUCK once
+    its peer's connection dropped with some still posted (nobody sends for those receives, nor takes those sends)."""
+    if op.reqs.poll() is not False:  # type: ignore[union-attr]
+        return ENDED
+    return PENDING if op.peer.ops.get(op.id) is op else STUCK

@@ -69,6 +69,7 @@ class OneSided:
                 return False
             if why is not None:
                 direct.flush.abandon()
+                direct.abandoned = True
             direct.done = True
         if why is None and status == rma.UCS_OK:
             if direct.notify:

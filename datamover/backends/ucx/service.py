@@ -157,6 +157,8 @@ class ServiceLoop:
                 if self._directs:
                     self.one_sided._check_directs()
                 now = time.monotonic()
+                if self._cut_drains:  # cancelled requests' UCX operations given time to end (see Fencing._cut)
+                    self._cut_drains.check(now, lambda: self._worker)
                 if now - last_scan > 0.005:
                     last_scan = now
                     self._check_cancelled()
@@ -182,7 +184,7 @@ class ServiceLoop:
                     continue
                 if self._progress is not None:
                     # the native thread progresses UCX; it wakes this one after work while requests are in flight
-                    in_flight = self._active_out or self._active_in or self._revokes or self._directs
+                    in_flight = self._in_flight()
                     self._progress.set_notify(self._wake_w if in_flight else -1)
                     if busy or any(not d.driven and not d.held() for d in list(self._directs)):
                         # what this thread (or a caller nobody waits for) posted raises no UCX event: have it
@@ -202,7 +204,7 @@ class ServiceLoop:
                 if not worker.arm():
                     continue
                 # with requests in flight wake often: ucxx can finish a request without a UCX event firing
-                in_flight = self._active_out or self._active_in or self._revokes or self._directs
+                in_flight = self._in_flight()
                 if self._poll(0.001 if in_flight else 0.05):
                     last = time.monotonic()
         except BaseException as exc:
@@ -220,6 +222,10 @@ class ServiceLoop:
                     self._ended, orphaned = True, self._orphaned
                 if orphaned:  # close() returned without them (the cma pool's threads may wait on this one)
                     self._close_rest(wait=False)
+
+    def _in_flight(self) -> bool:
+        """Whether requests are in flight (or cancelled ones draining): the loop then wakes every millisecond."""
+        return bool(self._active_out or self._active_in or self._revokes or self._directs or self._cut_drains)
 
     def _poll(self, timeout: float) -> bool:
         """Handle ready sockets (waiting up to ``timeout`` s); True when something happened."""
@@ -413,8 +419,12 @@ class ServiceLoop:
         operations pointing into its caller's memory (a READ's gets or receives,
         a WRITE's queued puts or sends), and the old worker is kept, never
         progressed again, until ``close()``, and counted against ``culprit``,
-        the peer of that transfer (see ``_held``).
+        the peer of that transfer (see ``_held``). A worker with cancelled requests still draining on it
+        (``cancel_drain``) is kept so too, against the first one's peer; their drains end with it.
         """
+        drained = self._cut_drains.on(self._worker)
+        if drained and not quarantine:  # cancelled requests' operations on it still point into callers' memory
+            quarantine, culprit = True, drained[0].peer
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         pending, self._hangups = self._hangups, []  # their receives and probes were on the worker being replaced
         for hangup in pending:
@@ -473,6 +483,7 @@ class ServiceLoop:
         self._directs.clear()
         self._checked.clear()
         self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
+        self._cut_drains.release()
         for hangup in self._hangups:
             hangup.reqs = []  # a request's UCX objects go before its endpoint's
         self._hangups.clear()

@@ -61,11 +61,12 @@ class Fenced(Completion):
     is still in flight before the caller is told.
     """
 
-    __slots__ = ("_cut", "fence")
+    __slots__ = ("_cut", "fence", "fence_s")
 
     def __init__(self, parts: int = 1) -> None:
         super().__init__(parts)
         self.fence: Callable[[Fenced], None] | None = None
+        self.fence_s = 2 * _FENCE_S  # how long a second thread's cancel waits for the first one's fence
         self._cut: threading.Event | None = None
 
     def cancel(self, error: BaseException | None = None) -> None:
@@ -77,8 +78,8 @@ class Fenced(Completion):
             cut = self._cut
         if fence is None:
             # another thread is running the fence: return (and let the caller report ERR) only once it has
-            if cut is not None and not cut.wait(2 * _FENCE_S):
-                log.warning("a cancelled request's fence, run by another thread, did not end within %g s", 2 * _FENCE_S)
+            if cut is not None and not cut.wait(self.fence_s):
+                log.warning("a cancelled request's fence, run by another thread, did not end within %g s", self.fence_s)
             return
         try:
             if self.finished_at is None:
@@ -133,7 +134,8 @@ class Direct:
     thread), until the endpoint flush after them ends; finished once, by whoever sees it end."""
 
     __slots__ = (
-        "completion", "deadline", "done", "driven", "flush", "lock", "notify", "op", "peer", "regions", "since",
+        "abandoned", "completion", "deadline", "done", "driven", "flush", "lock", "notify", "op", "peer", "regions",
+        "since",
     )  # fmt: skip
 
     def __init__(
@@ -148,6 +150,7 @@ class Direct:
         self.regions = req.plan.regions
         self.lock = threading.Lock()
         self.done = False
+        self.abandoned = False  # finished with an error and its flush let go: nothing will say its puts/gets ended
         self.driven = False  # a waiter progresses UCX for it: the service thread keeps out of its way
         self.since = time.monotonic()
 
