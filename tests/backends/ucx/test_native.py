@@ -134,7 +134,8 @@ def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress
     The waiter is made the only thread that progresses the worker: the service thread hands a request nobody
     drives yet to the native progress thread after a 2 ms grace, which a loaded machine can take between post()
     and wait() (that thread then ends the flush and the waiter sees it late: once, two suites side by side); here
-    the grace is lifted once connected."""
+    the grace is lifted once connected, and the native thread is held outside UCX (``quiesce``) meanwhile, since
+    a burst it began before the waiter's hold can end the flush too (seen at load 13-18)."""
     from datamover.backends.ucx import _ucp, one_sided
 
     n, bs = 256, 4096
@@ -148,10 +149,15 @@ def test_a_waiter_looks_at_its_flush_and_the_clock_only_every_few_empty_progress
         # the grace; from here each is posted by the caller and driven by its waiter alone
         assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
         monkeypatch.setattr(one_sided, "_DIRECT_GRACE_S", 1e9)
-        before = _ucp.drive_stats()
-        for _ in range(5):
-            assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
-        after = _ucp.drive_stats()
+        progress = agent.backend("ucx")._progress
+        progress.quiesce()
+        try:
+            before = _ucp.drive_stats()
+            for _ in range(5):
+                assert agent.transfer(op, local, remote, target.name).wait() == XferState.DONE
+            after = _ucp.drive_stats()
+        finally:
+            progress.resume()
         d = {k: after[k] - before[k] for k in after}
         assert d["drives"] >= 1 and d["progress"] > d["empty"] >= d["drives"]  # some progress did work
         assert d["looks"] <= d["empty"] // 8 + d["drives"] and d["late"] == 0 and d["pauses"] == 0
