@@ -142,12 +142,14 @@ def test_pushed_metadata_has_a_region_budget_checked_before_unpacking():
 
 
 def test_pushed_metadata_has_a_byte_budget_released_when_a_peer_goes():
-    n = 20_000
+    # the agent decodes each 20,000-region blob before it answers (under tracemalloc, slowly): the client waits
+    # up to 60 s for that answer, not send_request's default 5 s (a load of 17 took longer)
+    n, wait = 20_000, 60.0
     with _agent("b") as b:
         tracemalloc.start()
         try:
             before = tracemalloc.get_traced_memory()[0]
-            send_request(*b.listen_address, PUSH, _blob("one", n))
+            send_request(*b.listen_address, PUSH, _blob("one", n), timeout=wait)
             kept = tracemalloc.get_traced_memory()[0] - before
         finally:
             tracemalloc.stop()
@@ -155,12 +157,12 @@ def test_pushed_metadata_has_a_byte_budget_released_when_a_peer_goes():
         assert kept < 120 * n, f"a pushed region costs {kept / n:.0f} bytes kept"
         per_peer = b.remote_metadata("one").nbytes
     with _agent("c", push_budget={"max_bytes": int(2.5 * per_peer)}) as c:
-        send_request(*c.listen_address, PUSH, _blob("one", n))
-        send_request(*c.listen_address, PUSH, _blob("two", n))
+        send_request(*c.listen_address, PUSH, _blob("one", n), timeout=wait)
+        send_request(*c.listen_address, PUSH, _blob("two", n), timeout=wait)
         with pytest.raises(RemoteRefused, match="budget"):
-            send_request(*c.listen_address, PUSH, _blob("three", n))
+            send_request(*c.listen_address, PUSH, _blob("three", n), timeout=wait)
         c.remove_remote("one")  # its share is released
-        send_request(*c.listen_address, PUSH, _blob("three", n))
+        send_request(*c.listen_address, PUSH, _blob("three", n), timeout=wait)
         assert sorted(c.remotes) == ["three", "two"]
 
 
