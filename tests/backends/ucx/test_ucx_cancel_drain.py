@@ -121,6 +121,21 @@ def test_a_pending_drain_leaves_the_other_peers_served(path):
         _nothing_lands_after(agent, frozen, fbuf, local)
 
 
+def _cut_during_drain(agent, frozen, fbuf, local, cut) -> None:
+    """Release a READ from the frozen peer, run ``cut`` while its drain is pending, and check release() returned
+    with the worker reset once and kept against the frozen peer (thawed here if that fails)."""
+    backend = agent.backend("ucx")
+    try:
+        release = _release_frozen_read(agent, frozen, fbuf, local)
+        cut()
+        release.join()
+        assert backend.resets == 1 and _draining(backend) == 0
+        assert backend.describe()["quarantined workers"] == {"held": 1, "by peer": {"frozen": 1}}
+    except BaseException:
+        os.kill(frozen.pid, signal.SIGCONT)
+        raise
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_worker_reset_while_a_drain_is_pending_ends_it(path):
     """A peer dies mid-WRITE into this agent while the drain is pending (``hangup_probe_s`` 0: the worker is reset
@@ -133,21 +148,14 @@ def test_a_worker_reset_while_a_drain_is_pending_ends_it(path):
         RemotePeer("lender", cfg) as lender,
         Agent("reader", cfg) as agent,
     ):
-        backend = agent.backend("ucx")
+        agent.backend("ucx")  # started before the peers connect
         address = decode_metadata(lender.metadata()).backends["ucx"]["address"]
         fbuf = RemoteBuffer(frozen, SIZE)
         fbuf.write(0, b"\xaa" * SIZE)
         agent.add_remote(frozen.metadata())
         local, target = HostBuffer(agent, SIZE), HostBuffer(agent, 4096)
-        try:
-            release = _release_frozen_read(agent, frozen, fbuf, local)
-            _hang_up(agent, target, address, 0)  # its hang-up is read by the service thread: the worker is reset
-            release.join()
-            assert backend.resets == 1 and _draining(backend) == 0
-            assert backend.describe()["quarantined workers"] == {"held": 1, "by peer": {"frozen": 1}}
-        except BaseException:
-            os.kill(frozen.pid, signal.SIGCONT)
-            raise
+        # its hang-up is read by the service thread: the worker is reset
+        _cut_during_drain(agent, frozen, fbuf, local, lambda: _hang_up(agent, target, address, 0))
         _nothing_lands_after(agent, frozen, fbuf, local)
 
 
@@ -160,20 +168,12 @@ def test_a_peer_removed_while_its_drain_is_pending_costs_the_worker(path):
     release() waited out the drain)."""
     cfg = {"backends": {"ucx": {**PATHS[path], "cancel_drain_s": LONG_DRAIN_S}}}
     with RemotePeer("frozen", cfg) as frozen, Agent("reader", cfg) as agent:
-        backend = agent.backend("ucx")
+        agent.backend("ucx")  # started before the peers connect
         fbuf = RemoteBuffer(frozen, SIZE)
         fbuf.write(0, b"\xaa" * SIZE)
         blob = frozen.metadata()
         agent.add_remote(blob)
         local = HostBuffer(agent, SIZE)
-        try:
-            release = _release_frozen_read(agent, frozen, fbuf, local)
-            agent.remove_remote("frozen")
-            release.join()
-            assert backend.resets == 1 and _draining(backend) == 0
-            assert backend.describe()["quarantined workers"] == {"held": 1, "by peer": {"frozen": 1}}
-        except BaseException:
-            os.kill(frozen.pid, signal.SIGCONT)
-            raise
+        _cut_during_drain(agent, frozen, fbuf, local, lambda: agent.remove_remote("frozen"))
         agent.add_remote(blob)
         _nothing_lands_after(agent, frozen, fbuf, local)
