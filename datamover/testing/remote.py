@@ -19,6 +19,7 @@ import numpy as np
 
 from ..descriptors import DescList, aligned_empty
 from ..errors import RemoteDisconnected
+from .stopped import freeze
 
 if TYPE_CHECKING:
     from .hosts import Host
@@ -167,6 +168,10 @@ class RemotePeer:
 
     def metadata(self) -> bytes:
         return self.call("metadata")
+
+    def freeze(self) -> None:
+        """SIGSTOP the peer process and return once every thread of it stopped (see ``stopped.freeze``)."""
+        freeze(self.pid)
 
     def kill(self) -> None:
         """SIGKILL the peer process (no cleanup: its sockets close, its memory vanishes)."""

@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from .stopped import freeze
+
 _S3_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
 
 
@@ -172,9 +174,10 @@ class S3Server:
         )
 
     def pause(self) -> None:
-        """Freeze the server (SIGSTOP): connections open, nothing answered, as a hung endpoint."""
+        """Freeze the server (SIGSTOP): connections open, nothing answered, as a hung endpoint; returns once every
+        thread of it stopped."""
         if self._proc is not None:
-            os.kill(self._proc.pid, signal.SIGSTOP)
+            freeze(self._proc.pid)
 
     def resume(self) -> None:
         """Thaw a paused server (SIGCONT)."""

@@ -235,7 +235,7 @@ def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
         before = _tcp_count(there.address, control, _DATA_SEGS_IN)
         acked = _tcp_count(there.address, control, _BYTES_ACKED) + n
         peer.call("ping")  # answered: idle in its command loop
-        os.kill(peer.pid, signal.SIGSTOP)
+        peer.freeze()
         try:
             xfer = agent.transfer("WRITE", *rows, peer.name)
             deadline = time.monotonic() + 10  # this process's progress thread pushes the puts the kernel holds

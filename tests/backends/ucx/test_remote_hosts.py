@@ -81,7 +81,7 @@ def _roundtrip(agent, peer, nbytes=1 << 16, seed=3):
 def _frozen_read(agent, peer, remote, local, timeout):
     """Freeze ``peer`` once idle and post a READ from it: in flight for certain."""
     peer.call("ping")  # answered: idle in its command loop
-    os.kill(peer.pid, signal.SIGSTOP)
+    peer.freeze()
     xfer = agent.transfer("READ", _rows(local), _rows(remote), peer.name, timeout=timeout)
     assert xfer.state == XferState.PROC
     return xfer
@@ -97,7 +97,7 @@ def test_sigkill_mid_transfer_across_hosts_then_the_peer_comes_back(test_hosts, 
             agent.add_remote(victim.metadata())
             _roundtrip(agent, victim)
             victim.call("ping")  # answered: idle in its command loop
-            os.kill(victim.pid, signal.SIGSTOP)  # idle, connected: the transfer below cannot finish
+            victim.freeze()  # idle, connected: the transfer below cannot finish
             xfer = agent.transfer(op, _rows(local), _rows(remote), "victim", timeout=30)
             assert xfer.state == XferState.PROC
             t0 = time.monotonic()

@@ -68,7 +68,7 @@ def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
         for peer, buf in ((frozen, fbuf), (healthy, hbuf)):
             assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
         assert frozen.call("ping") == frozen.pid  # the peer is idle in its command loop now
-        os.kill(frozen.pid, signal.SIGSTOP)
+        frozen.freeze()
         try:
             _frozen_read(agent, frozen, fbuf, local, how)
             # the caller reuses its buffer for a READ from a healthy peer, which verifies

@@ -56,7 +56,7 @@ def _release_frozen_read(agent, frozen, fbuf, local) -> _Release:
     return once its drain is pending (release() waits for it)."""
     assert agent.transfer("READ", local.descs([0], [4096]), fbuf.descs([0], [4096]), frozen.name).wait()
     assert frozen.call("ping") == frozen.pid
-    os.kill(frozen.pid, signal.SIGSTOP)
+    frozen.freeze()
     n = SIZE // BS
     # the peer's rows in reverse order: nothing coalesces, so one-sided each 1 MiB row is its own get (a merged
     # 32 MiB row would go through the owner, past emulated_max_bytes)

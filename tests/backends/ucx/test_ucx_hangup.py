@@ -58,7 +58,7 @@ def test_a_hang_up_mid_write_leaves_the_other_peers_transfers_alone(peers):
         local, target = HostBuffer(agent, MiB), HostBuffer(agent, MiB)
         assert agent.transfer("READ", local.descs([0], [4096]), sbuf.descs([0], [4096]), "steady").wait()
         assert steady.call("ping") == steady.pid  # idle, its connection up
-        os.kill(steady.pid, signal.SIGSTOP)
+        steady.freeze()
         try:
             xfer = agent.transfer("READ", local.descs([0], [MiB]), sbuf.descs([0], [MiB]), "steady", timeout=60)
             _hang_up(agent, target, address, 0)

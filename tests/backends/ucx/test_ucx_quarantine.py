@@ -59,7 +59,7 @@ def test_many_cancelled_reads_from_a_frozen_peer_keep_fds_bounded(path):
                 with pytest.raises(BackendUnavailable, match="stopped answering 2 time"):
                     warm.wait()
             assert frozen.call("ping") == frozen.pid  # idle in its command loop, the data connection up
-            os.kill(frozen.pid, signal.SIGSTOP)
+            frozen.freeze()
             try:
                 xfer = agent.transfer(
                     "READ", local.descs(np.arange(n) * BS, BS), fbuf.descs(np.arange(n) * BS, BS), "freezer",
