@@ -67,7 +67,7 @@ from ..base import (
     finished_completion,
 )
 from ..workers import Workers
-from . import cma, rma, tcp_sockets
+from . import cma, rma
 from .address import AddressCheck
 from .cancel_drain import CancelDrains
 from .config import (
@@ -82,15 +82,17 @@ from .config import (
 )
 from .direct_cma import DirectCma
 from .fence import Fencing
+from .losses import Losses
 from .messages import Req, Revoke, Rkeys
 from .one_sided import OneSided
 from .outbound import Outbound
+from .pacing import Pacing
 from .params import DEFAULT_PARAMS
 from .protocol import FrameBudget
 from .retired import Retired
 from .service import ServiceLoop
 from .serving import Serving
-from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
+from .state import Direct, Drain, Inbound, OutOp, Peer, UcxPlan, row_views
 from .tagged import Tagged
 
 
@@ -166,10 +168,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # progressed again (so none of those bytes can land), freed by close()
         self._quarantined: list[tuple] = []
         self._quarantines_by: collections.Counter[str] = collections.Counter()  # peer name -> quarantines it made
-        self._probe_ids = itertools.count()
-        self._hangups: list[Hangup] = []  # peers that hung up mid-WRITE, waiting for their probe (see _lost)
-        self._prober: tuple[Any, Any] | None = None  # (worker, endpoint to this worker) that sends the probes
-        self.hangups = {"confined": 0, "reset": 0}
+        self.losses = Losses(self)  # lost control connections, and hang-ups mid-WRITE waiting for their probe
+        self.hangups = self.losses.counts
         self._one_sided = bool(self.params["one_sided"])
         self._emulated_max = int(self.params["emulated_max_bytes"])
         self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
@@ -197,11 +197,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
-        self._serving_far_tcp = False  # an initiator on another machine was served over tcp (see _serving_far)
-        self._cork_scan = 0.0  # when the worker's sockets were last looked up for the progress thread to cork
-        self._cork_found: tuple[tuple[int, int], ...] = ()  # what it was handed
+        self.pacing = Pacing(self)  # the progress thread's settings and the waiters'
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
-        if not self._start_progress():
+        if not self.pacing.start_progress():
             self._watch_ucx(True)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
@@ -258,21 +256,16 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "peers on other machines": {  # name -> how long its waiters poll UCX before sleeping (us)
-                name: round(self._drive_spin_s(p) * 1e6) for name, p in list(self._peers.items()) if p.elsewhere
+                name: round(self.pacing.drive_spin_s(p) * 1e6) for name, p in list(self._peers.items()) if p.elsewhere
             },
             "control": f"{self.params['host']}:{self._port}",
             "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
             "rows served for peers": {"now": self.served_rows(), "limit": int(self.params["max_served_rows"])},
             "native path": rma.data_path(),
-            "UCX progress": self._progress_mode(),
+            "UCX progress": self.pacing.progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
-            "READ cork": self._cork_text(),
-            "progress cork": (
-                f"tcp sockets corked during bursts while a stream comes in on them: {len(self._cork_found)} handed"
-                f" ({', '.join(tcp_sockets.names(self._cork_found))})"
-                if self.params["far_progress_cork"] and self._progress is not None
-                else "off"
-            ),
+            "READ cork": self.pacing.read_cork_text(),
+            "progress cork": self.pacing.progress_cork_text(),
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
@@ -281,32 +274,6 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "cancelled requests draining": len(self._cut_drains),
             "requests": dict(self.counts),
         }
-
-    def _cork_text(self) -> str:
-        rows, lib = int(self.params["far_read_cork_rows"]), rma.native()
-        if not rows or self._rma_native or lib is None:
-            return "off"
-        corked = {name: len(p.cork[1]) for name, p in list(self._peers.items()) if p.elsewhere and p.cork is not None}
-        every = int(self.params["far_read_cork_push"])
-        push = f"every {every} rows" if every else "once the flush is posted"
-        return (
-            f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
-            f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
-            f"process {lib.post_stats()['corked']}"
-        )
-
-    def _progress_mode(self) -> str:
-        if self._progress is None:
-            return "the service thread"
-        spin_s, poll_s = self._progress_times()
-        mode = "a native thread on UCX's event fd"
-        if spin_s:
-            mode += f", spinning {spin_s * 1e6:g} us after work"
-        if poll_s:
-            mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
-        near = (float(self.params["progress_spin_us"]), float(self.params["progress_poll_us"]))
-        tuned = self._serving_far_tcp and (spin_s * 1e6, poll_s * 1e6) != near
-        return mode + (" (for peers on other machines over tcp)" if tuned else "")
 
     # -- metadata and peers ---------------------------------------------------
 

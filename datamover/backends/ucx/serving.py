@@ -109,7 +109,7 @@ class Serving:
         inbound.name = name
         inbound.elsewhere = peer_elsewhere(inbound.conn.sock)
         if inbound.elsewhere:
-            self._serving_far()
+            self.pacing.serving_far()
         rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
         local = msgpack.packb(self._cma_token.offer()) if self._cma_token is not None else b""
         mac = b""
