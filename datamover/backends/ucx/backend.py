@@ -47,7 +47,6 @@ import os
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,7 +55,6 @@ import numpy as np
 from ...descriptors import MemType
 from ...errors import (
     InvalidMetadata,
-    InvalidParameter,
     RemoteDisconnected,
 )
 from ..base import (
@@ -83,12 +81,13 @@ from .config import (
 from .direct_cma import DirectCma
 from .fence import Fencing
 from .losses import Losses
-from .messages import Req, Revoke, Rkeys
+from .messages import Req
 from .one_sided import OneSided
 from .outbound import Outbound
 from .pacing import Pacing
-from .params import DEFAULT_PARAMS
+from .params import DEFAULT_PARAMS, check_params
 from .protocol import FrameBudget
+from .regions import MappedRegions
 from .retired import Retired
 from .service import ServiceLoop
 from .serving import Serving
@@ -111,19 +110,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
-        for key in (
-            "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-            "far_drive_pause_us",
-        ):  # fmt: skip
-            us = self.params[key]
-            if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:
-                raise InvalidParameter(
-                    f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=self.name
-                )
-        for key in ("far_read_cork_rows", "far_read_cork_push"):
-            rows = self.params[key]
-            if type(rows) is not int or rows < 0:
-                raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=self.name)
+        check_params(self.params, self.name)
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -173,8 +160,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._one_sided = bool(self.params["one_sided"])
         self._emulated_max = int(self.params["emulated_max_bytes"])
         self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
-        self._mapped: dict[int, tuple[int, list]] = {}  # region id -> (memh, [id, mem, dev, addr, length, rkey])
-        self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
+        self.mapped_regions = MappedRegions(self)  # mapped for one-sided access, revoked at deregistration
         self._revokes: list[tuple[Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
         self._epochs = itertools.count(1)
         # callers post one-sided requests themselves (see _post_direct); this orders those posts against the
@@ -183,7 +169,6 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._directs: list[Direct] = []
         self._drivers: set[Direct] = set()  # requests a waiter is progressing UCX for right now
         self._cut_drains = CancelDrains()  # cancelled requests whose UCX operations get cancel_drain_s to end
-        self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
         self._cma_token = cma.Token() if self._one_sided and self.params["direct_cma"] else None
@@ -299,80 +284,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def register(self, reg: Any) -> int | None:
         """Map the region for one-sided access and hand its rkey to every connected peer."""
-        if not self._one_sided:
-            return None
-        box: list[int] = []
-        self._call(lambda: box.append(self._map(reg)))
-        return box[0]
-
-    def _map(self, reg: Any) -> int:
-        memh = rma.mem_map(self._ctx.handle, reg.addr, reg.length, cuda=reg.mem_type == MemType.VRAM)
-        try:
-            entry = [reg.id, reg.mem_type.value, reg.dev, reg.addr, reg.length, rma.rkey_pack(self._ctx.handle, memh)]
-        except BaseException:
-            rma.mem_unmap(self._ctx.handle, memh)
-            raise
-        self._mapped[reg.id] = (memh, entry)
-        if reg.mem_type == MemType.VRAM:
-            self._params[reg.id] = rma.memh_param(memh)
-        for inbound in self._inbound.values():
-            if inbound.name:
-                inbound.conn.send(Rkeys([entry]))
-        return memh
+        return self.mapped_regions.register(reg)
 
     def deregister(self, reg: Any, handle: Any) -> None:
-        """Make sure no peer still reads or writes ``reg``, then unmap it.
-
-        Peers holding its rkey are told to drop it and confirm once their
-        operations on us have ended; then served operations are waited for.
-        """
-        if threading.current_thread() is self._thread or self._stop:
-            return
-        deadline = time.monotonic() + self.host.timeout_s
-        box: list[bool] = []
-        if handle is not None:
-            self._call(lambda: self._revoke(reg.id))
-            self._wait_until(lambda: box.append(bool(self._revoking.get(reg.id))), box, deadline)
-            self._call(lambda: self._revoke_done(reg.id, handle))
-
-        def probe() -> None:
-            box.append(self._in_use(reg.id))
-
-        if not self._wait_until(probe, box, deadline):
-            log.warning("deregistering region %d while UCX operations on it are still pending", reg.id)
-
-    def _revoke(self, rid: int) -> None:
-        self._mapped.pop(rid, None)
-        self._params.pop(rid, None)
-        waiting = set()
-        for inbound in self._inbound.values():
-            if inbound.name:
-                inbound.conn.send(Revoke(rid))
-                waiting.add(inbound.conn_id)
-        if waiting:
-            self._revoking[rid] = waiting
-
-    def _revoke_done(self, rid: int, memh: int) -> None:
-        late = self._revoking.pop(rid, set())
-        if late:
-            # a peer that neither confirmed nor disconnected may still write: cut it off before unmapping
-            for inbound in [i for i in self._inbound.values() if i.conn_id in late]:
-                log.warning("agent %r did not confirm dropping region %d; disconnecting it", inbound.name, rid)
-                self._drop_inbound(inbound)
-            self._reset_worker(f"peers {sorted(late)} kept region {rid} after it was deregistered")
-        rma.mem_unmap(self._ctx.handle, memh)
-
-    def _in_use(self, rid: int) -> bool:
-        if any(rid in op.req.plan.regions for op in self._active_out.values()):
-            return True
-        if any(rid in d.regions for d in list(self._directs) if not d.done):
-            return True
-        if any(rid in regions for _, regions in list(self._cma_ops.values())):
-            return True
-        for peer in self._peers.values():  # requests waiting for the handshake will post soon
-            if any(rid in op.req.plan.regions for op in peer.ops.values() if op.reqs is None and not op.abandoned):
-                return True
-        return any(rid in entry[4] for inbound in self._inbound.values() for entry in inbound.ops.values())
+        """Make sure no peer still reads or writes ``reg``, then unmap it (see ``MappedRegions.deregister``)."""
+        self.mapped_regions.deregister(reg, handle)
 
     # -- transfers -------------------------------------------------------------
     def plan(self, req: TransferRequest) -> UcxPlan:

@@ -178,7 +178,7 @@ class OneSided:
                     chunk = min(most, max(1 << 20, int(n.sum()) // (4 * threads)))
                     return cma.CmaPlan(req.local.addr, addr, n, chunk)
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
-                params = [self.b._params.get(r) for r in req.local_regions.tolist()]
+                params = [self.b.mapped_regions.request_params.get(r) for r in req.local_regions.tolist()]
                 cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
                 rows = Rows(map(rma.make_row, *cols))
                 rows.columns = Columns(req.local.addr, n, addr, keys, all(p is None for p in params))

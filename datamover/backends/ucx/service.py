@@ -18,7 +18,6 @@ from ...errors import (
     InvalidMetadata,
     RemoteDisconnected,
 )
-from . import rma
 from .config import log
 from .messages import Cancel, Req
 from .protocol import FrameConn
@@ -341,9 +340,7 @@ class ServiceLoop:
             self._drop_peer(name, why)
         for inbound in list(self._inbound.values()):
             self._drop_inbound(inbound)
-        for memh, _ in self._mapped.values():
-            rma.mem_unmap(self._ctx.handle, memh)
-        self._mapped.clear()
+        self.mapped_regions.unmap_all()
         for fn in list(self._cmds):
             try:
                 fn()
