@@ -3,7 +3,8 @@
 The pieces, each in its own module: the slabs that hold each tier's chunks (`slabs.py`), the tier engine that
 decides placements, evictions, demotions and promotions (`engine.py`, the same `TierStack` the replay
 simulates) with its decisions recorded as slot-to-slot moves (`plan.py`), the executor that moves the bytes by
-Agent transfers (`mover.py`), and the persistent L3 index (`l3_index.py`).
+Agent transfers (`mover.py`), the persistent L3 index (`l3_index.py`), the caller's buffers as chunks
+(`user_chunks.py`), the requests the policy sees (`requests.py`) and the counts and metrics (`counters.py`).
 
 Sharing: with `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool other instances use too (`pool.py`):
 `lookup` extends the prefix this instance holds with the chunks the pool holds (one batched existence check),
@@ -22,28 +23,24 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from ..agents import Agent, Prepared
-from ..backends import backend_status
-from ..descriptors import DescList, MemType
-from ..descriptors.buffers import host_view
-from ..errors import NotRegistered
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
-from .base import Policy, TierPolicy
 from .config import TIER_NAMES, TierConfig, checked_config
+from .counters import Counters
 from .engine import PREFILL
 from .keys import ChunkKey
 from .l3_index import INDEX_FILE, L3Index
 from .mover import Mover
 from .plan import USER, Move, SlotEngine
 from .pool import SharedPool
-from .slabs import DATA_FILE, Slab, gpu_bytes, gpu_reason, host_slab, make_slab
+from .requests import Requests
+from .slabs import DATA_FILE, Slab, backend_params, gpu_bytes, gpu_reason, host_slab, make_slab
+from .user_chunks import chunk_crcs, prepare_user, release_user
 
 log = logging.getLogger("datamover.kvcache")
 
@@ -74,25 +71,20 @@ class TieredCache:
         self.spans = SpanRecorder.from_config(config.observability)
         self.notes: list[str] = []
         self._own_agent = agent is None
-        self.agent = agent or Agent("kvcache", {"backends": self._backend_params()})
+        self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
         self._pins: Counter = Counter()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dm-kv-prefetch")
         self.crc: dict[ChunkKey, int] = {}
-        self.hits = Counter()
-        self.misses = 0
-        self.checksum_failures = 0
+        self.counters = Counters(metrics)
         self._gone: set[ChunkKey] = set()
-        self._refs = 0  # references handed to the policy so far (what a replay's reference index counts)
-        # the request whose get was served and whose put may follow: its keys, first reference index, time
-        # (and how many chunks it delivered)
-        self._open: tuple[list[ChunkKey], int, float, int] | None = None
         self.index: L3Index | None = None
         self.pool: SharedPool | None = None
         try:
             self.tiers = [make_slab(self.agent, config, name, self.notes) for name in config.enabled_tiers()]
             self.engine = SlotEngine(config, self._removed)
             self.names = self.engine.names
+            self._requests = Requests(self.engine)  # the request a get opened, whose put may follow
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
             self._stage = host_slab(self.agent, "stage", stage_pages, self.page)
             shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
@@ -113,24 +105,9 @@ class TieredCache:
             raise
 
     # -- setup ---------------------------------------------------------------
-    def _backend_params(self) -> dict[str, dict]:
-        l4 = self.config.l4_pool
-        params: dict[str, dict] = {"memcpy": {}, "posix": {}}
-        if backend_status("cuda")[0]:
-            params["cuda"] = {}
-        if l4.enabled and l4.backend == "mooncake":
-            params["mooncake"] = {
-                "master_server_addr": l4.master_server_addr or None,
-                "metadata_server": l4.metadata_service_url or None,
-                "global_segment_size": int(l4.segment_gb * (1 << 30)),
-                "replica_count": l4.replica_count,
-                "preferred_segment": "local" if l4.placement_locality else "",
-                "write_mode": "keep",  # a chunk key names its content: the first copy in the pool is the copy
-            }
-        elif l4.enabled:
-            params["s3"] = {"endpoint_url": l4.endpoint or None}
-        return params
-
+    hits = property(lambda self: self.counters.hits, doc="Chunks delivered by get, per tier (a Counter).")
+    misses = property(lambda self: self.counters.misses, doc="Chunks asked of get and not delivered.")
+    checksum_failures = property(lambda self: self.counters.checksum_failures, doc="Chunks that failed CRC32C.")
     _gpu_reason = staticmethod(gpu_reason)
     _gpu_bytes = staticmethod(gpu_bytes)
 
@@ -156,9 +133,7 @@ class TieredCache:
         else a move of it failed)."""
         self._invalid.add(key)
         if checksum:
-            self.checksum_failures += 1
-            if self.metrics is not None:
-                self.metrics.checksum_failures.labels("l3_nvme").inc()
+            self.counters.checksum_failed()
         for j, resident in enumerate(self.engine.resident):
             if key in resident:
                 self.engine.drop(j, key)
@@ -173,46 +148,6 @@ class TieredCache:
             if where(key) < 0:
                 self.crc.pop(key, None)
         self._gone.clear()
-
-    # -- user buffers ------------------------------------------------------------
-    def _user(self, buf: Any, n: int) -> tuple[Prepared, Any]:
-        """The caller's buffer cut into n chunks, prepared (registered for this call if it was not). A DescList is
-        taken as it is: one chunk a row, in memory the caller registered with this cache's agent."""
-        if isinstance(buf, DescList):
-            descs = buf
-        elif isinstance(buf, list | tuple):
-            descs = DescList.from_buffers(buf)
-        else:
-            descs = DescList.blocks(buf, self.page)
-        if len(descs) < n or (descs.length[:n] != self.page).any():
-            raise ValueError(f"buffer holds {len(descs)} chunk(s) of {self.page} bytes; {n} needed")
-        try:
-            return self.agent.prepare(descs), None
-        except NotRegistered:
-            if isinstance(buf, DescList):
-                raise
-            reg = self.agent.register_memory(list(buf) if isinstance(buf, list | tuple) else buf)
-            return self.agent.prepare(descs), reg
-
-    def _release(self, reg: Any) -> None:
-        if reg is not None:
-            self.agent.deregister_memory(reg)
-
-    def _crc_of(self, buf: Any, n: int) -> list[int]:
-        import crc32c
-
-        if isinstance(buf, DescList):
-            if buf.mem_type != MemType.DRAM:
-                raise ValueError("CRC32C of chunks in device memory needs them as tensors, not descriptors")
-            return [crc32c.crc32c(host_view(int(a), self.page)) for a in buf.addr[:n]]
-        parts = buf if isinstance(buf, list | tuple) else [buf]
-        host = []
-        for p in parts:
-            if type(p).__module__.startswith("torch"):
-                p = p.detach().cpu().numpy()
-            host.append(np.frombuffer(memoryview(p).cast("B"), dtype=np.uint8))
-        flat = host[0] if len(host) == 1 else np.concatenate(host)
-        return [crc32c.crc32c(flat[i * self.page : (i + 1) * self.page]) for i in range(n)]
 
     # -- the API ------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
@@ -233,21 +168,6 @@ class TieredCache:
                     tiers.append(self.names[j] if j >= 0 else "l4_pool")
             return len(tiers), tiers
 
-    def _adopt(self, keys: Sequence[ChunkKey], now: float) -> None:
-        """Enter chunks the shared pool holds (and no tier here does) into this instance's L4 index, forgetting
-        the index's least valued entries if it is full (the pool keeps them: forgetting moves no byte)."""
-        eng = self.engine
-        j = self.names.index("l4_pool")
-        for key in keys:
-            if eng.where(key) >= 0:
-                continue
-            if not eng.free[j]:
-                for victim in eng.orders[j].evict(1, now, eng.pinned):
-                    eng.evict(j, victim, now)
-                if not eng.free[j]:
-                    continue  # everything indexed is pinned: read as a miss
-            eng.adopt(j, {key: eng.free[j][-1]}, now)
-
     def get(self, keys: Sequence[ChunkKey], dst: Any) -> int:
         """Copy the longest cached prefix of `keys` into `dst` (chunk i at offset i*page, the i-th buffer of a
         list, or the i-th row of a DescList in memory registered with `agent`), promoting as the policy decides.
@@ -256,19 +176,16 @@ class TieredCache:
         with self._lock:
             n, tiers = self.lookup(keys)
             prefix = list(keys[:n])
-            user, reg = self._user(dst, n) if n else (None, None)
+            user, reg = prepare_user(self.agent, dst, n, self.page) if n else (None, None)
             eng = self.engine
             before = list(eng.evictions)
             self.pin(prefix)  # in flight: promoting one chunk of the prefix must not evict another
             try:
                 now = self.clock()
-                self._served()  # a request left open by an earlier get is done
-                first = self._refs
-                self._refs += len(keys)
-                self._open = (list(keys), first, now, n)
+                first = self._requests.begin(keys, now, n)  # a request left open by an earlier get is done
                 if self.pool is not None:
-                    self._adopt(prefix, now)
-                for i, key, j in self._observed(prefix, None, now, first):
+                    eng.adopt_shared(self.names.index("l4_pool"), prefix, now)
+                for i, key, j in self._requests.observed(prefix, None, now, first):
                     if j >= 0:
                         eng.hit(j, key, now, first + i)
                 self._execute(eng.take_plan(), None)
@@ -283,15 +200,9 @@ class TieredCache:
             finally:
                 self.unpin(prefix)
                 self._invalid.clear()
-                self._release(reg)
-            served = Counter(tiers[:delivered])
-            self.hits.update(served)
-            self.misses += len(keys) - delivered
-            if self.metrics is not None:
-                for name, count in served.items():
-                    self.metrics.hits.labels(name).inc(count)
-                self.metrics.misses.inc(len(keys) - delivered)
-            self._op_done(before)
+                release_user(self.agent, reg)
+            self.counters.served(tiers, len(keys), delivered)
+            self.counters.op_done(eng, self.names, before)
             return delivered
 
     def put(self, keys: Sequence[ChunkKey], src: Any) -> int:
@@ -302,16 +213,16 @@ class TieredCache:
         if not keys:
             return 0
         with self._lock:
-            user, reg = self._user(src, len(keys))
+            user, reg = prepare_user(self.agent, src, len(keys), self.page)
             eng = self.engine
             before = list(eng.evictions)
             now = self.clock()
             try:
-                fresh = dict(zip(keys, self._crc_of(src, len(keys)), strict=True)) if self._check_crc else {}
+                fresh = dict(zip(keys, chunk_crcs(src, len(keys), self.page), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
-                first, parent = self._continued(keys, now)
+                first, parent = self._requests.continued(keys, now)
                 stored = 0
-                for i, key, j in self._observed(keys, parent, now, first):
+                for i, key, j in self._requests.observed(keys, parent, now, first):
                     if j >= 0:
                         eng.orders[j].touch(key, now, first + i)
                     else:
@@ -327,62 +238,10 @@ class TieredCache:
             finally:
                 eng.user_index = {}
                 self._invalid.clear()
-                self._release(reg)
-                self._served()
-            self._op_done(before)
+                release_user(self.agent, reg)
+                self._requests.served()
+            self.counters.op_done(eng, self.names, before)
             return stored
-
-    def _observed(
-        self, keys: Sequence[ChunkKey], parent: ChunkKey | None, now: float, first: int
-    ) -> Iterator[tuple[int, ChunkKey, int]]:
-        """Hand `keys` (reference indexes from `first`) to the policy as the replay does, last chunk first so the
-        first ends most recent, each linked to the chunk before it (`parent` for keys[0]) where the policy uses
-        links; yields (i, key, the tier holding it or -1) after each, for the caller's hit or placement."""
-        eng = self.engine
-        policy = eng.policy
-        link = policy.link if type(policy).link is not Policy.link else None
-        observe = policy.observe
-        for i in range(len(keys) - 1, -1, -1):
-            key = keys[i]
-            if link is not None:
-                link(key, keys[i - 1] if i else parent)
-            observe(key, now, first + i)
-            yield i, key, eng.where(key)
-
-    def _continued(self, keys: Sequence[ChunkKey], now: float) -> tuple[int, ChunkKey | None]:
-        """The reference index of `keys[0]` and its parent: where it stands in the request the last get opened
-        when `keys` end that request's keys after the prefix it delivered, else as the first chunk of a new
-        request (any other request still open is done first)."""
-        if self._open is not None:
-            request, first, _, delivered = self._open
-            at = len(request) - len(keys)
-            if at >= delivered and request[at:] == list(keys):
-                return first + at, request[at - 1] if at else None
-            self._served()
-        first = self._refs
-        self._refs += len(keys)
-        self._open = (list(keys), first, now, 0)
-        return first, None
-
-    def _served(self) -> None:
-        """Tell every tier's policy that the open request (if any) is done (`TierPolicy.served`, at its time)."""
-        if self._open is None:
-            return
-        when = self._open[2]
-        self._open = None
-        for order in self.engine.orders:
-            if type(order).served is not TierPolicy.served:
-                order.served(when)
-
-    def _op_done(self, evictions_before: list[int]) -> None:
-        """Eviction counters and occupancy gauges after an operation."""
-        if self.metrics is None:
-            return
-        eng = self.engine
-        for j, name in enumerate(self.names):
-            if eng.evictions[j] > evictions_before[j]:
-                self.metrics.evictions.labels(name).inc(eng.evictions[j] - evictions_before[j])
-            self.metrics.resident.labels(name).set(len(eng.resident[j]))
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Future:
         """Start promoting the cached prefix of `keys` to L1 in the background; the future gives how many moved."""
@@ -393,7 +252,7 @@ class TieredCache:
             n, tiers = self.lookup(keys)
             now = self.clock()
             if self.pool is not None:  # chunks other instances put: into this instance's L4 index first
-                self._adopt(keys[:n], now)
+                self.engine.adopt_shared(self.names.index("l4_pool"), keys[:n], now)
                 tiers = [self.names[self.engine.where(k)] if self.engine.where(k) >= 0 else "" for k in keys[:n]]
             lower = [(k, t) for k, t in zip(keys[:n], tiers, strict=True) if t and t != self.names[0]]
             self.pin(keys[:n])
@@ -401,7 +260,7 @@ class TieredCache:
             try:
                 moved = sum(self.engine.place(0, k, now, -1, t) for k, t in lower)
                 self._execute(self.engine.take_plan(), None)
-                self._op_done(before)
+                self.counters.op_done(self.engine, self.names, before)
             finally:
                 self.unpin(keys[:n])
                 self._invalid.clear()
@@ -487,16 +346,12 @@ class TieredCache:
         """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, resident chunks."""
         with self._lock:
             eng = self.engine
-            lookups = sum(self.hits.values()) + self.misses
             return {
-                "lookups": lookups,
-                "hits": {name: self.hits[name] for name in self.names},
-                "hit_rates": {name: self.hits[name] / lookups if lookups else 0.0 for name in self.names},
-                "misses": self.misses,
+                **self.counters.lookups(self.names),
                 "evictions": dict(zip(self.names, eng.evictions, strict=True)),
                 "moved_chunks": {f"{a}->{b}": n for (a, b), n in eng.moved.items()},
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
-                "checksum_failures": self.checksum_failures,
+                "checksum_failures": self.counters.checksum_failures,
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "notes": list(self.notes),
             }

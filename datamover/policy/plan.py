@@ -9,7 +9,7 @@ reads or writes, and can run as one batch per (source, destination) pair.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .config import TierConfig
@@ -75,6 +75,19 @@ class SlotEngine(TierStack):
             self.slots[j][key] = slot
         taken = set(slots.values())
         self.free[j] = [s for s in self.free[j] if s not in taken]
+
+    def adopt_shared(self, j: int, keys: Sequence[ChunkKey], now: float) -> None:
+        """Enter chunks no tier holds into tier j's index without a move (a shared pool holds them), forgetting
+        the index's least valued entries if it is full (the pool keeps them: forgetting moves no byte)."""
+        for key in keys:
+            if self.where(key) >= 0:
+                continue
+            if not self.free[j]:
+                for victim in self.orders[j].evict(1, now, self.pinned):
+                    self.evict(j, victim, now)
+                if not self.free[j]:
+                    continue  # everything indexed is pinned: read as a miss
+            self.adopt(j, {key: self.free[j][-1]}, now)
 
     def take_plan(self) -> list[Move]:
         """The moves planned since the last call, in order."""

@@ -35,6 +35,26 @@ class Slab:
     owner: Any = None  # keeps the arena alive
 
 
+def backend_params(config: TierConfig) -> dict[str, dict]:
+    """The backends (and their parameters) the cache's own Agent needs for the slabs `config` enables."""
+    l4 = config.l4_pool
+    params: dict[str, dict] = {"memcpy": {}, "posix": {}}
+    if backend_status("cuda")[0]:
+        params["cuda"] = {}
+    if l4.enabled and l4.backend == "mooncake":
+        params["mooncake"] = {
+            "master_server_addr": l4.master_server_addr or None,
+            "metadata_server": l4.metadata_service_url or None,
+            "global_segment_size": int(l4.segment_gb * (1 << 30)),
+            "replica_count": l4.replica_count,
+            "preferred_segment": "local" if l4.placement_locality else "",
+            "write_mode": "keep",  # a chunk key names its content: the first copy in the pool is the copy
+        }
+    elif l4.enabled:
+        params["s3"] = {"endpoint_url": l4.endpoint or None}
+    return params
+
+
 def gpu_reason() -> str | None:
     """None if L1 can live on a GPU here, else why not."""
     ok, reason = backend_status("cuda")

@@ -47,7 +47,6 @@ import os
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -56,7 +55,6 @@ import numpy as np
 from ...descriptors import MemType
 from ...errors import (
     InvalidMetadata,
-    InvalidParameter,
     RemoteDisconnected,
 )
 from ..base import (
@@ -67,7 +65,7 @@ from ..base import (
     finished_completion,
 )
 from ..workers import Workers
-from . import cma, rma, tcp_sockets
+from . import cma, rma
 from .address import AddressCheck
 from .cancel_drain import CancelDrains
 from .config import (
@@ -82,15 +80,18 @@ from .config import (
 )
 from .direct_cma import DirectCma
 from .fence import Fencing
-from .messages import Req, Revoke, Rkeys
+from .losses import Losses
+from .messages import Req
 from .one_sided import OneSided
 from .outbound import Outbound
-from .params import DEFAULT_PARAMS
+from .pacing import Pacing
+from .params import DEFAULT_PARAMS, check_params
 from .protocol import FrameBudget
+from .regions import MappedRegions
 from .retired import Retired
 from .service import ServiceLoop
 from .serving import Serving
-from .state import Direct, Drain, Hangup, Inbound, OutOp, Peer, UcxPlan, row_views
+from .state import Direct, Drain, Inbound, OutOp, Peer, UcxPlan, row_views
 from .tagged import Tagged
 
 
@@ -109,19 +110,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)
-        for key in (
-            "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-            "far_drive_pause_us",
-        ):  # fmt: skip
-            us = self.params[key]
-            if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:
-                raise InvalidParameter(
-                    f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=self.name
-                )
-        for key in ("far_read_cork_rows", "far_read_cork_push"):
-            rows = self.params[key]
-            if type(rows) is not int or rows < 0:
-                raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=self.name)
+        check_params(self.params, self.name)
         ucx_api, Array = import_ucxx()
         self._ucx, self._Array = ucx_api, Array
         # the data paths; this object chooses between them per request
@@ -166,15 +155,12 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # progressed again (so none of those bytes can land), freed by close()
         self._quarantined: list[tuple] = []
         self._quarantines_by: collections.Counter[str] = collections.Counter()  # peer name -> quarantines it made
-        self._probe_ids = itertools.count()
-        self._hangups: list[Hangup] = []  # peers that hung up mid-WRITE, waiting for their probe (see _lost)
-        self._prober: tuple[Any, Any] | None = None  # (worker, endpoint to this worker) that sends the probes
-        self.hangups = {"confined": 0, "reset": 0}
+        self.losses = Losses(self)  # lost control connections, and hang-ups mid-WRITE waiting for their probe
+        self.hangups = self.losses.counts
         self._one_sided = bool(self.params["one_sided"])
         self._emulated_max = int(self.params["emulated_max_bytes"])
         self._rma_native = any(t.split("/")[0] in _NATIVE_RMA for t in transports_of(self._ctx.info))
-        self._mapped: dict[int, tuple[int, list]] = {}  # region id -> (memh, [id, mem, dev, addr, length, rkey])
-        self._revoking: dict[int, set[int]] = {}  # region id -> inbound connections yet to confirm its revocation
+        self.mapped_regions = MappedRegions(self)  # mapped for one-sided access, revoked at deregistration
         self._revokes: list[tuple[Peer, int, rma.Flush]] = []  # revocations we confirm once our ops ended
         self._epochs = itertools.count(1)
         # callers post one-sided requests themselves (see _post_direct); this orders those posts against the
@@ -183,7 +169,6 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._directs: list[Direct] = []
         self._drivers: set[Direct] = set()  # requests a waiter is progressing UCX for right now
         self._cut_drains = CancelDrains()  # cancelled requests whose UCX operations get cancel_drain_s to end
-        self._params: dict[int, rma.RequestParam] = {}  # VRAM region id -> put/get parameters naming its memh
         # requests this agent started one-sided / through the owner, and requests it served as the owner
         self.counts = {"one-sided": 0, "of them direct cma": 0, "served by the owner": 0, "served for peers": 0}
         self._cma_token = cma.Token() if self._one_sided and self.params["direct_cma"] else None
@@ -197,11 +182,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
-        self._serving_far_tcp = False  # an initiator on another machine was served over tcp (see _serving_far)
-        self._cork_scan = 0.0  # when the worker's sockets were last looked up for the progress thread to cork
-        self._cork_found: tuple[tuple[int, int], ...] = ()  # what it was handed
+        self.pacing = Pacing(self)  # the progress thread's settings and the waiters'
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
-        if not self._start_progress():
+        if not self.pacing.start_progress():
             self._watch_ucx(True)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
@@ -258,21 +241,16 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
                 name: f"pid {p.cma_pid}" if p.cma_pid else p.cma_why for name, p in list(self._peers.items())
             },
             "peers on other machines": {  # name -> how long its waiters poll UCX before sleeping (us)
-                name: round(self._drive_spin_s(p) * 1e6) for name, p in list(self._peers.items()) if p.elsewhere
+                name: round(self.pacing.drive_spin_s(p) * 1e6) for name, p in list(self._peers.items()) if p.elsewhere
             },
             "control": f"{self.params['host']}:{self._port}",
             "control bytes buffered": {"held": self._frames.used, "limit": self._frames.limit},
             "rows served for peers": {"now": self.served_rows(), "limit": int(self.params["max_served_rows"])},
             "native path": rma.data_path(),
-            "UCX progress": self._progress_mode(),
+            "UCX progress": self.pacing.progress_mode(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
-            "READ cork": self._cork_text(),
-            "progress cork": (
-                f"tcp sockets corked during bursts while a stream comes in on them: {len(self._cork_found)} handed"
-                f" ({', '.join(tcp_sockets.names(self._cork_found))})"
-                if self.params["far_progress_cork"] and self._progress is not None
-                else "off"
-            ),
+            "READ cork": self.pacing.read_cork_text(),
+            "progress cork": self.pacing.progress_cork_text(),
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
@@ -281,32 +259,6 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "cancelled requests draining": len(self._cut_drains),
             "requests": dict(self.counts),
         }
-
-    def _cork_text(self) -> str:
-        rows, lib = int(self.params["far_read_cork_rows"]), rma.native()
-        if not rows or self._rma_native or lib is None:
-            return "off"
-        corked = {name: len(p.cork[1]) for name, p in list(self._peers.items()) if p.elsewhere and p.cork is not None}
-        every = int(self.params["far_read_cork_push"])
-        push = f"every {every} rows" if every else "once the flush is posted"
-        return (
-            f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
-            f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
-            f"process {lib.post_stats()['corked']}"
-        )
-
-    def _progress_mode(self) -> str:
-        if self._progress is None:
-            return "the service thread"
-        spin_s, poll_s = self._progress_times()
-        mode = "a native thread on UCX's event fd"
-        if spin_s:
-            mode += f", spinning {spin_s * 1e6:g} us after work"
-        if poll_s:
-            mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
-        near = (float(self.params["progress_spin_us"]), float(self.params["progress_poll_us"]))
-        tuned = self._serving_far_tcp and (spin_s * 1e6, poll_s * 1e6) != near
-        return mode + (" (for peers on other machines over tcp)" if tuned else "")
 
     # -- metadata and peers ---------------------------------------------------
 
@@ -332,80 +284,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
 
     def register(self, reg: Any) -> int | None:
         """Map the region for one-sided access and hand its rkey to every connected peer."""
-        if not self._one_sided:
-            return None
-        box: list[int] = []
-        self._call(lambda: box.append(self._map(reg)))
-        return box[0]
-
-    def _map(self, reg: Any) -> int:
-        memh = rma.mem_map(self._ctx.handle, reg.addr, reg.length, cuda=reg.mem_type == MemType.VRAM)
-        try:
-            entry = [reg.id, reg.mem_type.value, reg.dev, reg.addr, reg.length, rma.rkey_pack(self._ctx.handle, memh)]
-        except BaseException:
-            rma.mem_unmap(self._ctx.handle, memh)
-            raise
-        self._mapped[reg.id] = (memh, entry)
-        if reg.mem_type == MemType.VRAM:
-            self._params[reg.id] = rma.memh_param(memh)
-        for inbound in self._inbound.values():
-            if inbound.name:
-                inbound.conn.send(Rkeys([entry]))
-        return memh
+        return self.mapped_regions.register(reg)
 
     def deregister(self, reg: Any, handle: Any) -> None:
-        """Make sure no peer still reads or writes ``reg``, then unmap it.
-
-        Peers holding its rkey are told to drop it and confirm once their
-        operations on us have ended; then served operations are waited for.
-        """
-        if threading.current_thread() is self._thread or self._stop:
-            return
-        deadline = time.monotonic() + self.host.timeout_s
-        box: list[bool] = []
-        if handle is not None:
-            self._call(lambda: self._revoke(reg.id))
-            self._wait_until(lambda: box.append(bool(self._revoking.get(reg.id))), box, deadline)
-            self._call(lambda: self._revoke_done(reg.id, handle))
-
-        def probe() -> None:
-            box.append(self._in_use(reg.id))
-
-        if not self._wait_until(probe, box, deadline):
-            log.warning("deregistering region %d while UCX operations on it are still pending", reg.id)
-
-    def _revoke(self, rid: int) -> None:
-        self._mapped.pop(rid, None)
-        self._params.pop(rid, None)
-        waiting = set()
-        for inbound in self._inbound.values():
-            if inbound.name:
-                inbound.conn.send(Revoke(rid))
-                waiting.add(inbound.conn_id)
-        if waiting:
-            self._revoking[rid] = waiting
-
-    def _revoke_done(self, rid: int, memh: int) -> None:
-        late = self._revoking.pop(rid, set())
-        if late:
-            # a peer that neither confirmed nor disconnected may still write: cut it off before unmapping
-            for inbound in [i for i in self._inbound.values() if i.conn_id in late]:
-                log.warning("agent %r did not confirm dropping region %d; disconnecting it", inbound.name, rid)
-                self._drop_inbound(inbound)
-            self._reset_worker(f"peers {sorted(late)} kept region {rid} after it was deregistered")
-        rma.mem_unmap(self._ctx.handle, memh)
-
-    def _in_use(self, rid: int) -> bool:
-        if any(rid in op.req.plan.regions for op in self._active_out.values()):
-            return True
-        if any(rid in d.regions for d in list(self._directs) if not d.done):
-            return True
-        if any(rid in regions for _, regions in list(self._cma_ops.values())):
-            return True
-        for peer in self._peers.values():  # requests waiting for the handshake will post soon
-            if any(rid in op.req.plan.regions for op in peer.ops.values() if op.reqs is None and not op.abandoned):
-                return True
-        return any(rid in entry[4] for inbound in self._inbound.values() for entry in inbound.ops.values())
+        """Make sure no peer still reads or writes ``reg``, then unmap it (see ``MappedRegions.deregister``)."""
+        self.mapped_regions.deregister(reg, handle)
 
     # -- transfers -------------------------------------------------------------
     def plan(self, req: TransferRequest) -> UcxPlan:

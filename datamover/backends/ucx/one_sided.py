@@ -85,7 +85,7 @@ class OneSided:
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock, gate = self.b._worker, direct.deadline, time.monotonic, self.b._progress_gate
-        spin, pause = self.b._drive_spin_s(direct.peer), self.b._drive_s(direct.peer, "drive_pause_us")
+        spin, pause = self.b.pacing.drive_spin_s(direct.peer), self.b.pacing.drive_s(direct.peer, "drive_pause_us")
         direct.driven = True
         self.b._drivers.add(direct)
         native = not isinstance(direct.flush, rma.Flush)
@@ -178,7 +178,7 @@ class OneSided:
                     chunk = min(most, max(1 << 20, int(n.sum()) // (4 * threads)))
                     return cma.CmaPlan(req.local.addr, addr, n, chunk)
                 keys = np.array([self._rkey(peer, r) for r in uniq.tolist()], dtype=np.uint64)[inv]
-                params = [self.b._params.get(r) for r in req.local_regions.tolist()]
+                params = [self.b.mapped_regions.request_params.get(r) for r in req.local_regions.tolist()]
                 cols = (req.local.addr.tolist(), n.tolist(), addr.tolist(), keys.tolist(), params)
                 rows = Rows(map(rma.make_row, *cols))
                 rows.columns = Columns(req.local.addr, n, addr, keys, all(p is None for p in params))
@@ -199,7 +199,7 @@ class OneSided:
             if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
-                cork = self._cork(peer) if op == "READ" and len(rows) >= self.b._read_cork_rows(peer) else None
+                cork = self._cork(peer) if op == "READ" and len(rows) >= self.b.pacing.read_cork_rows(peer) else None
                 push = int(self.b.params["far_read_cork_push"])
                 return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork, push)
             poster = native_post

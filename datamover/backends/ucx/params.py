@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from ...errors import InvalidParameter
 
 DEFAULT_PARAMS: dict[str, Any] = {
     # control listener: bound here and advertised in the metadata
@@ -103,3 +106,21 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "hangup_probe_s": 5.0,
     "max_quarantined_workers": 16,
 }
+
+
+def check_params(params: Mapping[str, Any], backend: str = "ucx") -> None:
+    """Refuse (``InvalidParameter``) pacing parameters out of range: the microsecond ones must lie in [0, 1000000],
+    the READ cork's row counts be whole numbers >= 0."""
+    for key in (
+        "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+        "far_drive_pause_us",
+    ):  # fmt: skip
+        us = params[key]
+        if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:
+            raise InvalidParameter(
+                f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=backend
+            )
+    for key in ("far_read_cork_rows", "far_read_cork_push"):
+        rows = params[key]
+        if type(rows) is not int or rows < 0:
+            raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=backend)

@@ -18,12 +18,11 @@ from ...errors import (
     InvalidMetadata,
     RemoteDisconnected,
 )
-from . import rma, tcp_sockets
-from .config import _PROBE_TAG, log
+from .config import log
 from .messages import Cancel, Req
 from .protocol import FrameConn
 from .retired import quiesced
-from .state import Hangup, Inbound, Peer
+from .state import Inbound, Peer
 
 
 class ServiceLoop:
@@ -42,58 +41,6 @@ class ServiceLoop:
             os.write(self._wake_w, b"x")
         except OSError:
             pass
-
-    def _start_progress(self) -> bool:
-        """Hand UCX's progress to a native thread where the extension is built; False: this thread progresses it."""
-        lib = rma.native() if self.params["native_progress"] else None
-        if lib is not None:
-            try:
-                spin_s, poll_s = self._progress_times()
-                self._progress = lib.Progress(self._worker.handle, spin_s, poll_s=poll_s)
-                return True
-            except OSError as exc:
-                log.warning("no native UCX progress thread for %s (%s): progressing from Python", self.host.name, exc)
-        return False
-
-    def _progress_times(self) -> tuple[float, float]:
-        """(spin, timer poll) seconds after work for the native progress thread: the far_ ones once it serves a
-        peer on another machine over tcp (``_serving_far``)."""
-        far = "far_" if self._serving_far_tcp else ""
-        return float(self.params[f"{far}progress_spin_us"]) * 1e-6, float(self.params[f"{far}progress_poll_us"]) * 1e-6
-
-    def _serving_far(self) -> None:
-        """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
-        the progress thread takes the far_ settings from now on."""
-        if self._rma_native or self._serving_far_tcp:
-            return
-        self._serving_far_tcp = True
-        if self._progress is not None:
-            self._progress.tune(*self._progress_times())
-
-    def _drive_spin_s(self, peer: Any) -> float:
-        """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
-        return self._drive_s(peer, "drive_spin_us")
-
-    def _set_progress_cork(self) -> None:
-        """Hand the native progress thread the worker's tcp sockets to cork during bursts (far_progress_cork); UCX
-        opens them as peers connect, so this is looked up again every half second while serving."""
-        found: tuple[tuple[int, int], ...] = ()
-        if self.params["far_progress_cork"]:
-            found = tcp_sockets.sockets_to(rma.native().worker_efd(self._worker.handle), None)
-        if found != self._cork_found:
-            self._cork_found = found
-            self._progress.set_cork(found)
-
-    def _read_cork_rows(self, peer: Any) -> float:
-        """READs to ``peer`` of at least this many rows are posted with its tcp sockets corked (inf: never)."""
-        rows = int(self.params["far_read_cork_rows"])
-        return rows if rows > 0 and peer.elsewhere and not self._rma_native else float("inf")
-
-    def _drive_s(self, peer: Any, key: str) -> float:
-        """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
-        peer on another machine whose put/get UCX emulates over tcp."""
-        far = peer.elsewhere and not self._rma_native
-        return float(self.params[f"far_{key}" if far else key]) * 1e-6
 
     def _watch_ucx(self, on: bool) -> None:
         """Put UCX's event fd in the service thread's selector, or take it out while a waiter progresses UCX."""
@@ -165,17 +112,10 @@ class ServiceLoop:
                     last_scan = now
                     self._check_cancelled()
                     self._bury()
-                    if self._hangups:
-                        self._check_hangups(now)
+                    if self.losses.pending:
+                        self.losses.check(now)
                     self._drop_silent(now)
-                    if (
-                        self._serving_far_tcp
-                        and self._progress is not None
-                        and self.params["far_progress_cork"]
-                        and now - self._cork_scan > 0.5
-                    ):
-                        self._cork_scan = now
-                        self._set_progress_cork()
+                    self.pacing.rescan_cork(now)
                 if busy:
                     last = now
                 if self._drivers:
@@ -279,7 +219,7 @@ class ServiceLoop:
         try:
             msgs = conn.feed()
         except (AuthenticationError, InvalidMetadata) as exc:
-            self._lost(owner, exc)
+            self.losses.lost(owner, exc)
             return
         # a request cancelled by its initiator before this side read it is never started: its cancel comes in
         # the same read or a later one, so look ahead
@@ -294,126 +234,17 @@ class ServiceLoop:
                 else:
                     self._on_inbound_msg(owner, msg)
             except (AuthenticationError, InvalidMetadata) as exc:
-                self._lost(owner, exc)
+                self.losses.lost(owner, exc)
                 return
             except (KeyError, TypeError, ValueError) as exc:
-                self._lost(owner, InvalidMetadata(f"malformed control message {msg.WIRE!r}: {exc}"))
+                self.losses.lost(owner, InvalidMetadata(f"malformed control message {msg.WIRE!r}: {exc}"))
                 return
             except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
                 log.error("handling control message %r failed: %s", msg.WIRE, _trace(exc))
-                self._lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
+                self.losses.lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
                 return
         if conn.closed:
-            self._lost(owner, None)
-
-    def _lost(self, owner: Peer | Inbound, why: BaseException | None) -> None:
-        quarantine = False
-        if isinstance(owner, Peer):
-            # our READs from it with receives or gets still posted into their callers' memory: what the peer
-            # queued before it went must not land after their ERR
-            quarantine = receiving = any(
-                op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
-            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in list(self._directs))
-            if why is None:
-                why = RemoteDisconnected(
-                    f"agent {owner.name!r} disconnected (control connection closed)", backend=self.name
-                )
-            self._disconnect_peer(owner, why)
-        else:
-            receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
-            if receiving and float(self.params["hangup_probe_s"]) > 0:
-                self._confine_hangup(owner, why)
-                return
-            if why is not None:
-                log.warning("dropping connection from %r: %s", owner.name or "?", str(why))
-            # its requests go before its endpoint closes: UCX objects a request still holds outlive the reset
-            self._drop_inbound(owner)
-        if receiving:
-            # a peer that died while sending to us can leave our shared-memory receive queue blocked for
-            # every sender; only a fresh worker gets past it
-            self._reset_worker(
-                f"agent {owner.name!r} died while sending to this agent",
-                quarantine=quarantine,
-                culprit=owner.name if quarantine else None,
-            )
-
-    def _confine_hangup(self, owner: Inbound, why: BaseException | None) -> None:
-        """A peer hung up with receives posted for its WRITE: end them, probe the receive queue (see ``Hangup``).
-
-        Receives it never matched end at once with empty self-sends (no byte lands); ``_check_hangups`` resets
-        the worker only if one it matched stays posted, or the probe does not come through, in time. One
-        probing worker serves every hang-up (made at the first, freed by a reset or close()).
-        """
-        name = owner.name
-        writes = [entry[0] for entry in owner.ops.values() if entry[1] == "WRITE"]
-        for entry in owner.ops.values():
-            if entry[1] == "WRITE":
-                self.tagged._self_complete(entry[3], entry[0].pending())
-        log.warning("dropping connection from %r: %s", name or "?", why or "it hung up mid-WRITE")
-        hangup = Hangup(name, writes, time.monotonic() + float(self.params["hangup_probe_s"]))
-        hangup.ep, owner.ep = owner.ep, None  # closed only once its requests went (see _end_hangup)
-        self._drop_inbound(owner)
-        try:
-            if self._prober is None:
-                worker = self._ucx.UCXWorker(self._ctx)
-                self._prober = (worker, worker.create_endpoint_from_worker_address(self._worker.address, False))
-            tag = self._ucx.UCXXTag(_PROBE_TAG | next(self._probe_ids))
-            hangup.recv = self._worker.tag_recv(self._Array(memoryview(hangup.probe)), tag)
-            hangup.send = self._send_probe(self._prober[1], tag)
-        except Exception as exc:  # no probe, no proof: reset
-            log.warning("cannot probe the UCX receive queue after %r hung up: %s", name, exc)
-            self._end_hangup(hangup, "the receive queue could not be probed")
-            return
-        self._hangups.append(hangup)
-
-    def _send_probe(self, ep: Any, tag: Any) -> Any:
-        return ep.tag_send(self._Array(memoryview(bytearray(b"dm-probe"))), tag)
-
-    def _check_hangups(self, now: float) -> None:
-        if self._prober is not None:
-            while self._prober[0].progress_once():  # the probe's own side: its wireup and send
-                pass
-        for hangup in list(self._hangups):
-            if hangup.ended():
-                self._hangups.remove(hangup)
-                self._end_hangup(hangup, None)
-            elif now > hangup.deadline:
-                self._hangups.remove(hangup)
-                self._end_hangup(
-                    hangup,
-                    "a receive it had matched is still posted"
-                    if hangup.recv.completed
-                    else f"the receive queue did not answer a probe within {self.params['hangup_probe_s']:g} s",
-                )
-                return  # the reset ended every other probe too
-
-    def _end_hangup(self, hangup: Hangup, failed: str | None) -> None:
-        self._release_hangup(hangup)
-        if failed is None:
-            self.hangups["confined"] += 1
-            log.info("agent %r hung up mid-WRITE: its receives ended and the receive queue answered", hangup.name)
-            return
-        self.hangups["reset"] += 1
-        self._reset_worker(f"agent {hangup.name!r} died while sending to this agent ({failed})")
-
-    def _release_hangup(self, hangup: Hangup) -> None:
-        """Its requests go, then its endpoint closes: UCX objects that a request still holds when its endpoint
-        closes outlive the worker (a reset would leak it)."""
-        self._retired.add([hangup.recv])
-        hangup.send = hangup.recv = None
-        hangup.reqs = []
-        self._retired.cancel_now(self._quiesced)  # in flight: cancelled safely, before the endpoint closes
-        self._retire_ep(hangup.ep)
-        hangup.ep = None
-
-    def _drop_prober(self) -> None:
-        prober, self._prober = self._prober, None
-        if prober is not None:
-            try:
-                prober[1].close()
-            except Exception as exc:
-                log.debug("closing the probe endpoint: %s", exc)
-            self._graveyard.append((time.monotonic(), prober))  # freed with the closed endpoints
+            self.losses.lost(owner, None)
 
     def _reset_worker(self, reason: str, quarantine: bool = False, culprit: str | None = None) -> None:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
@@ -430,10 +261,7 @@ class ServiceLoop:
         if drained and not quarantine:  # cancelled requests' operations on it still point into callers' memory
             quarantine, culprit = True, drained[0].peer
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
-        pending, self._hangups = self._hangups, []  # their receives and probes were on the worker being replaced
-        for hangup in pending:
-            self._release_hangup(hangup)
-        self._drop_prober()  # it speaks to the old worker
+        self.losses.on_reset()  # its hang-ups' receives and probes, and its prober, were on the worker being replaced
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
         for peer in list(self._peers.values()):
             self._disconnect_peer(peer, why)
@@ -457,7 +285,7 @@ class ServiceLoop:
         self._address = self._worker.address.tobytes()
         if self._ucx_watched:
             self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
-        self._start_progress()
+        self.pacing.start_progress()
         self.resets += 1
 
     def _bury(self) -> None:
@@ -501,10 +329,7 @@ class ServiceLoop:
         self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
         self._retired.clear()  # nothing progresses the worker any more
         self._cut_drains.release()
-        for hangup in self._hangups:
-            hangup.reqs = []  # a request's UCX objects go before its endpoint's
-        self._hangups.clear()
-        self._prober = None
+        self.losses.free()  # a request's UCX objects go before its endpoint's
         self._quarantines_by.clear()
         self._worker = self._ctx = None  # type: ignore[assignment]
         gc.collect()
@@ -515,9 +340,7 @@ class ServiceLoop:
             self._drop_peer(name, why)
         for inbound in list(self._inbound.values()):
             self._drop_inbound(inbound)
-        for memh, _ in self._mapped.values():
-            rma.mem_unmap(self._ctx.handle, memh)
-        self._mapped.clear()
+        self.mapped_regions.unmap_all()
         for fn in list(self._cmds):
             try:
                 fn()

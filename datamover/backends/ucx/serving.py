@@ -46,7 +46,7 @@ class Serving:
             self._drop_inbound(inbound)
 
     def _drop_inbound(self, inbound: Inbound) -> None:
-        for waiting in self._revoking.values():
+        for waiting in self.mapped_regions.revoking.values():
             waiting.discard(inbound.conn_id)
         for op_id in inbound.ops:
             self._active_in.pop((inbound.conn_id, op_id), None)
@@ -82,7 +82,7 @@ class Serving:
         self.host.deliver_notification(inbound.name, msg.msg)
 
     def _on_revoked(self, inbound: Inbound, msg: Revoked) -> None:
-        self._revoking.get(msg.id, set()).discard(inbound.conn_id)
+        self.mapped_regions.revoking.get(msg.id, set()).discard(inbound.conn_id)
 
     def _on_cancel(self, inbound: Inbound, msg: Cancel) -> None:
         self.tagged._cancel_served(inbound, msg.id)
@@ -109,8 +109,8 @@ class Serving:
         inbound.name = name
         inbound.elsewhere = peer_elsewhere(inbound.conn.sock)
         if inbound.elsewhere:
-            self._serving_far()
-        rkeys = msgpack.packb([entry for _, entry in self._mapped.values()])
+            self.pacing.serving_far()
+        rkeys = msgpack.packb([entry for _, entry in self.mapped_regions.mapped.values()])
         local = msgpack.packb(self._cma_token.offer()) if self._cma_token is not None else b""
         mac = b""
         if self._secret:

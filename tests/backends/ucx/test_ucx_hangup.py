@@ -79,10 +79,10 @@ def test_a_hang_up_mid_write_leaves_the_other_peers_transfers_alone(peers):
 
 
 def test_a_hang_up_whose_probe_is_lost_resets_the_worker(peers, monkeypatch):
-    from datamover.backends.ucx.service import ServiceLoop
+    from datamover.backends.ucx.losses import Losses
 
     steady, address = peers
-    monkeypatch.setattr(ServiceLoop, "_send_probe", lambda self, ep, tag: None)  # the queue never answers
+    monkeypatch.setattr(Losses, "send_probe", lambda self, ep, tag: None)  # the queue never answers
     with Agent("host", {"backends": {"ucx": {"one_sided": False, "hangup_probe_s": 0.5}}}) as agent:
         sbuf = RemoteBuffer(steady, MiB)
         data = random_bytes(MiB, 10)

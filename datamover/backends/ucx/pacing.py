@@ -1,0 +1,125 @@
+"""How the ucx backend paces UCX progress: the native progress thread (started, tuned to the far_ settings once
+a peer on another machine is served over tcp, handed the sockets to cork), and how long a waiter spins, pauses
+or corks a READ for each peer; with the texts `describe()` gives about them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import rma, tcp_sockets
+from .config import log
+
+
+class Pacing:
+    """The progress thread's settings and the waiters' for the backend ``b`` (its ``_progress`` is the thread)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.b = backend
+        self.serving_far_tcp = False  # an initiator on another machine was served over tcp (see serving_far)
+        self.cork_scan = 0.0  # when the worker's sockets were last looked up for the progress thread to cork
+        self.cork_found: tuple[tuple[int, int], ...] = ()  # what it was handed
+
+    def start_progress(self) -> bool:
+        """Hand UCX's progress to a native thread where the extension is built; False: this thread progresses it."""
+        b = self.b
+        lib = rma.native() if b.params["native_progress"] else None
+        if lib is not None:
+            try:
+                spin_s, poll_s = self.progress_times()
+                b._progress = lib.Progress(b._worker.handle, spin_s, poll_s=poll_s)
+                return True
+            except OSError as exc:
+                log.warning("no native UCX progress thread for %s (%s): progressing from Python", b.host.name, exc)
+        return False
+
+    def progress_times(self) -> tuple[float, float]:
+        """(spin, timer poll) seconds after work for the native progress thread: the far_ ones once it serves a
+        peer on another machine over tcp (``serving_far``)."""
+        far = "far_" if self.serving_far_tcp else ""
+        params = self.b.params
+        return float(params[f"{far}progress_spin_us"]) * 1e-6, float(params[f"{far}progress_poll_us"]) * 1e-6
+
+    def serving_far(self) -> None:
+        """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
+        the progress thread takes the far_ settings from now on."""
+        if self.b._rma_native or self.serving_far_tcp:
+            return
+        self.serving_far_tcp = True
+        if self.b._progress is not None:
+            self.b._progress.tune(*self.progress_times())
+
+    def drive_spin_s(self, peer: Any) -> float:
+        """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
+        return self.drive_s(peer, "drive_spin_us")
+
+    def drive_s(self, peer: Any, key: str) -> float:
+        """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
+        peer on another machine whose put/get UCX emulates over tcp."""
+        far = peer.elsewhere and not self.b._rma_native
+        return float(self.b.params[f"far_{key}" if far else key]) * 1e-6
+
+    def read_cork_rows(self, peer: Any) -> float:
+        """READs to ``peer`` of at least this many rows are posted with its tcp sockets corked (inf: never)."""
+        rows = int(self.b.params["far_read_cork_rows"])
+        return rows if rows > 0 and peer.elsewhere and not self.b._rma_native else float("inf")
+
+    def rescan_cork(self, now: float) -> None:
+        """While serving peers on other machines over tcp, look the worker's sockets up again every half second."""
+        if (
+            self.serving_far_tcp
+            and self.b._progress is not None
+            and self.b.params["far_progress_cork"]
+            and now - self.cork_scan > 0.5
+        ):
+            self.cork_scan = now
+            self.set_progress_cork()
+
+    def set_progress_cork(self) -> None:
+        """Hand the native progress thread the worker's tcp sockets to cork during bursts (far_progress_cork); UCX
+        opens them as peers connect, so this is looked up again every half second while serving."""
+        found: tuple[tuple[int, int], ...] = ()
+        if self.b.params["far_progress_cork"]:
+            found = tcp_sockets.sockets_to(rma.native().worker_efd(self.b._worker.handle), None)
+        if found != self.cork_found:
+            self.cork_found = found
+            self.b._progress.set_cork(found)
+
+    # -- what describe() says ----------------------------------------------------
+    def read_cork_text(self) -> str:
+        """``describe()``'s "READ cork": the READs posted corked, and the sockets found for each peer."""
+        b = self.b
+        rows, lib = int(b.params["far_read_cork_rows"]), rma.native()
+        if not rows or b._rma_native or lib is None:
+            return "off"
+        corked = {name: len(p.cork[1]) for name, p in list(b._peers.items()) if p.elsewhere and p.cork is not None}
+        every = int(b.params["far_read_cork_push"])
+        push = f"every {every} rows" if every else "once the flush is posted"
+        return (
+            f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
+            f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
+            f"process {lib.post_stats()['corked']}"
+        )
+
+    def progress_cork_text(self) -> str:
+        """``describe()``'s "progress cork": the sockets the progress thread corks during bursts."""
+        if self.b.params["far_progress_cork"] and self.b._progress is not None:
+            return (
+                f"tcp sockets corked during bursts while a stream comes in on them: {len(self.cork_found)} handed"
+                f" ({', '.join(tcp_sockets.names(self.cork_found))})"
+            )
+        return "off"
+
+    def progress_mode(self) -> str:
+        """``describe()``'s "UCX progress": who progresses UCX, and how it spins and polls after work."""
+        if self.b._progress is None:
+            return "the service thread"
+        spin_s, poll_s = self.progress_times()
+        mode = "a native thread on UCX's event fd"
+        if spin_s:
+            mode += f", spinning {spin_s * 1e6:g} us after work"
+        if poll_s:
+            mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
+        near = (float(self.b.params["progress_spin_us"]), float(self.b.params["progress_poll_us"]))
+        tuned = self.serving_far_tcp and (spin_s * 1e6, poll_s * 1e6) != near
+        return mode + (" (for peers on other machines over tcp)" if tuned else "")
