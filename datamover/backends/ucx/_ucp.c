@@ -210,7 +210,11 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
  * another progress, for as long as each finds work; the first progress that finds none arms the worker and
  * blocks on the fd again. While a peer streams puts or gets in, the thread then wakes once per poll_s on its
  * own timer instead of once per arriving segment through the sender's syscall (a wakeup the sender pays for
- * and, where both share cores, a preemption of the sender). An idle worker still costs no wakeup. */
+ * and, where both share cores, a preemption of the sender). An idle worker still costs no wakeup.
+ *
+ * With stream_poll_s > 0 (and poll_s 0), only a burst during which a stream came in on one of the sockets handed
+ * to set_cork (received at least CORK_STREAM_BYTES and four times what it sent: puts arriving) is followed by
+ * that timer sleep; other bursts (a get's replies going out) arm the worker and block on its fd at once. */
 
 typedef struct {
     PyObject_HEAD
@@ -224,18 +228,19 @@ typedef struct {
     int notify; /* written (one 8-byte count) after progress that did work, or -1 */
     double spin_s;
     double poll_s; /* > 0: after work, sleep this long on a timer and progress again while there is work */
+    double stream_poll_s; /* > 0: the same, only after a burst during which a stream came in (see above) */
     pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
     pthread_mutex_t run_lock; /* held by the thread through each burst of progress: quiesce() takes it */
     pthread_t thread;
     sem_t started; /* posted once the thread has named itself and set its timer slack */
     int running;
     volatile int quit;
-    cork_t cork; /* sockets corked during bursts while a stream comes in (set_cork), and their inodes; under
-                  * hold_lock */
+    cork_t cork; /* sockets watched for streams coming in (set_cork), and their inodes; under hold_lock */
+    int cork_streams; /* cork a socket through each progress call of a burst while a stream comes in on it */
     unsigned long long cork_ino[MAX_CORK];
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
-    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked;
+    unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
     unsigned long long busy, unarmed; /* arms that said busy (progressed again at once); arms that failed (1 ms sleep) */
 } ProgressObject;
 
@@ -641,12 +646,13 @@ static void *progress_main(void *arg) {
                 continue;
             }
         } else {
-            double idle_since = 0.0, spin_s, poll_s;
-            int did = 0;
+            double idle_since = 0.0, spin_s, poll_s, stream_poll_s;
+            int did = 0, corking = 0;
             unsigned long long events = 0; /* UCX events this burst handled (ucp_worker_progress's counts) */
             __atomic_load(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
             __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
-            cork_t cork = {.n = 0};
+            __atomic_load(&p->stream_poll_s, &stream_poll_s, __ATOMIC_RELAXED);
+            cork_t cork = {.n = 0}; /* the sockets a stream comes in on, this burst */
             if (p->cork.n) { /* read without the lock: a word; the list itself is copied under it */
                 unsigned long long ino[MAX_CORK], gen;
                 cork_t all;
@@ -654,6 +660,7 @@ static void *progress_main(void *arg) {
                 all = p->cork;
                 memcpy(ino, p->cork_ino, sizeof ino);
                 gen = p->cork_gen;
+                corking = p->cork_streams;
                 pthread_mutex_unlock(&p->hold_lock);
                 int fresh = gen != p->cork_seen;
                 p->cork_seen = gen;
@@ -668,8 +675,13 @@ static void *progress_main(void *arg) {
                     p->cork_tx[i] = tx;
                     if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) cork.fd[cork.n++] = all.fd[i];
                 }
-                if (cork.n) p->corked++;
+                if (cork.n) {
+                    p->streams++;
+                    if (corking) p->corked++;
+                }
             }
+            int streaming = cork.n > 0;
+            if (!corking) cork.n = 0;
             /* a quiesce() holds the thread off and then takes this: it waits for the burst to end */
             pthread_mutex_lock(&p->run_lock);
             for (;;) { /* progress while there is work, and spin a little after work (only after work) */
@@ -700,6 +712,7 @@ static void *progress_main(void *arg) {
             if (did) p->bursts++;
             p->events += events;
             if (is_held(p)) continue;
+            if (poll_s <= 0.0 && streaming) poll_s = stream_poll_s;
             if (did && poll_s > 0.0 && !p->quit) {
                 /* traffic is flowing: look again after poll_s instead of being woken by each arrival */
                 struct timespec ts = {(time_t)poll_s, (long)((poll_s - (double)(time_t)poll_s) * 1e9)};
@@ -738,13 +751,14 @@ static void *progress_main(void *arg) {
 }
 
 static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", NULL};
+    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", "stream_poll_s", NULL};
     unsigned long long worker;
-    double spin_s = 0.0, poll_s = 0.0;
+    double spin_s = 0.0, poll_s = 0.0, stream_poll_s = 0.0;
     int notify = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|did", kwlist, &worker, &spin_s, &notify, &poll_s)) return NULL;
-    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0)) {
-        PyErr_SetString(PyExc_ValueError, "spin_s must be >= 0 and poll_s in [0, 1] seconds");
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|didd", kwlist, &worker, &spin_s, &notify, &poll_s, &stream_poll_s))
+        return NULL;
+    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(stream_poll_s >= 0.0 && stream_poll_s <= 1.0) || !(spin_s >= 0.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s must be >= 0, poll_s and stream_poll_s in [0, 1] seconds");
         return NULL;
     }
     if (!need_bound()) return NULL;
@@ -786,6 +800,8 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
     p->notify = notify;
     p->spin_s = spin_s;
     p->poll_s = poll_s;
+    p->stream_poll_s = stream_poll_s;
+    p->cork_streams = 1;
     sem_init(&p->started, 0, 0);
     int rc = pthread_create(&p->thread, NULL, progress_main, p);
     if (rc != 0) {
@@ -829,29 +845,34 @@ static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* tune(spin_s, poll_s): the thread's spin after work and its timer poll, from its next burst on (each is read
- * once per burst: a word-sized store another thread sees whole) */
+/* tune(spin_s, poll_s, stream_poll_s=0): the thread's spin after work and its timer polls, from its next burst
+ * on (each is read once per burst: a word-sized store another thread sees whole) */
 static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
-    double spin_s, poll_s;
-    if (!PyArg_ParseTuple(args, "dd", &spin_s, &poll_s)) return NULL;
-    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0 && spin_s <= 1.0)) {
-        PyErr_SetString(PyExc_ValueError, "spin_s and poll_s must be in [0, 1] seconds");
+    double spin_s, poll_s, stream_poll_s = 0.0;
+    if (!PyArg_ParseTuple(args, "dd|d", &spin_s, &poll_s, &stream_poll_s)) return NULL;
+    if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0 && spin_s <= 1.0) ||
+        !(stream_poll_s >= 0.0 && stream_poll_s <= 1.0)) {
+        PyErr_SetString(PyExc_ValueError, "spin_s, poll_s and stream_poll_s must be in [0, 1] seconds");
         return NULL;
     }
     __atomic_store(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
     __atomic_store(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
+    __atomic_store(&p->stream_poll_s, &stream_poll_s, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
 
-/* set_cork(pairs): (fd, inode) pairs of tcp sockets to cork during each burst of work; () for none */
+/* set_cork(pairs, cork=True): (fd, inode) pairs of tcp sockets watched for streams coming in, each corked
+ * through a burst's progress calls while one does (with cork); () for none */
 static PyObject *progress_set_cork(ProgressObject *p, PyObject *args) {
     PyObject *obj;
-    if (!PyArg_ParseTuple(args, "O", &obj)) return NULL;
+    int corking = 1;
+    if (!PyArg_ParseTuple(args, "O|p", &obj, &corking)) return NULL;
     cork_t cork;
     unsigned long long inodes[MAX_CORK];
     if (!cork_parse(obj, &cork, inodes)) return NULL;
     pthread_mutex_lock(&p->hold_lock);
     p->cork = cork;
+    p->cork_streams = corking;
     memcpy(p->cork_ino, inodes, sizeof inodes);
     p->cork_gen++; /* the thread's byte counts start again from its next burst */
     pthread_mutex_unlock(&p->hold_lock);
@@ -906,10 +927,10 @@ static void progress_dealloc(ProgressObject *p) {
 }
 
 static PyObject *progress_stats(ProgressObject *p, void *closure) {
-    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups, "bursts",
-                         p->bursts, "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds,
+    return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:i,s:O}", "wakeups", p->wakeups,
+                         "bursts", p->bursts, "progressed", p->progressed, "kicks", p->kicks, "holds", p->holds,
                          "release_kicks", p->release_kicks, "polls", p->polls, "events", p->events, "corked",
-                         p->corked, "busy", p->busy, "unarmed", p->unarmed, "held",
+                         p->corked, "streams", p->streams, "busy", p->busy, "unarmed", p->unarmed, "held",
                          __atomic_load_n(&p->held, __ATOMIC_SEQ_CST), "running", p->running ? Py_True : Py_False);
 }
 
@@ -925,10 +946,13 @@ static PyMethodDef progress_methods[] = {
      "ucxx requests may be cancelled safely until resume(), called from the same thread."},
     {"resume", (PyCFunction)progress_resume, METH_NOARGS, "End a quiesce() (from the thread that called it)."},
     {"tune", (PyCFunction)progress_tune, METH_VARARGS,
-     "tune(spin_s, poll_s): how long the thread spins after work, and its timer poll after work (0: off)."},
+     "tune(spin_s, poll_s, stream_poll_s=0): how long the thread spins after work, its timer poll after work, and "
+     "its timer poll after a burst during which a stream came in (see set_cork) (0: off)."},
     {"set_cork", (PyCFunction)progress_set_cork, METH_VARARGS,
-     "set_cork(pairs): (fd, inode) pairs of tcp sockets corked during each burst of work, so what a burst sends "
-     "(acknowledgements, replies) leaves in full segments when it ends; () for none."},
+     "set_cork(pairs, cork=True): (fd, inode) pairs of tcp sockets watched for streams coming in (received at "
+     "least 4 KiB and four times what was sent since the last burst); with cork, each is corked through a burst's "
+     "progress calls while one does, so what the burst sends (acknowledgements) leaves in full segments; () for "
+     "none."},
     {"set_notify", (PyCFunction)progress_set_notify, METH_VARARGS,
      "set_notify(fd): write to fd after progress that did work (-1: nobody to tell)."},
     {NULL, NULL, 0, NULL},
@@ -939,7 +963,8 @@ static PyGetSetDef progress_getset[] = {
      "counters: wakeups (from UCX's event fd), bursts (of progress that did work), progressed (UCX progress calls "
      "that did work), kicks, holds, release_kicks (releases that had to wake the thread), polls (timer sleeps "
      "after work, with poll_s), events (UCX events handled, the sum of ucp_worker_progress's counts), corked "
-     "(bursts that corked a socket a stream came in on, see set_cork), busy (arms that found events or sends "
+     "(bursts that corked a socket a stream came in on, see set_cork), streams (bursts during which a stream came "
+     "in on a watched socket), busy (arms that found events or sends "
      "waiting: progressed again at once), unarmed (arms that failed: the thread polled after 1 ms instead), held "
      "(holds now)",
      NULL},
@@ -951,8 +976,9 @@ static PyTypeObject ProgressType = {
     .tp_basicsize = sizeof(ProgressObject),
     .tp_dealloc = (destructor)progress_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0): a native thread progressing a UCP worker, "
-              "sleeping on its event fd when idle (with poll_s, on a timer of poll_s while work keeps coming).",
+    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0, stream_poll_s=0): a native thread progressing a "
+              "UCP worker, sleeping on its event fd when idle (with poll_s, on a timer of poll_s while work keeps "
+              "coming; with stream_poll_s, on that timer after bursts during which a stream came in).",
     .tp_methods = progress_methods,
     .tp_getset = progress_getset,
     .tp_new = progress_new,

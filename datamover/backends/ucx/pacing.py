@@ -26,19 +26,21 @@ class Pacing:
         lib = rma.native() if b.params["native_progress"] else None
         if lib is not None:
             try:
-                spin_s, poll_s = self.progress_times()
-                b._progress = lib.Progress(b._worker.handle, spin_s, poll_s=poll_s)
+                spin_s, poll_s, stream_s = self.progress_times()
+                b._progress = lib.Progress(b._worker.handle, spin_s, poll_s=poll_s, stream_poll_s=stream_s)
                 return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", b.host.name, exc)
         return False
 
-    def progress_times(self) -> tuple[float, float]:
-        """(spin, timer poll) seconds after work for the native progress thread: the far_ ones once it serves a
-        peer on another machine over tcp (``serving_far``)."""
+    def progress_times(self) -> tuple[float, float, float]:
+        """(spin, timer poll, timer poll after a stream came in) seconds after work for the native progress
+        thread: the far_ ones once it serves a peer on another machine over tcp (``serving_far``; no stream poll
+        before)."""
         far = "far_" if self.serving_far_tcp else ""
         params = self.b.params
-        return float(params[f"{far}progress_spin_us"]) * 1e-6, float(params[f"{far}progress_poll_us"]) * 1e-6
+        stream_s = float(params["far_stream_poll_us"]) * 1e-6 if self.serving_far_tcp else 0.0
+        return float(params[f"{far}progress_spin_us"]) * 1e-6, float(params[f"{far}progress_poll_us"]) * 1e-6, stream_s
 
     def serving_far(self) -> None:
         """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
@@ -69,21 +71,28 @@ class Pacing:
         if (
             self.serving_far_tcp
             and self.b._progress is not None
-            and self.b.params["far_progress_cork"]
+            and self.watches_streams()
             and now - self.cork_scan > 0.5
         ):
             self.cork_scan = now
             self.set_progress_cork()
 
+    def watches_streams(self) -> bool:
+        """Whether the progress thread watches the worker's tcp sockets for put streams coming in: to cork them
+        (far_progress_cork) or to poll on a timer after them (far_stream_poll_us)."""
+        params = self.b.params
+        return bool(params["far_progress_cork"]) or float(params["far_stream_poll_us"]) > 0
+
     def set_progress_cork(self) -> None:
-        """Hand the native progress thread the worker's tcp sockets to cork during bursts (far_progress_cork); UCX
-        opens them as peers connect, so this is looked up again every half second while serving."""
+        """Hand the native progress thread the worker's tcp sockets to watch for streams coming in (to cork them
+        through a burst, far_progress_cork; to poll after it, far_stream_poll_us); UCX opens them as peers
+        connect, so this is looked up again every half second while serving."""
         found: tuple[tuple[int, int], ...] = ()
-        if self.b.params["far_progress_cork"]:
+        if self.watches_streams():
             found = tcp_sockets.sockets_to(rma.native().worker_efd(self.b._worker.handle), None)
         if found != self.cork_found:
             self.cork_found = found
-            self.b._progress.set_cork(found)
+            self.b._progress.set_cork(found, bool(self.b.params["far_progress_cork"]))
 
     # -- what describe() says ----------------------------------------------------
     def read_cork_text(self) -> str:
@@ -114,12 +123,14 @@ class Pacing:
         """``describe()``'s "UCX progress": who progresses UCX, and how it spins and polls after work."""
         if self.b._progress is None:
             return "the service thread"
-        spin_s, poll_s = self.progress_times()
+        spin_s, poll_s, stream_s = self.progress_times()
         mode = "a native thread on UCX's event fd"
         if spin_s:
             mode += f", spinning {spin_s * 1e6:g} us after work"
         if poll_s:
             mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
+        elif stream_s:
+            mode += f", polling every {stream_s * 1e6:g} us after work while a stream of puts comes in"
         near = (float(self.b.params["progress_spin_us"]), float(self.b.params["progress_poll_us"]))
-        tuned = self.serving_far_tcp and (spin_s * 1e6, poll_s * 1e6) != near
+        tuned = self.serving_far_tcp and ((spin_s * 1e6, poll_s * 1e6) != near or stream_s > 0)
         return mode + (" (for peers on other machines over tcp)" if tuned else "")

@@ -73,6 +73,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # progress call while a stream of puts comes in on them (tcp_info's byte counts: received four times what was
     # sent), so their acknowledgements, one per put, leave together instead of a segment each
     "far_progress_cork": True,
+    # ... and after a burst during which such a stream came in, it sleeps this long on a timer and progresses
+    # again (while work keeps coming) instead of being woken through the sender's syscall by each segment that
+    # arrives; bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off
+    "far_stream_poll_us": 50,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
@@ -113,7 +117,7 @@ def check_params(params: Mapping[str, Any], backend: str = "ucx") -> None:
     the READ cork's row counts be whole numbers >= 0."""
     for key in (
         "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-        "far_drive_pause_us",
+        "far_drive_pause_us", "far_stream_poll_us",
     ):  # fmt: skip
         us = params[key]
         if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:

@@ -364,7 +364,7 @@ def test_the_native_progress_thread_is_named_and_sleeps_on_its_timer_without_sla
     "key",
     [
         "progress_poll_us", "progress_spin_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-        "far_drive_pause_us",
+        "far_drive_pause_us", "far_stream_poll_us",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("bad", [-1, 1_000_001, "100", True, None])
@@ -381,10 +381,12 @@ def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(key, bad):
         for poll_s in (-1e-6, 1.5, float("nan")):
             with pytest.raises(ValueError, match="poll_s"):
                 _ucp.Progress(worker, 0.0, -1, poll_s)
+            with pytest.raises(ValueError, match="stream_poll_s"):
+                _ucp.Progress(worker, 0.0, -1, 0.0, poll_s)
         progress = agent.backend("ucx")._progress
-        for spin_s, poll_s in ((-1e-6, 0.0), (0.0, 1.5), (float("nan"), 0.0), (2.0, 0.0)):
-            with pytest.raises(ValueError, match="spin_s and poll_s"):
-                progress.tune(spin_s, poll_s)
+        for times in ((-1e-6, 0.0), (0.0, 1.5), (float("nan"), 0.0), (2.0, 0.0), (0.0, 0.0, 1.5), (0.0, 0.0, -1.0)):
+            with pytest.raises(ValueError, match="spin_s, poll_s and stream_poll_s must be in"):
+                progress.tune(*times)
 
 
 @needs_native

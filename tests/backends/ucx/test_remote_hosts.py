@@ -279,6 +279,41 @@ def test_a_peer_on_another_machine_gets_the_far_waiting_settings_on_both_sides(t
         mine, theirs = agent.backend("ucx").describe(), peer.call("describe", "ucx")
         assert mine["peers on other machines"] == {"far-tuned": 1234}
         assert theirs["UCX progress"] == (
-            "a native thread on UCX's event fd, spinning 55 us after work (for peers on other machines over tcp)"
+            "a native thread on UCX's event fd, spinning 55 us after work, polling every 50 us after work while a"
+            " stream of puts comes in (for peers on other machines over tcp)"
         )
         assert mine["UCX progress"] == "a native thread on UCX's event fd"  # it served nobody
+
+
+def _stream_polls(peer, agent, op, rows, times):
+    """The far target's timer polls and stream bursts over ``times`` transfers ``op`` of ``rows``."""
+    before = peer.call("describe", "ucx")["native progress"]
+    for _ in range(times):
+        assert agent.transfer(op, *rows, peer.name).wait() == XferState.DONE
+    after = peer.call("describe", "ucx")["native progress"]
+    return after["polls"] - before["polls"], after["streams"] - before["streams"]
+
+
+@pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
+@pytest.mark.parametrize("poll_us", [50, 0])
+def test_a_far_target_polls_on_its_timer_after_put_streams_not_after_reads(test_hosts, poll_us):
+    """``far_stream_poll_us``: a target serving an initiator on another machine over tcp sleeps on its timer
+    after each burst during which a stream of puts came in (a WRITE), instead of waiting to be woken by the next
+    segment; a READ's bursts (small get requests in, the rows out) block on the event fd as before; 0: never."""
+    with _far(test_hosts, f"stream-poll-{poll_us}", far_stream_poll_us=poll_us) as peer:
+        with _near(test_hosts, f"stream-init-{poll_us}") as agent:
+            remote, local = RemoteBuffer(peer, SIZE), HostBuffer(agent, SIZE)
+            agent.add_remote(peer.metadata())
+            local.write(0, random_bytes(SIZE, 8))
+            rows = _rows(local), _rows(remote)
+            deadline = time.monotonic() + 10  # its sockets are looked up every half second while it serves
+            while _stream_polls(peer, agent, "WRITE", rows, 1)[1] == 0 and time.monotonic() < deadline:
+                pass
+            polls, streams = _stream_polls(peer, agent, "WRITE", rows, 5)
+            assert streams > 0, peer.call("describe", "ucx")
+            assert (polls > 0) == (poll_us > 0), (polls, streams)
+            assert agent.transfer("READ", *rows, peer.name).wait()  # its first burst still counts the WRITE's tail
+            assert _stream_polls(peer, agent, "READ", rows, 5) == (0, 0)
+            assert local.read(0, SIZE) == remote.read(0, SIZE)
+            mode = peer.call("describe", "ucx")["UCX progress"]
+            assert ("polling every 50 us after work while a stream of puts comes in" in mode) == (poll_us > 0), mode
