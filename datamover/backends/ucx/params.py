@@ -76,7 +76,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # ... and after a burst during which such a stream came in, it sleeps this long on a timer and progresses
     # again (while work keeps coming) instead of being woken through the sender's syscall by each segment that
     # arrives; bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off
-    "far_stream_poll_us": 50,
+    "far_stream_poll_us": 100,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
