@@ -4,8 +4,11 @@ The target runs on this host (loopback, shared memory, cma), or with
 ``--ucx-peer-host`` on a second test host (``datamover.testing.hosts``: its
 own network and pid namespace, reached over a veth pair), as NIXL's does.
 
-Both sides move the same bytes between the same two buffers, one message per
-block. Raw ucxx runs on its own workers with the backend's UCX settings
+Both sides move the same bytes from the same local buffer, one message per
+block; at the target raw ucxx has a buffer of its own, as NIXL's target (another
+process) has, so that no side's timed copy finds its destination's cache lines
+last written by another core (the raw target's, which copies received blocks in).
+Raw ucxx runs on its own workers with the backend's UCX settings
 (endpoints from worker addresses, error handling off, same transports) and
 the smallest protocol that is still correct: the initiator says "go" over a
 socket (the backend's requests travel over TCP too), both sides post one tag
@@ -79,8 +82,9 @@ def _target_main(conn, go, nbytes: int, log_path: str, params: dict[str, Any]) -
     for std in (1, 2):  # UCX logs (and the UCX_PROTO_INFO tables) go here: the header reads them
         os.dup2(fd, std)
     agent = Agent(TARGET, {"backends": {"ucx": dict(params)}})
-    buf = aligned_empty(nbytes)
+    buf, raw_buf = aligned_empty(nbytes), aligned_empty(nbytes)
     fill_random(buf, seed=2)
+    fill_random(raw_buf, seed=3)
     agent.register_memory(buf)
     ucx_api, Array, _ctx, worker = _raw_worker(params)
     conn.send((agent.metadata(), int(buf.ctypes.data), worker.address.tobytes()))
@@ -89,7 +93,7 @@ def _target_main(conn, go, nbytes: int, log_path: str, params: dict[str, Any]) -
     while True:
         cmd, args = conn.recv()
         if cmd == "raw":
-            t = threading.Thread(target=_raw_serve, args=(ucx_api, Array, worker, ep, buf, *args, go), daemon=True)
+            t = threading.Thread(target=_raw_serve, args=(ucx_api, Array, worker, ep, raw_buf, *args, go), daemon=True)
             t.start()
             server = t
             conn.send(None)
@@ -116,7 +120,7 @@ class UcxWorkload(Workload):
     """Blocks at permuted slots of the target's buffer in another process, WRITE and READ."""
 
     backend = "ucx"
-    raw_name = "raw ucxx tag send/recv, one per block (same process pair, same buffers)"
+    raw_name = "raw ucxx tag send/recv, one per block (same process pair, its own target buffer)"
 
     def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(max_bytes, options)
