@@ -213,8 +213,12 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
  * and, where both share cores, a preemption of the sender). An idle worker still costs no wakeup.
  *
  * With stream_poll_s > 0 (and poll_s 0), only a burst during which a stream came in on one of the sockets handed
- * to set_cork (received at least CORK_STREAM_BYTES and four times what it sent: puts arriving) is followed by
- * that timer sleep; other bursts (a get's replies going out) arm the worker and block on its fd at once. */
+ * to set_cork (received at least CORK_STREAM_BYTES and four times what it sent: puts arriving), once that stream
+ * has brought stream_bytes without a pause of STREAM_GAP_S, is followed by that timer sleep; a shorter transfer
+ * is served per arrival (its last bytes would wait for the timer), and other bursts (a get's replies going out)
+ * arm the worker and block on its fd at once. */
+
+#define STREAM_GAP_S 1e-3
 
 typedef struct {
     PyObject_HEAD
@@ -229,6 +233,9 @@ typedef struct {
     double spin_s;
     double poll_s; /* > 0: after work, sleep this long on a timer and progress again while there is work */
     double stream_poll_s; /* > 0: the same, only after a burst during which a stream came in (see above) */
+    unsigned long long stream_bytes; /* ... once the stream brought this many bytes */
+    unsigned long long stream_run; /* bytes the current stream brought so far (thread only) */
+    double stream_last; /* when a burst last saw it (thread only) */
     pthread_mutex_t hold_lock; /* orders holds and releases, and the efd's membership of ep with them */
     pthread_mutex_t run_lock; /* held by the thread through each burst of progress: quiesce() takes it */
     pthread_t thread;
@@ -653,6 +660,7 @@ static void *progress_main(void *arg) {
             __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
             __atomic_load(&p->stream_poll_s, &stream_poll_s, __ATOMIC_RELAXED);
             cork_t cork = {.n = 0}; /* the sockets a stream comes in on, this burst */
+            unsigned long long stream_in = 0; /* what came in on them since the last burst */
             if (p->cork.n) { /* read without the lock: a word; the list itself is copied under it */
                 unsigned long long ino[MAX_CORK], gen;
                 cork_t all;
@@ -673,14 +681,23 @@ static void *progress_main(void *arg) {
                     unsigned long long drx = rx - p->cork_rx[i], dtx = tx - p->cork_tx[i];
                     p->cork_rx[i] = rx;
                     p->cork_tx[i] = tx;
-                    if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) cork.fd[cork.n++] = all.fd[i];
+                    if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) {
+                        cork.fd[cork.n++] = all.fd[i];
+                        stream_in += drx;
+                    }
                 }
                 if (cork.n) {
                     p->streams++;
                     if (corking) p->corked++;
                 }
             }
-            int streaming = cork.n > 0;
+            int streaming = 0;
+            if (cork.n) {
+                double now = monotonic_s();
+                p->stream_run = now - p->stream_last < STREAM_GAP_S ? p->stream_run + stream_in : stream_in;
+                p->stream_last = now;
+                streaming = p->stream_run >= __atomic_load_n(&p->stream_bytes, __ATOMIC_RELAXED);
+            }
             if (!corking) cork.n = 0;
             /* a quiesce() holds the thread off and then takes this: it waits for the burst to end */
             pthread_mutex_lock(&p->run_lock);
@@ -751,11 +768,12 @@ static void *progress_main(void *arg) {
 }
 
 static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", "stream_poll_s", NULL};
-    unsigned long long worker;
+    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", "stream_poll_s", "stream_bytes", NULL};
+    unsigned long long worker, stream_bytes = 0;
     double spin_s = 0.0, poll_s = 0.0, stream_poll_s = 0.0;
     int notify = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|didd", kwlist, &worker, &spin_s, &notify, &poll_s, &stream_poll_s))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|diddK", kwlist, &worker, &spin_s, &notify, &poll_s, &stream_poll_s,
+                                     &stream_bytes))
         return NULL;
     if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(stream_poll_s >= 0.0 && stream_poll_s <= 1.0) || !(spin_s >= 0.0)) {
         PyErr_SetString(PyExc_ValueError, "spin_s must be >= 0, poll_s and stream_poll_s in [0, 1] seconds");
@@ -801,6 +819,7 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
     p->spin_s = spin_s;
     p->poll_s = poll_s;
     p->stream_poll_s = stream_poll_s;
+    p->stream_bytes = stream_bytes;
     p->cork_streams = 1;
     sem_init(&p->started, 0, 0);
     int rc = pthread_create(&p->thread, NULL, progress_main, p);
@@ -845,11 +864,12 @@ static PyObject *progress_set_notify(ProgressObject *p, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* tune(spin_s, poll_s, stream_poll_s=0): the thread's spin after work and its timer polls, from its next burst
- * on (each is read once per burst: a word-sized store another thread sees whole) */
+/* tune(spin_s, poll_s, stream_poll_s=0, stream_bytes=0): the thread's spin after work and its timer polls, from
+ * its next burst on (each is read once per burst: a word-sized store another thread sees whole) */
 static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
     double spin_s, poll_s, stream_poll_s = 0.0;
-    if (!PyArg_ParseTuple(args, "dd|d", &spin_s, &poll_s, &stream_poll_s)) return NULL;
+    unsigned long long stream_bytes = 0;
+    if (!PyArg_ParseTuple(args, "dd|dK", &spin_s, &poll_s, &stream_poll_s, &stream_bytes)) return NULL;
     if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(spin_s >= 0.0 && spin_s <= 1.0) ||
         !(stream_poll_s >= 0.0 && stream_poll_s <= 1.0)) {
         PyErr_SetString(PyExc_ValueError, "spin_s, poll_s and stream_poll_s must be in [0, 1] seconds");
@@ -858,6 +878,7 @@ static PyObject *progress_tune(ProgressObject *p, PyObject *args) {
     __atomic_store(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
     __atomic_store(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
     __atomic_store(&p->stream_poll_s, &stream_poll_s, __ATOMIC_RELAXED);
+    __atomic_store_n(&p->stream_bytes, stream_bytes, __ATOMIC_RELAXED);
     Py_RETURN_NONE;
 }
 
@@ -946,8 +967,9 @@ static PyMethodDef progress_methods[] = {
      "ucxx requests may be cancelled safely until resume(), called from the same thread."},
     {"resume", (PyCFunction)progress_resume, METH_NOARGS, "End a quiesce() (from the thread that called it)."},
     {"tune", (PyCFunction)progress_tune, METH_VARARGS,
-     "tune(spin_s, poll_s, stream_poll_s=0): how long the thread spins after work, its timer poll after work, and "
-     "its timer poll after a burst during which a stream came in (see set_cork) (0: off)."},
+     "tune(spin_s, poll_s, stream_poll_s=0, stream_bytes=0): how long the thread spins after work, its timer poll "
+     "after work, and its timer poll after a burst during which a stream came in (see set_cork) once that stream "
+     "brought stream_bytes without a pause of 1 ms (0: off)."},
     {"set_cork", (PyCFunction)progress_set_cork, METH_VARARGS,
      "set_cork(pairs, cork=True): (fd, inode) pairs of tcp sockets watched for streams coming in (received at "
      "least 4 KiB and four times what was sent since the last burst); with cork, each is corked through a burst's "
@@ -976,9 +998,10 @@ static PyTypeObject ProgressType = {
     .tp_basicsize = sizeof(ProgressObject),
     .tp_dealloc = (destructor)progress_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0, stream_poll_s=0): a native thread progressing a "
-              "UCP worker, sleeping on its event fd when idle (with poll_s, on a timer of poll_s while work keeps "
-              "coming; with stream_poll_s, on that timer after bursts during which a stream came in).",
+    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0, stream_poll_s=0, stream_bytes=0): a native "
+              "thread progressing a UCP worker, sleeping on its event fd when idle (with poll_s, on a timer of "
+              "poll_s while work keeps coming; with stream_poll_s, on that timer after bursts during which a stream "
+              "came in, once it brought stream_bytes).",
     .tp_methods = progress_methods,
     .tp_getset = progress_getset,
     .tp_new = progress_new,

@@ -26,21 +26,24 @@ class Pacing:
         lib = rma.native() if b.params["native_progress"] else None
         if lib is not None:
             try:
-                spin_s, poll_s, stream_s = self.progress_times()
-                b._progress = lib.Progress(b._worker.handle, spin_s, poll_s=poll_s, stream_poll_s=stream_s)
+                spin_s, poll_s, stream_s, stream_bytes = self.progress_times()
+                b._progress = lib.Progress(
+                    b._worker.handle, spin_s, poll_s=poll_s, stream_poll_s=stream_s, stream_bytes=stream_bytes
+                )
                 return True
             except OSError as exc:
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", b.host.name, exc)
         return False
 
-    def progress_times(self) -> tuple[float, float, float]:
+    def progress_times(self) -> tuple[float, float, float, int]:
         """(spin, timer poll, timer poll after a stream came in) seconds after work for the native progress
-        thread: the far_ ones once it serves a peer on another machine over tcp (``serving_far``; no stream poll
-        before)."""
+        thread, and the bytes a stream brings before that poll starts: the far_ ones once it serves a peer on
+        another machine over tcp (``serving_far``; no stream poll before)."""
         far = "far_" if self.serving_far_tcp else ""
         params = self.b.params
         stream_s = float(params["far_stream_poll_us"]) * 1e-6 if self.serving_far_tcp else 0.0
-        return float(params[f"{far}progress_spin_us"]) * 1e-6, float(params[f"{far}progress_poll_us"]) * 1e-6, stream_s
+        spin_s, poll_s = float(params[f"{far}progress_spin_us"]) * 1e-6, float(params[f"{far}progress_poll_us"]) * 1e-6
+        return spin_s, poll_s, stream_s, int(params["far_stream_poll_bytes"])
 
     def serving_far(self) -> None:
         """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
@@ -123,14 +126,17 @@ class Pacing:
         """``describe()``'s "UCX progress": who progresses UCX, and how it spins and polls after work."""
         if self.b._progress is None:
             return "the service thread"
-        spin_s, poll_s, stream_s = self.progress_times()
+        spin_s, poll_s, stream_s, stream_bytes = self.progress_times()
         mode = "a native thread on UCX's event fd"
         if spin_s:
             mode += f", spinning {spin_s * 1e6:g} us after work"
         if poll_s:
             mode += f", polling every {poll_s * 1e6:g} us after work while work keeps coming"
         elif stream_s:
-            mode += f", polling every {stream_s * 1e6:g} us after work while a stream of puts comes in"
+            mode += (
+                f", polling every {stream_s * 1e6:g} us after work while a stream of puts comes in (once it brought"
+                f" {stream_bytes} bytes)"
+            )
         near = (float(self.b.params["progress_spin_us"]), float(self.b.params["progress_poll_us"]))
         tuned = self.serving_far_tcp and ((spin_s * 1e6, poll_s * 1e6) != near or stream_s > 0)
         return mode + (" (for peers on other machines over tcp)" if tuned else "")

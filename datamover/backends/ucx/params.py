@@ -26,8 +26,8 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # tells): DRAM rows go with process_vm_writev/readv, up to IOV_MAX rows per syscall, instead of one UCX
     # put/get per row; a peer dying mid-copy makes the copy fail (not this process abort, as UCX's cma does)
     "direct_cma": True,
-    # direct cma requests of up to this many bytes are copied inside post() (as posix's inline_bytes): 1 MiB
-    # copied there ran about 25% faster than handed to a thread; larger ones in parts on up to
+    # direct cma requests of up to this many bytes are copied inside post() (as posix's inline_bytes): a
+    # thread hop costs more than such a copy; larger ones in parts on up to
     # cma_threads threads (a waiting caller copies parts too), so that post() returns at once and large
     # copies use more than one core
     "cma_inline_bytes": 1 << 20,
@@ -73,10 +73,13 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # progress call while a stream of puts comes in on them (tcp_info's byte counts: received four times what was
     # sent), so their acknowledgements, one per put, leave together instead of a segment each
     "far_progress_cork": True,
-    # ... and after a burst during which such a stream came in, it sleeps this long on a timer and progresses
-    # again (while work keeps coming) instead of being woken through the sender's syscall by each segment that
-    # arrives; bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off
+    # ... and after a burst during which such a stream came in, once the stream brought far_stream_poll_bytes
+    # (without a pause of 1 ms), it sleeps this long on a timer and progresses again (while work keeps coming)
+    # instead of being woken through the sender's syscall by each segment that arrives: fewer, larger reads for
+    # a bulk stream, while a shorter transfer is served per arrival (its last bytes would wait for the timer);
+    # bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off
     "far_stream_poll_us": 100,
+    "far_stream_poll_bytes": 2 << 20,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)
     "close_timeout_s": 60.0,
@@ -124,7 +127,7 @@ def check_params(params: Mapping[str, Any], backend: str = "ucx") -> None:
             raise InvalidParameter(
                 f"{key} must be a number of microseconds in [0, 1000000], got {us!r}", backend=backend
             )
-    for key in ("far_read_cork_rows", "far_read_cork_push"):
+    for key in ("far_read_cork_rows", "far_read_cork_push", "far_stream_poll_bytes"):
         rows = params[key]
-        if type(rows) is not int or rows < 0:
-            raise InvalidParameter(f"{key} must be a whole number >= 0, got {rows!r}", backend=backend)
+        if type(rows) is not int or not 0 <= rows <= 1 << 40:
+            raise InvalidParameter(f"{key} must be a whole number in [0, 2**40], got {rows!r}", backend=backend)

@@ -389,6 +389,15 @@ def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(key, bad):
                 progress.tune(*times)
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 41, 1.5, True, "2M", None])
+def test_far_stream_poll_bytes_must_be_a_whole_number(bad):
+    from datamover.errors import InvalidParameter
+
+    with Agent("stream-bytes-bad", {"backends": {"ucx": {**TCP, "far_stream_poll_bytes": bad}}}) as agent:
+        with pytest.raises(InvalidParameter, match="far_stream_poll_bytes"):
+            agent.backend("ucx")  # started on first use
+
+
 @needs_native
 def test_a_peer_on_this_machine_keeps_the_near_waiting_settings():
     """The far_ settings are for peers on other machines only: over loopback neither side takes them."""

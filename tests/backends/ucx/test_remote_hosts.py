@@ -280,7 +280,7 @@ def test_a_peer_on_another_machine_gets_the_far_waiting_settings_on_both_sides(t
         assert mine["peers on other machines"] == {"far-tuned": 1234}
         assert theirs["UCX progress"] == (
             "a native thread on UCX's event fd, spinning 55 us after work, polling every 100 us after work while a"
-            " stream of puts comes in (for peers on other machines over tcp)"
+            " stream of puts comes in (once it brought 2097152 bytes) (for peers on other machines over tcp)"
         )
         assert mine["UCX progress"] == "a native thread on UCX's event fd"  # it served nobody
 
@@ -298,8 +298,9 @@ def _stream_polls(peer, agent, op, rows, times):
 @pytest.mark.parametrize("poll_us", [100, 0])
 def test_a_far_target_polls_on_its_timer_after_put_streams_not_after_reads(test_hosts, poll_us):
     """``far_stream_poll_us``: a target serving an initiator on another machine over tcp sleeps on its timer
-    after each burst during which a stream of puts came in (a WRITE), instead of waiting to be woken by the next
-    segment; a READ's bursts (small get requests in, the rows out) block on the event fd as before; 0: never."""
+    after each burst during which a stream of puts came in (a WRITE), once the stream brought
+    ``far_stream_poll_bytes`` (2 MiB), instead of waiting to be woken by the next segment; a WRITE of 1 MiB
+    after a pause, and a READ's bursts (small get requests in, the rows out), block on the event fd; 0: never."""
     with _far(test_hosts, f"stream-poll-{poll_us}", far_stream_poll_us=poll_us) as peer:
         with _near(test_hosts, f"stream-init-{poll_us}") as agent:
             remote, local = RemoteBuffer(peer, SIZE), HostBuffer(agent, SIZE)
@@ -314,6 +315,13 @@ def test_a_far_target_polls_on_its_timer_after_put_streams_not_after_reads(test_
             assert (polls > 0) == (poll_us > 0), (polls, streams)
             assert agent.transfer("READ", *rows, peer.name).wait()  # its first burst still counts the WRITE's tail
             assert _stream_polls(peer, agent, "READ", rows, 5) == (0, 0)
+            short = _rows(local, 1), _rows(remote, 1)
+            before = peer.call("describe", "ucx")["native progress"]
+            for _ in range(5):
+                time.sleep(0.005)  # a pause of more than 1 ms: a new stream
+                assert agent.transfer("WRITE", *short, peer.name).wait() == XferState.DONE
+            after = peer.call("describe", "ucx")["native progress"]
+            assert after["streams"] > before["streams"] and after["polls"] == before["polls"], (before, after)
             assert local.read(0, SIZE) == remote.read(0, SIZE)
             mode = peer.call("describe", "ucx")["UCX progress"]
             assert ("polling every 100 us after work while a stream of puts comes in" in mode) == (poll_us > 0), mode
