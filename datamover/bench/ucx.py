@@ -187,7 +187,16 @@ class UcxWorkload(Workload):
             "endpoint error handling": desc["error_handling"],
             "target": f"pid {self.process.pid}" + (f" on test host {self.hosts[1]}" if self.hosts else ""),
             "native data path": data_path(),
+            "tcp congestion control": self._congestion(),
         }
+
+    def _congestion(self) -> str:
+        """TCP congestion control where the initiator and the target run: it paces (bbr) or not (cubic)."""
+        key = "net.ipv4.tcp_congestion_control"
+        if self.hosts is None:
+            return _read("/proc/sys/" + key.replace(".", "/")).strip() or "unknown"
+        here, there = self.hosts[0].sysctl(key) or "unknown", self.hosts[1].sysctl(key) or "unknown"
+        return here if here == there else f"{here} (initiator), {there} (targets)"
 
     def case(self, op: str, block: int, batch: int) -> Case:
         n = block * batch

@@ -257,6 +257,17 @@ class Host:
         except (OSError, ValueError, IndexError):
             raise ProcessLookupError(f"no process runs under unshare pid {pid}") from None
 
+    def sysctl(self, name: str) -> str:
+        """A sysctl's value in this host's network namespace (``net.ipv4.tcp_congestion_control``), '' if unknown."""
+        path = "/proc/sys/" + name.replace(".", "/")
+        try:
+            if not self.netns:
+                with open(path) as f:
+                    return f.read().strip()
+            return _run(["ip", "netns", "exec", self.netns, "cat", path]).stdout.strip()
+        except (OSError, TestHostsUnavailable):
+            return ""
+
     def ip(self, *args: str) -> str:
         """Run ``ip args...`` in this host's network namespace; returns its output."""
         return _run(["ip", *(["-n", self.netns] if self.netns else []), *args]).stdout

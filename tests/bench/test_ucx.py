@@ -22,3 +22,6 @@ def test_sweep_checks_bytes_and_reports_transports():
         assert r.checked is True, r
         assert r.gbps > 0 and r.raw_gbps and r.raw_gbps > 0
     assert "over" in headers["ucx"]["transports in use"], headers
+    # the congestion control paces TCP (bbr) or not: it changes the tcp rows' tails, so the header names it
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        assert headers["ucx"]["tcp congestion control"] == f.read().strip()

@@ -87,6 +87,20 @@ def test_hosts_reach_each_other_and_a_process_here_is_in_its_own_pid_namespace(t
         server.kill()
 
 
+def test_sysctl_reads_each_hosts_own_network_namespace(test_hosts):
+    here, there = test_hosts[0], test_hosts[1]
+    key = "net.ipv4.tcp_congestion_control"
+    mine = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    other = "reno" if mine != "reno" else "cubic"
+    subprocess.run(["ip", "netns", "exec", there.netns, "sysctl", "-qw", f"{key}={other}"], check=True)
+    try:
+        assert there.sysctl(key) == other  # the host's own value, not this namespace's
+        assert here.sysctl(key) == mine
+    finally:
+        subprocess.run(["ip", "netns", "exec", there.netns, "sysctl", "-qw", f"{key}={mine}"], check=True)
+    assert there.sysctl("net.ipv4.no_such_setting") == ""
+
+
 def test_link_down_cuts_the_host_off_and_link_up_brings_it_back(test_hosts):
     three = test_hosts
     target = three[1]
