@@ -197,6 +197,11 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
  * least this much and four times what it sent (puts arriving, one small acknowledgement going back each), not
  * while it sends more than it receives (a get's reply each: corked, a reply that fills the socket waits) */
 #define CORK_STREAM_BYTES 4096
+/* ...and corked only while its rows are small: at most this many bytes received per byte sent. UCX's tcp put
+ * acknowledgement is 9 bytes, so rows up to about 18 KiB, several to one 64 KiB receive, whose acknowledgements
+ * a progress call makes together. A stream of larger rows gets one acknowledgement per call: corking it only
+ * adds two system calls per call */
+#define CORK_MAX_BYTES_PER_SENT 2048
 
 /* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ----
  *
@@ -659,7 +664,8 @@ static void *progress_main(void *arg) {
             __atomic_load(&p->spin_s, &spin_s, __ATOMIC_RELAXED);
             __atomic_load(&p->poll_s, &poll_s, __ATOMIC_RELAXED);
             __atomic_load(&p->stream_poll_s, &stream_poll_s, __ATOMIC_RELAXED);
-            cork_t cork = {.n = 0}; /* the sockets a stream comes in on, this burst */
+            cork_t cork = {.n = 0}; /* the sockets a stream of small rows comes in on, this burst */
+            int streams = 0; /* the sockets any stream comes in on */
             unsigned long long stream_in = 0; /* what came in on them since the last burst */
             if (p->cork.n) { /* read without the lock: a word; the list itself is copied under it */
                 unsigned long long ino[MAX_CORK], gen;
@@ -682,17 +688,16 @@ static void *progress_main(void *arg) {
                     p->cork_rx[i] = rx;
                     p->cork_tx[i] = tx;
                     if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) {
-                        cork.fd[cork.n++] = all.fd[i];
+                        streams++;
                         stream_in += drx;
+                        if (drx <= CORK_MAX_BYTES_PER_SENT * dtx) cork.fd[cork.n++] = all.fd[i];
                     }
                 }
-                if (cork.n) {
-                    p->streams++;
-                    if (corking) p->corked++;
-                }
+                if (streams) p->streams++;
+                if (cork.n && corking) p->corked++;
             }
             int streaming = 0;
-            if (cork.n) {
+            if (streams) {
                 double now = monotonic_s();
                 p->stream_run = now - p->stream_last < STREAM_GAP_S ? p->stream_run + stream_in : stream_in;
                 p->stream_last = now;

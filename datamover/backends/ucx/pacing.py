@@ -117,7 +117,8 @@ class Pacing:
         """``describe()``'s "progress cork": the sockets the progress thread corks during bursts."""
         if self.b.params["far_progress_cork"] and self.b._progress is not None:
             return (
-                f"tcp sockets corked during bursts while a stream comes in on them: {len(self.cork_found)} handed"
+                "tcp sockets corked during bursts while a stream of small rows comes in on them:"
+                f" {len(self.cork_found)} handed"
                 f" ({', '.join(tcp_sockets.names(self.cork_found))})"
             )
         return "off"

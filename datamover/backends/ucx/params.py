@@ -70,8 +70,9 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # could start serving the first rows while the rest are posted
     "far_read_cork_push": 0,
     # once this agent serves such a peer, its native progress thread corks the worker's tcp sockets through each
-    # progress call while a stream of puts comes in on them (tcp_info's byte counts: received four times what was
-    # sent), so their acknowledgements, one per put, leave together instead of a segment each
+    # progress call while a stream of small puts comes in on them (tcp_info's byte counts: received four times
+    # what was sent, and at most 2048 times: rows up to about 18 KiB), so their acknowledgements, one per put,
+    # leave together instead of a segment each (a call on larger rows makes one acknowledgement: not corked)
     "far_progress_cork": True,
     # ... and after a burst during which such a stream came in, once the stream brought far_stream_poll_bytes
     # (without a pause of 1 ms), it sleeps this long on a timer and progresses again (while work keeps coming)
