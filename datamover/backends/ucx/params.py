@@ -78,8 +78,9 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # (without a pause of 1 ms), it sleeps this long on a timer and progresses again (while work keeps coming)
     # instead of being woken through the sender's syscall by each segment that arrives: fewer, larger reads for
     # a bulk stream, while a shorter transfer is served per arrival (its last bytes would wait for the timer);
-    # bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off
-    "far_stream_poll_us": 100,
+    # bursts that send more than they receive (a READ's replies) still block on the event fd; 0: off. The
+    # stream's last bytes wait up to this long: 25 us against 50 and 100 in BENCHMARKS.md (session 19)
+    "far_stream_poll_us": 25,
     "far_stream_poll_bytes": 2 << 20,
     "connect_timeout_s": 5.0,
     # close() waits this long for the service thread to end (it frees UCX's objects as it ends)

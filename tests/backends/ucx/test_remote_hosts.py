@@ -279,7 +279,7 @@ def test_a_peer_on_another_machine_gets_the_far_waiting_settings_on_both_sides(t
         mine, theirs = agent.backend("ucx").describe(), peer.call("describe", "ucx")
         assert mine["peers on other machines"] == {"far-tuned": 1234}
         assert theirs["UCX progress"] == (
-            "a native thread on UCX's event fd, spinning 55 us after work, polling every 100 us after work while a"
+            "a native thread on UCX's event fd, spinning 55 us after work, polling every 25 us after work while a"
             " stream of puts comes in (once it brought 2097152 bytes) (for peers on other machines over tcp)"
         )
         assert mine["UCX progress"] == "a native thread on UCX's event fd"  # it served nobody
@@ -295,7 +295,7 @@ def _stream_polls(peer, agent, op, rows, times):
 
 
 @pytest.mark.skipif(ucx_rma.native() is None, reason=ucx_rma.data_path())
-@pytest.mark.parametrize("poll_us", [100, 0])
+@pytest.mark.parametrize("poll_us", [25, 0])
 def test_a_far_target_polls_on_its_timer_after_put_streams_not_after_reads(test_hosts, poll_us):
     """``far_stream_poll_us``: a target serving an initiator on another machine over tcp sleeps on its timer
     after each burst during which a stream of puts came in (a WRITE), once the stream brought
@@ -324,4 +324,4 @@ def test_a_far_target_polls_on_its_timer_after_put_streams_not_after_reads(test_
             assert after["streams"] > before["streams"] and after["polls"] == before["polls"], (before, after)
             assert local.read(0, SIZE) == remote.read(0, SIZE)
             mode = peer.call("describe", "ucx")["UCX progress"]
-            assert ("polling every 100 us after work while a stream of puts comes in" in mode) == (poll_us > 0), mode
+            assert ("polling every 25 us after work while a stream of puts comes in" in mode) == (poll_us > 0), mode
