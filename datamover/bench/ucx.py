@@ -194,7 +194,9 @@ class UcxWorkload(Workload):
         """TCP congestion control where the initiator and the target run: it paces (bbr) or not (cubic)."""
         key = "net.ipv4.tcp_congestion_control"
         if self.hosts is None:
-            return _read("/proc/sys/" + key.replace(".", "/")).strip() or "unknown"
+            from ..testing.hosts import sysctl
+
+            return sysctl(key) or "unknown"
         here, there = self.hosts[0].sysctl(key) or "unknown", self.hosts[1].sysctl(key) or "unknown"
         return here if here == there else f"{here} (initiator), {there} (targets)"
 

@@ -166,6 +166,19 @@ class _HostProcess(mp.context.SpawnProcess):
                 spawn.set_executable(before)
 
 
+def sysctl(name: str, netns: str | None = None) -> str:
+    """A sysctl's value (``net.ipv4.tcp_congestion_control``) in network namespace ``netns`` (None: this
+    process's own), '' if unknown."""
+    path = "/proc/sys/" + name.replace(".", "/")
+    try:
+        if not netns:
+            with open(path) as f:
+                return f.read().strip()
+        return _run(["ip", "netns", "exec", netns, "cat", path]).stdout.strip()
+    except (OSError, TestHostsUnavailable):
+        return ""
+
+
 class Host:
     """One test host: its address and interface, and the means to start processes on it and cut its link."""
 
@@ -259,14 +272,7 @@ class Host:
 
     def sysctl(self, name: str) -> str:
         """A sysctl's value in this host's network namespace (``net.ipv4.tcp_congestion_control``), '' if unknown."""
-        path = "/proc/sys/" + name.replace(".", "/")
-        try:
-            if not self.netns:
-                with open(path) as f:
-                    return f.read().strip()
-            return _run(["ip", "netns", "exec", self.netns, "cat", path]).stdout.strip()
-        except (OSError, TestHostsUnavailable):
-            return ""
+        return sysctl(name, self.netns)
 
     def ip(self, *args: str) -> str:
         """Run ``ip args...`` in this host's network namespace; returns its output."""

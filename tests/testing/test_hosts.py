@@ -90,7 +90,8 @@ def test_hosts_reach_each_other_and_a_process_here_is_in_its_own_pid_namespace(t
 def test_sysctl_reads_each_hosts_own_network_namespace(test_hosts):
     here, there = test_hosts[0], test_hosts[1]
     key = "net.ipv4.tcp_congestion_control"
-    mine = open("/proc/sys/net/ipv4/tcp_congestion_control").read().strip()
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        mine = f.read().strip()
     other = "reno" if mine != "reno" else "cubic"
     subprocess.run(["ip", "netns", "exec", there.netns, "sysctl", "-qw", f"{key}={other}"], check=True)
     try:

@@ -12,6 +12,7 @@ import os
 import socket
 import stat
 import struct
+import time
 
 import numpy as np
 import pytest
@@ -201,13 +202,20 @@ def _handed(peer: RemotePeer, ip: str, control: int) -> bool:
             s.close()
 
 
+def _await_handed(peer: RemotePeer, ip: str, control: int) -> None:
+    """Wait (up to 10 s) until ``_handed``: the service thread looks the sockets up again every half second while
+    it serves."""
+    deadline = time.monotonic() + 10
+    while not _handed(peer, ip, control) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
     """Data segments (the target's put acknowledgements) this initiator received for one WRITE of ROWS x BLOCK
     posted while the target on host 1 was frozen (SIGSTOP) until its kernel had taken every put (a receive
     buffer of 4 MiB holds them), so its first burst finds them all queued; the target's progress cork
     description and bursts corked. Every byte is checked."""
     import signal
-    import time
 
     there, here = hosts[1], hosts[0]
     cfg = {"backends": {"ucx": {"host": there.address, "far_progress_cork": cork}}}
@@ -225,9 +233,8 @@ def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
         rows = (src.descs(np.arange(ROWS) * BLOCK, BLOCK), target.descs(scattered, BLOCK))
         assert agent.transfer("WRITE", *rows, peer.name).wait()  # connects UCX's sockets
         control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
-        deadline = time.monotonic() + 10
-        while cork and not _handed(peer, there.address, control) and time.monotonic() < deadline:
-            time.sleep(0.05)  # the service thread looks the sockets up again every half second while serving
+        if cork:
+            _await_handed(peer, there.address, control)
         # the thread's byte counts start at its first burst after the hand-over: have that burst come first
         assert agent.transfer("WRITE", *rows, peer.name).wait()
         corked_before = peer.call("describe", "ucx")["native progress"]["corked"]
@@ -274,8 +281,6 @@ def _stream_bursts(hosts, blocks: tuple[int, ...]) -> dict[int, tuple[int, int]]
     """For each row size in ``blocks``: (bursts that saw a put stream come in, bursts corked) on the target on
     host 1 over 30 WRITEs of 4 MiB in rows of that size, the target's sockets handed to its progress thread first.
     Every byte is checked."""
-    import time
-
     there, here = hosts[1], hosts[0]
     cfg = {"backends": {"ucx": {"host": there.address}}}
     near = {"host": here.address, "ucx_config": {"TLS": "tcp,self", **here.ucx_config()}}
@@ -292,19 +297,13 @@ def _stream_bursts(hosts, blocks: tuple[int, ...]) -> dict[int, tuple[int, int]]
         for block in blocks:
             rows = n // block
             scattered = np.random.default_rng(block).permutation(rows) * block
-            xfer = agent.transfer(
-                "WRITE", src.descs(np.arange(rows) * block, block), target.descs(scattered, block), peer.name
-            )
-            assert xfer.wait()  # connects UCX's sockets
+            descs = src.descs(np.arange(rows) * block, block), target.descs(scattered, block)
+            assert agent.transfer("WRITE", *descs, peer.name).wait()  # connects UCX's sockets
             control = int(peer.call("describe", "ucx")["control"].rsplit(":", 1)[1])
-            deadline = time.monotonic() + 10
-            while not _handed(peer, there.address, control) and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _await_handed(peer, there.address, control)
             before = peer.call("describe", "ucx")["native progress"]
             for _ in range(30):
-                assert agent.transfer(
-                    "WRITE", src.descs(np.arange(rows) * block, block), target.descs(scattered, block), peer.name
-                ).wait()
+                assert agent.transfer("WRITE", *descs, peer.name).wait()
             after = peer.call("describe", "ucx")["native progress"]
             want = np.frombuffer(data, np.uint8).reshape(rows, block)
             assert np.array_equal(
