@@ -200,8 +200,11 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
 /* ...and corked only while its rows are small: at most this many bytes received per byte sent. UCX's tcp put
  * acknowledgement is 9 bytes, so rows up to about 18 KiB, several to one 64 KiB receive, whose acknowledgements
  * a progress call makes together. A stream of larger rows gets one acknowledgement per call: corking it only
- * adds two system calls per call */
+ * adds two system calls per call. A burst that sent less than CORK_MIN_SENT since the last one (a backlog that
+ * came in while the target was away, a stray acknowledgement acked late) says nothing of the rows' size: the
+ * socket keeps what the last burst that sent enough said (small, until one does) */
 #define CORK_MAX_BYTES_PER_SENT 2048
+#define CORK_MIN_SENT 64 /* bytes: about seven acknowledgements */
 
 /* ---- Progress: a native thread serving a worker, blocking on its event fd between bursts of work ----
  *
@@ -251,6 +254,7 @@ typedef struct {
     int cork_streams; /* cork a socket through each progress call of a burst while a stream comes in on it */
     unsigned long long cork_ino[MAX_CORK];
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
+    unsigned char cork_large[MAX_CORK]; /* the last stream on it that sent something brought large rows */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
     unsigned long long busy, unarmed; /* arms that said busy (progressed again at once); arms that failed (1 ms sleep) */
@@ -687,10 +691,12 @@ static void *progress_main(void *arg) {
                     unsigned long long drx = rx - p->cork_rx[i], dtx = tx - p->cork_tx[i];
                     p->cork_rx[i] = rx;
                     p->cork_tx[i] = tx;
+                    if (fresh) p->cork_large[i] = 0;
                     if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) {
                         streams++;
                         stream_in += drx;
-                        if (drx <= CORK_MAX_BYTES_PER_SENT * dtx) cork.fd[cork.n++] = all.fd[i];
+                        if (dtx >= CORK_MIN_SENT) p->cork_large[i] = drx > CORK_MAX_BYTES_PER_SENT * dtx;
+                        if (!p->cork_large[i]) cork.fd[cork.n++] = all.fd[i];
                     }
                 }
                 if (streams) p->streams++;
