@@ -50,6 +50,12 @@ typedef void (*request_free_t)(void *req);
 typedef unsigned (*progress_t)(void *worker);
 typedef ucs_status_t (*get_efd_t)(void *worker, int *fd);
 typedef ucs_status_t (*arm_t)(void *worker);
+typedef ucs_status_t (*worker_create_t)(void *context, const void *params, void **worker);
+typedef void (*worker_destroy_t)(void *worker);
+typedef ucs_status_t (*ep_create_t)(void *worker, const void *params, void **ep);
+typedef ucs_status_ptr_t (*ep_close_nb_t)(void *ep, unsigned mode);
+typedef ucs_status_t (*rkey_unpack_t)(void *ep, const void *buf, void **rkey);
+typedef void (*rkey_destroy_t)(void *rkey);
 
 static struct {
     put_nbi_t put_nbi;
@@ -62,6 +68,12 @@ static struct {
     progress_t progress;
     get_efd_t get_efd;
     arm_t arm;
+    worker_create_t worker_create;
+    worker_destroy_t worker_destroy;
+    ep_create_t ep_create;
+    ep_close_nb_t ep_close_nb;
+    rkey_unpack_t rkey_unpack;
+    rkey_destroy_t rkey_destroy;
     int bound;
 } ucp;
 
@@ -97,9 +109,10 @@ static PyObject *py_bind(PyObject *self, PyObject *args) {
     }
     static const char *names[] = {"ucp_put_nbi", "ucp_get_nbi", "ucp_put_nbx", "ucp_get_nbx", "ucp_ep_flush_nbx",
                                   "ucp_request_check_status", "ucp_request_free", "ucp_worker_progress",
-                                  "ucp_worker_get_efd", "ucp_worker_arm"};
-    void *fns[10];
-    for (int i = 0; i < 10; i++) {
+                                  "ucp_worker_get_efd", "ucp_worker_arm", "ucp_worker_create", "ucp_worker_destroy",
+                                  "ucp_ep_create", "ucp_ep_close_nb", "ucp_ep_rkey_unpack", "ucp_rkey_destroy"};
+    void *fns[16];
+    for (int i = 0; i < 16; i++) {
         fns[i] = dlsym(lib, names[i]);
         if (fns[i] == NULL) {
             PyErr_Format(PyExc_OSError, "%s has no %s", path, names[i]);
@@ -117,6 +130,12 @@ static PyObject *py_bind(PyObject *self, PyObject *args) {
     ucp.progress = (progress_t)fns[7];
     ucp.get_efd = (get_efd_t)fns[8];
     ucp.arm = (arm_t)fns[9];
+    ucp.worker_create = (worker_create_t)fns[10];
+    ucp.worker_destroy = (worker_destroy_t)fns[11];
+    ucp.ep_create = (ep_create_t)fns[12];
+    ucp.ep_close_nb = (ep_close_nb_t)fns[13];
+    ucp.rkey_unpack = (rkey_unpack_t)fns[14];
+    ucp.rkey_destroy = (rkey_destroy_t)fns[15];
     ucp.bound = 1; /* the library stays loaded: ucxx holds it, and so does this handle */
     Py_RETURN_NONE;
 }
@@ -304,6 +323,29 @@ static void progress_release_c(ProgressObject *p) {
     if (kick) notify_fd(p->kick);
 }
 
+/* ---- DataWorker: a UCP worker of our own in serialized mode, every call on it under one mutex ----
+ *
+ * ucxx makes every worker multi-threaded, and UCX then takes the worker's lock around each put/get, progress
+ * call and request release. A worker created here in UCS_THREAD_MODE_SERIALIZED takes none: its mutex, taken
+ * once per post and once per progress call, is what keeps the threads that touch it apart. */
+
+typedef struct {
+    PyObject_HEAD
+    void *worker; /* NULL once closed */
+    int efd;      /* UCX's event fd for it, or -1 */
+    pthread_mutex_t lock;
+} DataWorkerObject;
+
+static PyTypeObject DataWorkerType;
+
+static inline void data_lock(DataWorkerObject *d) {
+    if (d != NULL) pthread_mutex_lock(&d->lock);
+}
+
+static inline void data_unlock(DataWorkerObject *d) {
+    if (d != NULL) pthread_mutex_unlock(&d->lock);
+}
+
 /* ---- Flush: one ucp_ep_flush_nbx request, checked, waited for (progressing the worker) or abandoned ---- */
 
 typedef struct {
@@ -313,6 +355,7 @@ typedef struct {
     pthread_mutex_t lock; /* req is checked and freed by whichever thread holds it */
     ProgressObject *progress; /* the progress thread this request holds off the worker (see post), or NULL */
     int holding; /* the hold on progress is still taken */
+    DataWorkerObject *data; /* the serialized worker the request is on (its mutex around every call), or NULL */
 } FlushObject;
 
 static PyTypeObject FlushType;
@@ -329,9 +372,11 @@ static void flush_unhold_locked(FlushObject *f) {
 /* the request's status now, freeing it (and the hold) once it ended; lock held */
 static int flush_check_locked(FlushObject *f) {
     if (f->req != NULL) {
+        data_lock(f->data);
         int st = ucp.check_status(f->req);
+        if (st != UCS_INPROGRESS) ucp.request_free(f->req);
+        data_unlock(f->data);
         if (st == UCS_INPROGRESS) return st;
-        ucp.request_free(f->req);
         f->req = NULL;
         f->status = st;
     }
@@ -340,9 +385,14 @@ static int flush_check_locked(FlushObject *f) {
 }
 
 static void flush_dealloc(FlushObject *f) {
-    if (f->req != NULL) ucp.request_free(f->req); /* UCP frees it when it ends */
+    if (f->req != NULL) { /* UCP frees it when it ends */
+        data_lock(f->data);
+        ucp.request_free(f->req);
+        data_unlock(f->data);
+    }
     flush_unhold_locked(f);
     Py_XDECREF(f->progress);
+    Py_XDECREF(f->data);
     pthread_mutex_destroy(&f->lock);
     Py_TYPE(f)->tp_free((PyObject *)f);
 }
@@ -369,7 +419,9 @@ static PyObject *flush_poll(FlushObject *f, PyObject *unused) {
 static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
     pthread_mutex_lock(&f->lock);
     if (f->req != NULL) {
+        data_lock(f->data);
         ucp.request_free(f->req);
+        data_unlock(f->data);
         f->req = NULL;
         f->status = UCS_ERR_CANCELED;
     }
@@ -425,7 +477,9 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
     st = flush_check(f);
     while (st == UCS_INPROGRESS) {
         unsigned k = 0;
+        data_lock(f->data);
         while (ucp.progress(worker)) k++;
+        data_unlock(f->data);
         c.progress += k + 1;
         c.empty++;
         if (k) {
@@ -446,7 +500,10 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
             now = monotonic_s();
             if (now > deadline) break;
             if (efd >= 0 && now - last >= spin_s) {
-                if (ucp.arm(worker) != UCS_OK) continue; /* busy: events to progress first */
+                data_lock(f->data);
+                ucs_status_t armed = ucp.arm(worker);
+                data_unlock(f->data);
+                if (armed != UCS_OK) continue; /* busy: events to progress first */
                 st = flush_check(f);
                 if (st != UCS_INPROGRESS) break;
                 double left_ms = (deadline - now) * 1e3;
@@ -515,10 +572,14 @@ static PyTypeObject FlushType = {
 };
 
 /* a Flush tracking req; with ``progress`` (already held), the hold passes to it and ends with the request */
-static FlushObject *new_flush(void *req, int status, ProgressObject *progress) {
+static FlushObject *new_flush(void *req, int status, ProgressObject *progress, DataWorkerObject *data) {
     FlushObject *f = PyObject_New(FlushObject, &FlushType);
     if (f == NULL) {
-        if (req != NULL) ucp.request_free(req);
+        if (req != NULL) {
+            data_lock(data);
+            ucp.request_free(req);
+            data_unlock(data);
+        }
         if (progress != NULL) progress_release_c(progress);
         return NULL;
     }
@@ -527,7 +588,9 @@ static FlushObject *new_flush(void *req, int status, ProgressObject *progress) {
     f->status = status;
     f->progress = progress;
     f->holding = progress != NULL;
+    f->data = data;
     Py_XINCREF(progress);
+    Py_XINCREF(data);
     if (req == NULL) flush_unhold_locked(f); /* ended already */
     return f;
 }
@@ -540,9 +603,22 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     int get;
     unsigned long long ep_ull;
     Py_ssize_t push_every = 0;
-    PyObject *rows_obj, *progress_obj = Py_None, *cork_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "pKO|OOn", &get, &ep_ull, &rows_obj, &progress_obj, &cork_obj, &push_every))
+    PyObject *rows_obj, *progress_obj = Py_None, *cork_obj = Py_None, *data_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "pKO|OOnO", &get, &ep_ull, &rows_obj, &progress_obj, &cork_obj, &push_every,
+                          &data_obj))
         return NULL;
+    DataWorkerObject *data = NULL;
+    if (data_obj != Py_None) {
+        if (!PyObject_TypeCheck(data_obj, &DataWorkerType)) {
+            PyErr_SetString(PyExc_TypeError, "data must be a DataWorker or None");
+            return NULL;
+        }
+        data = (DataWorkerObject *)data_obj;
+        if (data->worker == NULL) {
+            PyErr_SetString(PyExc_ValueError, "the DataWorker is closed");
+            return NULL;
+        }
+    }
     if (!need_bound()) return NULL;
     cork_t cork;
     unsigned long long inodes[MAX_CORK];
@@ -570,6 +646,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     void *req = NULL;
     Py_BEGIN_ALLOW_THREADS
     if (progress != NULL) progress_hold_c(progress); /* the poster's events must not wake the thread */
+    data_lock(data);
     cork_on(&cork, inodes);
     if (cork.n) __atomic_add_fetch(&corked_posts, 1, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -606,11 +683,12 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
         }
     }
     cork_off(&cork); /* the requests leave now, in full segments */
+    data_unlock(data);
     if (status < 0 && progress != NULL) progress_release_c(progress);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (status < 0) return PyLong_FromLong(status);
-    return (PyObject *)new_flush(req, status, progress);
+    return (PyObject *)new_flush(req, status, progress, data);
 }
 
 static PyObject *py_flush(PyObject *self, PyObject *args) {
@@ -618,8 +696,8 @@ static PyObject *py_flush(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
     if (!need_bound()) return NULL;
     ucs_status_ptr_t p = ucp.flush_nbx((void *)(uintptr_t)ep, no_param);
-    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL);
-    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL);
+    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL, NULL);
+    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL, NULL);
 }
 
 static PyObject *py_post_stats(PyObject *self, PyObject *unused) {
@@ -1018,6 +1096,188 @@ static PyTypeObject ProgressType = {
     .tp_new = progress_new,
 };
 
+/* DataWorker(context): ucp_worker_create on a ucp_context_h with only the thread mode set. The two fields are
+ * the first of ucp_worker_params_t in every UCX release (field_mask, then thread_mode, an enum, at offset 8);
+ * the rest stays zero, so UCX's defaults apply to it (events, cpu mask, name) */
+#define WORKER_PARAM_FIELD_THREAD_MODE 1ULL /* UCP_WORKER_PARAM_FIELD_THREAD_MODE, UCS_BIT(0) */
+#define THREAD_MODE_SERIALIZED 1           /* UCS_THREAD_MODE_SERIALIZED */
+#define EP_PARAM_FIELD_REMOTE_ADDRESS 1ULL /* UCP_EP_PARAM_FIELD_REMOTE_ADDRESS, UCS_BIT(0); address at offset 8 */
+#define EP_CLOSE_MODE_FORCE 0              /* UCP_EP_CLOSE_MODE_FORCE */
+
+static PyObject *dataworker_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"context", NULL};
+    unsigned long long context;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K", kwlist, &context)) return NULL;
+    if (!need_bound()) return NULL;
+    uint64_t params[32] = {0};
+    params[0] = WORKER_PARAM_FIELD_THREAD_MODE;
+    int mode = THREAD_MODE_SERIALIZED;
+    memcpy((char *)params + 8, &mode, sizeof mode);
+    void *worker = NULL;
+    ucs_status_t st = ucp.worker_create((void *)(uintptr_t)context, params, &worker);
+    if (st != UCS_OK) return PyErr_Format(PyExc_OSError, "ucp_worker_create failed (status %d)", st);
+    DataWorkerObject *d = (DataWorkerObject *)type->tp_alloc(type, 0);
+    if (d == NULL) {
+        ucp.worker_destroy(worker);
+        return NULL;
+    }
+    pthread_mutex_init(&d->lock, NULL);
+    d->worker = worker;
+    if (ucp.get_efd(worker, &d->efd) != UCS_OK) d->efd = -1;
+    return (PyObject *)d;
+}
+
+static int dataworker_open(DataWorkerObject *d) {
+    if (d->worker != NULL) return 1;
+    PyErr_SetString(PyExc_ValueError, "the DataWorker is closed");
+    return 0;
+}
+
+/* connect(address): an endpoint to the worker whose packed address this is (checked by the caller first) */
+static PyObject *dataworker_connect(DataWorkerObject *d, PyObject *args) {
+    Py_buffer addr;
+    if (!PyArg_ParseTuple(args, "y*", &addr)) return NULL;
+    if (!dataworker_open(d)) {
+        PyBuffer_Release(&addr);
+        return NULL;
+    }
+    uint64_t params[32] = {0};
+    params[0] = EP_PARAM_FIELD_REMOTE_ADDRESS;
+    params[1] = (uint64_t)(uintptr_t)addr.buf;
+    void *ep = NULL;
+    ucs_status_t st;
+    Py_BEGIN_ALLOW_THREADS
+    data_lock(d);
+    st = ucp.ep_create(d->worker, params, &ep);
+    data_unlock(d);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&addr);
+    if (st != UCS_OK) return PyErr_Format(PyExc_OSError, "ucp_ep_create failed (status %d)", st);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ep);
+}
+
+/* close_ep(ep, timeout_s=1.0): close an endpoint at once (its operations end with an error), progressing the
+ * worker until the close ends or timeout_s passes; the close's status (UCS_INPROGRESS: left to UCP to end) */
+static PyObject *dataworker_close_ep(DataWorkerObject *d, PyObject *args) {
+    unsigned long long ep;
+    double timeout_s = 1.0;
+    if (!PyArg_ParseTuple(args, "K|d", &ep, &timeout_s)) return NULL;
+    if (!dataworker_open(d)) return NULL;
+    int st = UCS_OK;
+    Py_BEGIN_ALLOW_THREADS
+    data_lock(d);
+    ucs_status_ptr_t req = ucp.ep_close_nb((void *)(uintptr_t)ep, EP_CLOSE_MODE_FORCE);
+    if (PTR_IS_PTR(req)) {
+        double until = monotonic_s() + timeout_s;
+        while ((st = ucp.check_status(req)) == UCS_INPROGRESS && monotonic_s() < until) ucp.progress(d->worker);
+        ucp.request_free(req);
+    } else if (PTR_IS_ERR(req)) {
+        st = (int)(intptr_t)req;
+    }
+    data_unlock(d);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(st);
+}
+
+static PyObject *dataworker_rkey_unpack(DataWorkerObject *d, PyObject *args) {
+    unsigned long long ep;
+    Py_buffer packed;
+    if (!PyArg_ParseTuple(args, "Ky*", &ep, &packed)) return NULL;
+    if (!dataworker_open(d)) {
+        PyBuffer_Release(&packed);
+        return NULL;
+    }
+    void *rkey = NULL;
+    data_lock(d);
+    ucs_status_t st = ucp.rkey_unpack((void *)(uintptr_t)ep, packed.buf, &rkey);
+    data_unlock(d);
+    PyBuffer_Release(&packed);
+    if (st != UCS_OK) return PyErr_Format(PyExc_OSError, "ucp_ep_rkey_unpack failed (status %d)", st);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)rkey);
+}
+
+static PyObject *dataworker_rkey_destroy(DataWorkerObject *d, PyObject *args) {
+    unsigned long long rkey;
+    if (!PyArg_ParseTuple(args, "K", &rkey)) return NULL;
+    data_lock(d);
+    ucp.rkey_destroy((void *)(uintptr_t)rkey);
+    data_unlock(d);
+    Py_RETURN_NONE;
+}
+
+/* progress(): ucp_worker_progress until it finds nothing; how many calls did work */
+static PyObject *dataworker_progress(DataWorkerObject *d, PyObject *unused) {
+    if (!dataworker_open(d)) return NULL;
+    unsigned k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    data_lock(d);
+    while (ucp.progress(d->worker)) k++;
+    data_unlock(d);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(k);
+}
+
+static void dataworker_destroy(DataWorkerObject *d) {
+    data_lock(d);
+    void *worker = d->worker;
+    d->worker = NULL;
+    if (worker != NULL) ucp.worker_destroy(worker); /* closes any endpoint still open on it */
+    data_unlock(d);
+}
+
+static PyObject *dataworker_close(DataWorkerObject *d, PyObject *unused) {
+    Py_BEGIN_ALLOW_THREADS
+    dataworker_destroy(d);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static void dataworker_dealloc(DataWorkerObject *d) {
+    dataworker_destroy(d);
+    pthread_mutex_destroy(&d->lock);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static PyObject *dataworker_get_handle(DataWorkerObject *d, void *closure) {
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)d->worker);
+}
+
+static PyObject *dataworker_get_efd(DataWorkerObject *d, void *closure) { return PyLong_FromLong(d->efd); }
+
+static PyMethodDef dataworker_methods[] = {
+    {"connect", (PyCFunction)dataworker_connect, METH_VARARGS,
+     "connect(address): an endpoint (ucp_ep_h, as an int) to the worker of this packed address."},
+    {"close_ep", (PyCFunction)dataworker_close_ep, METH_VARARGS,
+     "close_ep(ep, timeout_s=1.0): close an endpoint now (forced), progressing until it ends or timeout_s."},
+    {"rkey_unpack", (PyCFunction)dataworker_rkey_unpack, METH_VARARGS,
+     "rkey_unpack(ep, packed): a remote key for ep (checked by the caller first), until rkey_destroy."},
+    {"rkey_destroy", (PyCFunction)dataworker_rkey_destroy, METH_VARARGS, "rkey_destroy(rkey)."},
+    {"progress", (PyCFunction)dataworker_progress, METH_NOARGS,
+     "Progress until nothing is left to do; the number of calls that did work."},
+    {"close", (PyCFunction)dataworker_close, METH_NOARGS,
+     "Destroy the worker (its endpoints with it); idempotent. Requests still on it are never progressed again."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef dataworker_getset[] = {
+    {"handle", (getter)dataworker_get_handle, NULL, "the ucp_worker_h, as an int (0 once closed)", NULL},
+    {"efd", (getter)dataworker_get_efd, NULL, "UCX's event fd for the worker, or -1", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DataWorkerType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "datamover.backends.ucx._ucp.DataWorker",
+    .tp_basicsize = sizeof(DataWorkerObject),
+    .tp_dealloc = (destructor)dataworker_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "DataWorker(context): a UCP worker in serialized mode on a ucp_context_h (which the caller keeps "
+              "alive until close()); every call on it (and post(..., data=it), its Flush, drive) takes its one "
+              "mutex instead of UCX's worker lock.",
+    .tp_methods = dataworker_methods,
+    .tp_getset = dataworker_getset,
+    .tp_new = dataworker_new,
+};
+
 static PyMethodDef module_methods[] = {
     {"bind", py_bind, METH_VARARGS, "bind(path): resolve the UCP calls from the already loaded libucp at path."},
     {"post", py_post, METH_VARARGS,
@@ -1047,13 +1307,16 @@ static struct PyModuleDef module = {
 #endif
 
 PyMODINIT_FUNC PyInit__ucp(void) {
-    if (PyType_Ready(&FlushType) < 0 || PyType_Ready(&ProgressType) < 0) return NULL;
+    if (PyType_Ready(&FlushType) < 0 || PyType_Ready(&ProgressType) < 0 || PyType_Ready(&DataWorkerType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     Py_INCREF(&FlushType);
     Py_INCREF(&ProgressType);
+    Py_INCREF(&DataWorkerType);
     if (PyModule_AddObject(m, "Flush", (PyObject *)&FlushType) < 0 ||
         PyModule_AddObject(m, "Progress", (PyObject *)&ProgressType) < 0 ||
+        PyModule_AddObject(m, "DataWorker", (PyObject *)&DataWorkerType) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_SHA256", DM_UCP_SOURCE_SHA256) < 0)
         return NULL;
     return m;
