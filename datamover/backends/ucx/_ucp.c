@@ -247,6 +247,29 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
 
 #define STREAM_GAP_S 1e-3
 
+/* ---- DataWorker: a UCP worker of our own in serialized mode, every call on it under one mutex ----
+ *
+ * ucxx makes every worker multi-threaded, and UCX then takes the worker's lock around each put/get, progress
+ * call and request release. A worker created here in UCS_THREAD_MODE_SERIALIZED takes none: its mutex, taken
+ * once per post and once per progress call, is what keeps the threads that touch it apart. */
+
+typedef struct {
+    PyObject_HEAD
+    void *worker; /* NULL once closed */
+    int efd;      /* UCX's event fd for it, or -1 */
+    pthread_mutex_t lock;
+} DataWorkerObject;
+
+static PyTypeObject DataWorkerType;
+
+static inline void data_lock(DataWorkerObject *d) {
+    if (d != NULL) pthread_mutex_lock(&d->lock);
+}
+
+static inline void data_unlock(DataWorkerObject *d) {
+    if (d != NULL) pthread_mutex_unlock(&d->lock);
+}
+
 typedef struct {
     PyObject_HEAD
     void *worker;
@@ -277,6 +300,8 @@ typedef struct {
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
     unsigned long long busy, unarmed; /* arms that said busy (progressed again at once); arms that failed (1 ms sleep) */
+    DataWorkerObject *data; /* a second worker this thread progresses (under its mutex), or NULL */
+    int data_efd; /* its event fd (in ep while not held), or -1 */
 } ProgressObject;
 
 static void notify_fd(int fd) {
@@ -295,6 +320,25 @@ static void drain_fd(int fd) {
 
 static int is_held(ProgressObject *p) { return __atomic_load_n(&p->held, __ATOMIC_SEQ_CST) > 0; }
 
+/* one progress call on the thread's second worker, under its mutex (0 without one, or once it is closed) */
+static unsigned data_progress(ProgressObject *p) {
+    DataWorkerObject *d = p->data;
+    if (d == NULL) return 0;
+    data_lock(d);
+    unsigned n = d->worker != NULL ? ucp.progress(d->worker) : 0;
+    data_unlock(d);
+    return n;
+}
+
+static ucs_status_t data_arm(ProgressObject *p) {
+    DataWorkerObject *d = p->data;
+    if (d == NULL) return UCS_OK;
+    data_lock(d);
+    ucs_status_t st = d->worker != NULL ? ucp.arm(d->worker) : UCS_OK;
+    data_unlock(d);
+    return st;
+}
+
 
 static int ep_add(int ep, int fd) {
     struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
@@ -304,7 +348,10 @@ static int ep_add(int ep, int fd) {
 /* the first hold takes UCX's fd out of the thread's epoll set: the holder's events do not wake the thread */
 static void progress_hold_c(ProgressObject *p) {
     pthread_mutex_lock(&p->hold_lock);
-    if (__atomic_add_fetch(&p->held, 1, __ATOMIC_SEQ_CST) == 1) epoll_ctl(p->ep, EPOLL_CTL_DEL, p->efd, NULL);
+    if (__atomic_add_fetch(&p->held, 1, __ATOMIC_SEQ_CST) == 1) {
+        epoll_ctl(p->ep, EPOLL_CTL_DEL, p->efd, NULL);
+        if (p->data_efd >= 0) epoll_ctl(p->ep, EPOLL_CTL_DEL, p->data_efd, NULL);
+    }
     p->holds++;
     pthread_mutex_unlock(&p->hold_lock);
 }
@@ -316,34 +363,13 @@ static void progress_release_c(ProgressObject *p) {
     pthread_mutex_lock(&p->hold_lock);
     if (p->held > 0 && __atomic_sub_fetch(&p->held, 1, __ATOMIC_SEQ_CST) == 0 && p->running) {
         ep_add(p->ep, p->efd);
-        kick = ucp.arm(p->worker) != UCS_OK || __atomic_load_n(&p->held_sleep, __ATOMIC_SEQ_CST);
+        if (p->data_efd >= 0) ep_add(p->ep, p->data_efd);
+        kick = ucp.arm(p->worker) != UCS_OK || data_arm(p) != UCS_OK ||
+               __atomic_load_n(&p->held_sleep, __ATOMIC_SEQ_CST);
         if (kick) p->release_kicks++;
     }
     pthread_mutex_unlock(&p->hold_lock);
     if (kick) notify_fd(p->kick);
-}
-
-/* ---- DataWorker: a UCP worker of our own in serialized mode, every call on it under one mutex ----
- *
- * ucxx makes every worker multi-threaded, and UCX then takes the worker's lock around each put/get, progress
- * call and request release. A worker created here in UCS_THREAD_MODE_SERIALIZED takes none: its mutex, taken
- * once per post and once per progress call, is what keeps the threads that touch it apart. */
-
-typedef struct {
-    PyObject_HEAD
-    void *worker; /* NULL once closed */
-    int efd;      /* UCX's event fd for it, or -1 */
-    pthread_mutex_t lock;
-} DataWorkerObject;
-
-static PyTypeObject DataWorkerType;
-
-static inline void data_lock(DataWorkerObject *d) {
-    if (d != NULL) pthread_mutex_lock(&d->lock);
-}
-
-static inline void data_unlock(DataWorkerObject *d) {
-    if (d != NULL) pthread_mutex_unlock(&d->lock);
 }
 
 /* ---- Flush: one ucp_ep_flush_nbx request, checked, waited for (progressing the worker) or abandoned ---- */
@@ -725,7 +751,7 @@ static PyObject *py_worker_efd(PyObject *self, PyObject *args) {
 
 static void *progress_main(void *arg) {
     ProgressObject *p = (ProgressObject *)arg;
-    struct epoll_event evs[3];
+    struct epoll_event evs[4];
     pthread_setname_np(pthread_self(), "dm-ucx-progress"); /* at most 15 characters */
     /* its timer sleeps (poll_s) are tens of microseconds: the default 50 us of slack would stretch them */
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
@@ -797,7 +823,7 @@ static void *progress_main(void *arg) {
                      * reply each) leaves in full segments when it returns; never longer, since a send that
                      * filled the socket must drain before the next call can send more */
                     cork_set(&cork, 1);
-                    n = ucp.progress(p->worker);
+                    n = ucp.progress(p->worker) + data_progress(p);
                     cork_set(&cork, 0);
                     if (n == 0) break;
                     k++;
@@ -827,6 +853,7 @@ static void *progress_main(void *arg) {
                 continue;
             }
             ucs_status_t st = ucp.arm(p->worker);
+            if (st == UCS_OK) st = data_arm(p);
             if (st == UCS_ERR_BUSY) { /* events came in meanwhile, or sends wait for room: progress them first */
                 p->busy++;
                 continue;
@@ -839,7 +866,7 @@ static void *progress_main(void *arg) {
             }
             armed = 1;
         }
-        int rc = epoll_wait(p->ep, evs, 3, -1);
+        int rc = epoll_wait(p->ep, evs, 4, -1);
         __atomic_store_n(&p->held_sleep, 0, __ATOMIC_SEQ_CST);
         if (rc < 0 && errno != EINTR) break;
         for (int i = 0; i < rc; i++) {
@@ -848,7 +875,7 @@ static void *progress_main(void *arg) {
             if (fd == p->kick) {
                 drain_fd(p->kick);
                 p->kicks++;
-            } else if (fd == p->efd && armed) {
+            } else if ((fd == p->efd || fd == p->data_efd) && armed) {
                 p->wakeups++;
             }
         }
@@ -857,13 +884,26 @@ static void *progress_main(void *arg) {
 }
 
 static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", "stream_poll_s", "stream_bytes", NULL};
+    static char *kwlist[] = {"worker", "spin_s", "notify_fd", "poll_s", "stream_poll_s", "stream_bytes", "data", NULL};
     unsigned long long worker, stream_bytes = 0;
     double spin_s = 0.0, poll_s = 0.0, stream_poll_s = 0.0;
     int notify = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|diddK", kwlist, &worker, &spin_s, &notify, &poll_s, &stream_poll_s,
-                                     &stream_bytes))
+    PyObject *data_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|diddKO", kwlist, &worker, &spin_s, &notify, &poll_s, &stream_poll_s,
+                                     &stream_bytes, &data_obj))
         return NULL;
+    DataWorkerObject *data = NULL;
+    if (data_obj != Py_None) {
+        if (!PyObject_TypeCheck(data_obj, &DataWorkerType) || ((DataWorkerObject *)data_obj)->worker == NULL) {
+            PyErr_SetString(PyExc_TypeError, "data must be an open DataWorker or None");
+            return NULL;
+        }
+        data = (DataWorkerObject *)data_obj;
+        if (data->efd < 0) {
+            PyErr_SetString(PyExc_OSError, "the DataWorker has no event fd: its context needs UCP_FEATURE_WAKEUP");
+            return NULL;
+        }
+    }
     if (!(poll_s >= 0.0 && poll_s <= 1.0) || !(stream_poll_s >= 0.0 && stream_poll_s <= 1.0) || !(spin_s >= 0.0)) {
         PyErr_SetString(PyExc_ValueError, "spin_s must be >= 0, poll_s and stream_poll_s in [0, 1] seconds");
         return NULL;
@@ -883,7 +923,8 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     int ep = epoll_create1(EPOLL_CLOEXEC);
-    if (ep < 0 || ep_add(ep, efd) < 0 || ep_add(ep, stop) < 0 || ep_add(ep, kick) < 0) {
+    if (ep < 0 || ep_add(ep, efd) < 0 || ep_add(ep, stop) < 0 || ep_add(ep, kick) < 0 ||
+        (data != NULL && ep_add(ep, data->efd) < 0)) {
         PyErr_SetFromErrno(PyExc_OSError);
         if (ep >= 0) close(ep);
         close(stop);
@@ -903,6 +944,9 @@ static PyObject *progress_new(PyTypeObject *type, PyObject *args, PyObject *kw) 
     p->kick = kick;
     p->worker = (void *)(uintptr_t)worker;
     p->efd = efd;
+    p->data = data;
+    p->data_efd = data != NULL ? data->efd : -1;
+    Py_XINCREF(data);
     p->stop = stop;
     p->notify = notify;
     p->spin_s = spin_s;
@@ -1033,6 +1077,7 @@ static void progress_dealloc(ProgressObject *p) {
     if (p->ep > 0) close(p->ep);
     pthread_mutex_destroy(&p->hold_lock);
     pthread_mutex_destroy(&p->run_lock);
+    Py_XDECREF(p->data);
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -1087,10 +1132,11 @@ static PyTypeObject ProgressType = {
     .tp_basicsize = sizeof(ProgressObject),
     .tp_dealloc = (destructor)progress_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0, stream_poll_s=0, stream_bytes=0): a native "
-              "thread progressing a UCP worker, sleeping on its event fd when idle (with poll_s, on a timer of "
-              "poll_s while work keeps coming; with stream_poll_s, on that timer after bursts during which a stream "
-              "came in, once it brought stream_bytes).",
+    .tp_doc = "Progress(worker, spin_s=0, notify_fd=-1, poll_s=0, stream_poll_s=0, stream_bytes=0, data=None): a "
+              "native thread progressing a UCP worker, sleeping on its event fd when idle (with poll_s, on a timer "
+              "of poll_s while work keeps coming; with stream_poll_s, on that timer after bursts during which a "
+              "stream came in, once it brought stream_bytes); with data (a DataWorker), that worker too, under its "
+              "mutex, held off it as off the first.",
     .tp_methods = progress_methods,
     .tp_getset = progress_getset,
     .tp_new = progress_new,

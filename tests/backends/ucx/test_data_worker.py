@@ -151,3 +151,37 @@ def test_a_closed_data_worker_refuses_work_and_post_refuses_other_objects(pair):
         rma.native().post(True, ep, rows, None, None, 0, other)
     with pytest.raises(ValueError, match="closed"):
         other.connect(b"x")
+
+
+def test_a_progress_thread_serves_a_data_workers_request_nobody_drives(pair):
+    """Progress(worker, data=D): a request posted on D with the thread held, then handed to it (unhold), ends
+    without its caller progressing anything: the thread progresses D too (the target served by a second one)."""
+    data, ep, target, buf, rkey = pair
+    lib = rma.native()
+    buf[:] = np.frombuffer(np.random.default_rng(8).bytes(buf.nbytes), np.uint8)
+    u, _ = import_ucxx()
+    ctx = make_context(u, {"TLS": "tcp,self"}, False)[0]
+    idle = u.UCXWorker(ctx)  # the thread's first worker: nothing on it
+    served = lib.Progress(target.handle)
+    progress = lib.Progress(idle.handle, data=data)
+    try:
+        perm = np.random.default_rng(9).permutation(N)
+        out = np.zeros(N * BLOCK, np.uint8)
+        laddr = out.ctypes.data + np.arange(N, dtype=np.uint64) * BLOCK
+        raddr = buf.ctypes.data + perm.astype(np.uint64) * BLOCK
+        rows = rma.native_rows(laddr, np.full(N, BLOCK, np.uint64), raddr, np.full(N, rkey, np.uint64), [None] * N)
+        flush = lib.post(True, ep, rows, progress, None, 0, data)
+        assert flush.holding
+        flush.unhold()
+        deadline = time.monotonic() + 10
+        while flush.poll() == rma.UCS_INPROGRESS:
+            assert time.monotonic() < deadline, progress.stats
+            time.sleep(0.001)
+        assert flush.status == rma.UCS_OK
+        assert np.array_equal(out.reshape(N, BLOCK), buf.reshape(N, BLOCK)[perm])
+        assert progress.stats["progressed"] > 0
+    finally:
+        progress.close()
+        served.close()
+    with pytest.raises(TypeError, match="DataWorker"):
+        lib.Progress(idle.handle, data=object())
