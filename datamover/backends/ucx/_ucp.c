@@ -719,11 +719,22 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
 
 static PyObject *py_flush(PyObject *self, PyObject *args) {
     unsigned long long ep;
-    if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
+    PyObject *data_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "K|O", &ep, &data_obj)) return NULL;
     if (!need_bound()) return NULL;
+    DataWorkerObject *data = NULL;
+    if (data_obj != Py_None) {
+        if (!PyObject_TypeCheck(data_obj, &DataWorkerType) || ((DataWorkerObject *)data_obj)->worker == NULL) {
+            PyErr_SetString(PyExc_TypeError, "data must be an open DataWorker or None");
+            return NULL;
+        }
+        data = (DataWorkerObject *)data_obj;
+    }
+    data_lock(data);
     ucs_status_ptr_t p = ucp.flush_nbx((void *)(uintptr_t)ep, no_param);
-    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL, NULL);
-    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL, NULL);
+    data_unlock(data);
+    if (PTR_IS_PTR(p)) return (PyObject *)new_flush(p, UCS_INPROGRESS, NULL, data);
+    return (PyObject *)new_flush(NULL, PTR_IS_ERR(p) ? (int)(intptr_t)p : UCS_OK, NULL, data);
 }
 
 static PyObject *py_post_stats(PyObject *self, PyObject *unused) {
@@ -1335,7 +1346,8 @@ static PyMethodDef module_methods[] = {
     {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket)."},
     {"status_codes", py_status_codes, METH_NOARGS, "The UCX status values the extension compares against, by name."},
     {"worker_efd", py_worker_efd, METH_VARARGS, "worker_efd(worker): UCX's event fd of a ucp_worker_h."},
-    {"flush", py_flush, METH_VARARGS, "flush(ep): a Flush of everything posted on ep so far."},
+    {"flush", py_flush, METH_VARARGS,
+     "flush(ep, data=None): a Flush of everything posted on ep so far (ep on the DataWorker data, if given)."},
     {"drive_stats", py_drive_stats, METH_NOARGS,
      "Counters of every Flush.drive() in this process: drives, progress (UCX progress calls), empty (of them, "
      "those that found nothing), looks (at the clock and flush after empty calls in a row), late (flushes seen "

@@ -182,6 +182,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
         self._progress: Any = None  # the native progress thread, when there is one (then UCX's fd is its own)
+        self._data: Any = None  # the one-sided rows' serialized worker (rma.native().DataWorker), made with it
         self.pacing = Pacing(self)  # the progress thread's settings and the waiters'
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         if not self.pacing.start_progress():

@@ -79,12 +79,16 @@ class OneSided:
             direct.completion.finish_part(why or self._status_error(status, direct.peer))
         return True
 
+    def _worker(self) -> Any:
+        """The worker one-sided rows go through: the data worker where there is one, else ucxx's."""
+        return self.b._data if self.b._data is not None else self.b._worker
+
     def _drive(self, direct: Direct) -> None:
         """A waiter's assist: progress UCX until the flush ends, or leave it to the service thread.
 
         It stops at the request's deadline, so the waiter can report the timeout.
         """
-        worker, deadline, clock, gate = self.b._worker, direct.deadline, time.monotonic, self.b._progress_gate
+        worker, deadline, clock, gate = self._worker(), direct.deadline, time.monotonic, self.b._progress_gate
         spin, pause = self.b.pacing.drive_spin_s(direct.peer), self.b.pacing.drive_s(direct.peer, "drive_pause_us")
         direct.driven = True
         self.b._drivers.add(direct)
@@ -100,11 +104,11 @@ class OneSided:
                 # each slice holds the gate: the service thread cancels let-go requests between slices
                 with gate:
                     if native:
-                        if self.b._worker is worker:
+                        if self._worker() is worker:
                             # in C, the GIL released, until the flush ends; slices of 10 ms to see a lost peer
                             direct.flush.drive(worker.handle, min(deadline, clock() + 0.01), spin, pause)
                     else:
-                        while self.b._worker is worker and worker.progress_once():
+                        while self._worker() is worker and worker.progress_once():
                             pass
                 if clock() > deadline:
                     return
@@ -189,19 +193,26 @@ class OneSided:
     def _rkey(self, peer: Peer, rid: int) -> int:
         rkey = peer.rkeys.get(rid)
         if rkey is None:
-            rkey = peer.rkeys[rid] = rma.rkey_unpack(peer.ep.handle, peer.regions[rid][4])
+            packed, data = peer.regions[rid][4], self.b._data
+            if data is not None:
+                rkey = peer.rkeys[rid] = data.rkey_unpack(peer.data_ep, packed)
+            else:
+                rkey = peer.rkeys[rid] = rma.rkey_unpack(peer.ep.handle, packed)
         return rkey
 
     def _post_one_sided(self, peer: Peer, op: str, rows: list[rma.Row]) -> tuple[rma.Flush | None, int]:
         """Post every row's put (WRITE) or get (READ), then one flush; (flush, UCS_OK) or (None, the error)."""
         with self.b._rma_lock:
-            ep = peer.ep.handle
-            if native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None:
+            data = self.b._data
+            ep = peer.data_ep if data is not None else peer.ep.handle
+            if data is not None or (
+                native_post is None and isinstance(rows, Rows) and rows.native is not None and rma.native() is not None
+            ):
                 # native: every row and the flush posted in C, the GIL released; the flush is driven in C too
                 self.b.counts["one-sided"] += 1
                 cork = self._cork(peer) if op == "READ" and len(rows) >= self.b.pacing.read_cork_rows(peer) else None
                 push = int(self.b.params["far_read_cork_push"])
-                return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork, push)
+                return rma.post_native(op == "READ", ep, rows.native, self.b._progress, cork, push, data)
             poster = native_post
             if poster is not None and isinstance(rows, Rows) and rows.columns.host:
                 status = poster(op == "READ", ep, rows.columns)
@@ -213,12 +224,14 @@ class OneSided:
     def _cork(self, peer: Peer) -> tuple[tuple[int, int], ...] | None:
         """The worker's tcp sockets to ``peer`` for a READ to cork while posted; looked up once per endpoint (UCX
         connects on its first send, so a lookup that finds none is tried again, up to _CORK_LOOKUPS times)."""
-        ep = peer.ep.handle
+        data = self.b._data
+        ep = peer.data_ep if data is not None else peer.ep.handle
         cached = peer.cork
         if cached is not None and cached[0] == ep and (cached[1] or cached[2] >= _CORK_LOOKUPS):
             return cached[1] or None
         misses = cached[2] if cached is not None and cached[0] == ep else 0
-        found = tcp_sockets.sockets_to(rma.native().worker_efd(self.b._worker.handle), peer.ip) if peer.ip else ()
+        efd = data.efd if data is not None else rma.native().worker_efd(self.b._worker.handle)
+        found = tcp_sockets.sockets_to(efd, peer.ip) if peer.ip else ()
         peer.cork = (ep, found, misses + (not found))
         return found or None
 
@@ -250,7 +263,9 @@ class OneSided:
             if known:
                 peer.regions = {k: v for k, v in peer.regions.items() if k != rid}
                 peer.epoch = next(self.b._epochs)
-                flush = rma.Flush(peer.ep.handle)  # covers every put/get posted before it, from any thread
+                # covers every put/get posted before it, from any thread
+                data = self.b._data
+                flush = rma.native().flush(peer.data_ep, data) if data is not None else rma.Flush(peer.ep.handle)
         if not known:
             peer.conn.send(Revoked(rid))  # type: ignore[union-attr]
             return
@@ -266,7 +281,7 @@ class OneSided:
             with self.b._rma_lock:
                 rkey = peer.rkeys.pop(rid, None)
                 if rkey is not None:
-                    rma.rkey_destroy(rkey)
+                    self.b._destroy_rkey(rkey)
             if peer.conn is not None:
                 peer.conn.send(Revoked(rid))
 

@@ -24,7 +24,7 @@ from ..base import (
     Completion,
     TransferRequest,
 )
-from . import cma, rma
+from . import cma
 from .config import _MASK40, _READ_TAG, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
@@ -69,8 +69,12 @@ class Outbound:
         with self._rma_lock:
             peer.state = "closing"
             for rkey in peer.rkeys.values():
-                rma.rkey_destroy(rkey)
+                self._destroy_rkey(rkey)
             peer.rkeys.clear()
+            if peer.data_ep is not None:
+                if self._data is not None:
+                    self._data.close_ep(peer.data_ep)
+                peer.data_ep = None
             peer.regions = {}
             peer.epoch = next(self._epochs)
         for kind, item in peer.queue:
@@ -244,6 +248,7 @@ class Outbound:
         try:  # the target's current worker (it may have been reset since its metadata was published)
             ucx_addr = self._ucx.UCXAddress.create_from_buffer(address)
             peer.ep = self._worker.create_endpoint_from_worker_address(ucx_addr, bool(self.params["error_handling"]))
+            peer.data_ep = self._data.connect(bytes(address)) if self._data is not None else None
         except Exception as exc:
             raise InvalidMetadata(f"agent {peer.name!r} sent an unusable UCX address: {exc}") from None
         peer.conn_id = conn_id

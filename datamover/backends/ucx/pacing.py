@@ -24,14 +24,25 @@ class Pacing:
         """Hand UCX's progress to a native thread where the extension is built; False: this thread progresses it."""
         b = self.b
         lib = rma.native() if b.params["native_progress"] else None
+        b._data = None
         if lib is not None:
             try:
+                if b.params["data_worker"] and b._one_sided and not b.params["error_handling"]:
+                    b._data = lib.DataWorker(b._ctx.handle)
                 spin_s, poll_s, stream_s, stream_bytes = self.progress_times()
                 b._progress = lib.Progress(
-                    b._worker.handle, spin_s, poll_s=poll_s, stream_poll_s=stream_s, stream_bytes=stream_bytes
+                    b._worker.handle,
+                    spin_s,
+                    poll_s=poll_s,
+                    stream_poll_s=stream_s,
+                    stream_bytes=stream_bytes,
+                    data=b._data,
                 )
                 return True
             except OSError as exc:
+                if b._data is not None:
+                    b._data.close()
+                    b._data = None
                 log.warning("no native UCX progress thread for %s (%s): progressing from Python", b.host.name, exc)
         return False
 

@@ -43,6 +43,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # where the native extension is built: a native thread progresses UCX (sleeping on its event fd), so a
     # target whose transport needs it (tcp, emulated put/get) is served without a Python thread waking
     "native_progress": True,
+    # ... and one-sided rows go through a UCP worker of their own in serialized mode (ucxx's workers are
+    # multi-threaded: UCX then locks the worker around every put/get and progress call), its calls kept apart
+    # by one mutex of ours; off, or with error_handling, they share the ucxx worker
+    "data_worker": True,
     # how long that thread keeps polling after work before it sleeps on the event fd again (spin_us is the
     # Python service thread's); spinning takes a core from the peer and the caller where cores are few
     "progress_spin_us": 0,

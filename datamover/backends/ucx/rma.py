@@ -311,7 +311,7 @@ def native_rows(laddr: Any, lengths: Any, raddr: Any, rkeys: Any, params: list[R
 
 
 def post_native(
-    get: bool, ep: int, rows: np.ndarray, progress: Any = None, cork: Any = None, push_every: int = 0
+    get: bool, ep: int, rows: np.ndarray, progress: Any = None, cork: Any = None, push_every: int = 0, data: Any = None
 ) -> tuple[Any, int]:
     """Post every row's get (``get``) or put and one endpoint flush in C: (flush, UCS_OK) or (None, the error).
 
@@ -323,7 +323,7 @@ def post_native(
     gives the request to it: the caller's waiter drives its own request, and
     its events wake nobody else. ``cork``: (fd, inode) pairs of tcp sockets
     corked while the rows are posted (``tcp_sockets``), what was sent let out
-    every ``push_every`` rows (0: once, after the flush is posted).
+    every ``push_every`` rows (0: once, after the flush is posted). ``data``: the DataWorker ``ep`` is on.
     """
-    got = native().post(get, ep, rows, progress, cork, push_every)
+    got = native().post(get, ep, rows, progress, cork, push_every, data)
     return (None, got) if isinstance(got, int) else (got, UCS_OK)

@@ -18,6 +18,7 @@ from ...errors import (
     InvalidMetadata,
     RemoteDisconnected,
 )
+from . import rma
 from .config import log
 from .messages import Cancel, Req
 from .protocol import FrameConn
@@ -273,7 +274,7 @@ class ServiceLoop:
             self._progress.close()
             self._progress = None
         self._retire_ep(self._self_ep)  # every endpoint closed, so that freeing them does not wait on a peer
-        old = (self._worker, self._graveyard, self._draining)
+        old = (self._worker, self._graveyard, self._draining, self._data)
         if quarantine:
             self._quarantined.append(old)
             if culprit is not None:
@@ -306,6 +307,13 @@ class ServiceLoop:
         """While in it nothing but this thread progresses the worker: ucxx requests may be cancelled safely."""
         return quiesced(self._progress_gate, self._progress)
 
+    def _destroy_rkey(self, rkey: int) -> None:
+        """Let go of a peer's unpacked rkey, on the worker it was unpacked for."""
+        if self._data is not None:
+            self._data.rkey_destroy(rkey)
+        else:
+            rma.rkey_destroy(rkey)
+
     def _retire_ep(self, ep: Any) -> None:
         if ep is None:
             return
@@ -328,6 +336,9 @@ class ServiceLoop:
         self._checked.clear()
         self._graveyard, self._draining, self._self_ep, self._quarantined = [], [], None, []
         self._retired.clear()  # nothing progresses the worker any more
+        if self._data is not None:
+            self._data.close()
+            self._data = None
         self._cut_drains.release()
         self.losses.free()  # a request's UCX objects go before its endpoint's
         self._quarantines_by.clear()

@@ -228,6 +228,7 @@ class Peer:
         self.info = dict(info)
         self.conn: FrameConn | None = None
         self.ep: Any = None
+        self.data_ep: int | None = None  # its endpoint on the data worker (one-sided rows), when there is one
         self.state = "idle"  # idle -> connecting -> ready; back to idle when the connection drops
         self.nonce = b""
         self.nonce_t = b""

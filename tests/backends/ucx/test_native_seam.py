@@ -25,7 +25,7 @@ def test_a_native_poster_gets_the_columns_and_moves_the_bytes(monkeypatch):
         return rma.post_rows(get, ep, rows)
 
     monkeypatch.setattr(one_sided, "native_post", poster)
-    cfg = {"backends": {"ucx": {"direct_cma": False}}}
+    cfg = {"backends": {"ucx": {"direct_cma": False, "data_worker": False}}}  # the seam posts on ucxx's worker
     with RemotePeer("seam-target", cfg) as peer, Agent("seam", cfg) as agent:
         n, bs = 64, 4096
         remote, local = RemoteBuffer(peer, n * bs), HostBuffer(agent, n * bs)

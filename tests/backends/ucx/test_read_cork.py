@@ -187,13 +187,14 @@ def test_far_read_cork_rows_must_be_a_whole_number(key, bad):
 
 
 def _handed(peer: RemotePeer, ip: str, control: int) -> bool:
-    """Whether the target's progress thread was handed (among others) the connection this process holds to it: UCX
+    """Whether the target's progress thread was handed every connection this process holds to it (ucxx's worker's
+    and the data worker's): UCX
     may replace the first connection between two workers with another, and a socket handed over before that is
     looked up again only half a second later."""
     handed = peer.call("describe", "ucx")["progress cork"]
     socks = _sockets_to(ip, control)
     try:
-        return any(
+        return bool(socks) and all(
             f"{s.getpeername()[0]}:{s.getpeername()[1]} -> {s.getsockname()[0]}:{s.getsockname()[1]}" in handed
             for s in socks
         )
