@@ -258,6 +258,7 @@ typedef struct {
     void *worker; /* NULL once closed */
     int efd;      /* UCX's event fd for it, or -1 */
     pthread_mutex_t lock;
+    PyObject *owner; /* what keeps the context alive (the ucxx context object), released after the worker */
 } DataWorkerObject;
 
 static PyTypeObject DataWorkerType;
@@ -269,6 +270,10 @@ static inline void data_lock(DataWorkerObject *d) {
 static inline void data_unlock(DataWorkerObject *d) {
     if (d != NULL) pthread_mutex_unlock(&d->lock);
 }
+
+/* whether a request on d (NULL: on a ucxx worker) may still be touched: once d's worker is destroyed, its
+ * requests went with it (under d's lock) */
+static inline int data_alive(DataWorkerObject *d) { return d == NULL || d->worker != NULL; }
 
 typedef struct {
     PyObject_HEAD
@@ -399,8 +404,8 @@ static void flush_unhold_locked(FlushObject *f) {
 static int flush_check_locked(FlushObject *f) {
     if (f->req != NULL) {
         data_lock(f->data);
-        int st = ucp.check_status(f->req);
-        if (st != UCS_INPROGRESS) ucp.request_free(f->req);
+        int st = data_alive(f->data) ? ucp.check_status(f->req) : UCS_ERR_CANCELED;
+        if (st != UCS_INPROGRESS && data_alive(f->data)) ucp.request_free(f->req);
         data_unlock(f->data);
         if (st == UCS_INPROGRESS) return st;
         f->req = NULL;
@@ -413,7 +418,7 @@ static int flush_check_locked(FlushObject *f) {
 static void flush_dealloc(FlushObject *f) {
     if (f->req != NULL) { /* UCP frees it when it ends */
         data_lock(f->data);
-        ucp.request_free(f->req);
+        if (data_alive(f->data)) ucp.request_free(f->req);
         data_unlock(f->data);
     }
     flush_unhold_locked(f);
@@ -446,7 +451,7 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
     pthread_mutex_lock(&f->lock);
     if (f->req != NULL) {
         data_lock(f->data);
-        ucp.request_free(f->req);
+        if (data_alive(f->data)) ucp.request_free(f->req);
         data_unlock(f->data);
         f->req = NULL;
         f->status = UCS_ERR_CANCELED;
@@ -504,7 +509,8 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
     while (st == UCS_INPROGRESS) {
         unsigned k = 0;
         data_lock(f->data);
-        while (ucp.progress(worker)) k++;
+        if (data_alive(f->data))
+            while (ucp.progress(worker)) k++;
         data_unlock(f->data);
         c.progress += k + 1;
         c.empty++;
@@ -527,7 +533,7 @@ static PyObject *flush_drive(FlushObject *f, PyObject *args) {
             if (now > deadline) break;
             if (efd >= 0 && now - last >= spin_s) {
                 data_lock(f->data);
-                ucs_status_t armed = ucp.arm(worker);
+                ucs_status_t armed = data_alive(f->data) ? ucp.arm(worker) : UCS_OK;
                 data_unlock(f->data);
                 if (armed != UCS_OK) continue; /* busy: events to progress first */
                 st = flush_check(f);
@@ -1162,9 +1168,10 @@ static PyTypeObject ProgressType = {
 #define EP_CLOSE_MODE_FORCE 0              /* UCP_EP_CLOSE_MODE_FORCE */
 
 static PyObject *dataworker_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"context", NULL};
+    static char *kwlist[] = {"context", "owner", NULL};
     unsigned long long context;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "K", kwlist, &context)) return NULL;
+    PyObject *owner = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "K|O", kwlist, &context, &owner)) return NULL;
     if (!need_bound()) return NULL;
     uint64_t params[32] = {0};
     params[0] = WORKER_PARAM_FIELD_THREAD_MODE;
@@ -1180,6 +1187,8 @@ static PyObject *dataworker_new(PyTypeObject *type, PyObject *args, PyObject *kw
     }
     pthread_mutex_init(&d->lock, NULL);
     d->worker = worker;
+    Py_INCREF(owner);
+    d->owner = owner;
     if (ucp.get_efd(worker, &d->efd) != UCS_OK) d->efd = -1;
     return (PyObject *)d;
 }
@@ -1291,6 +1300,7 @@ static PyObject *dataworker_close(DataWorkerObject *d, PyObject *unused) {
 
 static void dataworker_dealloc(DataWorkerObject *d) {
     dataworker_destroy(d);
+    Py_XDECREF(d->owner); /* after the worker: the context goes last */
     pthread_mutex_destroy(&d->lock);
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
@@ -1327,8 +1337,8 @@ static PyTypeObject DataWorkerType = {
     .tp_basicsize = sizeof(DataWorkerObject),
     .tp_dealloc = (destructor)dataworker_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "DataWorker(context): a UCP worker in serialized mode on a ucp_context_h (which the caller keeps "
-              "alive until close()); every call on it (and post(..., data=it), its Flush, drive) takes its one "
+    .tp_doc = "DataWorker(context, owner=None): a UCP worker in serialized mode on a ucp_context_h (owner, kept "
+              "until the worker is gone, keeps the context alive); every call on it (and post(..., data=it), its Flush, drive) takes its one "
               "mutex instead of UCX's worker lock.",
     .tp_methods = dataworker_methods,
     .tp_getset = dataworker_getset,

@@ -28,7 +28,7 @@ class Pacing:
         if lib is not None:
             try:
                 if b.params["data_worker"] and b._one_sided and not b.params["error_handling"]:
-                    b._data = lib.DataWorker(b._ctx.handle)
+                    b._data = lib.DataWorker(b._ctx.handle, b._ctx)
                 spin_s, poll_s, stream_s, stream_bytes = self.progress_times()
                 b._progress = lib.Progress(
                     b._worker.handle,
