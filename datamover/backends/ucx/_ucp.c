@@ -163,6 +163,7 @@ typedef struct {
 } cork_t;
 
 static unsigned long long corked_posts;
+static unsigned long long leaked_workers; /* DataWorkers closed with operations maybe queued: never destroyed */
 
 /* cork: a tuple of (fd, inode) pairs, at most MAX_CORK; parsed with the GIL held */
 static int cork_parse(PyObject *obj, cork_t *c, unsigned long long *inodes) {
@@ -259,6 +260,12 @@ typedef struct {
     int efd;      /* UCX's event fd for it, or -1 */
     pthread_mutex_t lock;
     PyObject *owner; /* what keeps the context alive (the ucxx context object), released after the worker */
+    void **orphans;  /* requests let go of before they ended (abandoned flushes, endpoint closes): freed once
+                      * seen ended; any still running when the worker goes keep it from being destroyed */
+    Py_ssize_t n_orphans, cap_orphans;
+    Py_ssize_t running; /* Flushes on it whose request has not been seen to end (nor orphaned) */
+    unsigned long long untracked; /* posts that failed part-way: rows in flight with no request to see them end */
+    int leaked; /* closed with operations still queued: the worker (and its context) are never destroyed */
 } DataWorkerObject;
 
 static PyTypeObject DataWorkerType;
@@ -274,6 +281,43 @@ static inline void data_unlock(DataWorkerObject *d) {
 /* whether a request on d (NULL: on a ucxx worker) may still be touched: once d's worker is destroyed, its
  * requests went with it (under d's lock) */
 static inline int data_alive(DataWorkerObject *d) { return d == NULL || d->worker != NULL; }
+
+/* free the orphans that ended; how many still run (lock held, worker open) */
+static Py_ssize_t data_sweep_locked(DataWorkerObject *d) {
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < d->n_orphans; i++) {
+        void *req = d->orphans[i];
+        if (ucp.check_status(req) == UCS_INPROGRESS)
+            d->orphans[kept++] = req;
+        else
+            ucp.request_free(req);
+    }
+    d->n_orphans = kept;
+    return kept;
+}
+
+/* req, still running, is let go of: d frees it once it ended (lock held). UCP's own ucp_request_free of a running
+ * request would free it silently, and the worker could then not tell whether anything is still queued on it */
+static void data_orphan_locked(DataWorkerObject *d, void *req) {
+    if (!data_alive(d)) return;
+    if (d == NULL) {
+        ucp.request_free(req);
+        return;
+    }
+    d->running--; /* from its Flush to the orphans */
+    if (d->n_orphans == d->cap_orphans && data_sweep_locked(d) == d->cap_orphans) {
+        Py_ssize_t cap = d->cap_orphans ? 2 * d->cap_orphans : 16;
+        void **grown = realloc(d->orphans, (size_t)cap * sizeof *grown);
+        if (grown == NULL) { /* cannot track it: count it as lost (the worker is then never destroyed) */
+            d->untracked++;
+            ucp.request_free(req);
+            return;
+        }
+        d->orphans = grown;
+        d->cap_orphans = cap;
+    }
+    d->orphans[d->n_orphans++] = req;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -405,7 +449,10 @@ static int flush_check_locked(FlushObject *f) {
     if (f->req != NULL) {
         data_lock(f->data);
         int st = data_alive(f->data) ? ucp.check_status(f->req) : UCS_ERR_CANCELED;
-        if (st != UCS_INPROGRESS && data_alive(f->data)) ucp.request_free(f->req);
+        if (st != UCS_INPROGRESS && data_alive(f->data)) {
+            ucp.request_free(f->req);
+            if (f->data != NULL) f->data->running--;
+        }
         data_unlock(f->data);
         if (st == UCS_INPROGRESS) return st;
         f->req = NULL;
@@ -416,9 +463,9 @@ static int flush_check_locked(FlushObject *f) {
 }
 
 static void flush_dealloc(FlushObject *f) {
-    if (f->req != NULL) { /* UCP frees it when it ends */
+    if (f->req != NULL) { /* freed once it ends */
         data_lock(f->data);
-        if (data_alive(f->data)) ucp.request_free(f->req);
+        data_orphan_locked(f->data, f->req);
         data_unlock(f->data);
     }
     flush_unhold_locked(f);
@@ -451,7 +498,7 @@ static PyObject *flush_abandon(FlushObject *f, PyObject *unused) {
     pthread_mutex_lock(&f->lock);
     if (f->req != NULL) {
         data_lock(f->data);
-        if (data_alive(f->data)) ucp.request_free(f->req);
+        data_orphan_locked(f->data, f->req);
         data_unlock(f->data);
         f->req = NULL;
         f->status = UCS_ERR_CANCELED;
@@ -621,6 +668,11 @@ static FlushObject *new_flush(void *req, int status, ProgressObject *progress, D
     f->progress = progress;
     f->holding = progress != NULL;
     f->data = data;
+    if (req != NULL && data != NULL) {
+        data_lock(data);
+        data->running++;
+        data_unlock(data);
+    }
     Py_XINCREF(progress);
     Py_XINCREF(data);
     if (req == NULL) flush_unhold_locked(f); /* ended already */
@@ -676,6 +728,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
     void *ep = (void *)(uintptr_t)ep_ull;
     int status = UCS_OK;
     void *req = NULL;
+    Py_ssize_t posted = 0; /* rows handed to UCP */
     Py_BEGIN_ALLOW_THREADS
     if (progress != NULL) progress_hold_c(progress); /* the poster's events must not wake the thread */
     data_lock(data);
@@ -693,6 +746,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
                          : ucp.put_nbi(ep, buf, r->length, r->raddr, rkey);
             if (status < 0) break;
             status = UCS_OK;
+            posted++;
             continue;
         }
         const void *param = (const void *)(uintptr_t)r->param;
@@ -704,6 +758,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
             status = (int)(intptr_t)p;
             break;
         }
+        posted++;
     }
     if (status == UCS_OK) {
         ucs_status_ptr_t p = ucp.flush_nbx(ep, no_param);
@@ -715,6 +770,7 @@ static PyObject *py_post(PyObject *self, PyObject *args) {
         }
     }
     cork_off(&cork); /* the requests leave now, in full segments */
+    if (status < 0 && posted > 0 && data != NULL) data->untracked++;
     data_unlock(data);
     if (status < 0 && progress != NULL) progress_release_c(progress);
     Py_END_ALLOW_THREADS
@@ -744,7 +800,8 @@ static PyObject *py_flush(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_post_stats(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:K}", "corked", __atomic_load_n(&corked_posts, __ATOMIC_RELAXED));
+    return Py_BuildValue("{s:K,s:K}", "corked", __atomic_load_n(&corked_posts, __ATOMIC_RELAXED), "leaked_workers",
+                         __atomic_load_n(&leaked_workers, __ATOMIC_RELAXED));
 }
 
 /* status_codes(): the UCX status values this file compares against, by name (UCX ships no headers here, so they are
@@ -1222,21 +1279,21 @@ static PyObject *dataworker_connect(DataWorkerObject *d, PyObject *args) {
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ep);
 }
 
-/* close_ep(ep, timeout_s=1.0): close an endpoint at once (its operations end with an error), progressing the
- * worker until the close ends or timeout_s passes; the close's status (UCS_INPROGRESS: left to UCP to end) */
+/* close_ep(ep): close an endpoint at once (its operations end with an error); the close request, where UCP made
+ * one, ends as the worker is progressed (the progress thread's work), kept with the orphans until then. No
+ * progress here: a close must not move another request's bytes on the caller's thread */
 static PyObject *dataworker_close_ep(DataWorkerObject *d, PyObject *args) {
     unsigned long long ep;
-    double timeout_s = 1.0;
-    if (!PyArg_ParseTuple(args, "K|d", &ep, &timeout_s)) return NULL;
+    if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
     if (!dataworker_open(d)) return NULL;
     int st = UCS_OK;
     Py_BEGIN_ALLOW_THREADS
     data_lock(d);
     ucs_status_ptr_t req = ucp.ep_close_nb((void *)(uintptr_t)ep, EP_CLOSE_MODE_FORCE);
     if (PTR_IS_PTR(req)) {
-        double until = monotonic_s() + timeout_s;
-        while ((st = ucp.check_status(req)) == UCS_INPROGRESS && monotonic_s() < until) ucp.progress(d->worker);
-        ucp.request_free(req);
+        d->running++; /* data_orphan_locked counts it off again */
+        data_orphan_locked(d, req);
+        st = UCS_INPROGRESS;
     } else if (PTR_IS_ERR(req)) {
         st = (int)(intptr_t)req;
     }
@@ -1283,11 +1340,26 @@ static PyObject *dataworker_progress(DataWorkerObject *d, PyObject *unused) {
     return PyLong_FromUnsignedLong(k);
 }
 
+/* destroy the worker, unless operations may still be queued on it (a request not seen to end, rows posted with
+ * none): UCX cannot destroy a transport endpoint with operations queued without progressing them (an assertion in
+ * its debug builds), and progressing them would move bytes of a transfer whose caller was told it ended. Such a
+ * worker (a quarantined one) is left as it is, never progressed, with its context, until the process ends */
 static void dataworker_destroy(DataWorkerObject *d) {
     data_lock(d);
     void *worker = d->worker;
-    d->worker = NULL;
-    if (worker != NULL) ucp.worker_destroy(worker); /* closes any endpoint still open on it */
+    if (worker != NULL) {
+        Py_ssize_t orphans = data_sweep_locked(d);
+        d->worker = NULL;
+        if (orphans > 0 || d->running > 0 || d->untracked > 0) {
+            d->leaked = 1;
+            __atomic_add_fetch(&leaked_workers, 1, __ATOMIC_RELAXED);
+        } else {
+            ucp.worker_destroy(worker); /* closes any endpoint still open on it */
+        }
+        free(d->orphans);
+        d->orphans = NULL;
+        d->n_orphans = d->cap_orphans = 0;
+    }
     data_unlock(d);
 }
 
@@ -1300,7 +1372,7 @@ static PyObject *dataworker_close(DataWorkerObject *d, PyObject *unused) {
 
 static void dataworker_dealloc(DataWorkerObject *d) {
     dataworker_destroy(d);
-    Py_XDECREF(d->owner); /* after the worker: the context goes last */
+    if (!d->leaked) Py_XDECREF(d->owner); /* after the worker: the context goes last (never, under a leaked one) */
     pthread_mutex_destroy(&d->lock);
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
@@ -1311,24 +1383,38 @@ static PyObject *dataworker_get_handle(DataWorkerObject *d, void *closure) {
 
 static PyObject *dataworker_get_efd(DataWorkerObject *d, void *closure) { return PyLong_FromLong(d->efd); }
 
+static PyObject *dataworker_get_leaked(DataWorkerObject *d, void *closure) { return PyBool_FromLong(d->leaked); }
+
+static PyObject *dataworker_get_orphans(DataWorkerObject *d, void *closure) {
+    Py_ssize_t n;
+    data_lock(d);
+    n = d->worker != NULL ? data_sweep_locked(d) : d->n_orphans;
+    data_unlock(d);
+    return PyLong_FromSsize_t(n);
+}
+
 static PyMethodDef dataworker_methods[] = {
     {"connect", (PyCFunction)dataworker_connect, METH_VARARGS,
      "connect(address): an endpoint (ucp_ep_h, as an int) to the worker of this packed address."},
     {"close_ep", (PyCFunction)dataworker_close_ep, METH_VARARGS,
-     "close_ep(ep, timeout_s=1.0): close an endpoint now (forced), progressing until it ends or timeout_s."},
+     "close_ep(ep): close an endpoint now (forced); UCS_INPROGRESS while its close request runs (the worker's "
+     "progress ends it)."},
     {"rkey_unpack", (PyCFunction)dataworker_rkey_unpack, METH_VARARGS,
      "rkey_unpack(ep, packed): a remote key for ep (checked by the caller first), until rkey_destroy."},
     {"rkey_destroy", (PyCFunction)dataworker_rkey_destroy, METH_VARARGS, "rkey_destroy(rkey)."},
     {"progress", (PyCFunction)dataworker_progress, METH_NOARGS,
      "Progress until nothing is left to do; the number of calls that did work."},
     {"close", (PyCFunction)dataworker_close, METH_NOARGS,
-     "Destroy the worker (its endpoints with it); idempotent. Requests still on it are never progressed again."},
+     "Destroy the worker (its endpoints with it), or, with operations maybe still queued on it, leave it "
+     "undestroyed and never progressed (leaked, with its context); idempotent."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyGetSetDef dataworker_getset[] = {
     {"handle", (getter)dataworker_get_handle, NULL, "the ucp_worker_h, as an int (0 once closed)", NULL},
     {"efd", (getter)dataworker_get_efd, NULL, "UCX's event fd for the worker, or -1", NULL},
+    {"leaked", (getter)dataworker_get_leaked, NULL, "closed with operations maybe queued: never destroyed", NULL},
+    {"orphans", (getter)dataworker_get_orphans, NULL, "requests let go of that still run (those that ended are freed on looking)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1353,7 +1439,7 @@ static PyMethodDef module_methods[] = {
      "the first put until the flush ends (or unhold()/abandon()): the caller's waiter drives it. ``cork``: (fd, "
      "inode) pairs of tcp sockets corked (TCP_CORK) from before the first row until the flush is posted, those "
      "whose fd still names that inode; uncorked and corked again every ``push_every`` rows (0: never)."},
-    {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket)."},
+    {"post_stats", py_post_stats, METH_NOARGS, "Counters of post(): corked (posts that corked a socket), leaked_workers (DataWorkers closed with operations maybe queued, never destroyed)."},
     {"status_codes", py_status_codes, METH_NOARGS, "The UCX status values the extension compares against, by name."},
     {"worker_efd", py_worker_efd, METH_VARARGS, "worker_efd(worker): UCX's event fd of a ucp_worker_h."},
     {"flush", py_flush, METH_VARARGS,

@@ -249,6 +249,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "rows served for peers": {"now": self.served_rows(), "limit": int(self.params["max_served_rows"])},
             "native path": rma.data_path(),
             "UCX progress": self.pacing.progress_mode(),
+            "data worker": self.pacing.data_worker_text(),
             "native progress": dict(self._progress.stats) if self._progress is not None else {},
             "READ cork": self.pacing.read_cork_text(),
             "progress cork": self.pacing.progress_cork_text(),

@@ -10,6 +10,9 @@ from typing import Any
 from . import rma, tcp_sockets
 from .config import log
 
+_RESCAN_S = 0.5  # the worker's tcp sockets looked up again this often while serving peers on other machines
+_RESCAN_FIRST_S = 0.005  # ... and this soon after an initiator's hello, doubling up to _RESCAN_S
+
 
 class Pacing:
     """The progress thread's settings and the waiters' for the backend ``b`` (its ``_progress`` is the thread)."""
@@ -18,6 +21,7 @@ class Pacing:
         self.b = backend
         self.serving_far_tcp = False  # an initiator on another machine was served over tcp (see serving_far)
         self.cork_scan = 0.0  # when the worker's sockets were last looked up for the progress thread to cork
+        self.cork_scan_every = _RESCAN_S  # how long until the next look (shorter just after an initiator said hello)
         self.cork_found: tuple[tuple[int, int], ...] = ()  # what it was handed
 
     def start_progress(self) -> bool:
@@ -59,7 +63,12 @@ class Pacing:
     def serving_far(self) -> None:
         """An initiator on another machine said hello: where UCX emulates its put/get over tcp (no RDMA transport),
         the progress thread takes the far_ settings from now on."""
-        if self.b._rma_native or self.serving_far_tcp:
+        if self.b._rma_native:
+            return
+        # its endpoints connect to this worker's over the next milliseconds (each of its workers its own socket):
+        # look for them soon, then less often
+        self.cork_scan_every = _RESCAN_FIRST_S
+        if self.serving_far_tcp:
             return
         self.serving_far_tcp = True
         if self.b._progress is not None:
@@ -81,14 +90,16 @@ class Pacing:
         return rows if rows > 0 and peer.elsewhere and not self.b._rma_native else float("inf")
 
     def rescan_cork(self, now: float) -> None:
-        """While serving peers on other machines over tcp, look the worker's sockets up again every half second."""
+        """While serving peers on other machines over tcp, look the worker's sockets up again: every half second,
+        and after an initiator's hello at 5 ms, then twice as long each time."""
         if (
             self.serving_far_tcp
             and self.b._progress is not None
             and self.watches_streams()
-            and now - self.cork_scan > 0.5
+            and now - self.cork_scan > self.cork_scan_every
         ):
             self.cork_scan = now
+            self.cork_scan_every = min(2 * self.cork_scan_every, _RESCAN_S)
             self.set_progress_cork()
 
     def watches_streams(self) -> bool:
@@ -122,6 +133,20 @@ class Pacing:
             f"READs of >= {rows} rows from peers on other machines over tcp post their gets with the worker's tcp "
             f"sockets to the peer corked (TCP_CORK), let out {push}; sockets found {corked}; posts corked in this "
             f"process {lib.post_stats()['corked']}"
+        )
+
+    def data_worker_text(self) -> str:
+        """``describe()``'s "data worker": where one-sided rows are posted, and why."""
+        b, lib = self.b, rma.native()
+        if b._data is None:
+            if not b._one_sided or lib is None or not b.params["native_progress"]:
+                return "none: one-sided rows are not posted in C here"
+            why = "data_worker is off" if not b.params["data_worker"] else "error_handling is on"
+            return f"none ({why}): one-sided rows share ucxx's (multi-threaded) worker"
+        return (
+            "one-sided rows go through a UCP worker of this backend's own in serialized mode (one mutex of ours "
+            "around each call, no UCX worker lock per put/get); workers closed with operations still queued, "
+            f"left undestroyed, in this process: {lib.post_stats()['leaked_workers']}"
         )
 
     def progress_cork_text(self) -> str:

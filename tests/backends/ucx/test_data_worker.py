@@ -185,3 +185,49 @@ def test_a_progress_thread_serves_a_data_workers_request_nobody_drives(pair):
         served.close()
     with pytest.raises(TypeError, match="DataWorker"):
         lib.Progress(idle.handle, data=object())
+
+
+@pytest.mark.parametrize("ends", ["never", "before it is let go of", "after it is let go of"])
+def test_a_data_worker_is_destroyed_only_once_nothing_is_queued_on_it(ends):
+    """A flush let go of (``abandon``) while its puts wait for a target nobody progresses: closing the worker then
+    leaves it undestroyed (UCX would assert on, or free under the transport, operations still queued) and counts it
+    leaked. Where the flush ended first, or ended after it was let go of (the worker progressed meanwhile), the
+    worker is destroyed."""
+    u, _ = import_ucxx()
+    config = {"TLS": "tcp,self"}
+    ctx_t, ctx_i = make_context(u, config, False)[0], make_context(u, config, False)[0]
+    target = u.UCXWorker(ctx_t)
+    lib = rma.native()
+    data = lib.DataWorker(ctx_i.handle, ctx_i)  # keeps its context alive, for as long as the worker lives
+    buf, src = np.zeros(N * BLOCK, np.uint8), np.ones(N * BLOCK, np.uint8)
+    memh = rma.mem_map(ctx_t.handle, buf.ctypes.data, buf.nbytes)
+    ep = data.connect(target.address.tobytes())
+    rkey = data.rkey_unpack(ep, rma.rkey_pack(ctx_t.handle, memh))
+    laddr = src.ctypes.data + np.arange(N, dtype=np.uint64) * BLOCK
+    raddr = buf.ctypes.data + np.arange(N, dtype=np.uint64) * BLOCK
+    rows = rma.native_rows(laddr, np.full(N, BLOCK, np.uint64), raddr, np.full(N, rkey, np.uint64), [None] * N)
+    flush = lib.post(False, ep, rows, None, None, 0, data)
+    assert not isinstance(flush, int), flush
+
+    def serve() -> None:
+        deadline = time.monotonic() + 10
+        while flush.poll() == rma.UCS_INPROGRESS or data.orphans:
+            assert time.monotonic() < deadline, "the puts did not end"
+            data.progress()
+            target.progress()
+
+    if ends == "before it is let go of":
+        serve()
+    assert flush.poll() == (rma.UCS_OK if ends.startswith("before") else rma.UCS_INPROGRESS)
+    flush.abandon()
+    assert data.orphans == (0 if ends.startswith("before") else 1)
+    if ends == "after it is let go of":
+        serve()
+    leaked = lib.post_stats()["leaked_workers"]
+    data.rkey_destroy(rkey)
+    data.close()
+    assert data.leaked == (ends == "never") and data.handle == 0
+    assert lib.post_stats()["leaked_workers"] == leaked + (ends == "never")
+    if ends != "never":
+        assert np.array_equal(buf, src)
+        rma.mem_unmap(ctx_t.handle, memh)

@@ -9,6 +9,7 @@ connection left out); bytes are checked after every READ.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import stat
 import struct
@@ -273,7 +274,8 @@ def test_a_target_acknowledges_a_far_write_stream_in_full_segments(test_hosts):
     leaves as it is made, unless the kernel's autocorking merges it (only shown)."""
     corked, text, bursts = _frozen_write_acks(test_hosts, True)
     plain, off, _ = _frozen_write_acks(test_hosts, False)
-    assert "while a stream of small rows comes in on them: 1 handed" in text and off.startswith("off;")
+    # one socket per connection this process holds to the target (ucxx's worker's and the data worker's)
+    assert re.search(r"while a stream of small rows comes in on them: [12] handed", text) and off.startswith("off;")
     assert bursts > 0, text
     assert corked <= ROWS // 4, f"{corked} segments corked ({bursts} bursts), {plain} uncorked; {text}"
 
