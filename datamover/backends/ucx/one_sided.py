@@ -89,7 +89,7 @@ class OneSided:
         It stops at the request's deadline, so the waiter can report the timeout.
         """
         worker, deadline, clock, gate = self._worker(), direct.deadline, time.monotonic, self.b._progress_gate
-        spin, pause = self.b.pacing.drive_spin_s(direct.peer), self.b.pacing.drive_s(direct.peer, "drive_pause_us")
+        spin, pause = self.b.pacing.drive_spin_s(direct.peer), self.b.pacing.drive_pause_s(direct.peer, direct.op)
         direct.driven = True
         self.b._drivers.add(direct)
         native = not isinstance(direct.flush, rma.Flush)

@@ -78,6 +78,14 @@ class Pacing:
         """How long a waiter polls UCX without progress before sleeping, for a request to ``peer``."""
         return self.drive_s(peer, "drive_spin_us")
 
+    def drive_pause_s(self, peer: Any, op: str) -> float:
+        """How long a waiter driving ``op`` to ``peer`` pauses on the CPU after a progress call that found nothing:
+        drive_pause_us, and for a READ from a peer on another machine over tcp at least far_read_pause_us."""
+        pause = self.drive_s(peer, "drive_pause_us")
+        if op == "READ" and peer.elsewhere and not self.b._rma_native:
+            pause = max(pause, float(self.b.params["far_read_pause_us"]) * 1e-6)
+        return pause
+
     def drive_s(self, peer: Any, key: str) -> float:
         """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
         peer on another machine whose put/get UCX emulates over tcp."""

@@ -62,6 +62,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
     # near and far peers; each progress is an epoll_wait on UCX's sockets
     "drive_pause_us": 0,
     "far_drive_pause_us": 0,
+    # ... and a waiter driving a READ from a peer on another machine over tcp pauses at least this long: each
+    # progress is an epoll_wait and a recv, and asked less often it takes the replies coming in several at a time
+    # (a WRITE's waiter is not paused: it refills the socket as it drains); 0: as far_drive_pause_us
+    "far_read_pause_us": 20,
     # once this agent serves such a peer, its native progress thread spins this long after work, and polls on a
     # timer of far_progress_poll_us after work (progress_spin_us / progress_poll_us until then)
     "far_progress_spin_us": 0,
@@ -126,7 +130,7 @@ def check_params(params: Mapping[str, Any], backend: str = "ucx") -> None:
     the READ cork's row counts be whole numbers >= 0."""
     for key in (
         "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-        "far_drive_pause_us", "far_stream_poll_us",
+        "far_drive_pause_us", "far_read_pause_us", "far_stream_poll_us",
     ):  # fmt: skip
         us = params[key]
         if isinstance(us, bool) or not isinstance(us, (int, float)) or not 0 <= us <= 1_000_000:

@@ -364,7 +364,7 @@ def test_the_native_progress_thread_is_named_and_sleeps_on_its_timer_without_sla
     "key",
     [
         "progress_poll_us", "progress_spin_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
-        "far_drive_pause_us", "far_stream_poll_us",
+        "far_drive_pause_us", "far_read_pause_us", "far_stream_poll_us",
     ],
 )  # fmt: skip
 @pytest.mark.parametrize("bad", [-1, 1_000_001, "100", True, None])

@@ -43,3 +43,19 @@ def test_sockets_are_looked_up_soon_after_each_far_hello_then_every_half_second(
     for ms in range(0, 12):
         pacing.at(102.0 + ms * 1e-3)
     assert [round(t - 102.0, 3) for t in scans] == [0.0, 0.01]
+
+
+def test_only_a_read_from_a_far_peer_over_emulated_rma_pauses_its_waiter():
+    backend = SimpleNamespace(params=dict(DEFAULT_PARAMS), _rma_native=False, _progress=None)
+    pacing = Pacing(backend)
+    far, near = SimpleNamespace(elsewhere=True), SimpleNamespace(elsewhere=False)
+    read_pause = DEFAULT_PARAMS["far_read_pause_us"] * 1e-6
+    assert read_pause > 0
+    assert pacing.drive_pause_s(far, "READ") == read_pause
+    assert pacing.drive_pause_s(far, "WRITE") == 0.0  # a WRITE's waiter refills the socket as it drains
+    assert pacing.drive_pause_s(near, "READ") == 0.0
+    backend._rma_native = True  # RDMA: no tcp socket to take the replies from
+    assert pacing.drive_pause_s(far, "READ") == 0.0
+    backend._rma_native = False
+    backend.params.update(far_drive_pause_us=50, far_read_pause_us=0)
+    assert pacing.drive_pause_s(far, "READ") == pacing.drive_pause_s(far, "WRITE") == 50 * 1e-6
