@@ -23,6 +23,7 @@
 #include <sys/epoll.h>
 #include <sys/prctl.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -204,6 +205,12 @@ static void cork_off(const cork_t *c) { cork_set(c, 0); }
  * tcpi_bytes_received and tcpi_bytes_acked, Linux 4.1 on); 0 where it cannot tell */
 #define TCPI_BYTES_ACKED 120
 #define TCPI_BYTES_RECEIVED 128
+/* bytes received on a TCP socket and not read yet (0 where it cannot tell) */
+static unsigned long long unread(int fd) {
+    int n = 0;
+    return ioctl(fd, FIONREAD, &n) == 0 && n > 0 ? (unsigned long long)n : 0;
+}
+
 static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
     unsigned char info[256];
     socklen_t len = sizeof info;
@@ -220,9 +227,12 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
 /* ...and corked only while its rows are small: at most this many bytes received per byte sent. UCX's tcp put
  * acknowledgement is 9 bytes, so rows up to about 18 KiB, several to one 64 KiB receive, whose acknowledgements
  * a progress call makes together. A stream of larger rows gets one acknowledgement per call: corking it only
- * adds two system calls per call. A burst that sent less than CORK_MIN_SENT since the last one (a backlog that
- * came in while the target was away, a stray acknowledgement acked late) says nothing of the rows' size: the
- * socket keeps what the last burst that sent enough said (small, until one does) */
+ * adds two system calls per call. What was sent since the last burst is weighed against what was read since
+ * (received less what waits unread), not against what came in: a backlog that came in while the thread was
+ * away is neither read nor acknowledged yet (weighed against the acknowledgements of the few rows before it, it
+ * read as large rows). A burst that sent less than CORK_MIN_SENT since the last one (a stray acknowledgement
+ * acked late) says nothing of the rows' size: the socket keeps what the last burst that sent enough said
+ * (small, until one does) */
 #define CORK_MAX_BYTES_PER_SENT 2048
 #define CORK_MIN_SENT 64 /* bytes: about seven acknowledgements */
 
@@ -345,6 +355,7 @@ typedef struct {
     int cork_streams; /* cork a socket through each progress call of a burst while a stream comes in on it */
     unsigned long long cork_ino[MAX_CORK];
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
+    unsigned long long cork_read[MAX_CORK]; /* ... and how much of what they received had been read then */
     unsigned char cork_large[MAX_CORK]; /* the last stream on it that sent something brought large rows */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
@@ -867,13 +878,17 @@ static void *progress_main(void *arg) {
                         continue;
                     if (!tcp_bytes(all.fd[i], &rx, &tx)) continue;
                     unsigned long long drx = rx - p->cork_rx[i], dtx = tx - p->cork_tx[i];
+                    /* what was sent since the last burst acknowledges what was read since (not what came in:
+                     * a backlog that came in while the thread was away is not read yet) */
+                    unsigned long long read = rx - unread(all.fd[i]), dread = read - p->cork_read[i];
+                    p->cork_read[i] = read;
                     p->cork_rx[i] = rx;
                     p->cork_tx[i] = tx;
                     if (fresh) p->cork_large[i] = 0;
                     if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) {
                         streams++;
                         stream_in += drx;
-                        if (dtx >= CORK_MIN_SENT) p->cork_large[i] = drx > CORK_MAX_BYTES_PER_SENT * dtx;
+                        if (dtx >= CORK_MIN_SENT) p->cork_large[i] = dread > CORK_MAX_BYTES_PER_SENT * dtx;
                         if (!p->cork_large[i]) cork.fd[cork.n++] = all.fd[i];
                     }
                 }

@@ -34,6 +34,7 @@ pytestmark = [
 
 TCP = {"UCX_TLS": "tcp,self"}
 ROWS, BLOCK = 256, 4096
+FEW = 16  # rows of a WRITE whose acknowledgements (9 bytes each) are more than CORK_MIN_SENT
 # offsets (and formats) in struct tcp_info (Linux 4.6 on) of tcpi_data_segs_in, _out and tcpi_bytes_acked
 _DATA_SEGS_IN, _DATA_SEGS_OUT, _BYTES_ACKED = (152, "I"), (156, "I"), (120, "Q")
 
@@ -239,6 +240,10 @@ def _frozen_write_acks(hosts, cork: bool) -> tuple[int, str, int]:
             _await_handed(peer, there.address, control)
         # the thread's byte counts start at its first burst after the hand-over: have that burst come first
         assert agent.transfer("WRITE", *rows, peer.name).wait()
+        # then a few rows, whose acknowledgements are what the backlog's burst finds sent since the last burst:
+        # weighed against the backlog that came in meanwhile (not read yet), they made it look like large rows
+        few = (src.descs(np.arange(FEW) * BLOCK, BLOCK), target.descs(scattered[:FEW], BLOCK))
+        assert agent.transfer("WRITE", *few, peer.name).wait()
         corked_before = peer.call("describe", "ucx")["native progress"]["corked"]
         target.write(0, bytes(n))
         before = _tcp_count(there.address, control, _DATA_SEGS_IN)
