@@ -227,12 +227,11 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
 /* ...and corked only while its rows are small: at most this many bytes received per byte sent. UCX's tcp put
  * acknowledgement is 9 bytes, so rows up to about 18 KiB, several to one 64 KiB receive, whose acknowledgements
  * a progress call makes together. A stream of larger rows gets one acknowledgement per call: corking it only
- * adds two system calls per call. What was sent since the last burst is weighed against what was read since
- * (received less what waits unread), not against what came in: a backlog that came in while the thread was
- * away is neither read nor acknowledged yet (weighed against the acknowledgements of the few rows before it, it
- * read as large rows). A burst that sent less than CORK_MIN_SENT since the last one (a stray acknowledgement
- * acked late) says nothing of the rows' size: the socket keeps what the last burst that sent enough said
- * (small, until one does) */
+ * adds two system calls per call. The rows are judged once at least CORK_MIN_SENT was sent since the last
+ * judgement (fewer acknowledgements say little, a stray one acked late nothing), and what was sent since then
+ * is weighed against what was read since (received less what waits unread), not against what came in: a
+ * backlog that came in while the thread was away is neither read nor acknowledged yet (weighed against the
+ * acknowledgements of the few rows before it, it read as large rows). Until judged, a socket's rows are small */
 #define CORK_MAX_BYTES_PER_SENT 2048
 #define CORK_MIN_SENT 64 /* bytes: about seven acknowledgements */
 
@@ -355,7 +354,7 @@ typedef struct {
     int cork_streams; /* cork a socket through each progress call of a burst while a stream comes in on it */
     unsigned long long cork_ino[MAX_CORK];
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
-    unsigned long long cork_read[MAX_CORK]; /* ... and how much of what they received had been read then */
+    unsigned long long cork_read[MAX_CORK], cork_sent[MAX_CORK]; /* read and sent at the last judgement of rows */
     unsigned char cork_large[MAX_CORK]; /* the last stream on it that sent something brought large rows */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
@@ -878,17 +877,23 @@ static void *progress_main(void *arg) {
                         continue;
                     if (!tcp_bytes(all.fd[i], &rx, &tx)) continue;
                     unsigned long long drx = rx - p->cork_rx[i], dtx = tx - p->cork_tx[i];
-                    /* what was sent since the last burst acknowledges what was read since (not what came in:
-                     * a backlog that came in while the thread was away is not read yet) */
-                    unsigned long long read = rx - unread(all.fd[i]), dread = read - p->cork_read[i];
-                    p->cork_read[i] = read;
                     p->cork_rx[i] = rx;
                     p->cork_tx[i] = tx;
-                    if (fresh) p->cork_large[i] = 0;
+                    if (fresh) {
+                        p->cork_large[i] = 0;
+                        p->cork_read[i] = rx - unread(all.fd[i]);
+                        p->cork_sent[i] = tx;
+                    }
                     if (!fresh && drx >= CORK_STREAM_BYTES && drx >= 4 * dtx) {
                         streams++;
                         stream_in += drx;
-                        if (dtx >= CORK_MIN_SENT) p->cork_large[i] = dread > CORK_MAX_BYTES_PER_SENT * dtx;
+                        unsigned long long sent = tx - p->cork_sent[i];
+                        if (sent >= CORK_MIN_SENT) {
+                            unsigned long long read = rx - unread(all.fd[i]);
+                            p->cork_large[i] = read - p->cork_read[i] > CORK_MAX_BYTES_PER_SENT * sent;
+                            p->cork_read[i] = read;
+                            p->cork_sent[i] = tx;
+                        }
                         if (!p->cork_large[i]) cork.fd[cork.n++] = all.fd[i];
                     }
                 }
