@@ -79,7 +79,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "far_read_cork_push": 0,
     # once this agent serves such a peer, its native progress thread corks the worker's tcp sockets through each
     # progress call while a stream of small puts comes in on them (tcp_info's byte counts: received four times
-    # what was sent, and at most 2048 times: rows up to about 18 KiB), so their acknowledgements, one per put,
+    # what was sent, and read at most 2048 times: rows up to about 18 KiB), so their acknowledgements, one per put,
     # leave together instead of a segment each (a call on larger rows makes one acknowledgement: not corked)
     "far_progress_cork": True,
     # ... and after a burst during which such a stream came in, once the stream brought far_stream_poll_bytes
