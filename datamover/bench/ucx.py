@@ -257,7 +257,11 @@ class UcxWorkload(Workload):
             self._call("close")
         except (EOFError, OSError):
             pass
-        self.process.join(10)
+        # the target's raw endpoint closes as it exits, and that close needs this side's raw worker progressed
+        deadline = time.monotonic() + 10
+        while self.process.is_alive() and time.monotonic() < deadline:
+            self.worker.progress()
+            self.process.join(0.001)
         if self.process.is_alive():
             self.process.kill()
         self.agent.close()

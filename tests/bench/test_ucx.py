@@ -25,3 +25,23 @@ def test_sweep_checks_bytes_and_reports_transports():
     # the congestion control paces TCP (bbr) or not: it changes the tcp rows' tails, so the header names it
     with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
         assert headers["ucx"]["tcp congestion control"] == f.read().strip()
+
+
+def test_a_target_on_another_host_exits_by_itself_at_close(test_hosts, monkeypatch):
+    """Closing the workload lets its target process end on its own: the target's raw ucxx endpoint closes as the
+    process exits, and across hosts that close waits for this side's raw worker to be progressed (left alone, the
+    target spun until it was killed ten seconds later, at every ucx workload's end)."""
+    from datamover.bench.ucx import UcxWorkload
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", test_hosts[0].ifname)
+    w = UcxWorkload(1 << 20, {"ucx": {"direct_cma": False}, "test_hosts": test_hosts})
+    try:
+        case = w.case("WRITE", 4096, 16)
+        case.ours()
+        assert case.raw() > 0  # the raw endpoint carries traffic both ways
+        assert case.verify()
+        case.close()
+    finally:
+        w.close()
+    assert w.process.exitcode == 0, f"the target ended with {w.process.exitcode} (negative: killed by that signal)"
