@@ -224,7 +224,7 @@ static int tcp_bytes(int fd, unsigned long long *rx, unsigned long long *tx) {
  * least this much and four times what it sent (puts arriving, one small acknowledgement going back each), not
  * while it sends more than it receives (a get's reply each: corked, a reply that fills the socket waits) */
 #define CORK_STREAM_BYTES 4096
-/* ...and corked only while its rows are small: at most this many bytes received per byte sent. UCX's tcp put
+/* ...and corked only while its rows are small: at most this many bytes read per byte sent. UCX's tcp put
  * acknowledgement is 9 bytes, so rows up to about 18 KiB, several to one 64 KiB receive, whose acknowledgements
  * a progress call makes together. A stream of larger rows gets one acknowledgement per call: corking it only
  * adds two system calls per call. The rows are judged once at least CORK_MIN_SENT was sent since the last
@@ -355,7 +355,7 @@ typedef struct {
     unsigned long long cork_ino[MAX_CORK];
     unsigned long long cork_rx[MAX_CORK], cork_tx[MAX_CORK]; /* their byte counts at the last burst */
     unsigned long long cork_read[MAX_CORK], cork_sent[MAX_CORK]; /* read and sent at the last judgement of rows */
-    unsigned char cork_large[MAX_CORK]; /* the last stream on it that sent something brought large rows */
+    unsigned char cork_large[MAX_CORK]; /* its last judgement of rows: large */
     unsigned long long cork_gen, cork_seen; /* set_cork()s so far, and the one the thread's counts are for */
     unsigned long long wakeups, bursts, progressed, kicks, holds, release_kicks, polls, events, corked, streams;
     unsigned long long busy, unarmed; /* arms that said busy (progressed again at once); arms that failed (1 ms sleep) */

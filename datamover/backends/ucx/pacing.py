@@ -82,20 +82,23 @@ class Pacing:
         """How long a waiter driving ``op`` to ``peer`` pauses on the CPU after a progress call that found nothing:
         drive_pause_us, and for a READ from a peer on another machine over tcp at least far_read_pause_us."""
         pause = self.drive_s(peer, "drive_pause_us")
-        if op == "READ" and peer.elsewhere and not self.b._rma_native:
+        if op == "READ" and self.far_tcp(peer):
             pause = max(pause, float(self.b.params["far_read_pause_us"]) * 1e-6)
         return pause
 
     def drive_s(self, peer: Any, key: str) -> float:
         """A waiter's setting ``key`` (in microseconds) for a request to ``peer``, in seconds: its far_ one for a
         peer on another machine whose put/get UCX emulates over tcp."""
-        far = peer.elsewhere and not self.b._rma_native
-        return float(self.b.params[f"far_{key}" if far else key]) * 1e-6
+        return float(self.b.params[f"far_{key}" if self.far_tcp(peer) else key]) * 1e-6
+
+    def far_tcp(self, peer: Any) -> bool:
+        """Whether ``peer`` is on another machine and UCX emulates put/get to it over tcp (no RDMA transport)."""
+        return bool(peer.elsewhere) and not self.b._rma_native
 
     def read_cork_rows(self, peer: Any) -> float:
         """READs to ``peer`` of at least this many rows are posted with its tcp sockets corked (inf: never)."""
         rows = int(self.b.params["far_read_cork_rows"])
-        return rows if rows > 0 and peer.elsewhere and not self.b._rma_native else float("inf")
+        return rows if rows > 0 and self.far_tcp(peer) else float("inf")
 
     def rescan_cork(self, now: float) -> None:
         """While serving peers on other machines over tcp, look the worker's sockets up again: every half second,
