@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -115,7 +116,8 @@ def test_push_and_invalidate_at_a_listener_and_the_etcd_route_needs_endpoints(mo
         # the peer is gone: NIXL's examples call this in teardown and rely on it not raising
         agent.send_local_metadata(HOST, port)
         agent.invalidate_local_metadata(HOST, port)
-        assert agent.agent.wait_metadata(30)  # the push is retried for 10 s (a listener may not be up yet)
+        # that listener was reached before: its refusal fails at once (as NIXL's sends), not after 10 s of retries
+        assert agent.agent.wait_metadata(md.FETCH_RETRY_S / 2)
         assert agent.agent.metadata_failures == 2
         with pytest.raises(nx.nixlInvalidParamError):
             agent.send_local_metadata()
@@ -123,6 +125,26 @@ def test_push_and_invalidate_at_a_listener_and_the_etcd_route_needs_endpoints(mo
             agent.fetch_remote_metadata("target")
     finally:
         agent.close()
+
+
+def test_a_push_to_a_listener_not_up_yet_is_retried_until_it_is():
+    agent = nixl_agent("early", nixl_agent_config(backends=[]))
+    held = socket.socket()  # the port, bound and not listening: a connect is refused until the listener takes it
+    held.bind((HOST, 0))
+    port = held.getsockname()[1]
+    listener = None
+    try:
+        agent.send_local_metadata(HOST, port)
+        assert not agent.agent.wait_metadata(0.3)  # refused and retrying, not failed
+        held.close()
+        listener = nixl_agent("late", nixl_agent_config(True, True, port, backends=[]))
+        until(lambda: listener.check_remote_metadata("early"))
+        assert agent.agent.wait_metadata(5) and agent.agent.metadata_failures == 0
+    finally:
+        held.close()
+        agent.close()
+        if listener is not None:
+            listener.close()
 
 
 def _partial_flow(target, init, exchange) -> None:

@@ -75,6 +75,7 @@ class nixlAgent(BackendsMixin, MemoryMixin, XferMixin, MetadataMixin):
         self._obj_keys: dict[int, str] = {}
         self._obj_bucket: str | None = None
         self._labels: dict[str, Any] = {}
+        self._reached: set[tuple[str, int]] = set()  # metadata listeners reached once (see _reaching)
         self._cost: dict[str, tuple[float, float]] = {}
         self._telemetry_on = telemetry_enabled(bool(self.config.captureTelemetry))
         try:

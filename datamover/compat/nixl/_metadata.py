@@ -43,6 +43,7 @@ class MetadataMixin:
     name: str
     _worker: MetadataWorker
     _labels: dict[str, Any]
+    _reached: set[tuple[str, int]]
 
     # -- blobs -------------------------------------------------------------
     def getLocalMD(self) -> bytes:
@@ -127,7 +128,7 @@ class MetadataMixin:
             what = f"send to {ip_addr}:{port}"
 
             def push() -> None:  # a listener not up yet is retried, as a fetch is
-                retry(lambda: self._push(ip_addr, int(port), blob), retry_on=(RemoteDisconnected,))
+                self._reaching(ip_addr, int(port), lambda: self._push(ip_addr, int(port), blob))
 
             self._worker.submit(what, push)
             return
@@ -137,6 +138,15 @@ class MetadataMixin:
             return
         what = f"publish label {label!r} to etcd"
         self._worker.submit(what, lambda: self._put_label(endpoints, namespace, label, blob))
+
+    def _reaching(self, ip_addr: str, port: int, job: Any) -> Any:
+        """``job()`` against the listener at (``ip_addr``, ``port``): retried while it refuses only until it was
+        reached once (a listener not up yet); after that a refusal means its agent is gone, and fails at once, as
+        every NIXL send does."""
+        where = (ip_addr, port)
+        got = retry(job, timeout=0.0 if where in self._reached else FETCH_RETRY_S, retry_on=(RemoteDisconnected,))
+        self._reached.add(where)
+        return got
 
     def _push(self, ip_addr: str, port: int, blob: bytes | None) -> None:
         with nixl_errors():
@@ -156,13 +166,14 @@ class MetadataMixin:
         """Queue a fetch of a peer's metadata from its listener or etcd (``label``: that partial blob).
 
         A listener not up yet (or a key not in etcd yet) is retried for up to
-        10 s; a listener serving another agent's metadata is refused (logged).
+        10 s, one reached before is not; a listener serving another agent's
+        metadata is refused (logged).
         """
         name = as_name(remote_agent)
         if ip_addr:
 
             def fetch() -> None:
-                got = retry(lambda: self._fetch_tcp(ip_addr, int(port)), retry_on=(RemoteDisconnected,))
+                got = self._reaching(ip_addr, int(port), lambda: self._fetch_tcp(ip_addr, int(port)))
                 if got != name:
                     self.agent.remove_remote(got)
                     raise nixlMismatchError(f"{ip_addr}:{port} serves the metadata of {got!r}, not {name!r}")

@@ -17,7 +17,8 @@ from typing import Any
 
 log = logging.getLogger("datamover.compat.nixl")
 
-#: How long a fetch retries a peer's listener that is not up yet (NIXL retries too).
+#: How long a fetch or push retries a peer's listener that is not up yet (one it reached before is not retried).
+#: NIXL tries once; retrying lets peers that start side by side find each other.
 FETCH_RETRY_S = 10.0
 #: How long ``close`` waits for queued jobs (teardown invalidations) before giving up on them.
 DRAIN_S = 2.0
