@@ -374,6 +374,10 @@ def test_a_poll_interval_out_of_range_is_refused_naming_the_parameter(key, bad):
     with Agent("native-poll-bad", {"backends": {"ucx": {**TCP, key: bad}}}) as agent:
         with pytest.raises(InvalidParameter, match=key):
             agent.backend("ucx")  # started on first use
+
+
+@needs_native
+def test_the_native_thread_refuses_times_out_of_range_at_start_and_tune():
     from datamover.backends.ucx import _ucp
 
     with Agent("native-poll-ok", {"backends": {"ucx": TCP}}) as agent:
