@@ -201,21 +201,28 @@ class BackendConformance:
         """A post past its deadline ends in TransferTimeout, never hangs, and leaves the agent usable.
 
         No part of it may report (``Completion.finish_part`` waits on a gate, off the test's thread) until the
-        timeout was raised: it is timed out by construction, not because 64 MiB happened to outlast 100 us.
+        timeout was raised (the gate opens once a cancel recorded its error, before any fence waits for the parts
+        in flight): it is timed out by construction, not because 64 MiB happened to outlast 100 us.
         """
         size = self.big
         local, remote = make_local(size), make_remote(size)
         bs = 1 << 16
         descs_l = local.descs(np.arange(size // bs) * bs, bs)
         descs_r = remote.descs(np.arange(size // bs)[::-1] * bs, bs)
-        gate, finish_part = threading.Event(), Completion.finish_part
+        gate, finish_part, cancel = threading.Event(), Completion.finish_part, Completion.cancel
 
         def held(completion, error=None):
             if threading.current_thread() is not threading.main_thread():
                 gate.wait(60)
             finish_part(completion, error)
 
+        def cancelled(completion, error=None):
+            cancel(completion, error)
+            if isinstance(completion.error, TransferTimeout):
+                gate.set()
+
         monkeypatch.setattr(Completion, "finish_part", held)
+        monkeypatch.setattr(Completion, "cancel", cancelled)
         t0 = time.monotonic()
         try:
             xfer = agent.transfer("WRITE", descs_l, descs_r, agent=peer, backends=self.backend, timeout=1e-4)
@@ -224,7 +231,8 @@ class BackendConformance:
             assert xfer.state == XferState.ERR and isinstance(xfer.error, TransferTimeout)
         finally:
             gate.set()
-            Completion.finish_part = finish_part  # undo only this patch: the fixtures' own ones stay
+            Completion.finish_part = finish_part  # undo only these patches: the fixtures' own ones stay
+            Completion.cancel = cancel
         xfer.release()
         assert time.monotonic() - t0 < 60
         self.roundtrip(agent, peer, local, remote, 0, 4096, seed=7)  # the agent is still usable
