@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from tests.integrations.engine_support import require
 
-require("sglang.srt.mem_cache.storage.backend_factory")
+require("sglang")
 torch = pytest.importorskip("torch")
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-
-from datamover.integrations.sglang import DatamoverHiCacheStorage  # noqa: E402
 from datamover.testing.engines import DIM, HEADS, LAYERS, PAGE, PageFirstHostPool  # noqa: E402
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    from datamover.integrations.sglang import DatamoverHiCacheStorage
+
+# SGLang (and the adapter, which imports it) are imported by the tests as they run, not while pytest collects
 
 
 def storage_config(tmp_path: Path, interface_v1: int, **tiers: object) -> HiCacheStorageConfig:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
     extra = {
         "backend_name": "datamover",
         "module_path": "datamover.integrations.sglang",
@@ -44,6 +50,8 @@ def storage_config(tmp_path: Path, interface_v1: int, **tiers: object) -> HiCach
 
 def attach(config: HiCacheStorageConfig, pool: PageFirstHostPool) -> DatamoverHiCacheStorage:
     """What SGLang's cache controller does: create the dynamic backend, then hand it the host pool."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
     storage = StorageBackendFactory.create_backend("dynamic", config, pool)
     storage.register_mem_pool_host(pool)
     return storage
@@ -59,6 +67,8 @@ def keys(n: int, tag: str = "") -> list[str]:
 
 
 def test_factory_loads_the_backend_by_module_path(tmp_path: Path) -> None:
+    from datamover.integrations.sglang import DatamoverHiCacheStorage
+
     pool = PageFirstHostPool(4)
     storage = attach(storage_config(tmp_path, 1), pool)
     try:

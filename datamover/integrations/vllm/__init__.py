@@ -19,12 +19,33 @@ Offloading (vLLM's OffloadingConnector with this package's spec)::
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from .connector import DatamoverOffloadingConnector
 from .service import CacheClient, socket_path
-from .spec import DatamoverOffloadingSpec
-from .worker import DatamoverChunks, DatamoverOffloadingWorker
+
+if TYPE_CHECKING:
+    from .connector import DatamoverOffloadingConnector
+    from .spec import DatamoverOffloadingSpec
+    from .worker import DatamoverChunks, DatamoverOffloadingWorker
+
+# imported (and vLLM with them) on first use: vLLM itself looks them up by name in this module, and the cache
+# service's client (cache_stats, .service) needs no vLLM in the process that asks
+_LAZY = {
+    "DatamoverOffloadingConnector": ".connector",
+    "DatamoverOffloadingSpec": ".spec",
+    "DatamoverChunks": ".worker",
+    "DatamoverOffloadingWorker": ".worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
 
 
 def cache_stats(engine_id: str, rank: int = 0, timeout_s: float = 10.0) -> dict[str, Any]:
