@@ -165,6 +165,7 @@ class ServiceLoop:
                     self._ended, orphaned = True, self._orphaned
                 if orphaned:  # close() returned without them (the cma pool's threads may wait on this one)
                     self._close_rest(wait=False)
+                    gc.collect()  # UCX objects caught in reference cycles; otherwise close() collects, once
 
     def _in_flight(self) -> bool:
         """Whether requests are in flight (or cancelled ones draining): the loop then wakes every millisecond."""
@@ -343,7 +344,6 @@ class ServiceLoop:
         self.losses.free()  # a request's UCX objects go before its endpoint's
         self._quarantines_by.clear()
         self._worker = self._ctx = None  # type: ignore[assignment]
-        gc.collect()
 
     def _shutdown(self) -> None:
         why = RemoteDisconnected("the ucx backend was closed", backend=self.name)
