@@ -12,19 +12,19 @@ import os
 import pytest
 
 
-def require(module: str) -> None:
-    """Skip the calling test module unless `module`'s package is installed (fail instead when the run promised
-    engines). Found, not imported: an engine imported while pytest collects (vLLM, SGLang and what they pull in,
-    half a million objects) would slow every garbage collection of the whole run; the tests import it when they run,
-    and an engine that is found but does not import fails them."""
-    top = module.split(".", 1)[0]
+def require(package: str) -> None:
+    """Skip the calling test module unless `package` is installed (fail instead when the run promised engines).
+    Found, not imported: an engine imported while pytest collects (vLLM, SGLang and what they pull in, half a
+    million objects) would slow every garbage collection of the whole run; the tests import it when they run, and
+    an engine that is found but does not import fails them."""
     try:
-        found = importlib.util.find_spec(top) is not None
+        if importlib.util.find_spec(package) is not None:
+            return
         why = "not found"
     except (ImportError, ValueError) as exc:
-        found, why = False, str(exc)
-    if found:
-        return
+        why = str(exc)
     if os.environ.get("DATAMOVER_ENGINE_TESTS") == "1":
-        pytest.fail(f"DATAMOVER_ENGINE_TESTS=1 but {top} is not installed ({why})")
-    pytest.skip(f"{top} not installed ({why}); `bash scripts/setup.sh --engines` installs it", allow_module_level=True)
+        pytest.fail(f"DATAMOVER_ENGINE_TESTS=1 but {package} is not installed ({why})")
+    pytest.skip(
+        f"{package} not installed ({why}); `bash scripts/setup.sh --engines` installs it", allow_module_level=True
+    )

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ...agents.metadata import MAX_BLOB_BYTES
@@ -139,7 +140,7 @@ class MetadataMixin:
         what = f"publish label {label!r} to etcd"
         self._worker.submit(what, lambda: self._put_label(endpoints, namespace, label, blob))
 
-    def _reaching(self, ip_addr: str, port: int, job: Any) -> Any:
+    def _reaching(self, ip_addr: str, port: int, job: Callable[[], Any]) -> Any:
         """``job()`` against the listener at (``ip_addr``, ``port``): retried while it refuses only until it was
         reached once (a listener not up yet); after that a refusal means its agent is gone, and fails at once, as
         every NIXL send does."""
