@@ -311,7 +311,7 @@ def _served_order(keys: list[Key], holds: Callable[[Key], bool]) -> list[int]:
 
 
 class AdaptivePolicy(Policy):
-    """The default: each tier run by S3-FIFO or W-TinyLFU, whichever its shadows show winning."""
+    """The default: each tier run by whichever of the five experts (``EXPERTS``) its shadows show winning."""
 
     name = "adaptive"
 

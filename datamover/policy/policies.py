@@ -1,6 +1,7 @@
 """Eviction and placement policies by name: the registry, and the policies that come with datamover.
 
-- `default` (= `adaptive`): W-TinyLFU whose window adapts online from ghost lists (see `adaptive.py`).
+- `default` (= `adaptive`): each tier run by whichever of five experts (S3-FIFO, W-TinyLFU, ARC, LRU, LFU-DA) its
+  sampled shadow caches show winning now, leaves evicted first (see `adaptive.py`).
 - Baselines, each as published: `lru`; `lfu` (LFU with dynamic aging); `arc`; `s3fifo`; `wtinylfu` (a fixed 1%
   window); `lecar` (LRU and LFU mixed by online learned weights); `scored` (the decayed-count policy that was
   the default before).
