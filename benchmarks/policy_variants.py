@@ -35,6 +35,8 @@ SHAPES = ("chat", "rag", "bursty", "scan", "prompts", "mixed", "agent")
 SEEDS = {"dev": (101, 102, 103), "held": (201, 202, 203)}
 REQUESTS = 3000
 HASHES = (adaptive._GOLDEN, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # splitmix64's odd multipliers
+# the module's constants as shipped: every job starts from them (a pool worker keeps the last job's settings)
+DEFAULTS = {k: v for k, v in vars(adaptive).items() if k.isupper() or k == "_GOLDEN"}
 
 
 def workloads(sets: list[str], traces: list[str], outside: list[str]) -> list[tuple[str, str, Any]]:
@@ -67,7 +69,7 @@ def load(spec: tuple, tmp: str) -> Trace:
 def replay(job: tuple) -> tuple[str, dict[str, list[float]]]:
     """Every sweep capacity of one workload under the named policies, with `variant` applied first."""
     label, spec, names, variant, tmp = job
-    for key, value in variant.items():
+    for key, value in {**DEFAULTS, **variant}.items():
         setattr(adaptive, key, tuple(value) if isinstance(value, list) else value)
     trace = load(spec, tmp)
     out = {}
@@ -109,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--procs", type=int, default=2)
     args = p.parse_args(argv)
     variants = [json.loads(v) for v in args.variant or ["{}"]]
+    for variant in variants:
+        unknown = sorted(set(variant) - set(DEFAULTS))
+        if unknown:
+            raise SystemExit(f"not constants of datamover.policy.adaptive: {', '.join(unknown)}")
     cache = Path(args.cache)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=cache)

@@ -58,3 +58,16 @@ def test_sets_name_their_workloads_and_refuse_unknown_ones(pv):
     assert ("trace", "t.jsonl first", ("a/t.jsonl", "first")) in jobs
     with pytest.raises(SystemExit, match="unknown set"):
         pv.workloads(["nope"], [], [])
+
+
+def test_each_replay_starts_from_the_shipped_constants(pv, monkeypatch, tmp_path):
+    """A pool worker runs jobs of several variants in turn: one variant's setting must not leak into the next."""
+    seen = []
+    monkeypatch.setattr(pv, "load", lambda spec, tmp: None)
+    monkeypatch.setattr(pv, "DEFAULT_SWEEP", ())
+    monkeypatch.setattr(pv.adaptive, "SHADOW_SHARE", pv.DEFAULTS["SHADOW_SHARE"])
+    monkeypatch.setattr(pv.adaptive, "_GOLDEN", pv.DEFAULTS["_GOLDEN"])
+    for variant in ({"SHADOW_SHARE": 0.25}, {}):
+        pv.replay(("w", None, [], variant, str(tmp_path)))
+        seen.append(pv.adaptive.SHADOW_SHARE)
+    assert seen == [0.25, pv.DEFAULTS["SHADOW_SHARE"]]
