@@ -11,10 +11,11 @@ ruff check .
 ruff format --check .
 # each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)
 [ -n "${DATAMOVER_SKIP_EXTRAS:-}" ] || bash scripts/check_extras.sh
-# pytest serially, or with DATAMOVER_TEST_WORKERS=N (N >= 2) in N processes (pytest-xdist), each test file's tests
-# in one worker (--dist loadfile: a file's module fixtures and services start once); serial stays the default
-# until whole -n 2 runs pass as reliably as serial ones on a loaded machine
-WORKERS=${DATAMOVER_TEST_WORKERS:-1}
+# pytest in two processes (pytest-xdist) where the machine has two cores or more, each test file's tests in one
+# worker (--dist loadfile: a file's module fixtures and services start once); DATAMOVER_TEST_WORKERS=N picks N,
+# 0 or 1 runs serially
+CORES=$(nproc 2>/dev/null || echo 1)
+WORKERS=${DATAMOVER_TEST_WORKERS:-$((CORES >= 2 ? 2 : 1))}
 case "$WORKERS" in
   0 | 1) python -m pytest -q -ra "$@" ;;
   *) python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@" ;;
