@@ -5,12 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --engines
+echo "test.sh: installed in ${SECONDS} s" >&2
 . .venv/bin/activate
 export DATAMOVER_ENGINE_TESTS=1  # the engines are installed: their tests must run, not skip
 ruff check .
 ruff format --check .
 # each extra alone, in clean virtual environments (about 1-2 min; DATAMOVER_SKIP_EXTRAS=1 skips it)
 [ -n "${DATAMOVER_SKIP_EXTRAS:-}" ] || bash scripts/check_extras.sh
+echo "test.sh: lint and extras done at ${SECONDS} s" >&2
 # pytest in two processes (pytest-xdist) where the machine has two cores or more, each test file's tests in one
 # worker (--dist loadfile: a file's module fixtures and services start once); DATAMOVER_TEST_WORKERS=N picks N,
 # 0 or 1 runs serially
