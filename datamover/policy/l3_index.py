@@ -23,6 +23,31 @@ log = logging.getLogger("datamover.kvcache")
 INDEX_FILE = "index.log"
 
 
+def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
+    """(slot, (key, crc)) of a `put` record, (slot, None) of a `del`; ValueError for anything else (a damaged
+    log: every field is checked before the cache trusts it, a slot from it becomes a file offset)."""
+    if not isinstance(record, list) or not record:
+        raise ValueError(f"not a record: {record!r:.80}")
+    slot = record[1] if len(record) > 1 else None
+    if type(slot) is not int or slot < 0:
+        raise ValueError(f"slot {slot!r:.40} is not a slot number")
+    if record[0] == "del" and len(record) == 2:
+        return slot, None
+    if record[0] != "put" or len(record) != 4:
+        raise ValueError(f"not a put or del record: {record!r:.80}")
+    crc, fields = record[2], record[3]
+    if type(crc) is not int or not 0 <= crc < 1 << 32:
+        raise ValueError(f"CRC32C {crc!r:.40} out of range")
+    if not isinstance(fields, list) or len(fields) not in (3, 4):
+        raise ValueError(f"key {fields!r:.80} is not a chunk key")
+    prefix, model, tokenizer, layer = (*fields, None) if len(fields) == 3 else fields
+    if type(prefix) is not int or type(model) is not str or type(tokenizer) is not str:
+        raise ValueError(f"key {fields!r:.80} is not a chunk key")
+    if layer is not None and type(layer) is not int:
+        raise ValueError(f"key {fields!r:.80}: layer {layer!r:.20} is not a layer number")
+    return slot, (ChunkKey(prefix, model, tokenizer, layer), crc)
+
+
 class L3Index:
     """The index log of the L3 tier under `directory`."""
 
@@ -42,14 +67,17 @@ class L3Index:
             with open(self.path, "rb") as f:
                 try:
                     for record in msgpack.Unpacker(f, raw=False):  # a torn last record ends the stream
-                        if record[0] == "put" and record[1] < self.capacity:
-                            key = ChunkKey(*record[3])
+                        slot, entry = parse_record(record)
+                        if entry is not None:
+                            if slot >= self.capacity:  # the tier is smaller than when it was written
+                                continue
+                            key = entry[0]
                             entries.pop(slot_of.get(key, -1), None)  # a key lives in one slot: the latest
-                            entries[record[1]] = (key, record[2])
-                            slot_of[key] = record[1]
-                        elif record[0] == "del":
-                            entries.pop(record[1], None)
-                except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+                            entries[slot] = entry
+                            slot_of[key] = slot
+                        else:
+                            entries.pop(slot, None)
+                except (ValueError, msgpack.UnpackException) as exc:
                     log.warning(
                         "l3_nvme: index %s unreadable past a damaged record (%s); the rest is kept", self.path, exc
                     )

@@ -1,0 +1,88 @@
+"""The L3 index log read back at start: what a damaged log may and may not make the cache believe."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover.policy.keys import ChunkKey
+from datamover.policy.l3_index import INDEX_FILE, L3Index, parse_record
+
+KEY = ChunkKey(7, "m", "t")
+
+
+def write_log(directory, records: list) -> None:
+    (directory / INDEX_FILE).write_bytes(b"".join(msgpack.packb(r) for r in records))
+
+
+def test_records_as_the_index_writes_them_are_read_back(tmp_path):
+    index = L3Index(tmp_path, 10, "none")
+    index.load()
+    index.stored(3, 0xDEADBEEF, KEY)
+    index.stored(4, 1, ChunkKey(8, "m", "t", 2))
+    index.stored(5, 2, ChunkKey(9, "m", "t", 2))
+    index.freed(4)
+    index.sync()
+    assert L3Index(tmp_path, 10, "none").load() == {3: (KEY, 0xDEADBEEF), 5: (ChunkKey(9, "m", "t", 2), 2)}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["put", -1, 0, [7, "m", "t", None]],  # a negative slot would become a negative file offset
+        ["put", True, 0, [7, "m", "t", None]],
+        ["put", 1.0, 0, [7, "m", "t", None]],
+        ["put", 1, -5, [7, "m", "t", None]],
+        ["put", 1, 1 << 32, [7, "m", "t", None]],
+        ["put", 1, 0, [[7], "m", "t", None]],
+        ["put", 1, 0, [7, b"m", "t", None]],
+        ["put", 1, 0, [7, "m", "t", "layer"]],
+        ["put", 1, 0, [7, "m"]],
+        ["put", 1, 0],
+        ["del"],
+        ["del", -2],
+        ["move", 1],
+        {"put": 1},
+        5,
+    ],
+)
+def test_a_damaged_record_ends_the_log_and_what_came_before_is_kept(tmp_path, bad):
+    with pytest.raises(ValueError):
+        parse_record(bad)
+    write_log(tmp_path, [["put", 2, 9, list(KEY)], bad, ["put", 5, 9, [8, "m", "t", None]]])
+    assert L3Index(tmp_path, 10, "none").load() == {2: (KEY, 9)}
+
+
+def test_slots_past_a_smaller_tier_are_dropped_and_the_log_goes_on(tmp_path):
+    write_log(tmp_path, [["put", 12, 9, list(KEY)], ["put", 2, 9, [8, "m", "t", None]]])
+    assert L3Index(tmp_path, 10, "none").load() == {2: (ChunkKey(8, "m", "t"), 9)}
+
+
+_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=5),
+    max_leaves=12,
+)
+_record = st.one_of(
+    _value,
+    st.tuples(st.sampled_from(["put", "del"]), st.integers(-3, 12), st.integers(-3, 1 << 33), _value).map(list),
+    st.tuples(st.just("put"), st.integers(-3, 12), st.integers(0, 9), st.lists(_value, max_size=5)).map(list),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_record, max_size=8), st.binary(max_size=6))
+def test_any_log_loads_to_entries_the_cache_can_trust(tmp_path_factory, records, tail):
+    directory = tmp_path_factory.mktemp("l3")
+    (directory / INDEX_FILE).write_bytes(b"".join(msgpack.packb(r) for r in records) + tail)
+    entries = L3Index(directory, 10, "none").load()
+    keys = [key for key, _ in entries.values()]
+    assert len(set(keys)) == len(keys)  # one slot per key
+    for slot, (key, crc) in entries.items():
+        assert type(slot) is int and 0 <= slot < 10
+        assert type(crc) is int and 0 <= crc < 1 << 32
+        assert type(key.prefix_hash) is int and type(key.model_version) is str
+        assert type(key.tokenizer_version) is str and (key.layer is None or type(key.layer) is int)
+    assert L3Index(directory, 10, "none").load() == entries  # compacted on load: the same entries again
