@@ -112,9 +112,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         print("datamover replay: --plot needs --sweep", file=sys.stderr)
         return 2
-    report = run_replay(
-        args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part
-    )
+    try:
+        report = run_replay(
+            args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part
+        )
+    except ValueError as exc:  # a malformed trace (its file and line named)
+        print(f"datamover replay: {exc}", file=sys.stderr)
+        return 2
     data = run_with_data(args.trace, config, args.requests) if args.with_data else None
     if args.json:
         out = report_dict(report)

@@ -9,6 +9,7 @@ tier, misses, evictions, and chunks moved between each pair of tiers.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from .engine import PREFILL, TierSpec, TierStack, tier_specs
 from .policies import BASELINES, BeladyPolicy, Policy, PolicySettings, make_policy, next_use
 
 MOONCAKE_BLOCK_TOKENS = 512
+_MASK64 = (1 << 64) - 1
 DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
 
@@ -48,19 +50,35 @@ class Trace:
 
 
 def load_trace(path: str | Path, limit: int | None = None, part: str | None = None) -> Trace:
-    """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given). `part` "first" or
-    "second" keeps the requests before or from the midpoint of the trace's time span (a split by time)."""
+    """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
+    ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
+    every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
+    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if limit is not None and len(stamps) >= limit:
                 break
             if not line.strip():
                 continue
-            row = json.loads(line)
-            keys.append(np.asarray(row["hash_ids"], dtype=np.int64))
-            stamps.append(float(row["timestamp"]) / 1000.0)
+            try:
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise ValueError("not a JSON object")
+                ids, stamp = row["hash_ids"], row["timestamp"]
+                if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                    raise ValueError("hash_ids is not a list of integers")
+                if type(stamp) not in (int, float) or not math.isfinite(stamp):
+                    raise ValueError(f"timestamp {stamp!r:.40} is not a number of ms")
+            except (ValueError, KeyError, TypeError) as exc:
+                reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
+                raise ValueError(f"trace {path}, line {number}: {reason[:200]}") from None
+            try:
+                keys.append(np.asarray(ids, dtype=np.int64))
+            except OverflowError:
+                keys.append(np.asarray([i & _MASK64 for i in ids], dtype=np.uint64).view(np.int64))
+            stamps.append(float(stamp) / 1000.0)
     if part is not None:
         if part not in ("first", "second"):
             raise ValueError(f"part {part!r} is not 'first' or 'second'")

@@ -207,3 +207,42 @@ def test_the_cache_makes_the_simulators_decisions(tmp_path, policy):
     assert real.stats["hits"]["l1_hbm"] == simulated.prefix_hits > 100  # the cache counts usable hits
     assert real.stats["misses"] == simulated.refs - simulated.prefix_hits
     assert real.stats["evictions"]["l1_hbm"] == simulated.evictions[0]  # and the policy made the same choices
+
+
+def test_load_trace_keeps_64_bit_unsigned_ids_distinct(tmp_path):
+    path = tmp_path / "u64.jsonl"
+    big = [2**64 - 1, 2**63, 5]
+    path.write_text(
+        json.dumps({"timestamp": 0, "hash_ids": big}) + "\n" + json.dumps({"timestamp": 1, "hash_ids": [5, 2**63]})
+    )
+    trace = load_trace(path)
+    assert trace.keys.tolist() == [-1, -(2**63), 5, 5, -(2**63)]  # the same 64 bits, as int64
+    assert trace.distinct == 3
+
+
+@pytest.mark.parametrize(
+    "line, reason",
+    [
+        ("{not json", "Expecting property name"),
+        ('{"timestamp": 0}', "no 'hash_ids'"),
+        ('{"hash_ids": [1]}', "no 'timestamp'"),
+        ('{"timestamp": 0, "hash_ids": [1.5, 2]}', "not a list of integers"),
+        ('{"timestamp": 0, "hash_ids": ["ab"]}', "not a list of integers"),
+        ('{"timestamp": 0, "hash_ids": 7}', "not a list of integers"),
+        ('{"timestamp": "noon", "hash_ids": [1]}', "not a number of ms"),
+        ('{"timestamp": NaN, "hash_ids": [1]}', "not a number of ms"),
+        ("[1, 2]", "not a JSON object"),
+    ],
+)
+def test_a_malformed_trace_line_is_named(tmp_path, line, reason):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line 3: .*{reason}"):
+        load_trace(path)
+
+
+def test_the_replay_command_names_a_malformed_trace_line(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
+    assert replay_main([str(path), "--policy", "lru"]) == 2
+    assert "bad.jsonl, line 2: no 'hash_ids'" in capsys.readouterr().err
