@@ -115,7 +115,7 @@ class TieredCache:
         """Find again the chunks the L3 index says its data file holds (from an earlier run)."""
         j = self.names.index("l3_nvme")
         l3 = self.config.l3_nvme
-        self.index = L3Index(l3.path, self.tiers[j].capacity, l3.fsync_mode)
+        self.index = L3Index(l3.path, self.tiers[j].capacity, l3.fsync_mode, self.page)
         entries = self.index.load()
         self.engine.adopt(j, {key: slot for slot, (key, _) in entries.items()}, self.clock())
         self.crc.update((key, crc) for key, crc in entries.values())

@@ -1,7 +1,9 @@
 """The L3 index: which chunk (and its CRC32C) each slot of the L3 data file holds, kept across restarts.
 
-An append-only log of msgpack records, `["put", slot, crc, key]` and `["del", slot]`. It is read back when a
-cache starts (a torn or damaged tail ends the log; what came before it is kept), compacted to one `put` per
+An append-only log of msgpack records: first `["layout", chunk_bytes]` (the size of a slot of the data file), then
+`["put", slot, crc, key]` and `["del", slot]`. It is read back when a cache starts (a torn or damaged tail ends
+the log; what came before it is kept; a log of another layout, or none, is not used: its slots are other bytes
+of the file, which `crc32c_check: false` would serve unchecked), compacted to one `put` per
 live slot at start and at close, and appended to after every operation that stored or freed L3 slots, made
 durable as `l3_nvme.fsync_mode` says (the chunk data file first, then the log).
 """
@@ -51,10 +53,11 @@ def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
 class L3Index:
     """The index log of the L3 tier under `directory`."""
 
-    def __init__(self, directory: str | Path, capacity: int, fsync_mode: str) -> None:
+    def __init__(self, directory: str | Path, capacity: int, fsync_mode: str, chunk_bytes: int) -> None:
         self.directory = Path(directory)
         self.path = self.directory / INDEX_FILE
         self.capacity = capacity
+        self.chunk_bytes = chunk_bytes
         self.fsync_mode = fsync_mode
         self._file: BufferedWriter | None = None
         self._pending: list[list] = []
@@ -65,8 +68,16 @@ class L3Index:
         slot_of: dict[ChunkKey, int] = {}
         if self.path.exists():
             with open(self.path, "rb") as f:
+                records = msgpack.Unpacker(f, raw=False)  # a torn last record ends the stream
                 try:
-                    for record in msgpack.Unpacker(f, raw=False):  # a torn last record ends the stream
+                    layout = next(records, None)
+                    if layout is not None and layout != ["layout", self.chunk_bytes]:
+                        log.warning(
+                            "l3_nvme: index %s is not of this layout (%.80r, this is %d-byte chunks): not used",
+                            self.path, layout, self.chunk_bytes,
+                        )  # fmt: skip
+                        records = iter(())
+                    for record in records:
                         slot, entry = parse_record(record)
                         if entry is not None:
                             if slot >= self.capacity:  # the tier is smaller than when it was written
@@ -88,6 +99,7 @@ class L3Index:
         """Replace the log by one put per entry (atomically: written aside, fsynced, renamed), then append."""
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
+            f.write(msgpack.packb(["layout", self.chunk_bytes]))
             for slot, (key, crc) in entries.items():
                 f.write(msgpack.packb(["put", slot, crc, list(key)]))
             f.flush()

@@ -404,6 +404,18 @@ def test_concurrent_callers_see_consistent_chunks(tmp_path):
         assert cache.stats()["checksum_failures"] == 0
 
 
+def test_l3_written_with_another_chunk_size_is_not_served_even_unchecked(tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=10)) as cache:
+        cache.put(keys, chunks(keys))
+    config = with_overrides(
+        tiers(tmp_path, l1=1, l2=0, l3=10, l3_nvme={"crc32c_check": False, "capacity_gb": 20 * PAGE / GB}),
+        l1_hbm={"page_size_bytes": 2 * PAGE},
+    )
+    with TieredCache(config) as cache:  # the same file read as 2-page chunks would be other bytes
+        assert cache.lookup(keys[1:])[0] == 0
+
+
 def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):
     keys = chunk_keys(range(6), "m", "t")
     config = tiers(tmp_path, l1=1, l2=0, l3=10)

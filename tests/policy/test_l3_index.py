@@ -11,21 +11,28 @@ from datamover.policy.keys import ChunkKey
 from datamover.policy.l3_index import INDEX_FILE, L3Index, parse_record
 
 KEY = ChunkKey(7, "m", "t")
+CHUNK = 4096
+LAYOUT = ["layout", CHUNK]
 
 
-def write_log(directory, records: list) -> None:
-    (directory / INDEX_FILE).write_bytes(b"".join(msgpack.packb(r) for r in records))
+def make(directory) -> L3Index:
+    return L3Index(directory, 10, "none", CHUNK)
+
+
+def write_log(directory, records: list, layout: object = LAYOUT) -> None:
+    head = [] if layout is None else [layout]
+    (directory / INDEX_FILE).write_bytes(b"".join(msgpack.packb(r) for r in head + records))
 
 
 def test_records_as_the_index_writes_them_are_read_back(tmp_path):
-    index = L3Index(tmp_path, 10, "none")
+    index = make(tmp_path)
     index.load()
     index.stored(3, 0xDEADBEEF, KEY)
     index.stored(4, 1, ChunkKey(8, "m", "t", 2))
     index.stored(5, 2, ChunkKey(9, "m", "t", 2))
     index.freed(4)
     index.sync()
-    assert L3Index(tmp_path, 10, "none").load() == {3: (KEY, 0xDEADBEEF), 5: (ChunkKey(9, "m", "t", 2), 2)}
+    assert make(tmp_path).load() == {3: (KEY, 0xDEADBEEF), 5: (ChunkKey(9, "m", "t", 2), 2)}
 
 
 @pytest.mark.parametrize(
@@ -52,12 +59,12 @@ def test_a_damaged_record_ends_the_log_and_what_came_before_is_kept(tmp_path, ba
     with pytest.raises(ValueError):
         parse_record(bad)
     write_log(tmp_path, [["put", 2, 9, list(KEY)], bad, ["put", 5, 9, [8, "m", "t", None]]])
-    assert L3Index(tmp_path, 10, "none").load() == {2: (KEY, 9)}
+    assert make(tmp_path).load() == {2: (KEY, 9)}
 
 
 def test_slots_past_a_smaller_tier_are_dropped_and_the_log_goes_on(tmp_path):
     write_log(tmp_path, [["put", 12, 9, list(KEY)], ["put", 2, 9, [8, "m", "t", None]]])
-    assert L3Index(tmp_path, 10, "none").load() == {2: (ChunkKey(8, "m", "t"), 9)}
+    assert make(tmp_path).load() == {2: (ChunkKey(8, "m", "t"), 9)}
 
 
 _value = st.recursive(
@@ -76,8 +83,10 @@ _record = st.one_of(
 @given(st.lists(_record, max_size=8), st.binary(max_size=6))
 def test_any_log_loads_to_entries_the_cache_can_trust(tmp_path_factory, records, tail):
     directory = tmp_path_factory.mktemp("l3")
-    (directory / INDEX_FILE).write_bytes(b"".join(msgpack.packb(r) for r in records) + tail)
-    entries = L3Index(directory, 10, "none").load()
+    write_log(directory, records)
+    with open(directory / INDEX_FILE, "ab") as f:
+        f.write(tail)
+    entries = make(directory).load()
     keys = [key for key, _ in entries.values()]
     assert len(set(keys)) == len(keys)  # one slot per key
     for slot, (key, crc) in entries.items():
@@ -85,4 +94,11 @@ def test_any_log_loads_to_entries_the_cache_can_trust(tmp_path_factory, records,
         assert type(crc) is int and 0 <= crc < 1 << 32
         assert type(key.prefix_hash) is int and type(key.model_version) is str
         assert type(key.tokenizer_version) is str and (key.layer is None or type(key.layer) is int)
-    assert L3Index(directory, 10, "none").load() == entries  # compacted on load: the same entries again
+    assert make(directory).load() == entries  # compacted on load: the same entries again
+
+
+@pytest.mark.parametrize("layout", [["layout", 2 * CHUNK], None, ["put", 2, 9, list(KEY)], "layout"])
+def test_a_log_of_another_layout_or_none_is_not_used(tmp_path, layout):
+    write_log(tmp_path, [["put", 2, 9, list(KEY)]], layout)
+    assert make(tmp_path).load() == {}
+    assert (tmp_path / INDEX_FILE).read_bytes() == msgpack.packb(LAYOUT)  # rewritten, empty, in this layout
