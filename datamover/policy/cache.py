@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from ..agents import Agent, Prepared
@@ -80,6 +81,8 @@ class TieredCache:
         self._gone: set[ChunkKey] = set()
         self.index: L3Index | None = None
         self.pool: SharedPool | None = None
+        data_file = Path(config.l3_nvme.path) / DATA_FILE
+        l3_bytes = data_file.stat().st_size if config.l3_nvme.enabled and data_file.exists() else 0  # before sizing
         try:
             self.tiers = [make_slab(self.agent, config, name, self.notes) for name in config.enabled_tiers()]
             self.engine = SlotEngine(config, self._removed)
@@ -97,7 +100,7 @@ class TieredCache:
             self._invalid = self.mover.invalid
             self._check_crc = self.mover.check_crc
             if "l3_nvme" in self.names:
-                self._load_l3_index()
+                self._load_l3_index(l3_bytes)
         except BaseException:  # a tier that cannot be built: release what was
             self._prefetcher.shutdown()
             if self._own_agent:
@@ -111,12 +114,12 @@ class TieredCache:
     _gpu_reason = staticmethod(gpu_reason)
     _gpu_bytes = staticmethod(gpu_bytes)
 
-    def _load_l3_index(self) -> None:
-        """Find again the chunks the L3 index says its data file holds (from an earlier run)."""
+    def _load_l3_index(self, data_bytes: int) -> None:
+        """Find again the chunks the L3 index says its data file (`data_bytes` long as found) holds."""
         j = self.names.index("l3_nvme")
         l3 = self.config.l3_nvme
         self.index = L3Index(l3.path, self.tiers[j].capacity, l3.fsync_mode, self.page)
-        entries = self.index.load()
+        entries = self.index.load(data_bytes)
         self.engine.adopt(j, {key: slot for slot, (key, _) in entries.items()}, self.clock())
         self.crc.update((key, crc) for key, crc in entries.values())
         if entries:

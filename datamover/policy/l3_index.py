@@ -62,8 +62,9 @@ class L3Index:
         self._file: BufferedWriter | None = None
         self._pending: list[list] = []
 
-    def load(self) -> dict[int, tuple[ChunkKey, int]]:
-        """The live entries of the log on disk (slot -> (key, crc)); the log is then compacted to them."""
+    def load(self, data_bytes: int | None = None) -> dict[int, tuple[ChunkKey, int]]:
+        """The live entries of the log on disk (slot -> (key, crc)); the log is then compacted to them. With
+        `data_bytes`, the data file's size as found: slots past its end hold nothing (the file was cut short)."""
         entries: dict[int, tuple[ChunkKey, int]] = {}
         slot_of: dict[ChunkKey, int] = {}
         if self.path.exists():
@@ -92,6 +93,15 @@ class L3Index:
                     log.warning(
                         "l3_nvme: index %s unreadable past a damaged record (%s); the rest is kept", self.path, exc
                     )
+        if data_bytes is not None:
+            gone = [slot for slot in entries if (slot + 1) * self.chunk_bytes > data_bytes]
+            if gone:
+                log.warning(
+                    "l3_nvme: %d chunks of index %s lie past the end of the data file (%d bytes): dropped",
+                    len(gone), self.path, data_bytes,
+                )  # fmt: skip
+                for slot in gone:
+                    del entries[slot]
         self.rewrite(entries)
         return entries
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -414,6 +415,20 @@ def test_l3_written_with_another_chunk_size_is_not_served_even_unchecked(tmp_pat
     )
     with TieredCache(config) as cache:  # the same file read as 2-page chunks would be other bytes
         assert cache.lookup(keys[1:])[0] == 0
+
+
+def test_l3_chunks_past_the_end_of_a_cut_data_file_are_not_served_even_unchecked(tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    config = tiers(tmp_path, l1=1, l2=0, l3=10, l3_nvme={"crc32c_check": False})
+    with TieredCache(config) as cache:
+        cache.put(keys, chunks(keys))  # L1 keeps keys[0]; L3 the other five, in its first five slots
+        slots = {k: cache.engine.slots[cache.names.index("l3_nvme")][k] for k in keys[1:]}
+    kept = [k for k in keys[1:] if slots[k] < 2]
+    os.truncate(tmp_path / "l3" / DATA_FILE, 2 * PAGE)  # the file loses all but its first two slots
+    with TieredCache(config) as cache:
+        assert {k for k in keys[1:] if cache.lookup([k])[0]} == set(kept)
+        for k in kept:
+            assert check_get(cache, [k]) == 1
 
 
 def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):

@@ -102,3 +102,9 @@ def test_a_log_of_another_layout_or_none_is_not_used(tmp_path, layout):
     write_log(tmp_path, [["put", 2, 9, list(KEY)]], layout)
     assert make(tmp_path).load() == {}
     assert (tmp_path / INDEX_FILE).read_bytes() == msgpack.packb(LAYOUT)  # rewritten, empty, in this layout
+
+
+def test_slots_past_the_end_of_the_data_file_hold_nothing(tmp_path):
+    write_log(tmp_path, [["put", 0, 9, list(KEY)], ["put", 1, 9, [8, "m", "t"]], ["put", 2, 9, [9, "m", "t"]]])
+    assert make(tmp_path).load(data_bytes=2 * CHUNK + 100) == {0: (KEY, 9), 1: (ChunkKey(8, "m", "t"), 9)}
+    assert make(tmp_path).load() == {0: (KEY, 9), 1: (ChunkKey(8, "m", "t"), 9)}  # the log kept only those
