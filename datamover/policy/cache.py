@@ -143,6 +143,8 @@ class TieredCache:
 
     def _execute(self, plan: list[Move], user: Prepared | None) -> None:
         """Run a plan (see `Mover.run`), make the L3 index durable, forget the CRCs of chunks no tier holds."""
+        if self.index is not None and not self._check_crc:
+            self.index.sync()  # slots freed are on record before new chunks overwrite them: unchecked reads trust it
         self.mover.run(plan, user, self.index)
         if self.index is not None:
             self.index.sync()
@@ -363,14 +365,16 @@ class TieredCache:
         """Finish background work, compact the L3 index, release memory and files."""
         self._prefetcher.shutdown(wait=True)
         with self._lock:
-            if self.index is not None:
-                j = self.names.index("l3_nvme")
-                live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
-                self.index.close(live)
-            if self.spans is not None:
-                self.spans.close()
-            if self._own_agent:
-                self.agent.close()
+            try:
+                if self.index is not None:
+                    j = self.names.index("l3_nvme")
+                    live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
+                    self.index.close(live)
+                if self.spans is not None:
+                    self.spans.close()
+            finally:
+                if self._own_agent:
+                    self.agent.close()
 
     def __enter__(self) -> TieredCache:
         return self

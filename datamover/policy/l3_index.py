@@ -5,11 +5,13 @@ An append-only log of msgpack records: first `["layout", chunk_bytes]` (the size
 the log; what came before it is kept; a log of another layout, or none, is not used: its slots are other bytes
 of the file, which `crc32c_check: false` would serve unchecked), compacted to one `put` per
 live slot at start and at close, and appended to after every operation that stored or freed L3 slots, made
-durable as `l3_nvme.fsync_mode` says (the chunk data file first, then the log).
+durable as `l3_nvme.fsync_mode` says (the chunk data file first, then the log; without `crc32c_check`, the
+records of slots freed go first, before new chunks overwrite them). A log that cannot be written is removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from io import BufferedWriter
@@ -128,25 +130,44 @@ class L3Index:
         self._pending.append(["del", slot])
 
     def sync(self) -> None:
-        """Append the pending records and make them (and the chunk data) durable per fsync_mode."""
+        """Append the pending records and make them (and the chunk data) durable per fsync_mode. A log that cannot
+        be written (a full or failing disk) is removed and not written again this run: the next start is cold,
+        never misled by a log that stopped partway (a record lost could name a slot since reused)."""
         if not self._pending or self._file is None:
             return
         f = self._file
-        f.write(b"".join(msgpack.packb(r) for r in self._pending))
-        f.flush()
+        try:
+            f.write(b"".join(msgpack.packb(r) for r in self._pending))
+            f.flush()
+            self._pending.clear()
+            if self.fsync_mode != "none":
+                data = os.open(self.directory / DATA_FILE, os.O_RDONLY)
+                try:
+                    sync = os.fsync if self.fsync_mode == "fsync" else os.fdatasync
+                    sync(data)
+                    sync(f.fileno())
+                finally:
+                    os.close(data)
+        except OSError as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: OSError) -> None:
+        log.warning("l3_nvme: index %s cannot be written (%s): removed; L3 starts cold next time", self.path, exc)
         self._pending.clear()
-        if self.fsync_mode != "none":
-            data = os.open(self.directory / DATA_FILE, os.O_RDONLY)
-            try:
-                sync = os.fsync if self.fsync_mode == "fsync" else os.fdatasync
-                sync(data)
-                sync(f.fileno())
-            finally:
-                os.close(data)
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # what is still buffered cannot be written either
+                file.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
 
     def close(self, entries: dict[int, tuple[ChunkKey, int]]) -> None:
-        """Compact the log to `entries` (the live slots) and close it."""
-        self.rewrite(entries)
+        """Compact the log to `entries` (the live slots) and close it; if that cannot be written, there is no log
+        (as after a failed `sync`)."""
+        try:
+            self.rewrite(entries)
+        except OSError as exc:
+            self._give_up(exc)
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ from datamover.errors import BackendUnavailable
 from datamover.policy.cache import DATA_FILE, TieredCache
 from datamover.policy.config import ConfigError, TierConfig, with_overrides
 from datamover.policy.keys import ChunkKey, chunk_keys
+from datamover.policy.l3_index import L3Index
 from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
 
@@ -429,6 +433,91 @@ def test_l3_chunks_past_the_end_of_a_cut_data_file_are_not_served_even_unchecked
         assert {k for k in keys[1:] if cache.lookup([k])[0]} == set(kept)
         for k in kept:
             assert check_get(cache, [k]) == 1
+
+
+class _FullDisk:
+    """An index log file whose writes fail as on a full disk (the fault injected at a known point)."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def write(self, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def test_an_index_log_that_cannot_be_written_fails_no_put_and_close_writes_what_is_true(tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    config = tiers(tmp_path, l1=1, l2=0, l3=10)
+    with TieredCache(config) as cache:
+        cache.index._file = _FullDisk(cache.index._file)
+        cache.put(keys, chunks(keys))  # the chunks reach L3; their records cannot: no error for the caller
+        assert not (tmp_path / "l3" / "index.log").exists()  # removed: a log cut short would mislead a restart
+        assert check_get(cache, keys) == 6
+    with TieredCache(config) as cache:  # close could write the index again: the chunks L3 holds are found
+        assert cache.lookup(keys[1:])[0] == 5
+        assert check_get(cache, keys[1:]) == 5
+
+
+def test_an_index_that_cannot_be_written_at_close_leaves_a_cold_start(tmp_path, monkeypatch):
+    keys = chunk_keys(range(6), "m", "t")
+    config = tiers(tmp_path, l1=1, l2=0, l3=10, l3_nvme={"crc32c_check": False})
+    with TieredCache(config) as cache:
+        cache.put(keys, chunks(keys))
+        cache.index._file = _FullDisk(cache.index._file)
+        cache.put(keys[:1], chunks(keys[:1]))
+        monkeypatch.setattr(L3Index, "rewrite", lambda self, entries: _FullDisk(None).write(b""))
+    monkeypatch.undo()  # close() returned, the agent closed: nothing raised
+    with TieredCache(config) as cache:
+        assert cache.lookup(keys[1:])[0] == 0
+
+
+CRASH_AFTER_DATA = """
+import os, sys
+import numpy as np
+from datamover.policy import TieredCache
+from datamover.policy.config import TierConfig, with_overrides
+from datamover.policy.keys import chunk_keys
+from datamover.policy.mover import Mover
+
+config = with_overrides(TierConfig(), **{sections!r})
+run = Mover.run
+def crash(self, plan, user, index):  # the process dies once the chunk data is written, before its record
+    run(self, plan, user, index)
+    if any(m.key.prefix_hash == 9 for m in plan):
+        os._exit(0)
+Mover.run = crash
+def put(*ids):  # each chunk's bytes are its prefix hash
+    cache.put(chunk_keys(ids, "m", "t"), np.repeat(np.array(ids, np.uint8), {page}))
+
+cache = TieredCache(config)
+put(1, 2)  # L1 keeps 1, L3 (two slots) 2
+put(3, 4)  # L3 holds two of 1, 2, 3
+put(9)  # a slot of L3 is reused
+"""
+
+
+def test_a_crash_between_a_slots_new_data_and_its_record_never_serves_the_old_key_unchecked(tmp_path):
+    sections = {
+        "l1_hbm": {"block_pool_size": 1, "page_size_bytes": PAGE, "device": "dram"},
+        "l2_dram": {"enabled": False},
+        "l3_nvme": {
+            "enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 2 * PAGE / GB, "fsync_mode": "none",
+            "crc32c_check": False,
+        },
+    }  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", CRASH_AFTER_DATA.format(sections=sections, page=PAGE)], check=True, timeout=120
+    )
+    config = with_overrides(TierConfig(), **sections)
+    with TieredCache(config) as cache:
+        for key in chunk_keys([1, 2, 3, 4, 9], "m", "t"):
+            if cache.lookup([key])[0]:
+                dst = np.zeros(PAGE, np.uint8)
+                assert cache.get([key], dst) == 1
+                assert (dst == key.prefix_hash).all(), key
 
 
 def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):
