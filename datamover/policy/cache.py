@@ -20,6 +20,7 @@ chunk from the cache, logs the key, and counts as a miss: get() returns only the
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -35,7 +36,7 @@ from .config import TIER_NAMES, TierConfig, checked_config
 from .counters import Counters
 from .engine import PREFILL
 from .keys import ChunkKey
-from .l3_index import INDEX_FILE, L3Index
+from .l3_index import INDEX_FILE, L3Index, lock_directory
 from .mover import Mover
 from .plan import USER, Move, SlotEngine
 from .pool import SharedPool
@@ -71,6 +72,7 @@ class TieredCache:
         self.metrics = metrics
         self.spans = SpanRecorder.from_config(config.observability)
         self.notes: list[str] = []
+        self._l3_lock: int | None = None
         self._own_agent = agent is None
         self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
@@ -81,9 +83,12 @@ class TieredCache:
         self._gone: set[ChunkKey] = set()
         self.index: L3Index | None = None
         self.pool: SharedPool | None = None
-        data_file = Path(config.l3_nvme.path) / DATA_FILE
-        l3_bytes = data_file.stat().st_size if config.l3_nvme.enabled and data_file.exists() else 0  # before sizing
+        l3_bytes = 0
         try:
+            if config.l3_nvme.enabled:  # before anything under it is read or sized
+                self._l3_lock = lock_directory(config.l3_nvme.path)
+                data_file = Path(config.l3_nvme.path) / DATA_FILE
+                l3_bytes = data_file.stat().st_size if data_file.exists() else 0  # the data file as found
             self.tiers = [make_slab(self.agent, config, name, self.notes) for name in config.enabled_tiers()]
             self.engine = SlotEngine(config, self._removed)
             self.names = self.engine.names
@@ -105,6 +110,8 @@ class TieredCache:
             self._prefetcher.shutdown()
             if self._own_agent:
                 self.agent.close()
+            if self._l3_lock is not None:
+                os.close(self._l3_lock)
             raise
 
     # -- setup ---------------------------------------------------------------
@@ -375,6 +382,9 @@ class TieredCache:
             finally:
                 if self._own_agent:
                     self.agent.close()
+                if self._l3_lock is not None:
+                    os.close(self._l3_lock)
+                    self._l3_lock = None
 
     def __enter__(self) -> TieredCache:
         return self

@@ -12,6 +12,7 @@ records of slots freed go first, before new chunks overwrite them). A log that c
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 from io import BufferedWriter
@@ -19,12 +20,36 @@ from pathlib import Path
 
 import msgpack
 
+from ..errors import ConfigError
 from .keys import ChunkKey
 from .slabs import DATA_FILE
 
 log = logging.getLogger("datamover.kvcache")
 
 INDEX_FILE = "index.log"
+LOCK_FILE = "lock"
+
+
+def lock_directory(directory: str | Path) -> int:
+    """Hold the L3 directory for this cache (an exclusive lock, released when the returned fd is closed): two
+    caches on one directory would overwrite each other's chunks and index. ConfigError if another holds it."""
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            "kv_cache_tiered.l3_nvme.path",
+            f"{path} is in use by another cache (pid {holder}); give each cache a directory of its own",
+        ) from None
+    except OSError as exc:  # a file system without locks: go on, as before there was a lock
+        log.warning("l3_nvme: cannot lock %s (%s): make sure no other cache uses it", path, exc)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:

@@ -532,3 +532,24 @@ def test_l3_index_with_a_torn_tail_keeps_what_it_can(tmp_path):
         assert cache.lookup(keys[1:])[0] == 5  # the five chunks L1 had demoted
         assert check_get(cache, keys[1:]) == 5
         check_consistent(cache)
+
+
+def test_two_caches_never_share_an_l3_directory(tmp_path):
+    config = tiers(tmp_path, l1=1, l2=0, l3=4)
+    keys = chunk_keys(range(3), "m", "t")
+    with TieredCache(config) as cache:
+        cache.put(keys, chunks(keys))
+        with pytest.raises(ConfigError, match=rf"l3_nvme.path: .* in use by another cache \(pid {os.getpid()}\)"):
+            TieredCache(config)
+        doc = {
+            "kv_cache_tiered": {
+                "l1_hbm": {"block_pool_size": 1, "page_size_bytes": PAGE, "device": "dram"},
+                "l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 4 * PAGE / GB},
+            }
+        }
+        script = f"from datamover.policy import TieredCache\nTieredCache({doc!r})"
+        other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert other.returncode != 0 and "in use by another cache" in other.stderr
+        assert check_get(cache, keys) == 3  # the refused caches touched nothing
+    with TieredCache(config) as cache:  # closed: the directory is free again, and warm
+        assert cache.lookup(keys[1:])[0] == 2
