@@ -34,8 +34,11 @@ def lock_directory(directory: str | Path) -> int:
     """Hold the L3 directory for this cache (an exclusive lock, released when the returned fd is closed): two
     caches on one directory would overwrite each other's chunks and index. ConfigError if another holds it."""
     path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise ConfigError("kv_cache_tiered.l3_nvme.path", f"{path} cannot hold the L3 tier: {exc}") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -7,8 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from datamover.errors import ConfigError
 from datamover.policy.keys import ChunkKey
-from datamover.policy.l3_index import INDEX_FILE, L3Index, parse_record
+from datamover.policy.l3_index import INDEX_FILE, L3Index, lock_directory, parse_record
 
 KEY = ChunkKey(7, "m", "t")
 CHUNK = 4096
@@ -108,3 +109,9 @@ def test_slots_past_the_end_of_the_data_file_hold_nothing(tmp_path):
     write_log(tmp_path, [["put", 0, 9, list(KEY)], ["put", 1, 9, [8, "m", "t"]], ["put", 2, 9, [9, "m", "t"]]])
     assert make(tmp_path).load(data_bytes=2 * CHUNK + 100) == {0: (KEY, 9), 1: (ChunkKey(8, "m", "t"), 9)}
     assert make(tmp_path).load() == {0: (KEY, 9), 1: (ChunkKey(8, "m", "t"), 9)}  # the log kept only those
+
+
+def test_a_directory_that_cannot_hold_l3_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"l3_nvme.path: .*file/l3 cannot hold the L3 tier"):
+        lock_directory(tmp_path / "file" / "l3")
