@@ -52,7 +52,10 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             "pp": f"{getattr(cfg, 'pp_rank', 0)}of{getattr(cfg, 'pp_size', 1)}",
             "mla": bool(getattr(cfg, "is_mla_model", False)),
             "dcp": f"{getattr(cfg, 'dcp_rank', 0)}of{getattr(cfg, 'dcp_size', 1)}",
+            # a context-parallel rank holds its own slice of every page: other bytes under the same page hash
+            "cp": f"{getattr(cfg, 'attn_cp_rank', 0)}of{getattr(cfg, 'attn_cp_size', 1)}",
         }
+        self._dp = int(getattr(cfg, "dp_rank", 0) or 0)  # data-parallel replicas: the same chunks, own L3 files
         self._lock = threading.Lock()
         self.cache: TieredCache | None = None
         self.mem_pool_host: Any = None
@@ -90,7 +93,8 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             self._parts.update(parts, chunk=chunk_bytes)
             config = build_config(self._tiers, chunk_bytes, ENGINE)
             if config.l3_nvme.enabled:
-                sub = f"{ENGINE}-tp{self._parts['tp']}-pp{self._parts['pp']}-{key_hash(self._ns('')):016x}"
+                p = self._parts
+                sub = f"{ENGINE}-dp{self._dp}-tp{p['tp']}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
                 config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
             self.cache = TieredCache(config)
             return self.cache

@@ -155,6 +155,29 @@ def test_a_corrupt_page_on_nvme_fails_that_page_and_those_after_it(tmp_path: Pat
         storage.close()
 
 
+def test_data_and_context_parallel_ranks_get_l3_directories_of_their_own(tmp_path: Path) -> None:
+    """Replicas (dp) hold the same chunks, context-parallel ranks (cp) other slices of each page: none may share
+    an L3 directory (a second cache on one is refused), and cp ranks never share chunk keys."""
+    from dataclasses import replace
+
+    tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
+    base = storage_config(tmp_path, 1, **tiers)
+    configs = [base, replace(base, dp_rank=1), replace(base, attn_cp_rank=1, attn_cp_size=2)]
+    storages = []
+    try:
+        for config in configs:  # all open side by side
+            pool = PageFirstHostPool(2)
+            fill(pool, 5)
+            storages.append(attach(config, pool))
+        paths = {s.cache.config.l3_nvme.path for s in storages}
+        assert len(paths) == 3 and all(Path(p).parent == tmp_path / "l3" for p in paths)
+        first = [s._keys(keys(1), "v1", 1)[0] for s in storages]
+        assert first[0] == first[1] != first[2]  # dp replicas share keys; a cp rank's differ
+    finally:
+        for storage in storages:
+            storage.close()
+
+
 def test_clear_forgets_every_page(tmp_path: Path) -> None:
     tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
     pool = PageFirstHostPool(4)
