@@ -48,7 +48,11 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         cfg = storage_config
         self._parts = {
             "model": getattr(cfg, "model_name", None) or "",
-            "tp": f"{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}",
+            # MLA's latent KV is the same on every TP rank: SGLang lets one rank write it and every rank read it,
+            # so the keys must not name the rank (they name the DCP shard, below)
+            "tp": "all"
+            if getattr(cfg, "is_mla_model", False)
+            else f"{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}",
             "pp": f"{getattr(cfg, 'pp_rank', 0)}of{getattr(cfg, 'pp_size', 1)}",
             "mla": bool(getattr(cfg, "is_mla_model", False)),
             "dcp": f"{getattr(cfg, 'dcp_rank', 0)}of{getattr(cfg, 'dcp_size', 1)}",
@@ -94,9 +98,19 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             config = build_config(self._tiers, chunk_bytes, ENGINE)
             if config.l3_nvme.enabled:
                 p = self._parts
-                sub = f"{ENGINE}-dp{self._dp}-tp{p['tp']}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
+                tp = getattr(self.storage_config, "tp_rank", 0)  # every rank a directory of its own, MLA too
+                sub = f"{ENGINE}-dp{self._dp}-tp{tp}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
                 config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
             self.cache = TieredCache(config)
+            cfg = self.storage_config
+            shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
+            if cfg is not None and cfg.is_mla_model and getattr(cfg, "tp_size", 1) > 1 and not shared:
+                log.warning(
+                    "datamover sglang storage: an MLA model with tp_size %d writes from one rank only (SGLang's "
+                    "rule) and every rank must find what it wrote, which only a shared pool holds "
+                    "(l4_pool.backend: mooncake); without one the other ranks find nothing, and so neither does "
+                    "the group's prefetch", cfg.tp_size,
+                )  # fmt: skip
             return self.cache
 
     def _ns(self, iface: str) -> str:

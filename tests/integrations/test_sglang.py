@@ -178,6 +178,29 @@ def test_data_and_context_parallel_ranks_get_l3_directories_of_their_own(tmp_pat
             storage.close()
 
 
+def test_mla_ranks_share_keys_as_sglang_writes_from_one_rank(tmp_path: Path, caplog) -> None:
+    """MLA's KV is replicated over TP and SGLang backs it up from one rank only (backup_skip elsewhere): the
+    other ranks must look up the same keys; each rank still has an L3 directory of its own."""
+    from dataclasses import replace
+
+    tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
+    base = replace(storage_config(tmp_path, 1, **tiers), tp_size=2)
+    for mla in (True, False):
+        storages = []
+        try:
+            for rank in (0, 1):
+                pool = PageFirstHostPool(2)
+                fill(pool, 6)
+                storages.append(attach(replace(base, tp_rank=rank, is_mla_model=mla), pool))
+            assert len({s.cache.config.l3_nvme.path for s in storages}) == 2
+            same = storages[0]._keys(keys(1), "v1", 1) == storages[1]._keys(keys(1), "v1", 1)
+            assert same == mla
+        finally:
+            for storage in storages:
+                storage.close()
+    assert "writes from one rank only" in caplog.text  # no shared pool: the other rank will find nothing
+
+
 def test_clear_forgets_every_page(tmp_path: Path) -> None:
     tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
     pool = PageFirstHostPool(4)
