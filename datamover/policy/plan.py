@@ -9,7 +9,7 @@ reads or writes, and can run as one batch per (source, destination) pair.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .config import TierConfig
@@ -32,6 +32,58 @@ class Move:
     dst_slot: int
 
 
+class FreeSlots:
+    """The free slots of a tier of `capacity`, handed out lowest first, then the last freed first.
+
+    Slots never handed out are a range, not a list: an L4 index of 1 TiB in 4 KiB chunks has 2**28 slots.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._next = 0  # every slot from here up is free, but those in _taken
+        self._taken: set[int] = set()  # slots at or above _next adopted (free again only if in _freed)
+        self._freed: list[int] = []  # slots given back, the last one first out
+
+    def __len__(self) -> int:
+        return len(self._freed) + self.capacity - self._next - len(self._taken)
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._freed
+        yield from (s for s in range(self._next, self.capacity) if s not in self._taken)
+
+    def peek(self) -> int:
+        """The slot `pop` gives next (IndexError if none is free)."""
+        if self._freed:
+            return self._freed[-1]
+        while self._next in self._taken:
+            self._taken.remove(self._next)
+            self._next += 1
+        if self._next >= self.capacity:
+            raise IndexError("no free slot")
+        return self._next
+
+    def pop(self) -> int:
+        slot = self.peek()
+        if self._freed:
+            self._freed.pop()
+        else:
+            self._next += 1
+        return slot
+
+    def push(self, slot: int) -> None:
+        """Give back a slot that was in use."""
+        self._freed.append(slot)
+
+    def take(self, slot: int) -> None:
+        """Mark a free slot in use (a chunk found again at it)."""
+        if slot >= self._next and slot not in self._taken:
+            self._taken.add(slot)
+        elif self._freed and self._freed[-1] == slot:
+            self._freed.pop()
+        else:
+            self._freed.remove(slot)
+
+
 class SlotEngine(TierStack):
     """The policy's decisions recorded as slot moves; slots are allocated and freed as chunks come and go.
 
@@ -45,7 +97,7 @@ class SlotEngine(TierStack):
         )
         self.on_removed = on_removed
         self.slots: list[dict[ChunkKey, int]] = [{} for _ in self.specs]
-        self.free: list[list[int]] = [list(range(t.capacity - 1, -1, -1)) for t in self.specs]
+        self.free = [FreeSlots(t.capacity) for t in self.specs]
         self.plan: list[Move] = []
         self.user_index: dict[ChunkKey, int] = {}
         self.origin: dict[tuple[int, ChunkKey], tuple[int, int]] = {}  # put from the caller in this plan
@@ -64,7 +116,7 @@ class SlotEngine(TierStack):
 
     def _removed(self, j: int, key: ChunkKey) -> None:
         slot = self.slots[j].pop(key)
-        self.free[j].append(slot)
+        self.free[j].push(slot)
         self.on_removed(j, key, slot)
 
     def adopt(self, j: int, slots: dict[ChunkKey, int], now: float) -> None:
@@ -73,8 +125,8 @@ class SlotEngine(TierStack):
             self.resident[j].add(key)
             self.orders[j].insert(key, now)
             self.slots[j][key] = slot
-        taken = set(slots.values())
-        self.free[j] = [s for s in self.free[j] if s not in taken]
+        for slot in slots.values():
+            self.free[j].take(slot)
 
     def adopt_shared(self, j: int, keys: Sequence[ChunkKey], now: float) -> None:
         """Enter chunks no tier holds into tier j's index without a move (a shared pool holds them), forgetting
@@ -87,7 +139,7 @@ class SlotEngine(TierStack):
                     self.evict(j, victim, now)
                 if not self.free[j]:
                     continue  # everything indexed is pinned: read as a miss
-            self.adopt(j, {key: self.free[j][-1]}, now)
+            self.adopt(j, {key: self.free[j].peek()}, now)
 
     def take_plan(self) -> list[Move]:
         """The moves planned since the last call, in order."""

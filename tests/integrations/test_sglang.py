@@ -201,6 +201,37 @@ def test_mla_ranks_share_keys_as_sglang_writes_from_one_rank(tmp_path: Path, cap
     assert "writes from one rank only" in caplog.text  # no shared pool: the other rank will find nothing
 
 
+def test_an_mla_rank_that_never_writes_loads_the_writers_pages_from_a_shared_pool(tmp_path, mooncake_master):
+    """Two TP ranks of an MLA model on one real Mooncake Store pool: rank 0 backs pages up (SGLang's writer),
+    rank 1 (backup_skip) finds them all and loads them byte for byte."""
+    from dataclasses import replace
+
+    tiers = {
+        "l2_dram": {"pinned_pool_gb": 0.01},
+        "l4_pool": {
+            "enabled": True, "backend": "mooncake", "bucket": f"mla-{tmp_path.name}",
+            "master_server_addr": mooncake_master.master_addr, "metadata_service_url": mooncake_master.metadata_url,
+            "segment_gb": 16 / 1024,
+        },
+    }  # fmt: skip
+    base = replace(storage_config(tmp_path, 1, **tiers), tp_size=2, is_mla_model=True)
+    pools = [PageFirstHostPool(8), PageFirstHostPool(8)]
+    fill(pools[0], 7)
+    storages = []
+    try:
+        for rank in (0, 1):
+            storages.append(attach(replace(base, tp_rank=rank), pools[rank]))
+        ks = keys(4, "mla-")
+        assert storages[0].batch_set_v1(ks, pools[0].indices([0, 1, 2, 3])) == [True] * 4
+        assert storages[1].batch_exists(ks) == 4
+        assert storages[1].batch_get_v1(ks, pools[1].indices([4, 5, 6, 7])) == [True] * 4
+        for p in range(4):
+            assert torch.equal(pools[1].page(4 + p), pools[0].page(p))
+    finally:
+        for storage in storages:
+            storage.close()
+
+
 def test_clear_forgets_every_page(tmp_path: Path) -> None:
     tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
     pool = PageFirstHostPool(4)

@@ -80,7 +80,7 @@ _record = st.one_of(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(_record, max_size=8), st.binary(max_size=6))
 def test_any_log_loads_to_entries_the_cache_can_trust(tmp_path_factory, records, tail):
     directory = tmp_path_factory.mktemp("l3")
