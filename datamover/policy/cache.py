@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..agents import Agent, Prepared
+from ..errors import TransferStateError
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
 from .config import TIER_NAMES, TierConfig, checked_config
@@ -73,6 +74,7 @@ class TieredCache:
         self.spans = SpanRecorder.from_config(config.observability)
         self.notes: list[str] = []
         self._l3_lock: int | None = None
+        self._closed = False
         self._own_agent = agent is None
         self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
@@ -165,6 +167,7 @@ class TieredCache:
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
         """Length of the longest cached prefix of `keys`, and the tier holding each of those chunks. With a shared
         pool, the prefix goes on through the chunks the pool holds (put there by any instance)."""
+        self._check_open()
         with self._lock:
             tiers = []
             for key in keys:
@@ -185,6 +188,7 @@ class TieredCache:
         list, or the i-th row of a DescList in memory registered with `agent`), promoting as the policy decides.
         Returns how many chunks were delivered, all verified; the rest are misses for the caller to recompute
         (and put)."""
+        self._check_open()
         with self._lock:
             n, tiers = self.lookup(keys)
             prefix = list(keys[:n])
@@ -222,6 +226,7 @@ class TieredCache:
         as used. Returns how many were newly stored in some tier. A put of the chunks that end the keys of the
         last get, after the prefix it delivered, ends that request for the policy, as a request ends in the
         replay; any other put is a request of its own."""
+        self._check_open()
         if not keys:
             return 0
         with self._lock:
@@ -257,6 +262,7 @@ class TieredCache:
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Future:
         """Start promoting the cached prefix of `keys` to L1 in the background; the future gives how many moved."""
+        self._check_open()
         return self._prefetcher.submit(self._promote, list(keys))
 
     def _promote(self, keys: list[ChunkKey]) -> int:
@@ -280,12 +286,14 @@ class TieredCache:
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         """Keep chunks from being evicted (nested: each pin needs an unpin)."""
+        self._check_open()
         with self._lock:
             self._pins.update(keys)
             self.engine.pinned.update(keys)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Undo one pin of each chunk."""
+        self._check_open()
         with self._lock:
             self._pins.subtract(keys)
             for key in keys:
@@ -297,6 +305,7 @@ class TieredCache:
         """Move every chunk held only by `tier` to the tiers below, close `tier` to new chunks and empty it
         (before shutting an instance down). Returns how many chunks were moved; chunks that fit nowhere below
         are dropped and logged."""
+        self._check_open()
         if tier == "l4_pool" and self.pool is not None:
             return self._drain_pool()
         with self._lock:
@@ -368,10 +377,18 @@ class TieredCache:
                 "notes": list(self.notes),
             }
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferStateError("TieredCache is closed: its tiers' memory and files are released")
+
     def close(self) -> None:
-        """Finish background work, compact the L3 index, release memory and files."""
+        """Finish background work, compact the L3 index, release memory and files (once; later calls do nothing,
+        and every other call but `stats` raises TransferStateError)."""
         self._prefetcher.shutdown(wait=True)
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             try:
                 if self.index is not None:
                     j = self.names.index("l3_nvme")

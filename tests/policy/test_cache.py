@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.backends import backend_status
-from datamover.errors import BackendUnavailable
+from datamover.errors import BackendUnavailable, TransferStateError
 from datamover.policy.cache import DATA_FILE, TieredCache
 from datamover.policy.config import ConfigError, TierConfig, with_overrides
 from datamover.policy.keys import ChunkKey, chunk_keys
@@ -553,3 +553,25 @@ def test_two_caches_never_share_an_l3_directory(tmp_path):
         assert check_get(cache, keys) == 3  # the refused caches touched nothing
     with TieredCache(config) as cache:  # closed: the directory is free again, and warm
         assert cache.lookup(keys[1:])[0] == 2
+
+
+def test_a_closed_cache_refuses_every_call_but_stats_and_close(tmp_path):
+    keys = chunk_keys(range(3), "m", "t")
+    cache = TieredCache(tiers(tmp_path, l1=2, l2=2, l3=4))
+    cache.put(keys, chunks(keys))
+    cache.close()
+    cache.close()  # once is enough; again does nothing
+    calls = {
+        "lookup": lambda: cache.lookup(keys),
+        "get": lambda: cache.get(keys, np.zeros(3 * PAGE, np.uint8)),
+        "put": lambda: cache.put(keys, chunks(keys)),
+        "prefetch": lambda: cache.prefetch(keys),
+        "pin": lambda: cache.pin(keys),
+        "unpin": lambda: cache.unpin(keys),
+        "drain": lambda: cache.drain("l2_dram"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(TransferStateError, match="TieredCache is closed"):
+            call()
+            pytest.fail(f"{name} on a closed cache")
+    assert cache.stats()["resident"]["l1_hbm"] == 2
