@@ -60,7 +60,7 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             "cp": f"{getattr(cfg, 'attn_cp_rank', 0)}of{getattr(cfg, 'attn_cp_size', 1)}",
         }
         self._dp = int(getattr(cfg, "dp_rank", 0) or 0)  # data-parallel replicas: the same chunks, own L3 files
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.cache: TieredCache | None = None
         self.mem_pool_host: Any = None
         self._entries_per_page = 0  # K/V parts per page in get_page_buffer_meta (v1)
@@ -94,6 +94,12 @@ class DatamoverHiCacheStorage(HiCacheStorage):
                 if self.cache.page != chunk_bytes:
                     raise ValueError(f"datamover cache chunks are {self.cache.page} bytes; this page has {chunk_bytes}")
                 return self.cache
+            self.cache = self._build(chunk_bytes, **parts)
+            return self.cache
+
+    def _build(self, chunk_bytes: int, **parts: Any) -> TieredCache:
+        """A new TieredCache for chunks of `chunk_bytes` (its L3 in this rank's directory)."""
+        with self._lock:
             self._parts.update(parts, chunk=chunk_bytes)
             config = build_config(self._tiers, chunk_bytes, ENGINE)
             if config.l3_nvme.enabled:
@@ -101,7 +107,7 @@ class DatamoverHiCacheStorage(HiCacheStorage):
                 tp = getattr(self.storage_config, "tp_rank", 0)  # every rank a directory of its own, MLA too
                 sub = f"{ENGINE}-dp{self._dp}-tp{tp}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
                 config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
-            self.cache = TieredCache(config)
+            cache = TieredCache(config)
             cfg = self.storage_config
             shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
             if cfg is not None and cfg.is_mla_model and getattr(cfg, "tp_size", 1) > 1 and not shared:
@@ -111,7 +117,7 @@ class DatamoverHiCacheStorage(HiCacheStorage):
                     "(l4_pool.backend: mooncake); without one the other ranks find nothing, and so neither does "
                     "the group's prefetch", cfg.tp_size,
                 )  # fmt: skip
-            return self.cache
+            return cache
 
     def _ns(self, iface: str) -> str:
         return namespace(ENGINE, iface=iface, **self._parts)
@@ -197,7 +203,10 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         if self.cache is None:
             return None
         if target_location is None:
-            per = self._present_chunks(key)
+            try:
+                per = self._present_chunks(key)
+            except DatamoverError:  # closed, or being cleared
+                return None
             if not per:
                 return None
             target = torch.empty(per * self.cache.page, dtype=torch.uint8)
@@ -241,40 +250,46 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         """How many leading pages of keys are fully held (the hit prefix length, in pages)."""
         if self.cache is None or not keys:
             return 0
-        if self._v1:
-            per = self._entries_per_page
-        else:
-            per = self._present_chunks(keys[0])
-            if not per:
-                return 0
-        return self.cache.lookup(self._keys(keys, "v1" if self._v1 else "v0", per))[0] // per
+        try:
+            if self._v1:
+                per = self._entries_per_page
+            else:
+                per = self._present_chunks(keys[0])
+                if not per:
+                    return 0
+            return self.cache.lookup(self._keys(keys, "v1" if self._v1 else "v0", per))[0] // per
+        except DatamoverError as exc:  # a cache closed (or being cleared) holds nothing
+            log.info("datamover: existence check of %d pages failed (%s)", len(keys), exc)
+            return 0
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
-        """Forget every page: the cache is closed and its L3 files removed (objects in a shared pool are kept)."""
+        """Forget every page: the cache is closed and its L3 files removed (objects in a shared pool are kept).
+        Calls meanwhile meet the closed cache (its TransferStateError reads as a miss) until the new one is in."""
         with self._lock:
-            cache, self.cache = self.cache, None
-        if cache is None:
-            return
-        l3 = cache.config.l3_nvme
-        chunk = cache.page
-        cache.close()
-        if l3.enabled:
-            shutil.rmtree(l3.path, ignore_errors=True)
-        self._parts.pop("chunk", None)
-        self._open(chunk)
-        if self.mem_pool_host is not None and getattr(self.mem_pool_host, "kv_buffer", None) is not None:
-            self._registered = self.cache.agent.register_memory(self.mem_pool_host.kv_buffer)
+            cache = self.cache
+            if cache is None:
+                return
+            l3, chunk = cache.config.l3_nvme, cache.page
+            cache.close()
+            if l3.enabled:
+                shutil.rmtree(l3.path, ignore_errors=True)
+            self._parts.pop("chunk", None)
+            fresh = self._build(chunk)
+            pool = getattr(self.mem_pool_host, "kv_buffer", None) if self.mem_pool_host is not None else None
+            if pool is not None:
+                self._registered = fresh.agent.register_memory(pool)
+            self.cache = fresh
 
     def tier_stats(self) -> dict[str, Any]:
         """TieredCache.stats() of this storage (empty before the first page)."""
         return self.cache.stats() if self.cache is not None else {}
 
     def close(self) -> None:
+        """Close the cache; later calls meet it closed (TransferStateError), so they read as misses."""
         with self._lock:
-            cache, self.cache = self.cache, None
-        if cache is not None:
-            cache.close()
+            if self.cache is not None:
+                self.cache.close()
 
 
 def _with_l3_path(config: Any, path: str) -> Any:

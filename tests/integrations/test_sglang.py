@@ -232,6 +232,21 @@ def test_an_mla_rank_that_never_writes_loads_the_writers_pages_from_a_shared_poo
             storage.close()
 
 
+def test_after_close_every_call_is_a_miss_not_an_exception(tmp_path: Path) -> None:
+    """SGLang's threads may still call the storage while it shuts down: each call reads as a miss."""
+    pool = PageFirstHostPool(4)
+    fill(pool, 8)
+    storage = attach(storage_config(tmp_path, 1), pool)
+    ks = keys(2)
+    assert storage.batch_set_v1(ks, pool.indices([0, 1])) == [True, True]
+    storage.close()
+    assert storage.batch_exists(ks) == 0
+    assert storage.batch_get_v1(ks, pool.indices([2, 3])) == [False, False]
+    assert storage.batch_set_v1(ks, pool.indices([0, 1])) == [False, False]
+    assert storage.get(ks[0]) is None and storage.set(ks[0], pool.page(0)) is False
+    storage.close()
+
+
 def test_clear_forgets_every_page(tmp_path: Path) -> None:
     tiers = {"l3_nvme": {"enabled": True, "path": str(tmp_path / "l3"), "capacity_gb": 0.01, "fsync_mode": "none"}}
     pool = PageFirstHostPool(4)
