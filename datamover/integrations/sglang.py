@@ -46,21 +46,21 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         self._tiers = extra.get("kv_cache_tiered", extra.get("tier_config"))
         self._v1 = bool(extra.get("interface_v1", 0))
         cfg = storage_config
+        mla = bool(getattr(cfg, "is_mla_model", False))
+        self._tp_rank = getattr(cfg, "tp_rank", 0)
         self._parts = {
             "model": getattr(cfg, "model_name", None) or "",
             # MLA's latent KV is the same on every TP rank: SGLang lets one rank write it and every rank read it,
             # so the keys must not name the rank (they name the DCP shard, below)
-            "tp": "all"
-            if getattr(cfg, "is_mla_model", False)
-            else f"{getattr(cfg, 'tp_rank', 0)}of{getattr(cfg, 'tp_size', 1)}",
+            "tp": "all" if mla else f"{self._tp_rank}of{getattr(cfg, 'tp_size', 1)}",
             "pp": f"{getattr(cfg, 'pp_rank', 0)}of{getattr(cfg, 'pp_size', 1)}",
-            "mla": bool(getattr(cfg, "is_mla_model", False)),
+            "mla": mla,
             "dcp": f"{getattr(cfg, 'dcp_rank', 0)}of{getattr(cfg, 'dcp_size', 1)}",
             # a context-parallel rank holds its own slice of every page: other bytes under the same page hash
             "cp": f"{getattr(cfg, 'attn_cp_rank', 0)}of{getattr(cfg, 'attn_cp_size', 1)}",
         }
         self._dp = int(getattr(cfg, "dp_rank", 0) or 0)  # data-parallel replicas: the same chunks, own L3 files
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self.cache: TieredCache | None = None
         self.mem_pool_host: Any = None
         self._entries_per_page = 0  # K/V parts per page in get_page_buffer_meta (v1)
@@ -98,26 +98,25 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             return self.cache
 
     def _build(self, chunk_bytes: int, **parts: Any) -> TieredCache:
-        """A new TieredCache for chunks of `chunk_bytes` (its L3 in this rank's directory)."""
-        with self._lock:
-            self._parts.update(parts, chunk=chunk_bytes)
-            config = build_config(self._tiers, chunk_bytes, ENGINE)
-            if config.l3_nvme.enabled:
-                p = self._parts
-                tp = getattr(self.storage_config, "tp_rank", 0)  # every rank a directory of its own, MLA too
-                sub = f"{ENGINE}-dp{self._dp}-tp{tp}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
-                config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
-            cache = TieredCache(config)
-            cfg = self.storage_config
-            shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
-            if cfg is not None and cfg.is_mla_model and getattr(cfg, "tp_size", 1) > 1 and not shared:
-                log.warning(
-                    "datamover sglang storage: an MLA model with tp_size %d writes from one rank only (SGLang's "
-                    "rule) and every rank must find what it wrote, which only a shared pool holds "
-                    "(l4_pool.backend: mooncake); without one the other ranks find nothing, and so neither does "
-                    "the group's prefetch", cfg.tp_size,
-                )  # fmt: skip
-            return cache
+        """A new TieredCache for chunks of `chunk_bytes` (its L3 in this rank's directory); the lock is held."""
+        self._parts.update(parts, chunk=chunk_bytes)
+        config = build_config(self._tiers, chunk_bytes, ENGINE)
+        if config.l3_nvme.enabled:
+            p = self._parts
+            # every rank a directory of its own, MLA too
+            sub = f"{ENGINE}-dp{self._dp}-tp{self._tp_rank}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
+            config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
+        cache = TieredCache(config)
+        cfg = self.storage_config
+        shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
+        if self._parts["mla"] and getattr(cfg, "tp_size", 1) > 1 and not shared:
+            log.warning(
+                "datamover sglang storage: an MLA model with tp_size %d writes from one rank only (SGLang's "
+                "rule) and every rank must find what it wrote, which only a shared pool holds "
+                "(l4_pool.backend: mooncake); without one the other ranks find nothing, and so neither does "
+                "the group's prefetch", cfg.tp_size,
+            )  # fmt: skip
+        return cache
 
     def _ns(self, iface: str) -> str:
         return namespace(ENGINE, iface=iface, **self._parts)

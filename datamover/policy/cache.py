@@ -167,8 +167,8 @@ class TieredCache:
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
         """Length of the longest cached prefix of `keys`, and the tier holding each of those chunks. With a shared
         pool, the prefix goes on through the chunks the pool holds (put there by any instance)."""
-        self._check_open()
         with self._lock:
+            self._check_open()
             tiers = []
             for key in keys:
                 j = self.engine.where(key)
@@ -188,8 +188,8 @@ class TieredCache:
         list, or the i-th row of a DescList in memory registered with `agent`), promoting as the policy decides.
         Returns how many chunks were delivered, all verified; the rest are misses for the caller to recompute
         (and put)."""
-        self._check_open()
         with self._lock:
+            self._check_open()
             n, tiers = self.lookup(keys)
             prefix = list(keys[:n])
             user, reg = prepare_user(self.agent, dst, n, self.page) if n else (None, None)
@@ -226,10 +226,10 @@ class TieredCache:
         as used. Returns how many were newly stored in some tier. A put of the chunks that end the keys of the
         last get, after the prefix it delivered, ends that request for the policy, as a request ends in the
         replay; any other put is a request of its own."""
-        self._check_open()
-        if not keys:
-            return 0
         with self._lock:
+            self._check_open()
+            if not keys:
+                return 0
             user, reg = prepare_user(self.agent, src, len(keys), self.page)
             eng = self.engine
             before = list(eng.evictions)
@@ -286,15 +286,15 @@ class TieredCache:
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
         """Keep chunks from being evicted (nested: each pin needs an unpin)."""
-        self._check_open()
         with self._lock:
+            self._check_open()
             self._pins.update(keys)
             self.engine.pinned.update(keys)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Undo one pin of each chunk."""
-        self._check_open()
         with self._lock:
+            self._check_open()
             self._pins.subtract(keys)
             for key in keys:
                 if self._pins[key] <= 0:
