@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from ..agents import Agent, Prepared
-from ..errors import TransferStateError
+from ..errors import InvalidParameter, TransferStateError
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
+from .bucket import PrivateBucket
 from .config import TIER_NAMES, TierConfig, checked_config
 from .counters import Counters
 from .engine import PREFILL
@@ -85,6 +86,8 @@ class TieredCache:
         self._gone: set[ChunkKey] = set()
         self.index: L3Index | None = None
         self.pool: SharedPool | None = None
+        self.bucket: PrivateBucket | None = None
+        self._l4_gone: set[ChunkKey] = set()  # chunks L4 dropped in this operation: their objects go after it
         l3_bytes = 0
         try:
             if config.l3_nvme.enabled:  # before anything under it is read or sized
@@ -108,6 +111,8 @@ class TieredCache:
             self._check_crc = self.mover.check_crc
             if "l3_nvme" in self.names:
                 self._load_l3_index(l3_bytes)
+            if config.l4_pool.enabled and not shared:
+                self._load_bucket_index()
         except BaseException:  # a tier that cannot be built: release what was
             self._prefetcher.shutdown()
             if self._own_agent:
@@ -134,10 +139,21 @@ class TieredCache:
         if entries:
             self.notes.append(f"l3_nvme: {len(entries)} chunks found again under {l3.path}")
 
+    def _load_bucket_index(self) -> None:
+        """Find again the chunks a private L4 bucket held when the last cache on it closed."""
+        j = self.names.index("l4_pool")
+        self.bucket = PrivateBucket(self.agent, self.config.l4_pool, self.page, self.tiers[j].capacity)
+        keys = self.bucket.load()
+        self.engine.adopt(j, {key: slot for slot, key in enumerate(keys)}, self.clock())
+        if keys:
+            self.notes.append(f"l4_pool: {len(keys)} chunks found again in s3://{self.bucket.bucket}")
+
     def _removed(self, j: int, key: ChunkKey, slot: int) -> None:
         """The engine freed `key`'s slot in tier j."""
         if self.index is not None and self.names[j] == "l3_nvme":
             self.index.freed(slot)
+        elif self.bucket is not None and self.names[j] == "l4_pool":
+            self._l4_gone.add(key)
         self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
 
     def _invalidate(self, key: ChunkKey, checksum: bool = True) -> None:
@@ -152,11 +168,18 @@ class TieredCache:
 
     def _execute(self, plan: list[Move], user: Prepared | None) -> None:
         """Run a plan (see `Mover.run`), make the L3 index durable, forget the CRCs of chunks no tier holds."""
-        if self.index is not None and not self._check_crc:
-            self.index.sync()  # slots freed are on record before new chunks overwrite them: unchecked reads trust it
-        self.mover.run(plan, user, self.index)
-        if self.index is not None:
-            self.index.sync()
+        try:
+            if self.index is not None and not self._check_crc:
+                self.index.sync()  # slots freed on record before new chunks overwrite them: unchecked reads trust it
+            self.mover.run(plan, user, self.index)
+            if self.index is not None:
+                self.index.sync()
+        finally:
+            if self._l4_gone:  # after the plan: it may have read them, or written one of them again
+                j4 = self.names.index("l4_pool")
+                gone = [k for k in self._l4_gone if k not in self.engine.resident[j4]]
+                self._l4_gone.clear()
+                self.bucket.delete(gone)  # type: ignore[union-attr]
         where = self.engine.where
         for key in self._gone:
             if where(key) < 0:
@@ -230,6 +253,7 @@ class TieredCache:
             self._check_open()
             if not keys:
                 return 0
+            _check_keys(keys)
             user, reg = prepare_user(self.agent, src, len(keys), self.page)
             eng = self.engine
             before = list(eng.evictions)
@@ -394,6 +418,8 @@ class TieredCache:
                     j = self.names.index("l3_nvme")
                     live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
                     self.index.close(live)
+                if self.bucket is not None:
+                    self.bucket.save(list(self.engine.slots[self.names.index("l4_pool")]))
                 if self.spans is not None:
                     self.spans.close()
             finally:
@@ -408,6 +434,14 @@ class TieredCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_keys(keys: Sequence[ChunkKey]) -> None:
+    """Refuse keys the L3 and L4 indexes cannot record (a prefix hash that does not fit 64 bits), before a byte
+    moves; a hash of more bits (a whole SHA-256, say) must be folded to 64 first."""
+    for i, key in enumerate(keys):
+        if not -(1 << 63) <= key.prefix_hash < 1 << 64:
+            raise InvalidParameter(f"keys[{i}] {key}: prefix_hash does not fit 64 bits (fold it, e.g. modulo 2**64)")
 
 
 __all__ = ["DATA_FILE", "INDEX_FILE", "TIER_NAMES", "USER", "Move", "TieredCache"]

@@ -25,6 +25,19 @@ class ChunkKey(NamedTuple):
         return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
+def key_from_fields(fields: object) -> ChunkKey:
+    """The ChunkKey of a list of its fields as stored (``list(key)``, the layer optional); ValueError for anything
+    else, naming it (an index read back from disk or a bucket is checked field by field before it is trusted)."""
+    if not isinstance(fields, list) or len(fields) not in (3, 4):
+        raise ValueError(f"key {fields!r:.80} is not a chunk key")
+    prefix, model, tokenizer, layer = (*fields, None) if len(fields) == 3 else fields
+    if type(prefix) is not int or type(model) is not str or type(tokenizer) is not str:
+        raise ValueError(f"key {fields!r:.80} is not a chunk key")
+    if layer is not None and type(layer) is not int:
+        raise ValueError(f"key {fields!r:.80}: layer {layer!r:.20} is not a layer number")
+    return ChunkKey(prefix, model, tokenizer, layer)
+
+
 def chunk_keys(
     prefix_hashes: Iterable[int], model_version: str, tokenizer_version: str, layer: int | None = None
 ) -> list[ChunkKey]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgpack
 
 from ..errors import ConfigError
-from .keys import ChunkKey
+from .keys import ChunkKey, key_from_fields
 from .slabs import DATA_FILE
 
 log = logging.getLogger("datamover.kvcache")
@@ -70,14 +70,7 @@ def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
     crc, fields = record[2], record[3]
     if type(crc) is not int or not 0 <= crc < 1 << 32:
         raise ValueError(f"CRC32C {crc!r:.40} out of range")
-    if not isinstance(fields, list) or len(fields) not in (3, 4):
-        raise ValueError(f"key {fields!r:.80} is not a chunk key")
-    prefix, model, tokenizer, layer = (*fields, None) if len(fields) == 3 else fields
-    if type(prefix) is not int or type(model) is not str or type(tokenizer) is not str:
-        raise ValueError(f"key {fields!r:.80} is not a chunk key")
-    if layer is not None and type(layer) is not int:
-        raise ValueError(f"key {fields!r:.80}: layer {layer!r:.20} is not a layer number")
-    return slot, (ChunkKey(prefix, model, tokenizer, layer), crc)
+    return slot, (key_from_fields(fields), crc)
 
 
 class L3Index:

@@ -153,8 +153,8 @@ class Mover:
 
     def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray, learn: bool = False) -> np.ndarray:
         """Which staged rows match their chunk's CRC32C (all, when checking is off). With ``learn`` (rows read
-        from the shared pool, whose backend checked each chunk against the CRC32C its writer stored), a chunk
-        this instance never put gets its CRC32C from the verified bytes."""
+        from L4, whose backend checked each chunk against the CRC32C its writer stored), a chunk this cache did
+        not put (another instance did, or an earlier run) gets its CRC32C from the verified bytes."""
         if not self.check_crc:
             return np.ones(len(keys), dtype=bool)
         import crc32c
@@ -195,7 +195,7 @@ class Mover:
                 self._transfer(src, si, STAGE, rows, user)
                 good = np.ones(len(batch), dtype=bool)
             if smem in REMOTE:
-                good &= self._verify(keys, rows, learn=self.shared and smem == MemType.OBJ)
+                good &= self._verify(keys, rows, learn=smem == MemType.OBJ)
             for i in np.flatnonzero(~good):
                 self.invalidate(keys[i])
             keep = np.flatnonzero(good)

@@ -1,0 +1,156 @@
+"""The private L4 bucket (`l4_pool.backend: s3`) as the cache asks it directly, not through transfers.
+
+A chunk is `replica_count` objects `kv/<ChunkKey.digest()>.<r>`. When the cache evicts a chunk from L4, or drops one
+whose bytes failed, its objects are deleted (DeleteObjects, up to 1,000 names a call), so the bucket holds what
+the L4 index holds, not every chunk ever demoted. At close the index (the keys L4 holds, oldest placement first)
+is written to the object `kv/datamover-l4-index`; the next cache on the bucket reads it back, checks every
+field, and adopts those chunks: reads of them are verified against the CRC32C each object was written with, and
+a chunk whose object is gone (a run that crashed after evicting it) reads as a miss. Chunks a crashed run wrote
+are not in the index it left: their objects stay until the bucket's lifecycle rules expire them (the bucket is
+private to one instance, so nothing else deletes them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgpack
+
+from ..agents import Agent
+from .config import L4Config
+from .keys import ChunkKey, key_from_fields
+
+log = logging.getLogger("datamover.kvcache")
+
+INDEX_OBJECT = "kv/datamover-l4-index"
+INDEX_FORMAT = "datamover-l4-index/1"
+_DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
+_INDEX_BYTES_PER_KEY = 1024  # bound on what is read back: a key's fields as msgpack, generous
+
+
+class PrivateBucket:
+    """One instance's L4 bucket: deletes of evicted chunks, and the index kept across restarts."""
+
+    def __init__(self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int) -> None:
+        self.client = agent.backend("s3").client
+        self.bucket = config.bucket
+        self.replicas = config.replica_count
+        self.chunk_bytes = chunk_bytes
+        self.capacity = capacity
+        self.delete_failures = 0
+
+    @staticmethod
+    def names(key: ChunkKey, replicas: Iterable[int]) -> list[str]:
+        """The object names of `key`'s replicas (full keys in the bucket)."""
+        digest = key.digest()
+        return [f"kv/{digest}.{r}" for r in replicas]
+
+    def delete(self, keys: Sequence[ChunkKey], replicas: Iterable[int] | None = None) -> int:
+        """Delete the objects of `keys` (every replica, or those of `replicas`); returns how many names could not
+        be deleted (logged; the objects only cost storage, every read of them is checked)."""
+        reps = list(range(self.replicas) if replicas is None else replicas)
+        names = [name for key in keys for name in self.names(key, reps)]
+        failed = 0
+        for lo in range(0, len(names), _DELETE_BATCH):
+            batch = names[lo : lo + _DELETE_BATCH]
+            try:
+                resp = self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
+                )
+                errors = resp.get("Errors") or []
+            except Exception as exc:  # the store is unreachable or refuses: the objects stay, the cache goes on
+                errors = [{"Key": batch[0], "Message": str(exc)}] * len(batch)
+            if errors:
+                failed += len(errors)
+                log.warning(
+                    "l4_pool: %d evicted object(s) of s3://%s not deleted (first: %s: %s); they stay until the "
+                    "bucket's lifecycle rules expire them",
+                    len(errors), self.bucket, errors[0].get("Key"), errors[0].get("Message"),
+                )  # fmt: skip
+        self.delete_failures += failed
+        return failed
+
+    def save(self, keys: Sequence[ChunkKey]) -> None:
+        """Write the index of the chunks L4 holds (at close); if it cannot be written the next start is cold."""
+        index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
+        try:
+            body = msgpack.packb({**index, "keys": [list(k) for k in keys]})
+            self.client.put_object(Bucket=self.bucket, Key=INDEX_OBJECT, Body=body)
+        except Exception as exc:
+            log.warning(
+                "l4_pool: index s3://%s/%s not written (%s): the %d chunks there are not found again next start",
+                self.bucket, INDEX_OBJECT, exc, len(keys),
+            )  # fmt: skip
+
+    def load(self) -> list[ChunkKey]:
+        """The chunks the index an earlier run left says the bucket holds, at most `capacity` (the newest);
+        chunks it cannot use (another chunk size, past the capacity, replicas beyond `replica_count`) are
+        deleted. No index, or one that cannot be read or parsed: nothing (logged), the start is cold."""
+        index = self._read_index()
+        if index is None:
+            return []
+        keys, chunk_bytes, replicas = index
+        if chunk_bytes != self.chunk_bytes:
+            log.warning(
+                "l4_pool: index s3://%s/%s is of %d-byte chunks, this cache's are %d: its %d chunks deleted",
+                self.bucket, INDEX_OBJECT, chunk_bytes, self.chunk_bytes, len(keys),
+            )  # fmt: skip
+            self.delete(keys, range(replicas))
+            return []
+        unique = list(dict.fromkeys(keys))
+        kept, dropped = unique[-self.capacity :], unique[: max(0, len(unique) - self.capacity)]
+        if dropped:
+            self.delete(dropped, range(replicas))
+        if replicas > self.replicas:
+            self.delete(kept, range(self.replicas, replicas))
+        return kept
+
+    def _read_index(self) -> tuple[list[ChunkKey], int, int] | None:
+        where = f"s3://{self.bucket}/{INDEX_OBJECT}"
+        limit = 4096 + self.capacity * _INDEX_BYTES_PER_KEY
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=INDEX_OBJECT)
+            size = int(head.get("ContentLength", 0))
+            if size > limit:
+                log.warning(
+                    "l4_pool: index %s is %d bytes, over the %d this capacity bounds: not used", where, size, limit
+                )
+                return None
+            body = self.client.get_object(Bucket=self.bucket, Key=INDEX_OBJECT, Range=f"bytes=0-{limit - 1}")["Body"]
+            data = body.read(limit + 1)
+        except Exception as exc:
+            if _not_found(exc):
+                return None
+            log.warning("l4_pool: index %s unreadable (%s): L4 starts cold", where, exc)
+            return None
+        try:
+            return parse_index(data)
+        except ValueError as exc:
+            log.warning("l4_pool: index %s not used: %s", where, exc)
+            return None
+
+
+def parse_index(data: bytes) -> tuple[list[ChunkKey], int, int]:
+    """(keys, chunk_bytes, replicas) of an index object's bytes; ValueError naming what is wrong (it came from
+    the network: every field is checked before the cache trusts it)."""
+    try:
+        index: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise ValueError(f"not msgpack: {exc}") from None
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
+        raise ValueError(f"not a {INDEX_FORMAT} index")
+    chunk_bytes, replicas, fields = index.get("chunk_bytes"), index.get("replicas"), index.get("keys")
+    if type(chunk_bytes) is not int or chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes {chunk_bytes!r:.40} is not a size")
+    if type(replicas) is not int or not 1 <= replicas <= 1024:
+        raise ValueError(f"replicas {replicas!r:.40} out of range")
+    if not isinstance(fields, list):
+        raise ValueError("keys is not a list")
+    return [key_from_fields(f) for f in fields], chunk_bytes, replicas
+
+
+def _not_found(exc: BaseException) -> bool:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound")

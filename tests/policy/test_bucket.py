@@ -1,0 +1,259 @@
+"""A private L4 bucket holds what the L4 index holds, and is found again after a restart (real moto S3 server)."""
+
+from __future__ import annotations
+
+import logging
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from datamover import Agent
+from datamover.errors import InvalidParameter
+from datamover.policy.bucket import INDEX_FORMAT, INDEX_OBJECT, parse_index
+from datamover.policy.cache import TieredCache
+from datamover.policy.keys import ChunkKey, chunk_keys
+from datamover.testing.s3server import S3Server
+
+from .test_cache import GB, PAGE, check_consistent, check_get, chunks, tiers
+
+BUCKET = "kv-private"
+
+
+@pytest.fixture(scope="module")
+def server():
+    ok, why = S3Server.available()
+    if not ok:
+        pytest.skip(why)
+    with S3Server(bucket=BUCKET) as srv:
+        yield srv
+
+
+@pytest.fixture
+def s3(server):
+    """The bucket, emptied before each test."""
+    client = server.client()
+    for obj in client.list_objects_v2(Bucket=BUCKET).get("Contents", []):
+        client.delete_object(Bucket=BUCKET, Key=obj["Key"])
+    return server
+
+
+def objects(srv: S3Server) -> list[str]:
+    return sorted(o["Key"] for o in srv.client().list_objects_v2(Bucket=BUCKET).get("Contents", []))
+
+
+def open_cache(srv: S3Server, tmp_path, l4: int = 4, replicas: int = 2, page: int = PAGE) -> TieredCache:
+    agent = Agent("kv-bucket", {"backends": {"memcpy": {}, "posix": {}, "s3": srv.config()}})
+    config = tiers(
+        tmp_path,
+        l1=2,
+        l2=0,
+        l3=None,
+        l1_hbm={"page_size_bytes": page},
+        l4_pool={"enabled": True, "bucket": BUCKET, "capacity_gb": l4 * page / GB, "replica_count": replicas},
+    )
+    cache = TieredCache(config, agent=agent)
+    cache.own_test_agent = agent
+    return cache
+
+
+def close(cache: TieredCache) -> None:
+    cache.close()
+    cache.own_test_agent.close()
+
+
+def chunk_objects(keys, replicas: int = 2) -> list[str]:
+    return sorted(f"kv/{k.digest()}.{r}" for k in keys for r in range(replicas))
+
+
+def test_evicted_chunks_objects_are_deleted(s3, tmp_path):
+    cache = open_cache(s3, tmp_path, l4=4)
+    try:
+        keys = chunk_keys(range(20), "m", "t")
+        for i in range(0, 20, 2):
+            cache.put(keys[i : i + 2], chunks(keys[i : i + 2]))
+        l4 = cache.engine.resident[cache.names.index("l4_pool")]
+        assert len(l4) == 4 and cache.stats()["evictions"]["l4_pool"] > 0
+        assert objects(s3) == chunk_objects(l4)  # every replica of every chunk L4 dropped is gone
+        assert check_get(cache, keys[-2:]) == 2
+        check_consistent(cache)
+    finally:
+        close(cache)
+
+
+def test_restart_finds_the_bucket_again(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8)
+    try:
+        cache.put(keys, chunks(keys))
+        held = sorted(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    assert INDEX_OBJECT in objects(s3)
+    cache = open_cache(s3, tmp_path, l4=8)
+    try:
+        assert any("found again" in n for n in cache.notes)
+        assert sorted(cache.engine.resident[cache.names.index("l4_pool")]) == held
+        assert cache.lookup(held) == (len(held), ["l4_pool"] * len(held))
+        before = cache.stats()["checksum_failures"]
+        assert check_get(cache, held) == len(held)  # byte-exact: verified against each object's CRC32C
+        assert cache.stats()["checksum_failures"] == before
+        check_consistent(cache)
+    finally:
+        close(cache)
+
+
+def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        cache.put(keys, chunks(keys))
+        held = list(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    s3.client().delete_object(Bucket=BUCKET, Key=f"kv/{held[0].digest()}.0")  # a crashed run evicted it
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        assert check_get(cache, [held[0]]) == 0
+        assert check_get(cache, held[1:]) == len(held) - 1
+        assert cache.lookup([held[0]])[0] == 0
+    finally:
+        close(cache)
+
+
+def test_another_chunk_size_is_not_adopted_and_its_objects_go(s3, tmp_path, caplog):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8)
+    try:
+        cache.put(keys, chunks(keys))
+    finally:
+        close(cache)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    cache = open_cache(s3, tmp_path, l4=8, page=2 * PAGE)
+    try:
+        assert cache.lookup(keys)[0] == 0
+        assert "4096-byte chunks" in caplog.text
+        assert objects(s3) == [INDEX_OBJECT]  # the other layout's chunks: deleted, never served
+    finally:
+        close(cache)
+    assert objects(s3) == [INDEX_OBJECT]
+
+
+def test_a_smaller_bucket_keeps_the_newest_and_fewer_replicas_delete_the_rest(s3, tmp_path):
+    keys = chunk_keys(range(12), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)
+    try:
+        for k in keys:
+            cache.put([k], chunks([k]))
+        order = list(cache.engine.slots[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    cache = open_cache(s3, tmp_path, l4=3, replicas=1)
+    try:
+        kept = order[-3:]
+        assert cache.engine.resident[cache.names.index("l4_pool")] == set(kept)
+        assert objects(s3) == sorted([*chunk_objects(kept, 1), INDEX_OBJECT])
+        assert check_get(cache, kept[:1]) == 1
+    finally:
+        close(cache)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\x00garbage", msgpack.packb({"format": "other"}), msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": 4096})],
+)
+def test_a_damaged_index_is_a_cold_start(s3, tmp_path, caplog, body):
+    s3.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=body)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    cache = open_cache(s3, tmp_path)
+    try:
+        assert cache.engine.resident[cache.names.index("l4_pool")] == set()
+        assert "not used" in caplog.text
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys, chunks(keys))
+        assert check_get(cache, keys) == 4
+    finally:
+        close(cache)
+
+
+def test_an_index_too_large_for_the_capacity_is_not_read(s3, tmp_path, caplog):
+    key = [1, "m" * 5000, "t"]
+    body = msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": PAGE, "replicas": 1, "keys": [key] * 8})
+    s3.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=body)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    cache = open_cache(s3, tmp_path, l4=4)
+    try:
+        assert "over the" in caplog.text and not cache.engine.resident[cache.names.index("l4_pool")]
+    finally:
+        close(cache)
+
+
+def test_a_delete_the_store_refuses_is_logged_and_the_cache_goes_on(s3, tmp_path, caplog):
+    cache = open_cache(s3, tmp_path, l4=2, replicas=1)
+    try:
+        calls = []
+
+        def refuse(**kw):
+            calls.append(kw)
+            raise OSError("injected: store unreachable")
+
+        cache.bucket.client.delete_objects = refuse  # the fault, injected where the bucket calls the store
+        caplog.set_level(logging.WARNING, "datamover.kvcache")
+        keys = chunk_keys(range(8), "m", "t")
+        for i in range(0, 8, 2):
+            cache.put(keys[i : i + 2], chunks(keys[i : i + 2]))
+        assert calls and cache.bucket.delete_failures > 0
+        assert "not deleted" in caplog.text
+        assert check_get(cache, keys[-2:]) == 2
+    finally:
+        del cache.bucket.client.delete_objects
+        close(cache)
+
+
+fields = st.lists(
+    st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=5), st.none(), st.binary(max_size=4), st.floats()),
+    max_size=5,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.builds(
+            lambda fmt, cb, rep, keys: msgpack.packb({"format": fmt, "chunk_bytes": cb, "replicas": rep, "keys": keys}),
+            st.sampled_from([INDEX_FORMAT, "x"]),
+            st.one_of(st.integers(-5, 1 << 40), st.text(max_size=3), st.none()),
+            st.one_of(st.integers(-5, 2000), st.none()),
+            st.one_of(st.lists(fields, max_size=4), st.integers(-5, 5)),
+        ),
+    )
+)
+def test_parse_index_takes_only_well_formed_indexes(data):
+    try:
+        keys, chunk_bytes, replicas = parse_index(data)
+    except ValueError:
+        return
+    assert chunk_bytes > 0 and 1 <= replicas <= 1024
+    assert all(isinstance(k, ChunkKey) and type(k.prefix_hash) is int for k in keys)
+
+
+def test_round_trip_of_the_index_format():
+    keys = [ChunkKey(2**63 + 5, "m", "t"), ChunkKey(-1, "m2", "t2", 3)]
+    body = msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": PAGE, "replicas": 2, "keys": [list(k) for k in keys]})
+    assert parse_index(body) == (keys, PAGE, 2)
+    assert parse_index(msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": 1, "replicas": 1, "keys": []})) == (
+        [],
+        1,
+        1,
+    )
+
+
+def test_a_key_the_indexes_cannot_record_is_refused_before_a_byte_moves(tmp_path):
+    with TieredCache(tiers(tmp_path)) as cache:
+        keys = [ChunkKey(1, "m", "t"), ChunkKey(2**64, "m", "t")]
+        with pytest.raises(InvalidParameter, match=r"keys\[1\].*64 bits"):
+            cache.put(keys, chunks(keys))
+        assert cache.lookup(keys[:1])[0] == 0
+        assert cache.put(keys[:1], chunks(keys[:1])) == 1  # the L3 index still records what comes after
