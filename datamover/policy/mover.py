@@ -105,13 +105,13 @@ class Mover:
     def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
         """Read chunks of L4 into staging rows; returns which rows arrived (a failed replica tries the next)."""
         ok = np.zeros(len(keys), dtype=bool)
-        if self.shared:
-            try:  # the whole batch in one transfer; if a chunk fails, each is read alone to find which
-                with self.agent.make_transfer("READ", self.stage.prepared, rows, self._objects(keys, 0), None) as x:
-                    x.post().wait()
-                return np.ones(len(keys), dtype=bool)
-            except DatamoverError as exc:
-                log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
+        try:  # the whole batch in one transfer (the backend's requests run concurrently); if a chunk fails, each
+            # is read alone, replica by replica, to find which
+            with self.agent.make_transfer("READ", self.stage.prepared, rows, self._objects(keys, 0), None) as x:
+                x.post().wait()
+            return np.ones(len(keys), dtype=bool)
+        except DatamoverError as exc:
+            log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
         for i, key in enumerate(keys):
             for r in range(1 if self.shared else self.config.l4_pool.replica_count):
                 try:
