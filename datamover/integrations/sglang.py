@@ -20,7 +20,6 @@ import logging
 import shutil
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ from ..descriptors import DescList
 from ..descriptors.buffers import host_view
 from ..errors import DatamoverError
 from ..policy import ChunkKey, TieredCache
-from .tiers import build_config, key_hash, namespace
+from .tiers import build_config, key_hash, namespace, per_rank
 
 log = logging.getLogger("datamover.integrations.sglang")
 
@@ -98,14 +97,12 @@ class DatamoverHiCacheStorage(HiCacheStorage):
             return self.cache
 
     def _build(self, chunk_bytes: int, **parts: Any) -> TieredCache:
-        """A new TieredCache for chunks of `chunk_bytes` (its L3 in this rank's directory); the lock is held."""
+        """A new TieredCache for chunks of `chunk_bytes` (its L3 and L4 this rank's own); the lock is held."""
         self._parts.update(parts, chunk=chunk_bytes)
         config = build_config(self._tiers, chunk_bytes, ENGINE)
-        if config.l3_nvme.enabled:
-            p = self._parts
-            # every rank a directory of its own, MLA too
-            sub = f"{ENGINE}-dp{self._dp}-tp{self._tp_rank}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
-            config = _with_l3_path(config, str(Path(config.l3_nvme.path) / sub))
+        p = self._parts  # every rank an L3 directory and L4 prefix of its own, MLA too
+        rank = f"{ENGINE}-dp{self._dp}-tp{self._tp_rank}-pp{p['pp']}-cp{p['cp']}-{key_hash(self._ns('')):016x}"
+        config = per_rank(config, rank)
         cache = TieredCache(config)
         cfg = self.storage_config
         shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
@@ -289,12 +286,6 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         with self._lock:
             if self.cache is not None:
                 self.cache.close()
-
-
-def _with_l3_path(config: Any, path: str) -> Any:
-    from ..policy.config import with_overrides
-
-    return with_overrides(config, l3_nvme={"path": path})
 
 
 __all__ = ["DatamoverHiCacheStorage"]

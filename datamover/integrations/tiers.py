@@ -12,11 +12,12 @@ import copy
 import hashlib
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import yaml
 
-from ..policy.config import ROOT, ConfigError, TierConfig, parse_config
+from ..policy.config import ROOT, ConfigError, TierConfig, parse_config, with_overrides
 
 ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "l1_hbm": {"enabled": False},
@@ -69,6 +70,18 @@ def build_config(
     return parse_config({ROOT: data}, source=engine)
 
 
+def per_rank(config: TierConfig, part: str) -> TierConfig:
+    """`config` with this rank's own L3 directory (`part` under l3_nvme.path) and, for a private L4 bucket, its own
+    key prefix (`part/` after l4_pool.prefix): ranks and replicas never share an index or evict each other's
+    chunks. A shared Mooncake pool is left as it is (sharing is its point)."""
+    tiers: dict[str, Any] = {}
+    if config.l3_nvme.enabled:
+        tiers["l3_nvme"] = {"path": str(Path(config.l3_nvme.path) / part)}
+    if config.l4_pool.enabled and config.l4_pool.backend == "s3":
+        tiers["l4_pool"] = {"prefix": f"{config.l4_pool.prefix}{part}/"}
+    return with_overrides(config, **tiers) if tiers else config
+
+
 def key_hash(key: bytes | str) -> int:
     """A 64-bit integer for an engine's block key (bytes or str), the same in every process."""
     raw = key.encode() if isinstance(key, str) else bytes(key)
@@ -81,4 +94,4 @@ def namespace(engine: str, **parts: Any) -> str:
     return engine + "".join(f"|{k}={parts[k]}" for k in sorted(parts))
 
 
-__all__ = ["ADAPTER_DEFAULTS", "build_config", "key_hash", "namespace"]
+__all__ = ["ADAPTER_DEFAULTS", "build_config", "key_hash", "namespace", "per_rank"]

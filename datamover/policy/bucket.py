@@ -1,13 +1,13 @@
 """The private L4 bucket (`l4_pool.backend: s3`) as the cache asks it directly, not through transfers.
 
-A chunk is `replica_count` objects `kv/<ChunkKey.digest()>.<r>`. When the cache evicts a chunk from L4, or drops one
-whose bytes failed, its objects are deleted (DeleteObjects, up to 1,000 names a call), so the bucket holds what
-the L4 index holds, not every chunk ever demoted. At close the index (the keys L4 holds, oldest placement first)
-is written to the object `kv/datamover-l4-index`; the next cache on the bucket reads it back, checks every
-field, and adopts those chunks: reads of them are verified against the CRC32C each object was written with, and
-a chunk whose object is gone (a run that crashed after evicting it) reads as a miss. Chunks a crashed run wrote
-are not in the index it left: their objects stay until the bucket's lifecycle rules expire them (the bucket is
-private to one instance, so nothing else deletes them).
+A chunk is `replica_count` objects `<prefix><ChunkKey.digest()>.<r>` (`l4_pool.prefix`, `kv/` unless set). When
+the cache evicts a chunk from L4, or drops one whose bytes failed, its objects are deleted (DeleteObjects, up to
+1,000 names a call), so the bucket holds what the L4 index holds, not every chunk ever demoted. At close the
+index (the keys L4 holds, oldest placement first) is written to the object `<prefix>datamover-l4-index`; the
+next cache on that prefix reads it back, checks every field, and adopts those chunks: reads of them are verified
+against the CRC32C each object was written with, and a chunk whose object is gone (a run that crashed after
+evicting it) reads as a miss. Chunks a crashed run wrote are not in the index it left: their objects stay until
+the bucket's lifecycle rules expire them (the prefix is private to one instance, so nothing else deletes them).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .keys import ChunkKey, key_from_fields
 
 log = logging.getLogger("datamover.kvcache")
 
-INDEX_OBJECT = "kv/datamover-l4-index"
+INDEX_NAME = "datamover-l4-index"
 INDEX_FORMAT = "datamover-l4-index/1"
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 _INDEX_BYTES_PER_KEY = 1024  # bound on what is read back: a key's fields as msgpack, generous
@@ -36,16 +36,17 @@ class PrivateBucket:
     def __init__(self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int) -> None:
         self.client = agent.backend("s3").client
         self.bucket = config.bucket
+        self.prefix = config.prefix
+        self.index_object = config.prefix + INDEX_NAME
         self.replicas = config.replica_count
         self.chunk_bytes = chunk_bytes
         self.capacity = capacity
         self.delete_failures = 0
 
-    @staticmethod
-    def names(key: ChunkKey, replicas: Iterable[int]) -> list[str]:
+    def names(self, key: ChunkKey, replicas: Iterable[int]) -> list[str]:
         """The object names of `key`'s replicas (full keys in the bucket)."""
         digest = key.digest()
-        return [f"kv/{digest}.{r}" for r in replicas]
+        return [f"{self.prefix}{digest}.{r}" for r in replicas]
 
     def delete(self, keys: Sequence[ChunkKey], replicas: Iterable[int] | None = None) -> int:
         """Delete the objects of `keys` (every replica, or those of `replicas`); returns how many names could not
@@ -77,11 +78,11 @@ class PrivateBucket:
         index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
         try:
             body = msgpack.packb({**index, "keys": [list(k) for k in keys]})
-            self.client.put_object(Bucket=self.bucket, Key=INDEX_OBJECT, Body=body)
+            self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body)
         except Exception as exc:
             log.warning(
                 "l4_pool: index s3://%s/%s not written (%s): the %d chunks there are not found again next start",
-                self.bucket, INDEX_OBJECT, exc, len(keys),
+                self.bucket, self.index_object, exc, len(keys),
             )  # fmt: skip
 
     def load(self) -> list[ChunkKey]:
@@ -95,7 +96,7 @@ class PrivateBucket:
         if chunk_bytes != self.chunk_bytes:
             log.warning(
                 "l4_pool: index s3://%s/%s is of %d-byte chunks, this cache's are %d: its %d chunks deleted",
-                self.bucket, INDEX_OBJECT, chunk_bytes, self.chunk_bytes, len(keys),
+                self.bucket, self.index_object, chunk_bytes, self.chunk_bytes, len(keys),
             )  # fmt: skip
             self.delete(keys, range(replicas))
             return []
@@ -108,17 +109,19 @@ class PrivateBucket:
         return kept
 
     def _read_index(self) -> tuple[list[ChunkKey], int, int] | None:
-        where = f"s3://{self.bucket}/{INDEX_OBJECT}"
+        where = f"s3://{self.bucket}/{self.index_object}"
         limit = 4096 + self.capacity * _INDEX_BYTES_PER_KEY
         try:
-            head = self.client.head_object(Bucket=self.bucket, Key=INDEX_OBJECT)
+            head = self.client.head_object(Bucket=self.bucket, Key=self.index_object)
             size = int(head.get("ContentLength", 0))
             if size > limit:
                 log.warning(
                     "l4_pool: index %s is %d bytes, over the %d this capacity bounds: not used", where, size, limit
                 )
                 return None
-            body = self.client.get_object(Bucket=self.bucket, Key=INDEX_OBJECT, Range=f"bytes=0-{limit - 1}")["Body"]
+            body = self.client.get_object(Bucket=self.bucket, Key=self.index_object, Range=f"bytes=0-{limit - 1}")[
+                "Body"
+            ]
             data = body.read(limit + 1)
         except Exception as exc:
             if _not_found(exc):

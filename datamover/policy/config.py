@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 import shutil
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -105,6 +106,11 @@ class L4Config:
     )
     endpoint: str = _f("", "s3: endpoint URL of the store; empty means the backend's default")
     bucket: str = _f("datamover-kv", "bucket (s3) or key namespace (mooncake) holding the chunks")
+    prefix: str = _f(
+        "kv/",
+        "s3: key prefix of this instance's chunk objects and L4 index, ending in '/' (the engine adapters add "
+        "each rank's part, as they do to l3_nvme.path); refused for mooncake (the pool's keys are shared)",
+    )
     replica_count: int = _f(
         1, "copies of each chunk written (s3: one object each; mooncake: memory replicas on distinct clients)", ge=1
     )
@@ -167,7 +173,13 @@ def _check_l4(obj: L4Config, path: str) -> None:
         for name, unset in _MOONCAKE_ONLY.items():
             if getattr(obj, name) != unset:
                 raise ConfigError(f"{path}.{name}", "only the mooncake backend uses it (l4_pool.backend is s3)")
+        if not re.fullmatch(r"[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/", obj.prefix) or len(obj.prefix) > 512:
+            raise ConfigError(
+                f"{path}.prefix", f"{obj.prefix!r:.80} is not a key prefix: S3-safe names joined by '/', ending in '/'"
+            )
         return
+    if obj.prefix != "kv/":
+        raise ConfigError(f"{path}.prefix", "the mooncake pool's keys are shared: <bucket>/kv/<digest>")
     if obj.endpoint:
         raise ConfigError(f"{path}.endpoint", "the mooncake backend reaches its pool through master_server_addr")
     for name in ("metadata_service_url", "master_admin_url"):

@@ -70,7 +70,8 @@ class Mover:
 
     def _objects(self, keys: Sequence[ChunkKey], replica: int) -> Prepared:
         reg = self.tiers[self.names.index("l4_pool")].owner
-        names = [f"kv/{k.digest()}" if self.shared else f"kv/{k.digest()}.{replica}" for k in keys]
+        prefix = self.config.l4_pool.prefix
+        names = [f"kv/{k.digest()}" if self.shared else f"{prefix}{k.digest()}.{replica}" for k in keys]
         return self.agent.prepare(DescList.objects(reg, np.full(len(names), self.page), keys=names))
 
     def _transfer(self, src: int, si: np.ndarray, dst: int, di: np.ndarray, user: Prepared | None) -> str:

@@ -116,5 +116,6 @@ def make_slab(agent: Agent, config: TierConfig, name: str, notes: list[str]) -> 
         offsets = np.arange(cap, dtype=np.int64) * page
         prepared = agent.prepare(DescList.file(reg, offsets, page))
         return Slab(name, MemType.FILE, cap, prepared, None, reg)
-    reg = agent.register_objects(config.l4_pool.bucket, prefix="kv/")
+    l4 = config.l4_pool
+    reg = agent.register_objects(l4.bucket, prefix="kv/" if l4.backend == "mooncake" else l4.prefix)
     return Slab(name, MemType.OBJ, cap, None, None, reg)

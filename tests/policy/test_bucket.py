@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.errors import InvalidParameter
-from datamover.policy.bucket import INDEX_FORMAT, INDEX_OBJECT, parse_index
+from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, parse_index
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import ChunkKey, chunk_keys
 from datamover.testing.s3server import S3Server
@@ -19,6 +19,7 @@ from datamover.testing.s3server import S3Server
 from .test_cache import GB, PAGE, check_consistent, check_get, chunks, tiers
 
 BUCKET = "kv-private"
+INDEX_OBJECT = "kv/" + INDEX_NAME
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,9 @@ def objects(srv: S3Server) -> list[str]:
     return sorted(o["Key"] for o in srv.client().list_objects_v2(Bucket=BUCKET).get("Contents", []))
 
 
-def open_cache(srv: S3Server, tmp_path, l4: int = 4, replicas: int = 2, page: int = PAGE) -> TieredCache:
+def open_cache(
+    srv: S3Server, tmp_path, l4: int = 4, replicas: int = 2, page: int = PAGE, prefix: str = "kv/"
+) -> TieredCache:
     agent = Agent("kv-bucket", {"backends": {"memcpy": {}, "posix": {}, "s3": srv.config()}})
     config = tiers(
         tmp_path,
@@ -51,7 +54,13 @@ def open_cache(srv: S3Server, tmp_path, l4: int = 4, replicas: int = 2, page: in
         l2=0,
         l3=None,
         l1_hbm={"page_size_bytes": page},
-        l4_pool={"enabled": True, "bucket": BUCKET, "capacity_gb": l4 * page / GB, "replica_count": replicas},
+        l4_pool={
+            "enabled": True,
+            "bucket": BUCKET,
+            "capacity_gb": l4 * page / GB,
+            "replica_count": replicas,
+            "prefix": prefix,
+        },
     )
     cache = TieredCache(config, agent=agent)
     cache.own_test_agent = agent
@@ -63,8 +72,8 @@ def close(cache: TieredCache) -> None:
     cache.own_test_agent.close()
 
 
-def chunk_objects(keys, replicas: int = 2) -> list[str]:
-    return sorted(f"kv/{k.digest()}.{r}" for k in keys for r in range(replicas))
+def chunk_objects(keys, replicas: int = 2, prefix: str = "kv/") -> list[str]:
+    return sorted(f"{prefix}{k.digest()}.{r}" for k in keys for r in range(replicas))
 
 
 def test_evicted_chunks_objects_are_deleted(s3, tmp_path):
@@ -102,6 +111,26 @@ def test_restart_finds_the_bucket_again(s3, tmp_path):
         check_consistent(cache)
     finally:
         close(cache)
+
+
+def test_instances_on_one_bucket_under_their_own_prefixes_never_touch_each_other(s3, tmp_path):
+    keys = chunk_keys(range(12), "m", "t")  # the same chunks in both: same digests, other prefixes
+    a = open_cache(s3, tmp_path / "a", l4=3, replicas=1, prefix="kv/a/")
+    b = open_cache(s3, tmp_path / "b", l4=3, replicas=1, prefix="kv/b/")
+    try:
+        for k in keys:
+            a.put([k], chunks([k]))
+        b.put(keys[:4], chunks(keys[:4]))
+        held = {name: set(c.engine.resident[c.names.index("l4_pool")]) for name, c in (("a", a), ("b", b))}
+        assert objects(s3) == sorted(chunk_objects(held["a"], 1, "kv/a/") + chunk_objects(held["b"], 1, "kv/b/"))
+    finally:
+        close(a)
+        close(b)
+    b = open_cache(s3, tmp_path / "b", l4=3, replicas=1, prefix="kv/b/")
+    try:
+        assert set(b.engine.resident[b.names.index("l4_pool")]) == held["b"]  # its own index, not a's
+    finally:
+        close(b)
 
 
 def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):

@@ -15,7 +15,6 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,8 +31,7 @@ from vllm.v1.kv_offload.base import (
 from ...descriptors import DescList
 from ...errors import DatamoverError
 from ...policy import ChunkKey, TieredCache
-from ...policy.config import with_overrides
-from ..tiers import build_config, key_hash, namespace
+from ..tiers import build_config, key_hash, namespace, per_rank
 from .service import CacheService, check_keys, socket_path
 
 log = logging.getLogger("datamover.integrations.vllm")
@@ -92,10 +90,10 @@ class DatamoverOffloadingWorker(OffloadingWorker):
             chunk=self.chunk,
         )
         tiers = build_config(spec.tiers, self.chunk, ENGINE)
-        if tiers.l3_nvme.enabled:  # one directory per rank and configuration: ranks never share an index
-            sub = f"{ENGINE}-rank{config.parallel.rank}-dp{config.parallel.data_parallel_index}"
-            sub += f"-{key_hash(self.namespace):016x}"
-            tiers = with_overrides(tiers, l3_nvme={"path": str(Path(tiers.l3_nvme.path) / sub)})
+        # one L3 directory and one L4 prefix per rank and configuration: ranks never share an index
+        sub = f"{ENGINE}-rank{config.parallel.rank}-dp{config.parallel.data_parallel_index}"
+        sub += f"-{key_hash(self.namespace):016x}"
+        tiers = per_rank(tiers, sub)
         self.cache = TieredCache(tiers)
         registered = self._register_kv_caches()
         self._host = registered and all(t.device.type == "cpu" for t in self.tensors)
