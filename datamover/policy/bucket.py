@@ -13,7 +13,8 @@ the bucket's lifecycle rules expire them (the prefix is private to one instance,
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Container, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -27,51 +28,89 @@ log = logging.getLogger("datamover.kvcache")
 INDEX_NAME = "datamover-l4-index"
 INDEX_FORMAT = "datamover-l4-index/1"
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
+CALL_TIMEOUT_S = 10.0  # each call to the store ends within this
+RETRY_S = 30.0  # after a delete the store did not answer, the next try waits this long
+PENDING_MAX = 100_000  # chunks whose deletes wait at the most (beyond, the oldest are given up)
 _INDEX_BYTES_PER_KEY = 1024  # bound on what is read back: a key's fields as msgpack, generous
 
 
 class PrivateBucket:
-    """One instance's L4 bucket: deletes of evicted chunks, and the index kept across restarts."""
+    """One instance's L4 bucket: deletes of evicted chunks, and the index kept across restarts.
 
-    def __init__(self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int) -> None:
-        self.client = agent.backend("s3").client
+    Its calls are made outside transfers, so they get a deadline of their own: a client whose calls end within
+    `timeout_s`. Deletes the store does not answer wait (at most `PENDING_MAX` chunks) and are tried again with
+    the next ones once `RETRY_S` has passed, so a store that hangs costs the cache one bounded wait per
+    `RETRY_S`, not one per operation; a chunk written again meanwhile is not deleted.
+    """
+
+    def __init__(
+        self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int, timeout_s: float = CALL_TIMEOUT_S
+    ) -> None:
+        self.client = agent.backend("s3").bounded_client(timeout_s)  # type: ignore[attr-defined]
         self.bucket = config.bucket
         self.prefix = config.prefix
         self.index_object = config.prefix + INDEX_NAME
         self.replicas = config.replica_count
         self.chunk_bytes = chunk_bytes
         self.capacity = capacity
-        self.delete_failures = 0
+        self.delete_failures = 0  # object names given up on (refused, or forgotten past PENDING_MAX)
+        self.clock: Callable[[], float] = time.monotonic
+        self._pending: dict[ChunkKey, range] = {}  # chunks whose objects are to go, and which replicas
+        self._retry_at = 0.0
+
+    @property
+    def waiting(self) -> bool:
+        """Whether deletes wait for the store (tried again with the next delete, once `RETRY_S` has passed)."""
+        return bool(self._pending)
 
     def names(self, key: ChunkKey, replicas: Iterable[int]) -> list[str]:
         """The object names of `key`'s replicas (full keys in the bucket)."""
         digest = key.digest()
         return [f"{self.prefix}{digest}.{r}" for r in replicas]
 
-    def delete(self, keys: Sequence[ChunkKey], replicas: Iterable[int] | None = None) -> int:
-        """Delete the objects of `keys` (every replica, or those of `replicas`); returns how many names could not
-        be deleted (logged; the objects only cost storage, every read of them is checked)."""
-        reps = list(range(self.replicas) if replicas is None else replicas)
-        names = [name for key in keys for name in self.names(key, reps)]
-        failed = 0
+    def delete(self, keys: Iterable[ChunkKey], replicas: range | None = None, keep: Container[ChunkKey] = ()) -> int:
+        """Delete the objects of `keys` (every replica, or those of `replicas`) and of the chunks still waiting,
+        but not those of chunks in `keep` (written again since). Returns how many names the store refused or
+        could not be asked about (logged; they only cost storage, every read of them is checked)."""
+        reps = range(self.replicas) if replicas is None else replicas
+        for key in keys:
+            self._pending[key] = reps
+        if len(self._pending) > PENDING_MAX:
+            over = list(self._pending)[: len(self._pending) - PENDING_MAX]
+            for key in over:
+                self.delete_failures += len(self._pending.pop(key))
+            log.warning("l4_pool: %d evicted chunks' objects forgotten, never deleted (the store is down)", len(over))
+        if not self._pending or self.clock() < self._retry_at:
+            return 0
+        waiting, self._pending = self._pending, {}
+        todo = [(k, r) for k, r in waiting.items() if k not in keep]
+        names = [name for key, reps in todo for name in self.names(key, reps)]
+        refused = 0
         for lo in range(0, len(names), _DELETE_BATCH):
             batch = names[lo : lo + _DELETE_BATCH]
             try:
                 resp = self.client.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
                 )
-                errors = resp.get("Errors") or []
-            except Exception as exc:  # the store is unreachable or refuses: the objects stay, the cache goes on
-                errors = [{"Key": batch[0], "Message": str(exc)}] * len(batch)
+            except Exception as exc:  # unreachable, or no answer in time: this batch and the rest wait
+                self._retry_at = self.clock() + RETRY_S
+                left = set(names[lo:])
+                self._pending.update((k, r) for k, r in todo if any(n in left for n in self.names(k, r)))
+                log.warning(
+                    "l4_pool: deleting %d evicted object(s) of s3://%s failed (%s); tried again in %.0f s",
+                    len(left), self.bucket, exc, RETRY_S,
+                )  # fmt: skip
+                return len(left) + refused
+            errors = resp.get("Errors") or []
             if errors:
-                failed += len(errors)
+                refused += len(errors)
                 log.warning(
                     "l4_pool: %d evicted object(s) of s3://%s not deleted (first: %s: %s); they stay until the "
                     "bucket's lifecycle rules expire them",
                     len(errors), self.bucket, errors[0].get("Key"), errors[0].get("Message"),
                 )  # fmt: skip
-        self.delete_failures += failed
-        return failed
+        self.delete_failures += refused
+        return refused
 
     def save(self, keys: Sequence[ChunkKey]) -> None:
         """Write the index of the chunks L4 holds (at close); if it cannot be written the next start is cold."""

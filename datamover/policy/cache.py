@@ -175,11 +175,10 @@ class TieredCache:
             if self.index is not None:
                 self.index.sync()
         finally:
-            if self._l4_gone:  # after the plan: it may have read them, or written one of them again
-                j4 = self.names.index("l4_pool")
-                gone = [k for k in self._l4_gone if k not in self.engine.resident[j4]]
-                self._l4_gone.clear()
-                self.bucket.delete(gone)  # type: ignore[union-attr]
+            if self.bucket is not None and (self._l4_gone or self.bucket.waiting):
+                # after the plan: it may have read them, or written one of them again
+                gone, self._l4_gone = self._l4_gone, set()
+                self.bucket.delete(gone, keep=self.engine.resident[self.names.index("l4_pool")])
         where = self.engine.where
         for key in self._gone:
             if where(key) < 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import msgpack
 import pytest
@@ -218,25 +219,73 @@ def test_an_index_too_large_for_the_capacity_is_not_read(s3, tmp_path, caplog):
         close(cache)
 
 
-def test_a_delete_the_store_refuses_is_logged_and_the_cache_goes_on(s3, tmp_path, caplog):
+def test_deletes_the_store_does_not_take_wait_and_go_later(s3, tmp_path, caplog):
+    cache = open_cache(s3, tmp_path, l4=2, replicas=1)
+    bucket = cache.bucket
+    now = [0.0]
+    bucket.clock = lambda: now[0]
+    calls = []
+    real = bucket.client.delete_objects
+
+    def unreachable(**kw):
+        calls.append(kw)
+        raise OSError("injected: store unreachable")
+
+    try:
+        bucket.client.delete_objects = unreachable  # the fault, where the bucket calls the store
+        caplog.set_level(logging.WARNING, "datamover.kvcache")
+        keys = chunk_keys(range(12), "m", "t")
+        cache.put(keys[:6], chunks(keys[:6]))
+        assert len(calls) == 1 and "tried again in 30 s" in caplog.text
+        cache.put(keys[6:10], chunks(keys[6:10]))
+        assert len(calls) == 1  # within the wait: no call, the cache goes on at full speed
+        assert check_get(cache, keys[8:10]) == 2
+        bucket.client.delete_objects = real  # the store is back
+        now[0] = 31.0
+        cache.put(keys[10:], chunks(keys[10:]))
+        l4 = cache.engine.resident[cache.names.index("l4_pool")]
+        assert objects(s3) == chunk_objects(l4, 1)  # every waiting delete went, none of a chunk held again
+        assert bucket.delete_failures == 0
+    finally:
+        close(cache)
+
+
+def test_a_delete_the_store_refuses_is_counted_and_not_repeated(s3, tmp_path, caplog):
+    cache = open_cache(s3, tmp_path, l4=2, replicas=1)
+    refused = []
+
+    def refuse(Bucket, Delete):
+        refused.extend(o["Key"] for o in Delete["Objects"])
+        return {"Errors": [{"Key": o["Key"], "Code": "AccessDenied", "Message": "injected"} for o in Delete["Objects"]]}
+
+    try:
+        cache.bucket.client.delete_objects = refuse
+        caplog.set_level(logging.WARNING, "datamover.kvcache")
+        keys = chunk_keys(range(6), "m", "t")
+        cache.put(keys, chunks(keys))
+        assert refused and cache.bucket.delete_failures == len(refused)
+        assert "not deleted" in caplog.text
+        cache.put(keys[:1], chunks(keys[:1]))
+        assert len(refused) == len(set(refused))  # refused names are not asked for again
+    finally:
+        close(cache)
+
+
+def test_a_store_that_hangs_costs_a_bounded_wait(s3, tmp_path):
+    from datamover.policy.bucket import PrivateBucket
+
     cache = open_cache(s3, tmp_path, l4=2, replicas=1)
     try:
-        calls = []
-
-        def refuse(**kw):
-            calls.append(kw)
-            raise OSError("injected: store unreachable")
-
-        cache.bucket.client.delete_objects = refuse  # the fault, injected where the bucket calls the store
-        caplog.set_level(logging.WARNING, "datamover.kvcache")
-        keys = chunk_keys(range(8), "m", "t")
-        for i in range(0, 8, 2):
-            cache.put(keys[i : i + 2], chunks(keys[i : i + 2]))
-        assert calls and cache.bucket.delete_failures > 0
-        assert "not deleted" in caplog.text
-        assert check_get(cache, keys[-2:]) == 2
+        bucket = PrivateBucket(cache.agent, cache.config.l4_pool, PAGE, 2, timeout_s=1.0)
+        s3.pause()  # the server stops answering (SIGSTOP): a call without a deadline waits 60 s per try
+        try:
+            t0 = time.monotonic()
+            assert bucket.delete(chunk_keys(range(3), "m", "t")) == 3
+            assert time.monotonic() - t0 < 8
+            assert bucket.delete([]) == 0 and len(bucket._pending) == 3  # waiting for the retry
+        finally:
+            s3.resume()
     finally:
-        del cache.bucket.client.delete_objects
         close(cache)
 
 

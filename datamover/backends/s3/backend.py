@@ -203,13 +203,13 @@ class S3Backend(Backend):
                 here[var] = os.environ[var]
         return here
 
-    def _make_client(self) -> Any:
+    def _make_client(self, **overrides: Any) -> Any:
         import boto3
         import botocore.exceptions
         import botocore.session
         from botocore.config import Config
 
-        p = self.params
+        p = {**self.params, **overrides}
         try:
             session = boto3.session.Session(
                 aws_access_key_id=p["access_key_id"],
@@ -224,9 +224,11 @@ class S3Backend(Backend):
             raise InvalidParameter(f"{exc}", backend="s3") from exc
         mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
         attempts = int(p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5)
-        self.retries = {"mode": mode, "total_max_attempts": attempts}
+        retries = {"mode": mode, "total_max_attempts": attempts}
+        if not overrides:
+            self.retries = retries
         config = Config(
-            retries=self.retries,
+            retries=retries,
             max_pool_connections=int(p["concurrency"]),
             connect_timeout=float(p["connect_timeout"]),
             read_timeout=float(p["read_timeout"]),
@@ -250,6 +252,16 @@ class S3Backend(Backend):
     def client(self) -> Any:
         """The boto3 S3 client this backend uses (thread-safe, shared by the pool)."""
         return self._client
+
+    def bounded_client(self, timeout_s: float, max_attempts: int = 2) -> Any:
+        """A client on the same store and credentials whose every call ends within about `timeout_s` (for calls
+        made outside transfers, which have no deadline of their own: `max_attempts` tries of connect + read)."""
+        per_try = timeout_s / max(1, max_attempts)
+        return self._make_client(
+            connect_timeout=min(float(self.params["connect_timeout"]), per_try / 2),
+            read_timeout=min(float(self.params["read_timeout"]), per_try / 2),
+            max_attempts=max_attempts,
+        )
 
     def describe(self) -> dict[str, Any]:
         p = self.params
