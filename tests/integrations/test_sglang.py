@@ -276,3 +276,55 @@ def test_the_example_runs(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "96 pages loaded, byte-exact: True" in proc.stdout and "l3_nvme" in proc.stdout
+
+
+def test_ranks_on_one_private_bucket_keep_their_own_pages_across_a_restart(tmp_path: Path, monkeypatch) -> None:
+    """L4 on a real S3 server (moto), two TP ranks on one bucket: each rank's pages live under a prefix of its
+    own, and a rank restarted finds its pages again in the bucket, byte for byte."""
+    from dataclasses import replace
+
+    from datamover.testing.s3server import S3Server
+
+    ok, why = S3Server.available()
+    if not ok:
+        pytest.skip(why)
+    with S3Server(bucket="hicache") as srv:
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", srv.access_key)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", srv.secret_key)
+        monkeypatch.setenv("AWS_DEFAULT_REGION", srv.region)
+        chunk_gb = 4096 / (1 << 30)  # one K or V entry of a page
+        tiers = {
+            "l2_dram": {"pinned_pool_gb": 2 * chunk_gb},
+            "l4_pool": {
+                "enabled": True,
+                "bucket": "hicache",
+                "endpoint": srv.endpoint_url,
+                "capacity_gb": 64 * chunk_gb,
+            },
+            "policy": {"write_mode": "write_through"},  # every page reaches the bucket, not only those L2 evicts
+        }
+        base = replace(storage_config(tmp_path, 1, **tiers), tp_size=2)
+        pools = [PageFirstHostPool(8), PageFirstHostPool(8)]
+        fill(pools[0], 11)
+        fill(pools[1], 12)
+        ks = keys(4, "s3-")
+        storages = [attach(replace(base, tp_rank=rank), pools[rank]) for rank in (0, 1)]
+        try:
+            for rank in (0, 1):
+                assert storages[rank].batch_set_v1(ks, pools[rank].indices([0, 1, 2, 3])) == [True] * 4
+            prefixes = {s.cache.config.l4_pool.prefix for s in storages}
+            assert len(prefixes) == 2 and all(p.startswith("kv/sglang-dp0-tp") for p in prefixes)
+        finally:
+            for storage in storages:
+                storage.close()
+        listed = [o["Key"] for o in srv.client().list_objects_v2(Bucket="hicache").get("Contents", [])]
+        assert {k.split("/")[1] for k in listed} == {p.split("/")[1] for p in prefixes}
+        restarted = attach(replace(base, tp_rank=1), pools[1])
+        try:
+            assert any("found again" in n for n in restarted.cache.notes)
+            assert restarted.batch_exists(ks) == 4
+            assert restarted.batch_get_v1(ks, pools[1].indices([4, 5, 6, 7])) == [True] * 4
+            for p in range(4):
+                assert torch.equal(pools[1].page(4 + p), pools[1].page(p))  # rank 1's own pages, not rank 0's
+        finally:
+            restarted.close()
