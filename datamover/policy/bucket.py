@@ -1,21 +1,25 @@
 """The private L4 bucket (`l4_pool.backend: s3`) as the cache asks it directly, not through transfers.
 
-A chunk is `replica_count` objects `<prefix><ChunkKey.digest()>.<r>` (`l4_pool.prefix`, `kv/` unless set). When
-the cache evicts a chunk from L4, or drops one whose bytes failed, its objects are deleted (DeleteObjects, up to
-1,000 names a call), so the bucket holds what the L4 index holds, not every chunk ever demoted. At close the
-index (the keys L4 holds, oldest placement first) is written to the object `<prefix>datamover-l4-index`; the
-next cache on that prefix reads it back, checks every field, and adopts those chunks: reads of them are verified
-against the CRC32C each object was written with, and a chunk whose object is gone (a run that crashed after
-evicting it) reads as a miss. Chunks a crashed run wrote are not in the index it left: their objects stay until
-the bucket's lifecycle rules expire them (the prefix is private to one instance, so nothing else deletes them).
+A chunk is `replica_count` objects `<prefix><ChunkKey.digest()>.<r>` (`l4_pool.prefix`, `kv/` unless set; the
+prefix is one instance's alone). When the cache evicts a chunk from L4, or drops one whose bytes failed, its
+objects are deleted (DeleteObjects, up to 1,000 names a call), so the prefix holds what the L4 index holds, not
+every chunk ever demoted. The index (the keys L4 holds, oldest placement first) is the object
+`<prefix>datamover-l4-index`: written at start marked in use, and at close marked clean. The next cache on the
+prefix reads it back, checks every field, and adopts those chunks (reads of them are verified against the CRC32C
+each object was written with). After a run that did not close, the prefix is listed first: chunks of the index
+whose objects are gone are not adopted, and the objects the crashed run wrote after its index (whose keys no
+index names) are deleted, so a crash neither serves a missing chunk as held nor leaks storage.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import socket
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -31,6 +35,7 @@ _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 CALL_TIMEOUT_S = 10.0  # each call to the store ends within this
 RETRY_S = 30.0  # after a delete the store did not answer, the next try waits this long
 PENDING_MAX = 100_000  # chunks whose deletes wait at the most (beyond, the oldest are given up)
+_CHUNK_NAME = re.compile(r"([0-9a-f]{32})\.([0-9]{1,4})")  # after the prefix: <digest>.<replica>
 _INDEX_BYTES_PER_KEY = 1024  # bound on what is read back: a key's fields as msgpack, generous
 
 
@@ -56,6 +61,7 @@ class PrivateBucket:
         self.delete_failures = 0  # object names given up on (refused, or forgotten past PENDING_MAX)
         self.clock: Callable[[], float] = time.monotonic
         self._pending: dict[ChunkKey, range] = {}  # chunks whose objects are to go, and which replicas
+        self._gc_failed = False  # objects a crashed run left could not all be deleted: the next start looks again
         self._retry_at = 0.0
 
     @property
@@ -89,9 +95,7 @@ class PrivateBucket:
         for lo in range(0, len(names), _DELETE_BATCH):
             batch = names[lo : lo + _DELETE_BATCH]
             try:
-                resp = self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
-                )
+                refused += self._delete_call(batch)
             except Exception as exc:  # unreachable, or no answer in time: this batch and the rest wait
                 self._retry_at = self.clock() + RETRY_S
                 left = set(names[lo:])
@@ -101,20 +105,18 @@ class PrivateBucket:
                     len(left), self.bucket, exc, RETRY_S,
                 )  # fmt: skip
                 return len(left) + refused
-            errors = resp.get("Errors") or []
-            if errors:
-                refused += len(errors)
-                log.warning(
-                    "l4_pool: %d evicted object(s) of s3://%s not deleted (first: %s: %s); they stay until the "
-                    "bucket's lifecycle rules expire them",
-                    len(errors), self.bucket, errors[0].get("Key"), errors[0].get("Message"),
-                )  # fmt: skip
         self.delete_failures += refused
         return refused
 
-    def save(self, keys: Sequence[ChunkKey]) -> None:
-        """Write the index of the chunks L4 holds (at close); if it cannot be written the next start is cold."""
+    def save(self, keys: Sequence[ChunkKey], clean: bool) -> None:
+        """Write the index of the chunks L4 holds: at start (`clean` False: a run that does not close leaves it
+        so, and the next start looks at the prefix itself) and at close (`clean` when every object the run
+        dropped was deleted). If it cannot be written the next start is cold and finds no chunk."""
         index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
+        index.update(
+            clean=clean and not self._pending and not self._gc_failed,
+            owner=f"{socket.gethostname()[:200]} pid {os.getpid()}",
+        )
         try:
             body = msgpack.packb({**index, "keys": [list(k) for k in keys]})
             self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body)
@@ -125,29 +127,103 @@ class PrivateBucket:
             )  # fmt: skip
 
     def load(self) -> list[ChunkKey]:
-        """The chunks the index an earlier run left says the bucket holds, at most `capacity` (the newest);
-        chunks it cannot use (another chunk size, past the capacity, replicas beyond `replica_count`) are
-        deleted. No index, or one that cannot be read or parsed: nothing (logged), the start is cold."""
+        """The chunks the index an earlier run left says the prefix holds, at most `capacity` (the newest); then
+        the index is marked as in use. After a run that did not close (or with no index), the prefix is listed:
+        only chunks whose objects are there are kept, and every other chunk object under it is deleted (what
+        the crashed run wrote: its keys are not known). Chunks past the capacity, and replicas beyond
+        `replica_count`, are deleted. An index that cannot be read or parsed counts as none (logged)."""
         index = self._read_index()
-        if index is None:
-            return []
-        keys, chunk_bytes, replicas = index
-        if chunk_bytes != self.chunk_bytes:
+        keys: list[ChunkKey] = []
+        replicas, clean, owner = self.replicas, False, "unknown"
+        if index is not None and index.chunk_bytes != self.chunk_bytes:
             log.warning(
-                "l4_pool: index s3://%s/%s is of %d-byte chunks, this cache's are %d: its %d chunks deleted",
-                self.bucket, self.index_object, chunk_bytes, self.chunk_bytes, len(keys),
+                "l4_pool: index s3://%s/%s is of %d-byte chunks, this cache's are %d: its chunks are not used",
+                self.bucket, self.index_object, index.chunk_bytes, self.chunk_bytes,
             )  # fmt: skip
-            self.delete(keys, range(replicas))
-            return []
-        unique = list(dict.fromkeys(keys))
-        kept, dropped = unique[-self.capacity :], unique[: max(0, len(unique) - self.capacity)]
+        elif index is not None:
+            keys, replicas, clean, owner = list(dict.fromkeys(index.keys)), index.replicas, index.clean, index.owner
+        if not clean:
+            keys = self._collect(keys, owner)
+        kept, dropped = keys[-self.capacity :], keys[: max(0, len(keys) - self.capacity)]
         if dropped:
             self.delete(dropped, range(replicas))
         if replicas > self.replicas:
             self.delete(kept, range(self.replicas, replicas))
+        self.save(kept, clean=False)
         return kept
 
-    def _read_index(self) -> tuple[list[ChunkKey], int, int] | None:
+    def _collect(self, keys: list[ChunkKey], owner: str) -> list[ChunkKey]:
+        """`keys` whose objects the prefix holds; every other chunk object under the prefix is deleted."""
+        listed = self._list()
+        if listed is None:
+            return keys
+        whole: set[str] = set()  # digests with a replica of this cache's chunk size
+        ours: list[tuple[str, str, int]] = []  # (name, digest, size) of every chunk object
+        for name, size in listed.items():
+            m = _CHUNK_NAME.fullmatch(name[len(self.prefix) :])
+            if m is not None:
+                ours.append((name, m[1], size))
+                if size == self.chunk_bytes:
+                    whole.add(m[1])
+        kept = [k for k in keys if k.digest() in whole]
+        keep = {k.digest() for k in kept}
+        orphans = [name for name, digest, size in ours if digest not in keep or size != self.chunk_bytes]
+        if orphans or len(kept) < len(keys):
+            log.warning(
+                "l4_pool: s3://%s/%s was not closed by the cache that used it (%s): %d of the %d chunks its index "
+                "names found, %d other chunk objects (written after its index) deleted",
+                self.bucket, self.prefix, owner, len(kept), len(keys), len(orphans),
+            )  # fmt: skip
+        for lo in range(0, len(orphans), _DELETE_BATCH):
+            batch = orphans[lo : lo + _DELETE_BATCH]
+            try:
+                failed = self._delete_call(batch)
+            except Exception as exc:
+                log.warning("l4_pool: %d object(s) of s3://%s not deleted: %s", len(batch), self.bucket, exc)
+                failed = len(batch)
+            if failed:
+                self._gc_failed = True
+                self.delete_failures += failed
+        return kept
+
+    def _list(self) -> dict[str, int] | None:
+        """Object name -> size of what lies directly under the prefix; None if it cannot be listed whole (the
+        store fails, or holds more than a cache of this capacity could have left: then it is not ours alone)."""
+        limit = 4 * self.capacity + 10_000
+        found: dict[str, int] = {}
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.prefix, Delimiter="/"
+            )
+            for page in pages:
+                for obj in page.get("Contents") or []:
+                    found[str(obj.get("Key"))] = int(obj.get("Size", -1))
+                if len(found) > limit:
+                    log.warning(
+                        "l4_pool: s3://%s/%s holds over %d objects, more than this cache could have left: not "
+                        "cleaned", self.bucket, self.prefix, limit,
+                    )  # fmt: skip
+                    return None
+        except Exception as exc:
+            log.warning("l4_pool: s3://%s/%s cannot be listed (%s): not cleaned", self.bucket, self.prefix, exc)
+            return None
+        return found
+
+    def _delete_call(self, names: list[str]) -> int:
+        """Delete up to 1,000 objects by name; how many the store refused (logged). Raises if it cannot be asked."""
+        resp = self.client.delete_objects(
+            Bucket=self.bucket, Delete={"Objects": [{"Key": n} for n in names], "Quiet": True}
+        )
+        errors = resp.get("Errors") or []
+        if errors:
+            log.warning(
+                "l4_pool: %d object(s) of s3://%s not deleted (first: %s: %s); they stay until the bucket's "
+                "lifecycle rules expire them",
+                len(errors), self.bucket, errors[0].get("Key"), errors[0].get("Message"),
+            )  # fmt: skip
+        return len(errors)
+
+    def _read_index(self) -> Index | None:
         where = f"s3://{self.bucket}/{self.index_object}"
         limit = 4096 + self.capacity * _INDEX_BYTES_PER_KEY
         try:
@@ -158,14 +234,12 @@ class PrivateBucket:
                     "l4_pool: index %s is %d bytes, over the %d this capacity bounds: not used", where, size, limit
                 )
                 return None
-            body = self.client.get_object(Bucket=self.bucket, Key=self.index_object, Range=f"bytes=0-{limit - 1}")[
-                "Body"
-            ]
-            data = body.read(limit + 1)
+            resp = self.client.get_object(Bucket=self.bucket, Key=self.index_object, Range=f"bytes=0-{limit - 1}")
+            data = resp["Body"].read(limit + 1)
         except Exception as exc:
             if _not_found(exc):
                 return None
-            log.warning("l4_pool: index %s unreadable (%s): L4 starts cold", where, exc)
+            log.warning("l4_pool: index %s unreadable (%s): not used", where, exc)
             return None
         try:
             return parse_index(data)
@@ -174,9 +248,19 @@ class PrivateBucket:
             return None
 
 
-def parse_index(data: bytes) -> tuple[list[ChunkKey], int, int]:
-    """(keys, chunk_bytes, replicas) of an index object's bytes; ValueError naming what is wrong (it came from
-    the network: every field is checked before the cache trusts it)."""
+class Index(NamedTuple):
+    """An L4 index as read back."""
+
+    keys: list[ChunkKey]
+    chunk_bytes: int
+    replicas: int
+    clean: bool  # written at a close that deleted every object the run dropped
+    owner: str  # host and pid of the cache that wrote it
+
+
+def parse_index(data: bytes) -> Index:
+    """The index in an index object's bytes; ValueError naming what is wrong (it came from the network: every
+    field is checked before the cache trusts it)."""
     try:
         index: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
@@ -184,13 +268,16 @@ def parse_index(data: bytes) -> tuple[list[ChunkKey], int, int]:
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise ValueError(f"not a {INDEX_FORMAT} index")
     chunk_bytes, replicas, fields = index.get("chunk_bytes"), index.get("replicas"), index.get("keys")
+    clean, owner = index.get("clean"), index.get("owner")
     if type(chunk_bytes) is not int or chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes {chunk_bytes!r:.40} is not a size")
     if type(replicas) is not int or not 1 <= replicas <= 1024:
         raise ValueError(f"replicas {replicas!r:.40} out of range")
+    if type(clean) is not bool or not isinstance(owner, str) or len(owner) > 256:
+        raise ValueError(f"clean {clean!r:.10} / owner {owner!r:.40} malformed")
     if not isinstance(fields, list):
         raise ValueError("keys is not a list")
-    return [key_from_fields(f) for f in fields], chunk_bytes, replicas
+    return Index([key_from_fields(f) for f in fields], chunk_bytes, replicas, clean, owner)
 
 
 def _not_found(exc: BaseException) -> bool:

@@ -418,7 +418,7 @@ class TieredCache:
                     live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
                     self.index.close(live)
                 if self.bucket is not None:
-                    self.bucket.save(list(self.engine.slots[self.names.index("l4_pool")]))
+                    self.bucket.save(list(self.engine.slots[self.names.index("l4_pool")]), clean=True)
                 if self.spans is not None:
                     self.spans.close()
             finally:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.errors import InvalidParameter
-from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, parse_index
+from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, PrivateBucket, parse_index
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import ChunkKey, chunk_keys
 from datamover.testing.s3server import S3Server
@@ -85,7 +91,7 @@ def test_evicted_chunks_objects_are_deleted(s3, tmp_path):
             cache.put(keys[i : i + 2], chunks(keys[i : i + 2]))
         l4 = cache.engine.resident[cache.names.index("l4_pool")]
         assert len(l4) == 4 and cache.stats()["evictions"]["l4_pool"] > 0
-        assert objects(s3) == chunk_objects(l4)  # every replica of every chunk L4 dropped is gone
+        assert objects(s3) == sorted([*chunk_objects(l4), INDEX_OBJECT])  # every replica L4 dropped is gone
         assert check_get(cache, keys[-2:]) == 2
         check_consistent(cache)
     finally:
@@ -123,7 +129,8 @@ def test_instances_on_one_bucket_under_their_own_prefixes_never_touch_each_other
             a.put([k], chunks([k]))
         b.put(keys[:4], chunks(keys[:4]))
         held = {name: set(c.engine.resident[c.names.index("l4_pool")]) for name, c in (("a", a), ("b", b))}
-        assert objects(s3) == sorted(chunk_objects(held["a"], 1, "kv/a/") + chunk_objects(held["b"], 1, "kv/b/"))
+        mine = [*chunk_objects(held["a"], 1, "kv/a/"), *chunk_objects(held["b"], 1, "kv/b/")]
+        assert objects(s3) == sorted([*mine, "kv/a/" + INDEX_NAME, "kv/b/" + INDEX_NAME])
     finally:
         close(a)
         close(b)
@@ -244,7 +251,7 @@ def test_deletes_the_store_does_not_take_wait_and_go_later(s3, tmp_path, caplog)
         now[0] = 31.0
         cache.put(keys[10:], chunks(keys[10:]))
         l4 = cache.engine.resident[cache.names.index("l4_pool")]
-        assert objects(s3) == chunk_objects(l4, 1)  # every waiting delete went, none of a chunk held again
+        assert objects(s3) == sorted([*chunk_objects(l4, 1), INDEX_OBJECT])  # waiting deletes went, none held
         assert bucket.delete_failures == 0
     finally:
         close(cache)
@@ -295,37 +302,41 @@ fields = st.lists(
 )
 
 
+def index_body(fmt=INDEX_FORMAT, chunk_bytes=PAGE, replicas=1, keys=(), clean=True, owner="h pid 1") -> bytes:
+    doc = {"format": fmt, "chunk_bytes": chunk_bytes, "replicas": replicas, "clean": clean, "owner": owner}
+    return msgpack.packb({**doc, "keys": keys if isinstance(keys, int) else list(keys)})
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.one_of(
         st.binary(max_size=64),
         st.builds(
-            lambda fmt, cb, rep, keys: msgpack.packb({"format": fmt, "chunk_bytes": cb, "replicas": rep, "keys": keys}),
+            index_body,
             st.sampled_from([INDEX_FORMAT, "x"]),
             st.one_of(st.integers(-5, 1 << 40), st.text(max_size=3), st.none()),
             st.one_of(st.integers(-5, 2000), st.none()),
             st.one_of(st.lists(fields, max_size=4), st.integers(-5, 5)),
+            st.one_of(st.booleans(), st.none(), st.integers(0, 1)),
+            st.one_of(st.text(max_size=300), st.none()),
         ),
     )
 )
 def test_parse_index_takes_only_well_formed_indexes(data):
     try:
-        keys, chunk_bytes, replicas = parse_index(data)
+        index = parse_index(data)
     except ValueError:
         return
-    assert chunk_bytes > 0 and 1 <= replicas <= 1024
-    assert all(isinstance(k, ChunkKey) and type(k.prefix_hash) is int for k in keys)
+    assert index.chunk_bytes > 0 and 1 <= index.replicas <= 1024
+    assert type(index.clean) is bool and len(index.owner) <= 256
+    assert all(isinstance(k, ChunkKey) and type(k.prefix_hash) is int for k in index.keys)
 
 
 def test_round_trip_of_the_index_format():
     keys = [ChunkKey(2**63 + 5, "m", "t"), ChunkKey(-1, "m2", "t2", 3)]
-    body = msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": PAGE, "replicas": 2, "keys": [list(k) for k in keys]})
-    assert parse_index(body) == (keys, PAGE, 2)
-    assert parse_index(msgpack.packb({"format": INDEX_FORMAT, "chunk_bytes": 1, "replicas": 1, "keys": []})) == (
-        [],
-        1,
-        1,
-    )
+    body = index_body(replicas=2, keys=[list(k) for k in keys], clean=False)
+    assert parse_index(body) == (keys, PAGE, 2, False, "h pid 1")
+    assert parse_index(index_body(chunk_bytes=1)) == ([], 1, 1, True, "h pid 1")
 
 
 def test_a_key_the_indexes_cannot_record_is_refused_before_a_byte_moves(tmp_path):
@@ -335,3 +346,88 @@ def test_a_key_the_indexes_cannot_record_is_refused_before_a_byte_moves(tmp_path
             cache.put(keys, chunks(keys))
         assert cache.lookup(keys[:1])[0] == 0
         assert cache.put(keys[:1], chunks(keys[:1])) == 1  # the L3 index still records what comes after
+
+
+def crash_child(args: dict) -> None:
+    """In a child process: open a cache on the prefix, put chunks, and die without closing (os._exit)."""
+    from datamover.testing.s3server import S3Server
+
+    srv = S3Server.__new__(S3Server)  # only its config(): the server runs in the parent's test
+    srv.port, srv.host, srv.region = args["port"], "127.0.0.1", "us-east-1"
+    srv.access_key = srv.secret_key = "testing"
+    cache = open_cache(srv, Path(args["tmp"]), l4=args["l4"], replicas=1)
+    for h in args["puts"]:
+        key = chunk_keys([h], "m", "t")
+        cache.put(key, np.random.default_rng(h).integers(0, 256, PAGE, dtype=np.uint8))
+    os._exit(0)
+
+
+def crash(srv: S3Server, tmp_path, puts: list[int], l4: int) -> None:
+    args = {"port": srv.port, "tmp": str(tmp_path / "child"), "l4": l4, "puts": puts}
+    script = "import json, sys; from tests.policy.test_bucket import crash_child; crash_child(json.loads(sys.argv[1]))"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=root, capture_output=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+
+
+def test_after_a_crash_what_the_dead_run_wrote_is_deleted(s3, tmp_path, caplog):
+    crash(s3, tmp_path, list(range(12)), l4=8)
+    assert len(objects(s3)) > 1  # its chunks and its index (marked in use)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        assert "was not closed by the cache that used it" in caplog.text and " pid " in caplog.text
+        assert not cache.engine.resident[cache.names.index("l4_pool")]
+        assert objects(s3) == [INDEX_OBJECT]  # no key of them is known: none could ever be found again
+    finally:
+        close(cache)
+
+
+def test_after_a_crash_the_index_keeps_only_chunks_still_there(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        cache.put(keys, chunks(keys))
+        held = set(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    # a smaller L4: adopts 3 of `held` (deletes one), evicts more while it writes others, and dies
+    crash(s3, tmp_path, list(range(100, 103)), l4=3)
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        found = set(cache.engine.resident[cache.names.index("l4_pool")])
+        assert found and found < held  # what the dead run evicted (and deleted) is not claimed
+        assert objects(s3) == sorted([*chunk_objects(found, 1), INDEX_OBJECT])
+        assert check_get(cache, sorted(found)) == len(found)  # byte-exact
+    finally:
+        close(cache)
+
+
+def test_a_prefix_that_cannot_be_listed_keeps_the_index_as_it_is(s3, tmp_path, caplog):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        cache.put(keys, chunks(keys))
+        held = set(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    body = s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read()
+    index = msgpack.unpackb(body)
+    s3.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=msgpack.packb({**index, "clean": False}))
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    real = PrivateBucket._list
+
+    def unlistable(self):
+        self.client.get_paginator = lambda name: (_ for _ in ()).throw(OSError("injected: listing refused"))
+        return real(self)
+
+    PrivateBucket._list = unlistable
+    try:
+        cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    finally:
+        PrivateBucket._list = real
+    try:
+        assert "cannot be listed" in caplog.text
+        assert set(cache.engine.resident[cache.names.index("l4_pool")]) == held  # reads of them are verified
+    finally:
+        close(cache)
