@@ -4,11 +4,12 @@ A chunk is `replica_count` objects `<prefix><ChunkKey.digest()>.<r>` (`l4_pool.p
 prefix is one instance's alone). When the cache evicts a chunk from L4, or drops one whose bytes failed, its
 objects are deleted (DeleteObjects, up to 1,000 names a call), so the prefix holds what the L4 index holds, not
 every chunk ever demoted. The index (the keys L4 holds, oldest placement first) is the object
-`<prefix>datamover-l4-index`: written at start marked in use, and at close marked clean. The next cache on the
-prefix reads it back, checks every field, and adopts those chunks (reads of them are verified against the CRC32C
-each object was written with). After a run that did not close, the prefix is listed first: chunks of the index
-whose objects are gone are not adopted, and the objects the crashed run wrote after its index (whose keys no
-index names) are deleted, so a crash neither serves a missing chunk as held nor leaks storage.
+`<prefix>datamover-l4-index`: written at start marked in use, every `INDEX_INTERVAL_S` while L4 changes (in the
+background), and at close marked clean. The next cache on the prefix reads it back, checks every field, and
+adopts those chunks (reads of them are verified against the CRC32C each object was written with). After a run
+that did not close, the prefix is listed first: chunks of the index whose objects are gone are not adopted, and
+the objects the dead run wrote after its last index (whose keys no index names) are deleted, so a crash neither
+serves a missing chunk as held nor leaks storage, and loses what L4 took in its last interval.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import msgpack
@@ -35,6 +37,7 @@ _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 CALL_TIMEOUT_S = 10.0  # each call to the store ends within this
 RETRY_S = 30.0  # after a delete the store did not answer, the next try waits this long
 PENDING_MAX = 100_000  # chunks whose deletes wait at the most (beyond, the oldest are given up)
+INDEX_INTERVAL_S = 60.0  # while L4 changes, its index is written at most this often (what a crash can lose)
 _CHUNK_NAME = re.compile(r"([0-9a-f]{32})\.([0-9]{1,4})")  # after the prefix: <digest>.<replica>
 _INDEX_BYTES_PER_KEY = 1024  # bound on what is read back: a key's fields as msgpack, generous
 
@@ -63,6 +66,10 @@ class PrivateBucket:
         self._pending: dict[ChunkKey, range] = {}  # chunks whose objects are to go, and which replicas
         self._gc_failed = False  # objects a crashed run left could not all be deleted: the next start looks again
         self._retry_at = 0.0
+        self.changed = False  # L4 took or dropped chunks since the index was last written
+        self._last_save: float | None = None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="dm-l4-index")
+        self._saving: Future | None = None
 
     @property
     def waiting(self) -> bool:
@@ -107,6 +114,25 @@ class PrivateBucket:
                 return len(left) + refused
         self.delete_failures += refused
         return refused
+
+    def checkpoint(self, snapshot: Callable[[], list[ChunkKey]]) -> None:
+        """Write the index (of `snapshot()`, the keys L4 holds) in the background if L4 changed and
+        `INDEX_INTERVAL_S` has passed since the last one: after a crash the next start keeps every chunk it
+        names whose objects are still there, so a crash loses at most what that interval wrote."""
+        now = self.clock()
+        if self._last_save is None:
+            self._last_save = now
+        if not self.changed or now - self._last_save < INDEX_INTERVAL_S:
+            return
+        if self._saving is not None and not self._saving.done():
+            return
+        self.changed, self._last_save = False, now
+        self._saving = self._saver.submit(self.save, snapshot(), False)
+
+    def close(self, keys: Sequence[ChunkKey]) -> None:
+        """Wait for a checkpoint being written, then write the index marked clean."""
+        self._saver.shutdown(wait=True)
+        self.save(keys, clean=True)
 
     def save(self, keys: Sequence[ChunkKey], clean: bool) -> None:
         """Write the index of the chunks L4 holds: at start (`clean` False: a run that does not close leaves it

@@ -175,15 +175,24 @@ class TieredCache:
             if self.index is not None:
                 self.index.sync()
         finally:
-            if self.bucket is not None and (self._l4_gone or self.bucket.waiting):
-                # after the plan: it may have read them, or written one of them again
-                gone, self._l4_gone = self._l4_gone, set()
-                self.bucket.delete(gone, keep=self.engine.resident[self.names.index("l4_pool")])
+            if self.bucket is not None:
+                self._after_plan_in_bucket(self.bucket, plan)
         where = self.engine.where
         for key in self._gone:
             if where(key) < 0:
                 self.crc.pop(key, None)
         self._gone.clear()
+
+    def _after_plan_in_bucket(self, bucket: PrivateBucket, plan: list[Move]) -> None:
+        """Delete the objects of the chunks L4 dropped (after the plan: it may have read them, or written one of
+        them again), and write L4's index now and then, so a crash loses little."""
+        j4 = self.names.index("l4_pool")
+        if self._l4_gone or any(m.dst == j4 for m in plan):
+            bucket.changed = True
+        if self._l4_gone or bucket.waiting:
+            gone, self._l4_gone = self._l4_gone, set()
+            bucket.delete(gone, keep=self.engine.resident[j4])
+        bucket.checkpoint(lambda: list(self.engine.slots[j4]))
 
     # -- the API ------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
@@ -418,7 +427,7 @@ class TieredCache:
                     live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
                     self.index.close(live)
                 if self.bucket is not None:
-                    self.bucket.save(list(self.engine.slots[self.names.index("l4_pool")]), clean=True)
+                    self.bucket.close(list(self.engine.slots[self.names.index("l4_pool")]))
                 if self.spans is not None:
                     self.spans.close()
             finally:

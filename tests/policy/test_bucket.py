@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.errors import InvalidParameter
+from datamover.policy import bucket as bucket_module
 from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, PrivateBucket, parse_index
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import ChunkKey, chunk_keys
@@ -355,19 +356,27 @@ def crash_child(args: dict) -> None:
     srv = S3Server.__new__(S3Server)  # only its config(): the server runs in the parent's test
     srv.port, srv.host, srv.region = args["port"], "127.0.0.1", "us-east-1"
     srv.access_key = srv.secret_key = "testing"
+    if args.get("checkpoint"):
+        bucket_module.INDEX_INTERVAL_S = 0.0  # an index after every operation that changes L4
     cache = open_cache(srv, Path(args["tmp"]), l4=args["l4"], replicas=1)
     for h in args["puts"]:
         key = chunk_keys([h], "m", "t")
         cache.put(key, np.random.default_rng(h).integers(0, 256, PAGE, dtype=np.uint8))
+        if cache.bucket._saving is not None:
+            cache.bucket._saving.result()  # that checkpoint is in the store before the next put
+    held = sorted(k.digest() for k in cache.engine.resident[cache.names.index("l4_pool")])
+    print(json.dumps(held), flush=True)
     os._exit(0)
 
 
-def crash(srv: S3Server, tmp_path, puts: list[int], l4: int) -> None:
-    args = {"port": srv.port, "tmp": str(tmp_path / "child"), "l4": l4, "puts": puts}
+def crash(srv: S3Server, tmp_path, puts: list[int], l4: int, checkpoint: bool = False) -> list[str]:
+    """Run `crash_child`; the digests of the chunks its L4 held when it died."""
+    args = {"port": srv.port, "tmp": str(tmp_path / "child"), "l4": l4, "puts": puts, "checkpoint": checkpoint}
     script = "import json, sys; from tests.policy.test_bucket import crash_child; crash_child(json.loads(sys.argv[1]))"
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", script, json.dumps(args)], cwd=root, capture_output=True, timeout=120)
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    return json.loads(proc.stdout.decode().splitlines()[-1])
 
 
 def test_after_a_crash_what_the_dead_run_wrote_is_deleted(s3, tmp_path, caplog):
@@ -431,3 +440,54 @@ def test_a_prefix_that_cannot_be_listed_keeps_the_index_as_it_is(s3, tmp_path, c
         assert set(cache.engine.resident[cache.names.index("l4_pool")]) == held  # reads of them are verified
     finally:
         close(cache)
+
+
+def test_a_crash_keeps_what_the_last_checkpoint_names(s3, tmp_path):
+    held = crash(s3, tmp_path, list(range(12)), l4=6, checkpoint=True)
+    assert len(held) == 6
+    cache = open_cache(s3, tmp_path, l4=6, replicas=1)
+    try:
+        found = cache.engine.resident[cache.names.index("l4_pool")]
+        assert sorted(k.digest() for k in found) == held
+        assert objects(s3) == sorted([*chunk_objects(found, 1), INDEX_OBJECT])
+        for key in found:  # the dead run's bytes, verified against each object's CRC32C
+            dst = np.zeros(PAGE, np.uint8)
+            assert cache.get([key], dst) == 1
+            assert (dst == np.random.default_rng(key.prefix_hash).integers(0, 256, PAGE, dtype=np.uint8)).all()
+    finally:
+        close(cache)
+
+
+def test_the_index_is_written_while_l4_changes_not_only_at_close(s3, tmp_path):
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    bucket = cache.bucket
+    now = [0.0]
+    bucket.clock = lambda: now[0]
+    saves = []
+    real = bucket.client.put_object
+
+    def counting(**kw):
+        saves.append(kw["Key"])
+        return real(**kw)
+
+    bucket.client.put_object = counting
+    try:
+        keys = chunk_keys(range(12), "m", "t")
+        cache.put(keys[:3], chunks(keys[:3]))  # the interval starts
+        now[0] = bucket_module.INDEX_INTERVAL_S + 1
+        cache.put(keys[3:6], chunks(keys[3:6]))
+        bucket._saving.result()
+        assert saves == [INDEX_OBJECT]
+        index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+        assert set(index.keys) == cache.engine.resident[cache.names.index("l4_pool")] and not index.clean
+        now[0] += 1
+        cache.put(keys[6:9], chunks(keys[6:9]))  # L4 changes, but within the interval: no index
+        assert saves == [INDEX_OBJECT]
+        now[0] += bucket_module.INDEX_INTERVAL_S
+        cache.put(keys[9:], chunks(keys[9:]))
+        bucket._saving.result()
+        assert saves == [INDEX_OBJECT] * 2
+    finally:
+        del bucket.client.put_object
+        close(cache)
+    assert parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read()).clean
