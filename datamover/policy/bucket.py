@@ -76,6 +76,10 @@ class PrivateBucket:
         """Whether deletes wait for the store (tried again with the next delete, once `RETRY_S` has passed)."""
         return bool(self._pending)
 
+    def stats(self) -> dict[str, int]:
+        """Object names given up on (refused, or forgotten while the store was down), chunks whose deletes wait."""
+        return {"objects_not_deleted": self.delete_failures, "deletes_waiting": len(self._pending)}
+
     def names(self, key: ChunkKey, replicas: Iterable[int]) -> list[str]:
         """The object names of `key`'s replicas (full keys in the bucket)."""
         digest = key.digest()

@@ -406,6 +406,7 @@ class TieredCache:
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
                 "checksum_failures": self.counters.checksum_failures,
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
+                "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
                 "notes": list(self.notes),
             }
 
