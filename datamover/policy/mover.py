@@ -16,7 +16,7 @@ import numpy as np
 
 from ..agents import Agent, Prepared
 from ..descriptors import DescList, MemType
-from ..errors import DatamoverError, UnsupportedTransfer
+from ..errors import ChecksumMismatch, DatamoverError, UnsupportedTransfer
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
 from .config import TierConfig
@@ -103,14 +103,16 @@ class Mover:
                 xfer.post().wait()
         return "s3"
 
-    def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> np.ndarray:
-        """Read chunks of L4 into staging rows; returns which rows arrived (a failed replica tries the next)."""
+    def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Read chunks of L4 into staging rows (a failed replica tries the next); returns which rows arrived, and
+        which did not because a replica's bytes failed the backend's CRC32C (the others could not be read)."""
         ok = np.zeros(len(keys), dtype=bool)
+        corrupt = np.zeros(len(keys), dtype=bool)
         try:  # the whole batch in one transfer (the backend's requests run concurrently); if a chunk fails, each
             # is read alone, replica by replica, to find which
             with self.agent.make_transfer("READ", self.stage.prepared, rows, self._objects(keys, 0), None) as x:
                 x.post().wait()
-            return np.ones(len(keys), dtype=bool)
+            return np.ones(len(keys), dtype=bool), corrupt
         except DatamoverError as exc:
             log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
         for i, key in enumerate(keys):
@@ -122,8 +124,9 @@ class Mover:
                     ok[i] = True
                     break
                 except DatamoverError as exc:
+                    corrupt[i] |= isinstance(exc, ChecksumMismatch)
                     log.warning("l4_pool: replica %d of %s unreadable: %s", r, key, exc)
-        return ok
+        return ok, corrupt & ~ok
 
     def _account(self, src: int, dst: int, batch: list[Move], seconds: float, backend: str) -> None:
         """Metrics and spans for one executed batch (the logical hop, whatever staging it took)."""
@@ -190,15 +193,19 @@ class Mover:
                 continue
             rows = np.arange(len(batch), dtype=np.int64)
             keys = [m.key for m in batch]
+            corrupt = np.zeros(len(batch), dtype=bool)
             if smem == MemType.OBJ:
-                good = self._read_obj(keys, rows)
+                good, corrupt = self._read_obj(keys, rows)
             else:
                 self._transfer(src, si, STAGE, rows, user)
                 good = np.ones(len(batch), dtype=bool)
-            if smem in REMOTE:
-                good &= self._verify(keys, rows, learn=smem == MemType.OBJ)
-            for i in np.flatnonzero(~good):
-                self.invalidate(keys[i])
+            if smem in REMOTE and good.any():  # only rows that arrived are checked: the others hold nothing
+                arrived = np.flatnonzero(good)
+                failed = ~self._verify([keys[i] for i in arrived], rows[arrived], learn=smem == MemType.OBJ)
+                corrupt[arrived[failed]] = True
+                good[arrived[failed]] = False
+            for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure
+                self.invalidate(keys[i], checksum=bool(corrupt[i]))
             keep = np.flatnonzero(good)
             if not len(keep):
                 continue

@@ -156,6 +156,15 @@ def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
         assert check_get(cache, [held[0]]) == 0
         assert check_get(cache, held[1:]) == len(held) - 1
         assert cache.lookup([held[0]])[0] == 0
+        assert cache.stats()["checksum_failures"] == 0  # gone (say, expired by a lifecycle rule), not corrupt
+        corrupt = f"kv/{held[1].digest()}.0"
+        body = bytearray(s3.client().get_object(Bucket=BUCKET, Key=corrupt)["Body"].read())
+        body[7] ^= 1
+        meta = s3.client().head_object(Bucket=BUCKET, Key=corrupt)["Metadata"]
+        s3.client().put_object(Bucket=BUCKET, Key=corrupt, Body=bytes(body), Metadata=meta)  # one bit flipped
+        cache.put(held[2:], chunks(held[2:]))  # L1 holds other chunks: the next get reads held[1] from L4
+        assert check_get(cache, [held[1]]) == 0
+        assert cache.stats()["checksum_failures"] == 1
     finally:
         close(cache)
 
