@@ -84,6 +84,16 @@ def chunk_objects(keys, replicas: int = 2, prefix: str = "kv/") -> list[str]:
     return sorted(f"{prefix}{k.digest()}.{r}" for k in keys for r in range(replicas))
 
 
+def one_run(srv: S3Server, tmp_path, keys, **kw) -> list[ChunkKey]:
+    """A cache that puts `keys` and closes; the chunks its L4 held, sorted."""
+    cache = open_cache(srv, tmp_path, **kw)
+    try:
+        cache.put(keys, chunks(keys))
+        return sorted(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+
+
 def test_evicted_chunks_objects_are_deleted(s3, tmp_path):
     cache = open_cache(s3, tmp_path, l4=4)
     try:
@@ -101,12 +111,7 @@ def test_evicted_chunks_objects_are_deleted(s3, tmp_path):
 
 def test_restart_finds_the_bucket_again(s3, tmp_path):
     keys = chunk_keys(range(6), "m", "t")
-    cache = open_cache(s3, tmp_path, l4=8)
-    try:
-        cache.put(keys, chunks(keys))
-        held = sorted(cache.engine.resident[cache.names.index("l4_pool")])
-    finally:
-        close(cache)
+    held = one_run(s3, tmp_path, keys, l4=8)
     assert INDEX_OBJECT in objects(s3)
     cache = open_cache(s3, tmp_path, l4=8)
     try:
@@ -144,12 +149,7 @@ def test_instances_on_one_bucket_under_their_own_prefixes_never_touch_each_other
 
 def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
     keys = chunk_keys(range(6), "m", "t")
-    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
-    try:
-        cache.put(keys, chunks(keys))
-        held = list(cache.engine.resident[cache.names.index("l4_pool")])
-    finally:
-        close(cache)
+    held = one_run(s3, tmp_path, keys, l4=8, replicas=1)
     s3.client().delete_object(Bucket=BUCKET, Key=f"kv/{held[0].digest()}.0")  # a crashed run evicted it
     cache = open_cache(s3, tmp_path, l4=8, replicas=1)
     try:
@@ -171,11 +171,7 @@ def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
 
 def test_another_chunk_size_is_not_adopted_and_its_objects_go(s3, tmp_path, caplog):
     keys = chunk_keys(range(6), "m", "t")
-    cache = open_cache(s3, tmp_path, l4=8)
-    try:
-        cache.put(keys, chunks(keys))
-    finally:
-        close(cache)
+    one_run(s3, tmp_path, keys, l4=8)
     caplog.set_level(logging.WARNING, "datamover.kvcache")
     cache = open_cache(s3, tmp_path, l4=8, page=2 * PAGE)
     try:
@@ -404,12 +400,7 @@ def test_after_a_crash_what_the_dead_run_wrote_is_deleted(s3, tmp_path, caplog):
 
 def test_after_a_crash_the_index_keeps_only_chunks_still_there(s3, tmp_path):
     keys = chunk_keys(range(6), "m", "t")
-    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
-    try:
-        cache.put(keys, chunks(keys))
-        held = set(cache.engine.resident[cache.names.index("l4_pool")])
-    finally:
-        close(cache)
+    held = set(one_run(s3, tmp_path, keys, l4=8, replicas=1))
     # a smaller L4: adopts 3 of `held` (deletes one), evicts more while it writes others, and dies
     crash(s3, tmp_path, list(range(100, 103)), l4=3)
     cache = open_cache(s3, tmp_path, l4=8, replicas=1)
@@ -424,12 +415,7 @@ def test_after_a_crash_the_index_keeps_only_chunks_still_there(s3, tmp_path):
 
 def test_a_prefix_that_cannot_be_listed_keeps_the_index_as_it_is(s3, tmp_path, caplog):
     keys = chunk_keys(range(6), "m", "t")
-    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
-    try:
-        cache.put(keys, chunks(keys))
-        held = set(cache.engine.resident[cache.names.index("l4_pool")])
-    finally:
-        close(cache)
+    held = set(one_run(s3, tmp_path, keys, l4=8, replicas=1))
     body = s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read()
     index = msgpack.unpackb(body)
     s3.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=msgpack.packb({**index, "clean": False}))
