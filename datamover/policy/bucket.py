@@ -14,6 +14,7 @@ serves a missing chunk as held nor leaks storage, and loses what L4 took in its 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import re
@@ -70,6 +71,7 @@ class PrivateBucket:
         self._last_save: float | None = None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="dm-l4-index")
         self._saving: Future | None = None
+        self.index_age_s: float | None = None  # how long ago the index found at start was written
 
     @property
     def waiting(self) -> bool:
@@ -172,6 +174,13 @@ class PrivateBucket:
             )  # fmt: skip
         elif index is not None:
             keys, replicas, clean, owner = list(dict.fromkeys(index.keys)), index.replicas, index.clean, index.owner
+        if index is not None and not clean and (self.index_age_s or 0.0) < 2 * INDEX_INTERVAL_S:
+            log.warning(
+                "l4_pool: s3://%s/%s is marked in use by %s, its index written %.0f s ago: if that cache still runs,"
+                " two caches share this prefix and delete each other's chunks (give each an l4_pool.prefix of its"
+                " own); if it died, this start cleans up after it", self.bucket, self.prefix, owner,
+                self.index_age_s or 0.0,
+            )  # fmt: skip
         if not clean:
             keys = self._collect(keys, owner)
         kept, dropped = keys[-self.capacity :], keys[: max(0, len(keys) - self.capacity)]
@@ -258,6 +267,9 @@ class PrivateBucket:
         limit = 4096 + self.capacity * _INDEX_BYTES_PER_KEY
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.index_object)
+            written = head.get("LastModified")
+            if isinstance(written, datetime.datetime) and written.tzinfo is not None:
+                self.index_age_s = (datetime.datetime.now(datetime.timezone.utc) - written).total_seconds()
             size = int(head.get("ContentLength", 0))
             if size > limit:
                 log.warning(

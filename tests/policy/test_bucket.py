@@ -392,6 +392,7 @@ def test_after_a_crash_what_the_dead_run_wrote_is_deleted(s3, tmp_path, caplog):
     cache = open_cache(s3, tmp_path, l4=8, replicas=1)
     try:
         assert "was not closed by the cache that used it" in caplog.text and " pid " in caplog.text
+        assert "two caches share this prefix" in caplog.text  # its index is seconds old: it may still run
         assert not cache.engine.resident[cache.names.index("l4_pool")]
         assert objects(s3) == [INDEX_OBJECT]  # no key of them is known: none could ever be found again
     finally:
