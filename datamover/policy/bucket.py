@@ -9,7 +9,10 @@ background), and at close marked clean. The next cache on the prefix reads it ba
 adopts those chunks (reads of them are verified against the CRC32C each object was written with). After a run
 that did not close, the prefix is listed first: chunks of the index whose objects are gone are not adopted, and
 the objects the dead run wrote after its last index (whose keys no index names) are deleted, so a crash neither
-serves a missing chunk as held nor leaks storage, and loses what L4 took in its last interval.
+serves a missing chunk as held nor leaks storage, and loses what L4 took in its last interval. Every index write
+is conditional on the index being the one this cache last read or wrote (S3's If-Match / If-None-Match): a
+second cache on the prefix takes it over, and the first, told so at its next write, stops deleting and
+indexing there; two starting at once, one is refused (ConfigError).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from ..agents import Agent
+from ..errors import ConfigError
 from .config import L4Config
 from .keys import ChunkKey, key_from_fields
 
@@ -72,6 +76,9 @@ class PrivateBucket:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="dm-l4-index")
         self._saving: Future | None = None
         self.index_age_s: float | None = None  # how long ago the index found at start was written
+        self.lost = False  # another cache replaced the index: this one leaves the prefix's objects alone
+        self._etag: str | None = None  # of the index as this cache last read or wrote it
+        self._conditional = True
 
     @property
     def waiting(self) -> bool:
@@ -91,6 +98,8 @@ class PrivateBucket:
         """Delete the objects of `keys` (every replica, or those of `replicas`) and of the chunks still waiting,
         but not those of chunks in `keep` (written again since). Returns how many names the store refused or
         could not be asked about (logged; they only cost storage, every read of them is checked)."""
+        if self.lost:
+            return 0
         reps = range(self.replicas) if replicas is None else replicas
         for key in keys:
             self._pending[key] = reps
@@ -128,7 +137,7 @@ class PrivateBucket:
         now = self.clock()
         if self._last_save is None:
             self._last_save = now
-        if not self.changed or now - self._last_save < INDEX_INTERVAL_S:
+        if self.lost or not self.changed or now - self._last_save < INDEX_INTERVAL_S:
             return
         if self._saving is not None and not self._saving.done():
             return
@@ -144,19 +153,53 @@ class PrivateBucket:
         """Write the index of the chunks L4 holds: at start (`clean` False: a run that does not close leaves it
         so, and the next start looks at the prefix itself) and at close (`clean` when every object the run
         dropped was deleted). If it cannot be written the next start is cold and finds no chunk."""
-        index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
-        index.update(
-            clean=clean and not self._pending and not self._gc_failed,
-            owner=f"{socket.gethostname()[:200]} pid {os.getpid()}",
-        )
+        if self.lost:
+            return
         try:
-            body = msgpack.packb({**index, "keys": [list(k) for k in keys]})
-            self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body)
+            self._put_index(self._index_body(keys, clean))
+        except _TakenOver:
+            self.lost = True
+            log.error(
+                "l4_pool: another cache replaced the index of s3://%s/%s: it uses this prefix now; this cache no "
+                "longer deletes or indexes there (give each cache an l4_pool.prefix of its own)",
+                self.bucket, self.prefix,
+            )  # fmt: skip
         except Exception as exc:
             log.warning(
                 "l4_pool: index s3://%s/%s not written (%s): the %d chunks there are not found again next start",
                 self.bucket, self.index_object, exc, len(keys),
             )  # fmt: skip
+
+    def _index_body(self, keys: Sequence[ChunkKey], clean: bool) -> bytes:
+        index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
+        index["clean"] = clean and not self._pending and not self._gc_failed
+        index["owner"] = f"{socket.gethostname()[:200]} pid {os.getpid()}"
+        return msgpack.packb({**index, "keys": [list(k) for k in keys]})
+
+    def _put_index(self, body: bytes) -> None:
+        """Write the index only over the one this cache last read or wrote (S3's conditional writes), so two caches
+        on one prefix find out; _TakenOver if another wrote it meanwhile. A store without conditional writes
+        gets plain ones (said once)."""
+        cond: dict[str, str] = {}
+        if self._conditional:
+            cond = {"IfMatch": self._etag} if self._etag else {"IfNoneMatch": "*"}
+        try:
+            resp = self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body, **cond)
+        except Exception as exc:
+            code, status = _error(exc)
+            if "IfMatch" in cond and (status == 404 or code in ("NoSuchKey", "NotFound")):
+                self._etag = None  # the index was deleted (a lifecycle rule, a person): write it anew
+                return self._put_index(body)
+            if cond and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
+                raise _TakenOver() from exc
+            if not cond or not (status == 501 or code == "NotImplemented"):
+                raise
+            self._conditional = False
+            log.warning(
+                "l4_pool: s3://%s takes no conditional writes: two caches on one prefix are not detected", self.bucket
+            )
+            resp = self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body)
+        self._etag = resp.get("ETag")
 
     def load(self) -> list[ChunkKey]:
         """The chunks the index an earlier run left says the prefix holds, at most `capacity` (the newest); then
@@ -188,7 +231,16 @@ class PrivateBucket:
             self.delete(dropped, range(replicas))
         if replicas > self.replicas:
             self.delete(kept, range(self.replicas, replicas))
-        self.save(kept, clean=False)
+        try:  # marked in use, and this cache's from now on: a cache starting on it meanwhile makes this fail
+            self._put_index(self._index_body(kept, clean=False))
+        except _TakenOver:
+            raise ConfigError(
+                "kv_cache_tiered.l4_pool.prefix",
+                f"s3://{self.bucket}/{self.prefix} was taken by another cache starting at the same time; give each "
+                "cache a prefix of its own",
+            ) from None
+        except Exception as exc:
+            log.warning("l4_pool: index s3://%s/%s not written (%s)", self.bucket, self.index_object, exc)
         return kept
 
     def _collect(self, keys: list[ChunkKey], owner: str) -> list[ChunkKey]:
@@ -275,8 +327,10 @@ class PrivateBucket:
                 log.warning(
                     "l4_pool: index %s is %d bytes, over the %d this capacity bounds: not used", where, size, limit
                 )
+                self._etag = head.get("ETag")
                 return None
             resp = self.client.get_object(Bucket=self.bucket, Key=self.index_object, Range=f"bytes=0-{limit - 1}")
+            self._etag = resp.get("ETag")
             data = resp["Body"].read(limit + 1)
         except Exception as exc:
             if _not_found(exc):
@@ -320,6 +374,17 @@ def parse_index(data: bytes) -> Index:
     if not isinstance(fields, list):
         raise ValueError("keys is not a list")
     return Index([key_from_fields(f) for f in fields], chunk_bytes, replicas, clean, owner)
+
+
+class _TakenOver(Exception):
+    """Another cache wrote the index since this one last read or wrote it."""
+
+
+def _error(exc: BaseException) -> tuple[str, int | None]:
+    """(error code, HTTP status) of a botocore ClientError; ("", None) for anything else."""
+    response = getattr(exc, "response", None) or {}
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return str(response.get("Error", {}).get("Code", "")), status if isinstance(status, int) else None
 
 
 def _not_found(exc: BaseException) -> bool:

@@ -488,3 +488,97 @@ def test_the_index_is_written_while_l4_changes_not_only_at_close(s3, tmp_path):
         del bucket.client.put_object
         close(cache)
     assert parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read()).clean
+
+
+def test_a_cache_whose_prefix_another_took_leaves_its_objects_alone(s3, tmp_path, caplog, monkeypatch):
+    a = open_cache(s3, tmp_path / "a", l4=2, replicas=1)
+    b = None
+    try:
+        now = [0.0]
+        a.bucket.clock = lambda: now[0]
+        keys = chunk_keys(range(8), "m", "t")
+        a.put(keys[:4], chunks(keys[:4]))
+        caplog.set_level(logging.WARNING, "datamover.kvcache")
+        with monkeypatch.context() as m:  # another host: its index is other bytes than a's, with another ETag
+            m.setattr(bucket_module.socket, "gethostname", lambda: "host-b")
+            b = open_cache(s3, tmp_path / "b", l4=8, replicas=1)  # the same prefix: it cleans up and takes it
+        assert "two caches share this prefix" in caplog.text
+        b.put(keys[4:], chunks(keys[4:]))
+        b_held = set(b.engine.resident[b.names.index("l4_pool")])
+        now[0] = bucket_module.INDEX_INTERVAL_S + 1
+        a.put(keys[:2], chunks(keys[:2]))  # a's checkpoint finds b's index: a lost the prefix
+        a.bucket._saving.result()
+        assert a.bucket.lost and "another cache replaced the index" in caplog.text
+        before = objects(s3)
+        a.put(chunk_keys(range(100, 104), "m", "t"), chunks(chunk_keys(range(100, 104), "m", "t")))
+        assert set(before) <= set(objects(s3))  # a's evictions delete nothing of b's any more
+        close(a)
+        index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+        assert not index.clean  # a's close left b's index alone
+        close(b)
+        b = None
+        index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+        assert index.clean and set(index.keys) == b_held
+    finally:
+        if b is not None:
+            close(b)
+
+
+def test_two_caches_starting_on_one_prefix_at_once_one_is_refused(s3, tmp_path):
+    from datamover.errors import ConfigError
+
+    real = PrivateBucket._read_index
+
+    def read_then_another_starts(self):
+        index = real(self)
+        s3.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=index_body(clean=False))
+        return index
+
+    PrivateBucket._read_index = read_then_another_starts
+    try:
+        with pytest.raises(ConfigError, match="taken by another cache") as err:
+            open_cache(s3, tmp_path, l4=4, replicas=1)
+        assert err.value.path == "kv_cache_tiered.l4_pool.prefix"
+    finally:
+        PrivateBucket._read_index = real
+
+
+def test_a_store_without_conditional_writes_gets_plain_ones(s3, tmp_path, caplog, monkeypatch):
+    from botocore.exceptions import ClientError
+
+    from datamover.backends.s3.backend import S3Backend
+
+    made = S3Backend.bounded_client
+
+    def without_conditions(self, *args, **kw):
+        client = made(self, *args, **kw)
+        put = client.put_object
+
+        def refuse(**params):
+            if "IfMatch" in params or "IfNoneMatch" in params:
+                error = {"Error": {"Code": "NotImplemented", "Message": "injected"}}
+                raise ClientError({**error, "ResponseMetadata": {"HTTPStatusCode": 501}}, "PutObject")
+            return put(**params)
+
+        client.put_object = refuse
+        return client
+
+    monkeypatch.setattr(S3Backend, "bounded_client", without_conditions)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    keys = chunk_keys(range(6), "m", "t")
+    held = one_run(s3, tmp_path, keys, l4=8, replicas=1)
+    assert "takes no conditional writes" in caplog.text
+    assert sorted(parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read()).keys) == held
+
+
+def test_an_index_deleted_under_a_running_cache_is_written_anew(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        cache.put(keys, chunks(keys))
+        held = sorted(cache.engine.resident[cache.names.index("l4_pool")])
+        s3.client().delete_object(Bucket=BUCKET, Key=INDEX_OBJECT)  # say, by a lifecycle rule
+    finally:
+        close(cache)
+    index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+    assert index.clean and sorted(index.keys) == held
