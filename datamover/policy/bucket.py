@@ -57,9 +57,10 @@ class PrivateBucket:
     """
 
     def __init__(
-        self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int, timeout_s: float = CALL_TIMEOUT_S
+        self, agent: Agent, config: L4Config, chunk_bytes: int, capacity: int, timeout_s: float | None = None
     ) -> None:
-        self.client = agent.backend("s3").bounded_client(timeout_s)  # type: ignore[attr-defined]
+        timeout = CALL_TIMEOUT_S if timeout_s is None else timeout_s
+        self.client = agent.backend("s3").bounded_client(timeout)  # type: ignore[attr-defined]
         self.bucket = config.bucket
         self.prefix = config.prefix
         self.index_object = config.prefix + INDEX_NAME
@@ -69,7 +70,7 @@ class PrivateBucket:
         self.delete_failures = 0  # object names given up on (refused, or forgotten past PENDING_MAX)
         self.clock: Callable[[], float] = time.monotonic
         self._pending: dict[ChunkKey, range] = {}  # chunks whose objects are to go, and which replicas
-        self._gc_failed = False  # objects a crashed run left could not all be deleted: the next start looks again
+        self._gc_failed = False  # objects no index names may be left (not all deleted): the next start looks again
         self._retry_at = 0.0
         self.changed = False  # L4 took or dropped chunks since the index was last written
         self._last_save: float | None = None
@@ -181,7 +182,7 @@ class PrivateBucket:
         on one prefix find out; _TakenOver if another wrote it meanwhile. A store without conditional writes
         gets plain ones (said once)."""
         cond: dict[str, str] = {}
-        if self._conditional:
+        if self._conditional and self._etag != _UNKNOWN:
             cond = {"IfMatch": self._etag} if self._etag else {"IfNoneMatch": "*"}
         try:
             resp = self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body, **cond)
@@ -208,6 +209,13 @@ class PrivateBucket:
         the crashed run wrote: its keys are not known). Chunks past the capacity, and replicas beyond
         `replica_count`, are deleted. An index that cannot be read or parsed counts as none (logged)."""
         index = self._read_index()
+        if self._etag == _UNKNOWN:  # the store did not answer: asking it more now only delays the start
+            log.warning(
+                "l4_pool: s3://%s/%s did not answer at start: L4 starts cold, the next index written replaces "
+                "whatever is there, and the prefix is cleaned at the next start", self.bucket, self.prefix,
+            )  # fmt: skip
+            self._gc_failed = True  # objects no index of this run names may lie there: never marked clean
+            return []
         keys: list[ChunkKey] = []
         replicas, clean, owner = self.replicas, False, "unknown"
         if index is not None and index.chunk_bytes != self.chunk_bytes:
@@ -336,6 +344,7 @@ class PrivateBucket:
             if _not_found(exc):
                 return None
             log.warning("l4_pool: index %s unreadable (%s): not used", where, exc)
+            self._etag = _UNKNOWN
             return None
         try:
             return parse_index(data)
@@ -374,6 +383,9 @@ def parse_index(data: bytes) -> Index:
     if not isinstance(fields, list):
         raise ValueError("keys is not a list")
     return Index([key_from_fields(f) for f in fields], chunk_bytes, replicas, clean, owner)
+
+
+_UNKNOWN = "?"  # the index's ETag when the store did not answer: the next write is unconditional
 
 
 class _TakenOver(Exception):

@@ -582,3 +582,33 @@ def test_an_index_deleted_under_a_running_cache_is_written_anew(s3, tmp_path):
         close(cache)
     index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
     assert index.clean and sorted(index.keys) == held
+
+
+def test_a_store_silent_at_start_costs_one_bounded_wait_and_a_cold_l4(s3, tmp_path, monkeypatch, caplog):
+    keys = chunk_keys(range(6), "m", "t")
+    one_run(s3, tmp_path, keys, l4=8, replicas=1)  # an index from an earlier run
+    monkeypatch.setattr(bucket_module, "CALL_TIMEOUT_S", 1.0)
+    caplog.set_level(logging.WARNING, "datamover.kvcache")
+    s3.pause()  # SIGSTOP: no answer at all
+    try:
+        t0 = time.monotonic()
+        cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+        assert time.monotonic() - t0 < 8  # one bounded read of the index, no listing, no write
+    finally:
+        s3.resume()
+    try:
+        assert "did not answer at start" in caplog.text
+        assert not cache.engine.resident[cache.names.index("l4_pool")]
+        more = chunk_keys(range(10, 14), "m", "t")
+        cache.put(more, chunks(more))
+        held = sorted(cache.engine.resident[cache.names.index("l4_pool")])
+    finally:
+        close(cache)
+    index = parse_index(s3.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+    assert not index.clean and sorted(index.keys) == held  # replaced the earlier index, but not clean:
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)  # the earlier run's chunks are cleaned up at this start
+    try:
+        assert sorted(cache.engine.resident[cache.names.index("l4_pool")]) == held
+        assert objects(s3) == sorted([*chunk_objects(held, 1), INDEX_OBJECT])
+    finally:
+        close(cache)
