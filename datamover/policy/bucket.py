@@ -151,9 +151,9 @@ class PrivateBucket:
         self.save(keys, clean=True)
 
     def save(self, keys: Sequence[ChunkKey], clean: bool) -> None:
-        """Write the index of the chunks L4 holds: at start (`clean` False: a run that does not close leaves it
-        so, and the next start looks at the prefix itself) and at close (`clean` when every object the run
-        dropped was deleted). If it cannot be written the next start is cold and finds no chunk."""
+        """Write the index of the chunks L4 holds: a checkpoint (`clean` False: a run that does not close leaves it
+        so, and the next start looks at the prefix itself) or at close (`clean` when every object the run dropped
+        was deleted). If it cannot be written, logged; after a takeover, never again (`lost`)."""
         if self.lost:
             return
         try:
@@ -172,6 +172,7 @@ class PrivateBucket:
             )  # fmt: skip
 
     def _index_body(self, keys: Sequence[ChunkKey], clean: bool) -> bytes:
+        """The index as msgpack: marked clean only when nothing under the prefix is left that it does not name."""
         index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
         index["clean"] = clean and not self._pending and not self._gc_failed
         index["owner"] = f"{socket.gethostname()[:200]} pid {os.getpid()}"
