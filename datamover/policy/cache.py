@@ -3,7 +3,8 @@
 The pieces, each in its own module: the slabs that hold each tier's chunks (`slabs.py`), the tier engine that
 decides placements, evictions, demotions and promotions (`engine.py`, the same `TierStack` the replay
 simulates) with its decisions recorded as slot-to-slot moves (`plan.py`), the executor that moves the bytes by
-Agent transfers (`mover.py`), the persistent L3 index (`l3_index.py`), the caller's buffers as chunks
+Agent transfers (`mover.py`), the persistent L3 index (`l3_index.py`), the private L4 bucket on S3 (deletes of
+evicted chunks, its index across restarts and crashes: `bucket.py`), the caller's buffers as chunks
 (`user_chunks.py`), the requests the policy sees (`requests.py`) and the counts and metrics (`counters.py`).
 
 Sharing: with `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool other instances use too (`pool.py`):
