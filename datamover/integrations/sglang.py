@@ -17,7 +17,6 @@ reports that page and the rest of the batch as failed, so SGLang recomputes them
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -201,7 +200,7 @@ class DatamoverHiCacheStorage(HiCacheStorage):
         if target_location is None:
             try:
                 per = self._present_chunks(key)
-            except DatamoverError:  # closed, or being cleared
+            except DatamoverError:  # closed
                 return None
             if not per:
                 return None
@@ -254,28 +253,17 @@ class DatamoverHiCacheStorage(HiCacheStorage):
                 if not per:
                     return 0
             return self.cache.lookup(self._keys(keys, "v1" if self._v1 else "v0", per))[0] // per
-        except DatamoverError as exc:  # a cache closed (or being cleared) holds nothing
+        except DatamoverError as exc:  # a closed cache holds nothing
             log.info("datamover: existence check of %d pages failed (%s)", len(keys), exc)
             return 0
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
-        """Forget every page: the cache is closed and its L3 files removed (objects in a shared pool are kept).
-        Calls meanwhile meet the closed cache (its TransferStateError reads as a miss) until the new one is in."""
+        """Forget every page (TieredCache.clear: every tier, L3's index and a private L4 bucket's objects; a shared
+        pool's objects are kept). A closed storage stays closed."""
         with self._lock:
-            cache = self.cache
-            if cache is None:
-                return
-            l3, chunk = cache.config.l3_nvme, cache.page
-            cache.close()
-            if l3.enabled:
-                shutil.rmtree(l3.path, ignore_errors=True)
-            self._parts.pop("chunk", None)
-            fresh = self._build(chunk)
-            pool = getattr(self.mem_pool_host, "kv_buffer", None) if self.mem_pool_host is not None else None
-            if pool is not None:
-                self._registered = fresh.agent.register_memory(pool)
-            self.cache = fresh
+            if self.cache is not None and not self.cache.closed:
+                self.cache.clear()
 
     def tier_stats(self) -> dict[str, Any]:
         """TieredCache.stats() of this storage (empty before the first page)."""

@@ -396,6 +396,22 @@ class TieredCache:
             log.warning("l4_pool drain: %d chunk(s) could not be copied off this instance", result["failed"])
         return result["copied"]
 
+    def clear(self) -> int:
+        """Forget every chunk (an engine's clear, a weights update): every tier emptied, pins included; the L3
+        index records it, and a private L4 bucket's objects are deleted (a shared pool's are kept: other
+        instances use them). Returns how many chunks were forgotten."""
+        with self._lock:
+            self._check_open()
+            eng = self.engine
+            forgotten = len(set().union(*eng.resident))
+            self._pins.clear()
+            eng.pinned.clear()
+            for j, resident in enumerate(eng.resident):
+                for key in list(resident):
+                    eng.drop(j, key)
+            self._execute([], None)
+            return forgotten
+
     def stats(self) -> dict[str, Any]:
         """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, resident chunks."""
         with self._lock:
@@ -410,6 +426,11 @@ class TieredCache:
                 "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
                 "notes": list(self.notes),
             }
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (every call but `stats` and `close` then raises TransferStateError)."""
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:

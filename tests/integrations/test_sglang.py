@@ -326,5 +326,11 @@ def test_ranks_on_one_private_bucket_keep_their_own_pages_across_a_restart(tmp_p
             assert restarted.batch_get_v1(ks, pools[1].indices([4, 5, 6, 7])) == [True] * 4
             for p in range(4):
                 assert torch.equal(pools[1].page(4 + p), pools[1].page(p))  # rank 1's own pages, not rank 0's
+            restarted.clear()  # SGLang's clear: the bucket's pages of this rank go too
+            assert restarted.batch_exists(ks) == 0
+            mine = restarted.cache.config.l4_pool.prefix
+            listed = [o["Key"] for o in srv.client().list_objects_v2(Bucket="hicache").get("Contents", [])]
+            assert [k for k in listed if k.startswith(mine)] == [mine + "datamover-l4-index"]
+            assert any(not k.startswith(mine) for k in listed)  # rank 0's pages are kept
         finally:
             restarted.close()

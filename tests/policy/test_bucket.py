@@ -612,3 +612,23 @@ def test_a_store_silent_at_start_costs_one_bounded_wait_and_a_cold_l4(s3, tmp_pa
         assert objects(s3) == sorted([*chunk_objects(held, 1), INDEX_OBJECT])
     finally:
         close(cache)
+
+
+def test_clear_forgets_every_chunk_in_every_tier_and_deletes_the_bucket_objects(s3, tmp_path):
+    keys = chunk_keys(range(8), "m", "t")
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)
+    try:
+        cache.put(keys, chunks(keys))
+        cache.pin(keys[:1])
+        assert cache.engine.resident[cache.names.index("l4_pool")]
+        assert cache.clear() == 8
+        assert cache.lookup(keys) == (0, [])
+        assert objects(s3) == [INDEX_OBJECT]  # every replica of every chunk
+        assert cache.put(keys[:2], chunks(keys[:2])) == 2 and check_get(cache, keys[:2]) == 2  # usable again
+    finally:
+        close(cache)
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)
+    try:  # the restart finds only what came after the clear
+        assert set(cache.engine.resident[cache.names.index("l4_pool")]) <= set(keys[:2])
+    finally:
+        close(cache)

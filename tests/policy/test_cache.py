@@ -576,3 +576,18 @@ def test_a_closed_cache_refuses_every_call_but_stats_and_close(tmp_path):
             call()
             pytest.fail(f"{name} on a closed cache")
     assert cache.stats()["resident"]["l1_hbm"] == 2
+
+
+def test_clear_forgets_every_chunk_and_the_l3_index_says_so(tmp_path):
+    keys = chunk_keys(range(12), "m", "t")
+    with TieredCache(tiers(tmp_path)) as cache:
+        cache.put(keys, chunks(keys))
+        j3 = cache.names.index("l3_nvme")
+        held = set().union(*cache.engine.resident)
+        assert cache.engine.resident[j3]  # L3 holds chunks a restart would find again
+        assert cache.clear() == len(held)
+        assert cache.lookup(keys) == (0, []) and not any(cache.engine.resident)
+        check_consistent(cache)
+        assert cache.put(keys[:3], chunks(keys[:3])) == 3 and check_get(cache, keys[:3]) == 3
+    with TieredCache(tiers(tmp_path)) as cache:  # a restart finds only what came after the clear
+        assert set(cache.engine.resident[cache.names.index("l3_nvme")]) <= set(keys[:3])
