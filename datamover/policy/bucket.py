@@ -92,8 +92,7 @@ class PrivateBucket:
 
     def names(self, key: ChunkKey, replicas: Iterable[int]) -> list[str]:
         """The object names of `key`'s replicas (full keys in the bucket)."""
-        digest = key.digest()
-        return [f"{self.prefix}{digest}.{r}" for r in replicas]
+        return [chunk_object(self.prefix, key, r) for r in replicas]
 
     def delete(self, keys: Iterable[ChunkKey], replicas: range | None = None, keep: Container[ChunkKey] = ()) -> int:
         """Delete the objects of `keys` (every replica, or those of `replicas`) and of the chunks still waiting,
@@ -114,6 +113,7 @@ class PrivateBucket:
         waiting, self._pending = self._pending, {}
         todo = [(k, r) for k, r in waiting.items() if k not in keep]
         names = [name for key, reps in todo for name in self.names(key, reps)]
+        owner = [i for i, (_, reps) in enumerate(todo) for _ in reps]  # names[n] is an object of todo[owner[n]]
         refused = 0
         for lo in range(0, len(names), _DELETE_BATCH):
             batch = names[lo : lo + _DELETE_BATCH]
@@ -121,13 +121,13 @@ class PrivateBucket:
                 refused += self._delete_call(batch)
             except Exception as exc:  # unreachable, or no answer in time: this batch and the rest wait
                 self._retry_at = self.clock() + RETRY_S
-                left = set(names[lo:])
-                self._pending.update((k, r) for k, r in todo if any(n in left for n in self.names(k, r)))
+                self._pending.update(todo[i] for i in sorted(set(owner[lo:])))
                 log.warning(
                     "l4_pool: deleting %d evicted object(s) of s3://%s failed (%s); tried again in %.0f s",
-                    len(left), self.bucket, exc, RETRY_S,
+                    len(names) - lo, self.bucket, exc, RETRY_S,
                 )  # fmt: skip
-                return len(left) + refused
+                self.delete_failures += refused
+                return len(names) - lo + refused
         self.delete_failures += refused
         return refused
 
@@ -189,7 +189,7 @@ class PrivateBucket:
             resp = self.client.put_object(Bucket=self.bucket, Key=self.index_object, Body=body, **cond)
         except Exception as exc:
             code, status = _error(exc)
-            if "IfMatch" in cond and (status == 404 or code in ("NoSuchKey", "NotFound")):
+            if "IfMatch" in cond and _not_found(exc):
                 self._etag = None  # the index was deleted (a lifecycle rule, a person): write it anew
                 return self._put_index(body)
             if cond and (status in (409, 412) or code in ("PreconditionFailed", "ConditionalRequestConflict")):
@@ -386,6 +386,11 @@ def parse_index(data: bytes) -> Index:
     return Index([key_from_fields(f) for f in fields], chunk_bytes, replicas, clean, owner)
 
 
+def chunk_object(prefix: str, key: ChunkKey, replica: int) -> str:
+    """The object holding replica `replica` of chunk `key` under `prefix` (what `_CHUNK_NAME` reads back)."""
+    return f"{prefix}{key.digest()}.{replica}"
+
+
 _UNKNOWN = "?"  # the index's ETag when the store did not answer: the next write is unconditional
 
 
@@ -401,5 +406,5 @@ def _error(exc: BaseException) -> tuple[str, int | None]:
 
 
 def _not_found(exc: BaseException) -> bool:
-    response = getattr(exc, "response", None) or {}
-    return str(response.get("Error", {}).get("Code")) in ("404", "NoSuchKey", "NotFound")
+    code, status = _error(exc)
+    return status == 404 or code in ("404", "NoSuchKey", "NotFound")

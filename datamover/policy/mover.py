@@ -19,6 +19,7 @@ from ..descriptors import DescList, MemType
 from ..errors import ChecksumMismatch, DatamoverError, UnsupportedTransfer
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
+from .bucket import chunk_object
 from .config import TierConfig
 from .keys import ChunkKey
 from .l3_index import L3Index
@@ -71,7 +72,7 @@ class Mover:
     def _objects(self, keys: Sequence[ChunkKey], replica: int) -> Prepared:
         reg = self.tiers[self.names.index("l4_pool")].owner
         prefix = self.config.l4_pool.prefix
-        names = [f"kv/{k.digest()}" if self.shared else f"{prefix}{k.digest()}.{replica}" for k in keys]
+        names = [f"kv/{k.digest()}" if self.shared else chunk_object(prefix, k, replica) for k in keys]
         return self.agent.prepare(DescList.objects(reg, np.full(len(names), self.page), keys=names))
 
     def _transfer(self, src: int, si: np.ndarray, dst: int, di: np.ndarray, user: Prepared | None) -> str:
