@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .backends import backend_names, backend_status, get_backend_class
+from .errors import ConfigError, DatamoverError, InvalidParameter, UnknownBackend
 
 
 def backend_report() -> list[dict]:
@@ -73,8 +74,20 @@ def _delegate(sub, name: str, module: str, help_text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; bad input (a parameter, a config, a file that cannot be opened) is one line and exit
+    code 2, not a traceback (a failure past the input keeps its traceback)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    if args.command == "nixl-run":  # the program's own errors keep their tracebacks
+        return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (InvalidParameter, ConfigError, UnknownBackend) as exc:
+        print(f"datamover {args.command}: {exc}", file=sys.stderr)
+    except OSError as exc:
+        if exc.filename is None or isinstance(exc, DatamoverError):
+            raise
+        print(f"datamover {args.command}: {exc.strerror}: {exc.filename}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

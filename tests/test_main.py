@@ -50,3 +50,11 @@ def test_service_helpers_import_without_pytest():
         "    raise SystemExit('the conformance kit imported without pytest')\n"
     )
     assert run.returncode == 0, run.stderr
+
+
+def test_a_trace_that_cannot_be_opened_is_one_line_and_exit_2(tmp_path, capsys):
+    from datamover.cli import main
+
+    missing = tmp_path / "nope.jsonl"
+    assert main(["replay", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"datamover replay: No such file or directory: {missing}"

@@ -155,7 +155,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.pin_hosts and not args.ucx_peer_host:
         print("datamover bench --pin-hosts: only with --ucx-peer-host (it pins the two test hosts)", file=sys.stderr)
         return 2
-    max_bytes = parse_size(args.max_bytes)
+    max_bytes = parse_size(args.max_bytes, "--max-bytes")
     points = labels = None
     model_lines: list[str] = []
     if args.model:
@@ -168,8 +168,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not backends:
         print("no usable backend to benchmark:\n  " + "\n  ".join(skipped), file=sys.stderr)
         return 1
-    blocks = [parse_size(s) for s in args.block_sizes.split(",")]
-    batches = [int(s) for s in args.batch_sizes.split(",")]
+    blocks = [parse_size(s, "--block-sizes") for s in args.block_sizes.split(",")]
+    try:
+        batches = [int(s) for s in args.batch_sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"datamover bench: --batch-sizes wants whole numbers, got {args.batch_sizes!r}") from None
+    if min(blocks) < 1 or min(batches) < 1:
+        raise SystemExit("datamover bench: block and batch sizes must be at least 1")
     ops = [o.strip().upper() for o in args.op.split(",")] if args.op else None
     options: dict = {"posix": {"dir": args.dir}} if args.dir else {}
     for backend, key, value in (parse_param(text) for text in args.param):

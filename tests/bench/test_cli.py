@@ -79,3 +79,22 @@ def test_param_reaches_our_backend(tmp_path, monkeypatch) -> None:
 def test_pin_hosts_without_peer_hosts_is_an_error(capsys) -> None:
     assert main(["bench", "--backend", "memcpy", "--pin-hosts", *TINY]) == 2
     assert "--pin-hosts: only with --ucx-peer-host" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--block-sizes", "0"], "block and batch sizes must be at least 1"),
+        (["--batch-sizes", "0"], "block and batch sizes must be at least 1"),
+        (["--batch-sizes", "8,x"], "--batch-sizes wants whole numbers, got '8,x'"),
+        (["--block-sizes", "4K,lots"], "--block-sizes must be a byte count like 4096 or '16G', got 'lots'"),
+        (["--max-bytes", "lots"], "--max-bytes must be a byte count like 4096 or '16G', got 'lots'"),
+    ],
+)
+def test_bad_sizes_are_one_line_not_a_traceback(argv, said, capsys) -> None:
+    try:
+        rc = main(["bench", "--backend", "memcpy", *argv])
+        err = capsys.readouterr().err.strip()
+    except SystemExit as exc:
+        rc, err = 1, str(exc.code)
+    assert rc != 0 and err == "datamover bench: " + said
