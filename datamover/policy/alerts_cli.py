@@ -38,7 +38,7 @@ def cmd_alerts(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m datamover.policy.alerts_cli [--config FILE] [-o OUT]`."""
     parser = argparse.ArgumentParser(
-        prog="datamover alerts", description="write Prometheus alerting rules from a tier config's burn_rate_alerts"
+        prog="datamover", description="write Prometheus alerting rules from a tier config's burn_rate_alerts"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     add_alerts_parser(sub)
