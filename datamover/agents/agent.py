@@ -285,12 +285,17 @@ class Agent:
 
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
-        """Stop backends and drop registrations; the agent is unusable afterwards."""
+        """Cut transfers in flight short (each ERR, TransferAborted), stop backends and drop registrations; the
+        agent is unusable afterwards."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            self._registry.close()  # posts from now on are refused
             self._peers.close()
+        # outside the lock: a post in flight may need it to finish
+        self._registry.abort_all(f"agent {self.name!r} closed")
+        with self._lock:
             self._registry.deregister_all()
             self._backends.close()
 

@@ -56,8 +56,10 @@ class AgentConfig:
                     self.backends[name] = {}
                 elif not isinstance(params, Mapping):
                     raise InvalidParameter(f"config 'backends.{name}' must be a dict of parameters")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise InvalidParameter(f"config 'timeout_s' must be a positive number, got {self.timeout_s!r}")
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 365 * 86400):
+            raise InvalidParameter(
+                f"config 'timeout_s' must be a number of seconds in (0, a year], got {self.timeout_s!r}"
+            )
         if isinstance(self.secret, str):
             self.secret = self.secret.encode()
         if self.listen_port is not None and not (0 <= int(self.listen_port) < 65536):

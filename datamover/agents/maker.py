@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from typing import Any
@@ -11,12 +12,15 @@ import numpy as np
 from ..backends.base import BackendHost, Op, TransferRequest
 from ..descriptors import DescList, RegionTable
 from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
-from ..errors import InvalidDescriptor, LengthMismatch, OverlappingDestination
+from ..errors import InvalidDescriptor, InvalidParameter, LengthMismatch, OverlappingDestination
 from .backend_set import BackendSet
 from .config import AgentConfig
 from .peers import Peers
 from .registry import Registry
 from .transfer import Transfer
+
+#: the longest transfer timeout taken (a year): past it, waits on a lock overflow the platform's timeout
+MAX_TIMEOUT_S = 365 * 86400.0
 
 
 class Prepared:
@@ -137,6 +141,19 @@ class TransferMaker:
             starts, lengths = coalesce_runs(ldescs, rdescs, lreg, rreg)  # type: ignore[arg-type]
             local_regions, remote_regions = lreg[starts], rreg[starts]  # type: ignore[index]
         merged = starts.shape[0] < n
+        try:
+            seconds = float(self._config.timeout_s if timeout is None else timeout)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not 0.0 < seconds <= MAX_TIMEOUT_S:
+            raise InvalidParameter(
+                f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}", backend=backend.name
+            )
+        own = (local_regions, remote_regions) if remote_agent is None else (local_regions,)
+        if one_region:
+            own_ids = tuple(dict.fromkeys(int(r[0]) for r in own if r.shape[0]))
+        else:
+            own_ids = tuple(int(r) for r in np.unique(np.concatenate(own)))
         req = TransferRequest(
             op=op,
             local=take_runs(ldescs, starts, lengths),
@@ -150,11 +167,12 @@ class TransferMaker:
             caller_local=ldescs if merged else None,
             caller_remote=rdescs if merged else None,
             notify=bytes(notify),
-            timeout=float(self._config.timeout_s if timeout is None else timeout),
+            timeout=seconds,
             one_region=one_region,
+            own_regions=own_ids,
         )
         req.plan = backend.plan(req)
-        return Transfer(self._host, backend, req, descriptors=n)
+        return Transfer(self._host, backend, req, descriptors=n, tracker=self._registry)
 
     def transfer(
         self,

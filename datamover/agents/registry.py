@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import DescList, MemType, RegionTable, Registration, buffer_info
-from ..errors import InvalidDescriptor, NotRegistered
+from ..errors import InvalidDescriptor, NotRegistered, TransferStateError
 from .backend_set import BackendSet
 
 
@@ -34,6 +35,11 @@ class Registry:
         self.regions: Mapping[int, Registration] = MappingProxyType(self._regs)
         #: the lookup table over ``regions``; a new object after each (de)registration
         self.table = RegionTable()
+        #: set when the agent closes: transfers posted from then on are refused
+        self.closed = False
+        #: bumped when a region goes or the agent closes: a post checks its regions only when it moved
+        self.generation = 0
+        self._transfers: set[weakref.ref] = set()  # every live Transfer made on these regions
 
     # -- registering ---------------------------------------------------------
     def register(self, x: Any) -> Registration | list[Registration]:
@@ -114,7 +120,8 @@ class Registry:
         return reg
 
     def deregister(self, reg: Registration | Iterable[Registration]) -> None:
-        """Undo a registration (or several) in every backend that holds it."""
+        """Undo a registration (or several) in every backend that holds it, once no transfer in flight uses it:
+        a post from now on is refused, and one in flight is waited for (to its deadline, where it times out)."""
         if not isinstance(reg, Registration):
             for r in reg:
                 self.deregister(r)
@@ -122,19 +129,69 @@ class Registry:
         with self._lock:
             if self._regs.get(reg.id) is not reg:
                 raise NotRegistered(f"region {reg.id} is not registered with {self._owner}")
+            del self._regs[reg.id]
+            self.generation += 1
+            self._changed()  # no longer found by lookups or offered to peers
+        try:
+            for t in self._live():  # outside the lock: a transfer may need it to finish
+                if reg.id in t.request.own_regions:
+                    t.settle()
+        except BaseException:
+            with self._lock:
+                self._regs[reg.id] = reg
+                self._changed()
+            raise
+        with self._lock:
             for name, handle in list(reg.handles.items()):
                 inst = self._backends.running.get(name)
                 if inst is not None:
                     inst.deregister(reg, handle)
             reg.handles.clear()
-            del self._regs[reg.id]
-            self._changed()
 
     def deregister_all(self) -> None:
         """Undo every registration (closing the agent)."""
         with self._lock:
             for reg in list(self._regs.values()):
                 self.deregister(reg)
+
+    # -- transfers on these regions ---------------------------------------------
+    def track(self, transfer: Any) -> None:
+        """Remember a transfer made on these regions, for as long as it lives (TransferTracker)."""
+        refs = self._transfers
+        refs.add(weakref.ref(transfer, refs.discard))
+
+    def close(self) -> None:
+        """Refuse every post from now on (the agent is closing)."""
+        self.closed = True
+        self.generation += 1
+
+    def check_live(self, regions: tuple[int, ...], backend: str) -> None:
+        """Refuse a post whose regions were deregistered since its transfer was made, or once the agent closed
+        (TransferTracker; a post's bytes would go to memory or a file no longer the caller's)."""
+        if self.closed:
+            raise TransferStateError(f"{self._owner} is closed", backend=backend)
+        regs = self._regs
+        for rid in regions:
+            if rid not in regs:
+                raise NotRegistered(
+                    f"region {rid} was deregistered from {self._owner} after this transfer was made", backend=backend
+                )
+
+    def abort_all(self, reason: str) -> None:
+        """Cut every transfer in flight on these regions short and wait for each to stop (closing the agent)."""
+        for t in self._live():
+            if t.in_flight:
+                t.abort(reason)
+
+    def _live(self) -> list[Any]:
+        """The transfers still alive (a snapshot: a collection may drop some from the set meanwhile)."""
+        while True:
+            try:
+                refs = list(self._transfers)
+                break
+            except RuntimeError:  # the set changed size during the copy: copy again
+                continue
+        return [t for t in (r() for r in refs) if t is not None]
 
     def _changed(self) -> None:
         self.table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from enum import Enum
+from typing import Protocol
 
 from ..backends.base import Backend, BackendHost, Completion, Op, TransferRequest, clock
-from ..errors import TransferStateError, TransferTimeout
+from ..errors import TransferAborted, TransferStateError, TransferTimeout
 from ..telemetry.transfer import TransferTelemetry
 
 _now = clock
@@ -21,6 +23,17 @@ POLL_ASSIST_AFTER_S = 200e-6
 
 #: how long ``release`` waits past a post's deadline for its backend's workers to stop
 RELEASE_GRACE_S = 10.0
+
+
+class TransferTracker(Protocol):
+    """Who knows which regions are still registered (the agent's ``Registry``): told of every transfer made,
+    asked before each post."""
+
+    generation: int  # moves whenever a region goes (or the agent closes)
+
+    def track(self, transfer: Transfer) -> None: ...
+
+    def check_live(self, regions: tuple[int, ...], backend: str) -> None: ...
 
 
 class XferState(str, Enum):
@@ -46,26 +59,40 @@ class Transfer:
 
     __slots__ = (
         "__weakref__",
+        "_checked",
         "_completion",
         "_error",
         "_host",
+        "_lock",
         "_post_duration",
         "_posted_at",
         "_posted_wall",
         "_released",
         "_replan",
+        "_tracker",
         "backend",
         "descriptors",
         "nbytes",
         "request",
     )  # fmt: skip
 
-    def __init__(self, host: BackendHost, backend: Backend, request: TransferRequest, descriptors: int) -> None:
+    def __init__(
+        self,
+        host: BackendHost,
+        backend: Backend,
+        request: TransferRequest,
+        descriptors: int,
+        tracker: TransferTracker | None = None,
+        nbytes: int | None = None,
+    ) -> None:
         self._host = host
+        self._lock = threading.Lock()  # held by post and release: one of them at a time
+        self._tracker = tracker
+        self._checked = -1  # the tracker's generation at which this transfer's regions were last found live
         self.backend = backend
         self.request = request
         self.descriptors = descriptors
-        self.nbytes = request.local.nbytes
+        self.nbytes = request.local.nbytes if nbytes is None else nbytes
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self._released = False
@@ -73,6 +100,8 @@ class Transfer:
         self._posted_wall = 0.0
         self._post_duration = 0.0
         self._replan = False
+        if tracker is not None:
+            tracker.track(self)
 
     @property
     def op(self) -> Op:
@@ -84,6 +113,16 @@ class Transfer:
         A request small enough for its backend (``inline_bytes``) runs right
         here and comes back DONE or ERR, without a thread hop.
         """
+        if not self._lock.acquire(blocking=False):
+            raise TransferStateError(
+                "transfer is being posted or released by another thread", backend=self.backend.name
+            )
+        try:
+            return self._post()
+        finally:
+            self._lock.release()
+
+    def _post(self) -> Transfer:
         if self._released:
             raise TransferStateError("transfer was released", backend=self.backend.name)
         c = self._completion
@@ -91,6 +130,11 @@ class Transfer:
             raise TransferStateError(
                 "transfer is still in flight; wait for it before posting again", backend=self.backend.name
             )
+        tracker = self._tracker
+        if tracker is not None and tracker.generation != self._checked:
+            tracker.check_live(self.request.own_regions, self.backend.name)
+            self._checked = tracker.generation
+        self._completion = None  # a post that fails below leaves no earlier outcome behind
         self._error = None
         self._posted_wall = time.time()
         req = self.request
@@ -116,7 +160,9 @@ class Transfer:
         if self._released or (c is not None and c.finished_at is None):
             return None
         self._replan = True
-        return Transfer(self._host, self.backend, self.request.copy(), self.descriptors)
+        forked = Transfer(self._host, self.backend, self.request.copy(), self.descriptors, self._tracker, self.nbytes)
+        forked._checked = self._checked
+        return forked
 
     def _notify_self(self, completion: Completion) -> None:
         if completion.error is None:
@@ -216,19 +262,49 @@ class Transfer:
         it was DONE or never posted), as ``error`` goes on returning it: its ``outcomes`` (``self.outcomes``)
         say which objects a cut-short WRITE committed and which it aborted.
         """
-        if not self._released:
-            c = self._completion
-            if c is not None and c.finished_at is None:
-                c.cancel()
-                c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
-                if c.finished_at is None:
-                    log.warning(
-                        "%s released before its %s backend stopped; its outcome is not settled yet",
-                        self,
-                        self.backend.name,
-                    )
-            self._released = True
+        with self._lock:
+            if not self._released:
+                self._stop(None)
+                self._released = True
         return self.error
+
+    def abort(self, reason: str = "transfer aborted") -> None:
+        """Cut an in-flight post short (ERR with ``TransferAborted(reason)``), waiting as ``release`` does, but
+        keep the transfer: it may be posted again. Nothing happens to a transfer not in flight."""
+        with self._lock:
+            if not self._released:
+                self._stop(TransferAborted(reason, backend=self.backend.name))
+
+    def _stop(self, error: BaseException | None) -> None:
+        """Cancel the post in flight, if any, and wait for its backend's workers to stop (to the deadline and
+        up to ``RELEASE_GRACE_S`` past it)."""
+        c = self._completion
+        if c is not None and c.finished_at is None:
+            c.cancel(error)
+            c.wait(max(0.0, self.request.deadline - _now()) + min(RELEASE_GRACE_S, self.request.timeout))
+            if c.finished_at is None:
+                log.warning(
+                    "%s stopped before its %s backend did; its outcome is not settled yet", self, self.backend.name
+                )
+
+    def settle(self) -> None:
+        """Wait for a post in flight (or being posted) to end: DONE or ERR, timed out at its deadline (its
+        backend told to stop and, where it fences, waited for), so its memory is no longer touched."""
+        with self._lock:
+            c = self._completion
+            if self._released or c is None or c.finished_at is not None:
+                return
+            c.wait(max(0.0, self.request.deadline - _now()))
+            if c.finished_at is None and self._error is None:
+                self._time_out(c)
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a post runs or is in PROC: its memory (and files) may still be touched."""
+        if self._lock.locked():
+            return True
+        c = self._completion
+        return c is not None and c.finished_at is None and self._error is None and not self._released
 
     @property
     def telemetry(self) -> TransferTelemetry:

@@ -232,6 +232,8 @@ class TransferRequest:
     #: True when the Agent found each side inside one registered region on one device, so each of
     #: ``local_regions`` and ``remote_regions`` holds one id throughout (False: not known, check)
     one_region: bool = False
+    #: the ids of this agent's own regions the request touches (each post checks they are still registered)
+    own_regions: tuple[int, ...] = ()
 
     @property
     def src(self) -> DescList:

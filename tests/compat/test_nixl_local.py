@@ -391,6 +391,18 @@ def test_prepped_xfer_with_index_lists_and_arrays(agent, bufs, index_kind):
         agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
 
 
+@pytest.mark.parametrize("indices", [[0.9, 2.7], np.array([1.5, 3.99]), ["1", "2"], [[0, 1]]], ids=repr)
+def test_prepped_xfer_refuses_indices_that_are_not_integers(agent, bufs, indices):
+    """NIXL's bindings take ints only: numpy would truncate floats and parse strings into other blocks."""
+    src, dst = bufs
+    agent.register_memory(np.array([(addr(src), src.nbytes, 0), (addr(dst), dst.nbytes, 0)]), "DRAM")
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr(src, i * BUF), BUF, 0) for i in range(4)], "DRAM")
+    remote = agent.prep_xfer_dlist(agent.name, [(addr(dst, i * BUF), BUF, 0) for i in range(4)], "DRAM")
+    with pytest.raises(nx.nixlInvalidParamError, match="must be a list or 1-D array of integers"):
+        agent.make_prepped_xfer("WRITE", local, indices, remote, [0, 1])
+    assert not dst.any()
+
+
 def test_prepped_xfer_from_strided_array(agent, bufs):
     src, dst = bufs
     agent.register_memory([(addr(src), src.nbytes, 0, ""), (addr(dst), dst.nbytes, 0, "")], "DRAM")

@@ -510,13 +510,14 @@ class PosixBackend(Backend):
                     if got < off - lo + piece:
                         raise TransferIOError(
                             f"read past the end of {h.path!r}: wanted [{off}, {off + piece}), file ends at {lo + got}",
-                            errno=errno_mod.EIO, index=req.caller_index(row), backend=self.name,
+                            errno=errno_mod.EIO, index=req.caller_index(row, done + max(0, lo + got - off)),
+                            backend=self.name,
                         )  # fmt: skip
                     user[done : done + piece] = span[off - lo : off - lo + piece]
             except OSError as exc:
                 if isinstance(exc, TransferIOError):
                     raise
-                raise self._error(req, row, h, exc, write) from exc
+                raise self._error(req, row, h, exc, write, moved=done) from exc
             done += piece
 
     @staticmethod
@@ -539,12 +540,13 @@ class PosixBackend(Backend):
     def _error(
         self, req, row: int, h: FileHandle, exc: OSError, write: bool, moved: int = 0, views: list | None = None
     ) -> TransferIOError:
-        """``moved`` bytes of ``views`` (rows from ``row`` on, one call) went before ``exc``: that names the row."""
+        """``moved`` bytes of ``views`` (rows from ``row`` on, one call) went before ``exc``: that names the row
+        (without ``views``, byte ``moved`` of row ``row``)."""
         what = "pwritev" if write else "preadv"
         return TransferIOError(
             f"{what} on {h.path!r} failed: {exc.strerror or exc}",
             errno=exc.errno,
-            index=req.caller_index(row) if views is None else _index_at(req, row, views, moved),
+            index=req.caller_index(row, moved) if views is None else _index_at(req, row, views, moved),
             backend=self.name,
         )
 

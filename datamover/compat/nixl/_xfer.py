@@ -158,7 +158,7 @@ class XferMixin:
         lpl, rpl = self._prepped(local_handle), self._prepped(remote_handle)
         if lpl.peer is not None:
             raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
-        li, ri = np.asarray(local_indices, dtype=np.int64), np.asarray(remote_indices, dtype=np.int64)
+        li, ri = _indices(local_indices, "local_indices"), _indices(remote_indices, "remote_indices")
         lp, li = self._side(lpl, li)
         rp, ri = self._side(rpl, ri)
 
@@ -336,3 +336,12 @@ class XferMixin:
 
     def releaseMemView(self, handle: int) -> None:
         raise nixlNotSupportedError("memory views need UCX's GPU device API, which datamover does not have")
+
+
+def _indices(idx: Any, what: str) -> np.ndarray:
+    """Index lists as int64: NIXL's bindings take a list of ints or a 1-D integer array, never floats or strings
+    (which numpy would truncate or parse into other blocks)."""
+    arr = np.asarray(idx)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        raise nixlInvalidParamError(f"{what} must be a list or 1-D array of integers, got {arr.dtype} {arr.shape}")
+    return arr.astype(np.int64, copy=False)

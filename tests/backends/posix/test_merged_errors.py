@@ -35,6 +35,17 @@ def test_read_past_the_end_names_the_descriptor_that_runs_past_it(setup):
     assert info.value.index == 2, str(info.value)
 
 
+def test_unaligned_rows_read_past_the_end_name_the_descriptor_that_runs_past_it(setup):
+    """Rows of 1000 bytes go through the O_DIRECT bounce buffer (or plain reads): the same naming."""
+    agent, mem, reg, path = setup
+    n = 1000
+    os.truncate(path, 2 * n + 100)
+    blocks, slots = DescList.blocks(mem[: 4 * n], n), DescList.file(reg, np.arange(4) * n, n)
+    with pytest.raises(TransferIOError, match="past the end") as info:
+        agent.transfer("READ", blocks, slots).wait()
+    assert info.value.index == 2, str(info.value)
+
+
 def test_a_full_disk_names_the_descriptor_being_written(tmp_path, monkeypatch):
     with Agent("p", {"backends": {"posix": {"aio": False}}}) as agent:
         mem = aligned_empty(4 * B)
