@@ -271,20 +271,22 @@ class TieredCache:
                 fresh = dict(zip(keys, chunk_crcs(src, len(keys), self.page), strict=True)) if self._check_crc else {}
                 eng.user_index = {k: i for i, k in enumerate(keys)}
                 first, parent = self._requests.continued(keys, now)
-                stored = 0
+                placed = []
                 for i, key, j in self._requests.observed(keys, parent, now, first):
                     if j >= 0:
                         eng.orders[j].touch(key, now, first + i)
-                    else:
-                        stored += eng.place(0, key, now, first + i, PREFILL)
+                    elif eng.place(0, key, now, first + i, PREFILL):
+                        placed.append(key)
                 if self.pool is not None and self.config.l4_pool.publish_on_put:
                     j4 = self.names.index("l4_pool")
                     for i, key in enumerate(keys):  # other instances find it in the pool at once, not when demoted
                         if key not in eng.resident[j4]:
                             eng.place(j4, key, now, first + i, PREFILL)
-                # after planning: placing one chunk may have dropped another of these keys (and its old CRC)
-                self.crc.update((k, c) for k, c in fresh.items() if eng.where(k) >= 0)
+                # after planning: placing one chunk may have dropped another of these keys (and its old CRC); a
+                # chunk already cached keeps its bytes, and so its CRC (a recompute need not be bit-identical)
+                self.crc.update((k, fresh[k]) for k in placed if k in fresh and eng.where(k) >= 0)
                 self._execute(eng.take_plan(), user)
+                stored = sum(1 for k in placed if k not in self._invalid and eng.where(k) >= 0)
             finally:
                 eng.user_index = {}
                 self._invalid.clear()
@@ -295,11 +297,17 @@ class TieredCache:
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Future:
         """Start promoting the cached prefix of `keys` to L1 in the background; the future gives how many moved."""
-        self._check_open()
-        return self._prefetcher.submit(self._promote, list(keys))
+        with self._lock:
+            self._check_open()
+            try:
+                return self._prefetcher.submit(self._promote, list(keys))
+            except RuntimeError:  # close() has shut the prefetcher down and is about to mark the cache closed
+                raise TransferStateError("TieredCache is closing") from None
 
     def _promote(self, keys: list[ChunkKey]) -> int:
         with self._lock:
+            if self._closed:
+                return 0
             n, tiers = self.lookup(keys)
             now = self.clock()
             if self.pool is not None:  # chunks other instances put: into this instance's L4 index first
@@ -338,10 +346,10 @@ class TieredCache:
         """Move every chunk held only by `tier` to the tiers below, close `tier` to new chunks and empty it
         (before shutting an instance down). Returns how many chunks were moved; chunks that fit nowhere below
         are dropped and logged."""
-        self._check_open()
         if tier == "l4_pool" and self.pool is not None:
             return self._drain_pool()
         with self._lock:
+            self._check_open()
             eng = self.engine
             j = self.names.index(tier)
             below = range(j + 1, len(self.names))
@@ -372,6 +380,7 @@ class TieredCache:
         meanwhile (the copies run without the cache's lock). Returns how many chunks were copied."""
         assert self.pool is not None
         with self._lock:
+            self._check_open()
             eng = self.engine
             j4 = self.names.index("l4_pool")
             now = self.clock()
@@ -468,10 +477,21 @@ class TieredCache:
 
 
 def _check_keys(keys: Sequence[ChunkKey]) -> None:
-    """Refuse keys the L3 and L4 indexes cannot record (a prefix hash that does not fit 64 bits), before a byte
-    moves; a hash of more bits (a whole SHA-256, say) must be folded to 64 first."""
+    """Refuse keys the L3 and L4 indexes cannot record, before a byte moves: fields of other types (a numpy
+    integer compares equal to an int but is not stored as one) and a prefix hash wider than 64 bits (a whole
+    SHA-256, say, must be folded to 64 first)."""
     for i, key in enumerate(keys):
-        if not -(1 << 63) <= key.prefix_hash < 1 << 64:
+        if type(key) is not ChunkKey:
+            raise InvalidParameter(f"keys[{i}] {key!r:.80} is not a ChunkKey")
+        prefix, model, tokenizer, layer = key
+        if type(prefix) is not int or type(model) is not str or type(tokenizer) is not str:
+            raise InvalidParameter(
+                f"keys[{i}] {key!r:.120}: prefix_hash must be an int and the versions str, got "
+                f"{type(prefix).__name__}, {type(model).__name__}, {type(tokenizer).__name__} (convert with int())"
+            )
+        if layer is not None and type(layer) is not int:
+            raise InvalidParameter(f"keys[{i}] {key!r:.120}: layer must be an int or None, got {type(layer).__name__}")
+        if not -(1 << 63) <= prefix < 1 << 64:
             raise InvalidParameter(f"keys[{i}] {key}: prefix_hash does not fit 64 bits (fold it, e.g. modulo 2**64)")
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..agents import Agent, Prepared
 from ..descriptors import DescList, MemType
-from ..errors import ChecksumMismatch, DatamoverError, UnsupportedTransfer
+from ..errors import ChecksumMismatch, DatamoverError, ObjectStoreError, TransferTimeout, UnsupportedTransfer
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
 from .bucket import chunk_object
@@ -115,6 +115,9 @@ class Mover:
                 x.post().wait()
             return np.ones(len(keys), dtype=bool), corrupt
         except DatamoverError as exc:
+            if _unreachable(exc):
+                log.warning("l4_pool: a batch of %d chunks failed (%s): served as misses", len(keys), exc)
+                return ok, corrupt
             log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
         for i, key in enumerate(keys):
             for r in range(1 if self.shared else self.config.l4_pool.replica_count):
@@ -127,6 +130,8 @@ class Mover:
                 except DatamoverError as exc:
                     corrupt[i] |= isinstance(exc, ChecksumMismatch)
                     log.warning("l4_pool: replica %d of %s unreadable: %s", r, key, exc)
+                    if _unreachable(exc):  # each further try would wait out its own deadline: the rest are misses
+                        return ok, corrupt & ~ok
         return ok, corrupt & ~ok
 
     def _account(self, src: int, dst: int, batch: list[Move], seconds: float, backend: str) -> None:
@@ -240,3 +245,11 @@ class Mover:
                     for m in live:
                         if m.key not in self.invalid:
                             index.stored(m.dst_slot, self.crc.get(m.key, 0), m.key)
+
+
+def _unreachable(exc: DatamoverError) -> bool:
+    """Whether ``exc`` says the store did not answer in time (a timeout, no HTTP answer, a dropped connection),
+    rather than that this one object is missing or damaged: no other object or replica would answer sooner."""
+    if isinstance(exc, (TransferTimeout, ConnectionError)):
+        return True
+    return isinstance(exc, ObjectStoreError) and exc.status is None and exc.backend == "s3"

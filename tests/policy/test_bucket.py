@@ -632,3 +632,32 @@ def test_clear_forgets_every_chunk_in_every_tier_and_deletes_the_bucket_objects(
         assert set(cache.engine.resident[cache.names.index("l4_pool")]) <= set(keys[:2])
     finally:
         close(cache)
+
+
+def test_a_store_that_hangs_during_a_get_costs_one_wait_not_one_per_chunk_and_replica(s3, tmp_path, monkeypatch):
+    """The batch read of L4 chunks times out: the store is not asked again for each chunk and replica (each ask
+    would wait out a deadline of its own while the cache's lock is held); those chunks are misses."""
+    from datamover.policy.mover import Mover
+
+    params = {**s3.config(), "read_timeout": 0.5, "max_attempts": 1}
+    agent = Agent("kv-hang", {"timeout_s": 1.0, "backends": {"memcpy": {}, "posix": {}, "s3": params}})
+    l4 = {"enabled": True, "bucket": BUCKET, "capacity_gb": 4 * PAGE / GB, "replica_count": 2, "prefix": "kv/"}
+    keys = chunk_keys(range(4), "m", "t")
+    asked = []
+    real = Mover._objects
+    monkeypatch.setattr(Mover, "_objects", lambda self, k, r: asked.append(len(k)) or real(self, k, r))
+    try:
+        with TieredCache(tiers(tmp_path, l1=2, l2=0, l3=None, l4_pool=l4), agent=agent) as cache:
+            cache.put(keys, chunks(keys))
+            j4 = cache.names.index("l4_pool")
+            in_l4 = [i for i, k in enumerate(keys) if cache.engine.where(k) == j4]
+            assert in_l4 == [2, 3]  # the request's last two went down to L4
+            s3.pause()
+            try:
+                asked.clear()
+                assert check_get(cache, keys) == 2  # the two in L1; the two in L4 are misses
+                assert asked == [2]  # the one batch read, no chunk by chunk and replica by replica
+            finally:
+                s3.resume()
+    finally:
+        agent.close()

@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.backends import backend_status
-from datamover.errors import BackendUnavailable, TransferStateError
+from datamover.errors import BackendUnavailable, InvalidParameter, TransferIOError, TransferStateError
 from datamover.policy.cache import DATA_FILE, TieredCache
 from datamover.policy.config import ConfigError, TierConfig, with_overrides
 from datamover.policy.keys import ChunkKey, chunk_keys
 from datamover.policy.l3_index import L3Index
+from datamover.policy.mover import Mover
 from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
 
@@ -591,3 +592,75 @@ def test_clear_forgets_every_chunk_and_the_l3_index_says_so(tmp_path):
         assert cache.put(keys[:3], chunks(keys[:3])) == 3 and check_get(cache, keys[:3]) == 3
     with TieredCache(tiers(tmp_path)) as cache:  # a restart finds only what came after the clear
         assert set(cache.engine.resident[cache.names.index("l3_nvme")]) <= set(keys[:3])
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        ChunkKey(np.uint64(7), "m", "t"),  # equal to, and hashing as, ChunkKey(7, ...): msgpack cannot store it
+        ChunkKey(True, "m", "t"),
+        ChunkKey(7, "m", None),
+        ChunkKey(7, "m", "t", np.int32(3)),
+        (7, "m", "t"),
+    ],
+    ids=["numpy-hash", "bool-hash", "none-tokenizer", "numpy-layer", "plain-tuple"],
+)
+def test_keys_the_indexes_cannot_record_are_refused_and_the_cache_goes_on(tmp_path, key):
+    good = chunk_keys(range(4), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=1, l3=4)) as cache:
+        with pytest.raises(InvalidParameter, match=r"keys\[0\]"):
+            cache.put([key], np.zeros(PAGE, np.uint8))
+        assert cache.put(good, chunks(good)) == 4  # L3 and its index took the later chunks
+        assert check_get(cache, good) == 4
+        on_disk = set(cache.engine.resident[cache.names.index("l3_nvme")])
+    assert on_disk
+    with TieredCache(tiers(tmp_path, l1=1, l2=1, l3=4)) as cache:
+        assert set(cache.engine.resident[cache.names.index("l3_nvme")]) == on_disk
+
+
+def test_a_put_of_a_cached_chunk_keeps_its_bytes_and_their_crc(tmp_path, caplog):
+    """A recompute of a cached prefix need not be bit-identical: the put counts as a use, it rewrites nothing,
+    and the chunk still reads back verified (its CRC32C was replaced with the new bytes' before)."""
+    key = chunk_keys([1], "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=1, l3=4)) as cache:
+        assert cache.put(key, chunks(key)) == 1
+        filler = chunk_keys(range(10, 13), "m", "t")
+        cache.put(filler, chunks(filler))  # the chunk goes down to L3
+        assert cache.lookup(key)[1] == ["l3_nvme"]
+        assert cache.put(key, np.full(PAGE, 0xEE, np.uint8)) == 0
+        assert check_get(cache, key) == 1
+        assert cache.stats()["checksum_failures"] == 0
+    assert "CRC32C mismatch" not in caplog.text
+
+
+def test_put_counts_only_the_chunks_it_stored(tmp_path, monkeypatch):
+    real, calls = Mover._transfer, []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise TransferIOError("injected: pwritev failed", errno=errno.EIO)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Mover, "_transfer", failing)
+    keys = chunk_keys([1, 2], "m", "t")
+    with TieredCache(tiers(tmp_path, l1=4, l2=0, l3=4)) as cache:
+        assert cache.put(keys, chunks(keys)) == 0  # the one write failed: nothing is held
+        assert cache.lookup(keys)[0] == 0
+        assert cache.put(keys, chunks(keys)) == 2
+
+
+def test_a_prefetch_racing_close_is_refused_typed(tmp_path, monkeypatch):
+    cache = TieredCache(tiers(tmp_path, l1=2, l2=2, l3=4))
+    keys = chunk_keys(range(3), "m", "t")
+    cache.put(keys, chunks(keys))
+    shutdown = cache._prefetcher.shutdown
+
+    def shut_then_prefetch(wait=True, **kwargs):
+        shutdown(wait=wait, **kwargs)
+        with pytest.raises(TransferStateError, match="TieredCache is closing"):
+            cache.prefetch(keys)  # after the prefetcher stopped, before the cache says it is closed
+
+    monkeypatch.setattr(cache._prefetcher, "shutdown", shut_then_prefetch)
+    cache.close()
+    assert cache.closed
