@@ -37,7 +37,10 @@ from .keys import ChunkKey, key_from_fields
 log = logging.getLogger("datamover.kvcache")
 
 INDEX_NAME = "datamover-l4-index"
-INDEX_FORMAT = "datamover-l4-index/1"
+INDEX_FORMAT = "datamover-l4-index/2"
+#: indexes of chunks named by the digest before 2 (fields joined by '|', which two keys could share): not used,
+#: so their objects are found as orphans and deleted
+OLD_FORMATS = ("datamover-l4-index/1",)
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 CALL_TIMEOUT_S = 10.0  # each call to the store ends within this
 RETRY_S = 30.0  # after a delete the store did not answer, the next try waits this long
@@ -371,6 +374,8 @@ def parse_index(data: bytes) -> Index:
         index: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(index, dict) and index.get("format") in OLD_FORMATS:
+        raise ValueError(f"a {index['format']} index, whose chunk objects have names {INDEX_FORMAT} does not use")
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise ValueError(f"not a {INDEX_FORMAT} index")
     chunk_bytes, replicas, fields = index.get("chunk_bytes"), index.get("replicas"), index.get("keys")

@@ -183,6 +183,44 @@ def test_another_chunk_size_is_not_adopted_and_its_objects_go(s3, tmp_path, capl
     assert objects(s3) == [INDEX_OBJECT]
 
 
+def test_keys_whose_fields_join_to_the_same_text_keep_their_own_bytes_across_a_restart(s3, tmp_path):
+    a, b = ChunkKey(42, "m|x", "t"), ChunkKey(42, "m", "x|t")  # one object name once: b's bytes served for a
+    cache = open_cache(s3, tmp_path, l4=4, replicas=1)
+    try:
+        cache.put([a], np.full(PAGE, 0xAA, np.uint8))
+        cache.put([b], np.full(PAGE, 0xBB, np.uint8))
+        cache.put(chunk_keys([1, 2], "m", "t"), chunks(chunk_keys([1, 2], "m", "t")))  # a and b go to L4
+        assert {a, b} <= cache.engine.resident[cache.names.index("l4_pool")]
+    finally:
+        close(cache)
+    cache = open_cache(s3, tmp_path, l4=4, replicas=1)
+    try:
+        for key, byte in ((a, 0xAA), (b, 0xBB)):
+            dst = np.zeros(PAGE, np.uint8)
+            assert cache.get([key], dst) == 1
+            assert (dst == byte).all(), key
+    finally:
+        close(cache)
+
+
+def rewrite_index(srv: S3Server, **changes) -> None:
+    """Replace the index object by the one found with `changes` made to it (as msgpack's dict)."""
+    index = msgpack.unpackb(srv.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+    srv.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=msgpack.packb({**index, **changes}))
+
+
+def test_a_clean_index_of_the_old_digest_is_not_used_and_its_objects_go(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    one_run(s3, tmp_path, keys, l4=8, replicas=1)
+    rewrite_index(s3, format="datamover-l4-index/1", clean=True)  # its objects' names are not this digest's
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        assert cache.lookup(keys)[0] == 0
+        assert objects(s3) == [INDEX_OBJECT]
+    finally:
+        close(cache)
+
+
 def test_a_smaller_bucket_keeps_the_newest_and_fewer_replicas_delete_the_rest(s3, tmp_path):
     keys = chunk_keys(range(12), "m", "t")
     cache = open_cache(s3, tmp_path, l4=8, replicas=2)
@@ -344,6 +382,11 @@ def test_round_trip_of_the_index_format():
     body = index_body(replicas=2, keys=[list(k) for k in keys], clean=False)
     assert parse_index(body) == (keys, PAGE, 2, False, "h pid 1")
     assert parse_index(index_body(chunk_bytes=1)) == ([], 1, 1, True, "h pid 1")
+
+
+def test_an_index_of_the_old_digest_is_not_used():
+    with pytest.raises(ValueError, match="datamover-l4-index/1 index"):
+        parse_index(index_body(fmt="datamover-l4-index/1", keys=[[1, "m", "t"]]))
 
 
 def test_a_key_the_indexes_cannot_record_is_refused_before_a_byte_moves(tmp_path):
