@@ -107,7 +107,9 @@ class L3Index:
                             if slot >= self.capacity:  # the tier is smaller than when it was written
                                 continue
                             key = entry[0]
-                            entries.pop(slot_of.get(key, -1), None)  # a key lives in one slot: the latest
+                            old = slot_of.get(key, -1)  # a key lives in one slot: the latest
+                            if entries.get(old, (None,))[0] == key:  # not if that slot was freed or reused since
+                                del entries[old]
                             entries[slot] = entry
                             slot_of[key] = slot
                         else:

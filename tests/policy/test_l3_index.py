@@ -63,6 +63,42 @@ def test_a_damaged_record_ends_the_log_and_what_came_before_is_kept(tmp_path, ba
     assert make(tmp_path).load() == {2: (KEY, 9)}
 
 
+def test_a_key_put_again_elsewhere_leaves_its_old_slots_new_owner(tmp_path):
+    other = ChunkKey(8, "m", "t")
+    write_log(tmp_path, [["put", 0, 1, list(KEY)], ["del", 0], ["put", 0, 2, list(other)], ["put", 1, 1, list(KEY)]])
+    assert make(tmp_path).load() == {0: (other, 2), 1: (KEY, 1)}
+    write_log(tmp_path, [["put", 0, 1, list(KEY)], ["put", 0, 2, list(other)], ["put", 1, 1, list(KEY)]])
+    assert make(tmp_path).load() == {0: (other, 2), 1: (KEY, 1)}
+
+
+_KEYS = [ChunkKey(h, "m", "t") for h in range(4)]
+_op = st.one_of(
+    st.tuples(st.just("put"), st.integers(0, 5), st.sampled_from(_KEYS)), st.tuples(st.just("del"), st.integers(0, 5))
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(_op, max_size=6), max_size=5))
+def test_any_stored_and_freed_records_replay_to_the_final_slots(tmp_path_factory, syncs):
+    """What the cache recorded, synced in any batches, loads back as exactly the slots it last said."""
+    directory = tmp_path_factory.mktemp("l3")
+    index = make(directory)
+    index.load()
+    final: dict[int, ChunkKey] = {}
+    for batch in syncs:
+        for op in batch:
+            if op[0] == "put":
+                slot, key = op[1], op[2]
+                final = {s: k for s, k in final.items() if k != key}  # a key lives in one slot: the latest
+                final[slot] = key
+                index.stored(slot, slot, key)
+            else:
+                final.pop(op[1], None)
+                index.freed(op[1])
+        index.sync()
+    assert {slot: key for slot, (key, _) in make(directory).load().items()} == final
+
+
 def test_slots_past_a_smaller_tier_are_dropped_and_the_log_goes_on(tmp_path):
     write_log(tmp_path, [["put", 12, 9, list(KEY)], ["put", 2, 9, [8, "m", "t", None]]])
     assert make(tmp_path).load() == {2: (ChunkKey(8, "m", "t"), 9)}
