@@ -145,18 +145,23 @@ class L3Index:
         self._file = open(self.path, "ab")
 
     def stored(self, slot: int, crc: int, key: ChunkKey) -> None:
-        """Record that `slot` now holds `key` (appended at the next `sync`)."""
-        self._pending.append(["put", slot, crc, list(key)])
+        """Record that `slot` now holds `key` (appended at the next `sync`; nothing once the log is given up)."""
+        if self._file is not None:
+            self._pending.append(["put", slot, crc, list(key)])
 
     def freed(self, slot: int) -> None:
-        """Record that `slot` holds nothing now (appended at the next `sync`)."""
-        self._pending.append(["del", slot])
+        """Record that `slot` holds nothing now (appended at the next `sync`; nothing once the log is given up)."""
+        if self._file is not None:
+            self._pending.append(["del", slot])
 
     def sync(self) -> None:
         """Append the pending records and make them (and the chunk data) durable per fsync_mode. A log that cannot
         be written (a full or failing disk) is removed and not written again this run: the next start is cold,
         never misled by a log that stopped partway (a record lost could name a slot since reused)."""
-        if not self._pending or self._file is None:
+        if self._file is None:
+            self._pending.clear()
+            return
+        if not self._pending:
             return
         f = self._file
         try:

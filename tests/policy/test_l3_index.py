@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -97,6 +99,34 @@ def test_any_stored_and_freed_records_replay_to_the_final_slots(tmp_path_factory
                 index.freed(op[1])
         index.sync()
     assert {slot: key for slot, (key, _) in make(directory).load().items()} == final
+
+
+class _FullDisk:
+    """A log file whose writes fail as on a full disk."""
+
+    def __init__(self, file) -> None:
+        self.file = file
+
+    def write(self, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def test_a_log_given_up_keeps_no_records_pending(tmp_path):
+    index = make(tmp_path)
+    index.load()
+    index._file = _FullDisk(index._file)
+    index.stored(1, 1, KEY)
+    index.sync()  # the write fails: the log is removed, not written again this run
+    assert not (tmp_path / INDEX_FILE).exists()
+    for slot in range(100):
+        index.stored(slot, 1, KEY)
+        index.freed(slot)
+        index.sync()
+    assert index._pending == []  # they grew by every L3 placement and eviction for the rest of the run
+    assert not (tmp_path / INDEX_FILE).exists()
 
 
 def test_slots_past_a_smaller_tier_are_dropped_and_the_log_goes_on(tmp_path):
