@@ -1,12 +1,14 @@
 """The L3 index: which chunk (and its CRC32C) each slot of the L3 data file holds, kept across restarts.
 
 An append-only log of msgpack records: first `["layout", chunk_bytes]` (the size of a slot of the data file), then
-`["put", slot, crc, key]` and `["del", slot]`. It is read back when a cache starts (a torn or damaged tail ends
-the log; what came before it is kept; a log of another layout, or none, is not used: its slots are other bytes
-of the file, which `crc32c_check: false` would serve unchecked), compacted to one `put` per
-live slot at start and at close, and appended to after every operation that stored or freed L3 slots, made
-durable as `l3_nvme.fsync_mode` says (the chunk data file first, then the log; without `crc32c_check`, the
-records of slots freed go first, before new chunks overwrite them). A log that cannot be written is removed.
+`["put", slot, crc, key]` and `["del", slot]`. It is read back when a cache starts (a torn or damaged tail ends the
+log; what came before it is kept; a `put` whose key is no chunk key is skipped and its slot dropped; a log of
+another layout, or none, is not used: its slots are other bytes of the file, which `crc32c_check: false` would
+serve unchecked), compacted to one `put` per live slot at start and at close, and appended to after every
+operation that stored or freed L3 slots, made durable as `l3_nvme.fsync_mode` says (the chunk data file first,
+then the log; without `crc32c_check`, the records of slots freed go first, before new chunks overwrite them). A log
+that cannot be written is removed; a record msgpack cannot pack is left out (a `put` then becomes a `del` of its
+slot).
 """
 
 from __future__ import annotations
@@ -55,9 +57,19 @@ def lock_directory(directory: str | Path) -> int:
     return fd
 
 
+class UnreadableKey(ValueError):
+    """A well-formed `put` record whose key is not a chunk key: `slot` was overwritten by a chunk that cannot be
+    named, so it holds nothing usable (the record is skipped, the log goes on)."""
+
+    def __init__(self, slot: int, reason: str) -> None:
+        super().__init__(f"slot {slot}: {reason}")
+        self.slot = slot
+
+
 def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
-    """(slot, (key, crc)) of a `put` record, (slot, None) of a `del`; ValueError for anything else (a damaged
-    log: every field is checked before the cache trusts it, a slot from it becomes a file offset)."""
+    """(slot, (key, crc)) of a `put` record, (slot, None) of a `del`; UnreadableKey for a put whose key is no
+    chunk key, ValueError for anything else (a damaged log: every field is checked before the cache trusts it,
+    a slot from it becomes a file offset)."""
     if not isinstance(record, list) or not record:
         raise ValueError(f"not a record: {record!r:.80}")
     slot = record[1] if len(record) > 1 else None
@@ -70,7 +82,10 @@ def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
     crc, fields = record[2], record[3]
     if type(crc) is not int or not 0 <= crc < 1 << 32:
         raise ValueError(f"CRC32C {crc!r:.40} out of range")
-    return slot, (key_from_fields(fields), crc)
+    try:
+        return slot, (key_from_fields(fields), crc)
+    except ValueError as exc:
+        raise UnreadableKey(slot, str(exc)) from None
 
 
 class L3Index:
@@ -90,6 +105,7 @@ class L3Index:
         `data_bytes`, the data file's size as found: slots past its end hold nothing (the file was cut short)."""
         entries: dict[int, tuple[ChunkKey, int]] = {}
         slot_of: dict[ChunkKey, int] = {}
+        skipped = 0
         if self.path.exists():
             with open(self.path, "rb") as f:
                 records = msgpack.Unpacker(f, raw=False)  # a torn last record ends the stream
@@ -102,7 +118,12 @@ class L3Index:
                         )  # fmt: skip
                         records = iter(())
                     for record in records:
-                        slot, entry = parse_record(record)
+                        try:
+                            slot, entry = parse_record(record)
+                        except UnreadableKey as exc:
+                            skipped += 1
+                            entries.pop(exc.slot, None)
+                            continue
                         if entry is not None:
                             if slot >= self.capacity:  # the tier is smaller than when it was written
                                 continue
@@ -118,6 +139,8 @@ class L3Index:
                     log.warning(
                         "l3_nvme: index %s unreadable past a damaged record (%s); the rest is kept", self.path, exc
                     )
+        if skipped:
+            log.warning("l3_nvme: %d records of index %s name no chunk key: their slots dropped", skipped, self.path)
         if data_bytes is not None:
             gone = [slot for slot in entries if (slot + 1) * self.chunk_bytes > data_bytes]
             if gone:
@@ -136,7 +159,7 @@ class L3Index:
         with open(tmp, "wb") as f:
             f.write(msgpack.packb(["layout", self.chunk_bytes]))
             for slot, (key, crc) in entries.items():
-                f.write(msgpack.packb(["put", slot, crc, list(key)]))
+                f.write(_pack(["put", slot, crc, list(key)], self.path))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
@@ -165,7 +188,7 @@ class L3Index:
             return
         f = self._file
         try:
-            f.write(b"".join(msgpack.packb(r) for r in self._pending))
+            f.write(b"".join(_pack(r, self.path) for r in self._pending))
             f.flush()
             self._pending.clear()
             if self.fsync_mode != "none":
@@ -199,3 +222,16 @@ class L3Index:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _pack(record: list, path: Path) -> bytes:
+    """A record as msgpack. One msgpack cannot hold (a key field out of its range or of no type it knows) is
+    logged and left out; a `put` becomes a `del` of its slot, which no longer holds what the log said before."""
+    try:
+        return msgpack.packb(record)
+    except (TypeError, OverflowError, ValueError) as exc:
+        log.warning("l3_nvme: index %s cannot record %.80r (%s): left out", path, record, exc)
+    if record[0] == "put":
+        with contextlib.suppress(TypeError, OverflowError, ValueError):
+            return msgpack.packb(["del", record[1]])
+    return b""
