@@ -14,6 +14,7 @@ slot).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -154,7 +155,10 @@ class L3Index:
         return entries
 
     def rewrite(self, entries: dict[int, tuple[ChunkKey, int]]) -> None:
-        """Replace the log by one put per entry (atomically: written aside, fsynced, renamed), then append."""
+        """Replace the log by one put per entry (atomically: the chunk data made durable, the log written aside,
+        fsynced, renamed, the rename made durable), then append."""
+        if self.fsync_mode != "none" and (self.directory / DATA_FILE).exists():
+            self._sync_data()
         tmp = self.path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             f.write(msgpack.packb(["layout", self.chunk_bytes]))
@@ -163,6 +167,7 @@ class L3Index:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        _sync_directory(self.directory)
         if self._file is not None:
             self._file.close()
         self._file = open(self.path, "ab")
@@ -187,20 +192,26 @@ class L3Index:
         if not self._pending:
             return
         f = self._file
+        records = b"".join(_pack(r, self.path) for r in self._pending)
+        self._pending.clear()
         try:
-            f.write(b"".join(_pack(r, self.path) for r in self._pending))
+            if self.fsync_mode != "none":  # the chunks first: no durable record may name bytes not on disk
+                self._sync_data()
+            f.write(records)
             f.flush()
-            self._pending.clear()
             if self.fsync_mode != "none":
-                data = os.open(self.directory / DATA_FILE, os.O_RDONLY)
-                try:
-                    sync = os.fsync if self.fsync_mode == "fsync" else os.fdatasync
-                    sync(data)
-                    sync(f.fileno())
-                finally:
-                    os.close(data)
+                (os.fsync if self.fsync_mode == "fsync" else os.fdatasync)(f.fileno())
         except OSError as exc:
             self._give_up(exc)
+
+    def _sync_data(self) -> None:
+        """Make the chunk data file durable (any descriptor of it will do: the one the posix backend writes
+        through is its registration's)."""
+        data = os.open(self.directory / DATA_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            (os.fsync if self.fsync_mode == "fsync" else os.fdatasync)(data)
+        finally:
+            os.close(data)
 
     def _give_up(self, exc: OSError) -> None:
         log.warning("l3_nvme: index %s cannot be written (%s): removed; L3 starts cold next time", self.path, exc)
@@ -222,6 +233,18 @@ class L3Index:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _sync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (a file system that cannot fsync a directory is left as it is)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
 
 
 def _pack(record: list, path: Path) -> bytes:

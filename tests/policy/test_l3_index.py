@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 
 import msgpack
 import numpy as np
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from datamover.errors import ConfigError
 from datamover.policy.keys import ChunkKey
 from datamover.policy.l3_index import INDEX_FILE, L3Index, UnreadableKey, lock_directory, parse_record
+from datamover.policy.slabs import DATA_FILE
 
 KEY = ChunkKey(7, "m", "t")
 CHUNK = 4096
@@ -159,6 +161,63 @@ def test_a_compaction_leaves_out_an_entry_msgpack_cannot_pack(tmp_path):
     index.load()
     index.close({1: (ChunkKey(1 << 70, "m", "t"), 9), 2: (KEY, 9)})  # raised TypeError out of the cache's close
     assert make(tmp_path).load() == {2: (KEY, 9)}
+
+
+class _Recorded:
+    """A log file whose writes are recorded in `calls` before they are made."""
+
+    def __init__(self, file, calls: list[str]) -> None:
+        self.file, self.calls = file, calls
+
+    def write(self, data: bytes) -> int:
+        self.calls.append("write index.log")
+        return self.file.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self.file, name)
+
+
+def record_syncs(monkeypatch, directory) -> list[str]:
+    """Every fsync, fdatasync and rename from now on, in order, naming the file (or 'directory')."""
+    calls: list[str] = []
+
+    def name(fd: int) -> str:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        return "directory" if path == str(directory) else os.path.basename(path)
+
+    for call in ("fsync", "fdatasync"):
+        real = getattr(os, call)
+        monkeypatch.setattr(os, call, lambda fd, real=real, call=call: (calls.append(f"{call} {name(fd)}"), real(fd)))
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b)))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["fsync", "fdatasync"])
+def test_a_record_is_written_only_once_the_chunk_data_it_names_is_durable(tmp_path, monkeypatch, mode):
+    (tmp_path / DATA_FILE).write_bytes(bytes(4 * CHUNK))
+    index = L3Index(tmp_path, 4, mode, CHUNK)
+    index.load()
+    calls = record_syncs(monkeypatch, tmp_path)
+    index._file = _Recorded(index._file, calls)
+    index.stored(1, 9, KEY)
+    index.sync()  # wrote the record first: a power cut could leave it naming a slot whose bytes never landed
+    assert calls == [f"{mode} {DATA_FILE}", "write index.log", f"{mode} {INDEX_FILE}"]
+    calls.clear()
+    index.close({1: (KEY, 9)})  # the compacted log: data durable, log aside, renamed, the rename durable
+    assert calls == [f"{mode} {DATA_FILE}", "fsync index.tmp", "replace", "fsync directory"]
+
+
+def test_without_fsync_mode_nothing_is_synced_but_the_compacted_log(tmp_path, monkeypatch):
+    (tmp_path / DATA_FILE).write_bytes(bytes(4 * CHUNK))
+    index = make(tmp_path)
+    index.load()
+    calls = record_syncs(monkeypatch, tmp_path)
+    index.stored(1, 9, KEY)
+    index.sync()
+    assert calls == []
+    index.close({1: (KEY, 9)})
+    assert calls == ["fsync index.tmp", "replace", "fsync directory"]
 
 
 def test_slots_past_a_smaller_tier_are_dropped_and_the_log_goes_on(tmp_path):
