@@ -37,7 +37,10 @@ from .keys import ChunkKey, key_from_fields
 log = logging.getLogger("datamover.kvcache")
 
 INDEX_NAME = "datamover-l4-index"
-INDEX_FORMAT = "datamover-l4-index/1"
+INDEX_FORMAT = "datamover-l4-index/2"
+#: indexes of chunks named by the digest before 2 (fields joined by '|', which two keys could share): not used,
+#: so their objects are found as orphans and deleted
+OLD_FORMATS = ("datamover-l4-index/1",)
 _DELETE_BATCH = 1000  # S3's limit for one DeleteObjects call
 CALL_TIMEOUT_S = 10.0  # each call to the store ends within this
 RETRY_S = 30.0  # after a delete the store did not answer, the next try waits this long
@@ -172,11 +175,20 @@ class PrivateBucket:
             )  # fmt: skip
 
     def _index_body(self, keys: Sequence[ChunkKey], clean: bool) -> bytes:
-        """The index as msgpack: marked clean only when nothing under the prefix is left that it does not name."""
+        """The index as msgpack: marked clean only when nothing under the prefix is left that it does not name. A
+        key msgpack cannot hold is left out (logged), not the whole index; the index is then not clean."""
+        packed: list[bytes] = []
+        for k in keys:
+            try:
+                packed.append(msgpack.packb(list(k)))
+            except (TypeError, OverflowError, ValueError) as exc:
+                log.warning("l4_pool: key %.80r cannot be indexed (%s): its chunk is not found after a restart", k, exc)
         index = {"format": INDEX_FORMAT, "chunk_bytes": self.chunk_bytes, "replicas": self.replicas}
-        index["clean"] = clean and not self._pending and not self._gc_failed
+        index["clean"] = clean and not self._pending and not self._gc_failed and len(packed) == len(keys)
         index["owner"] = f"{socket.gethostname()[:200]} pid {os.getpid()}"
-        return msgpack.packb({**index, "keys": [list(k) for k in keys]})
+        packer = msgpack.Packer()
+        head = packer.pack_map_header(len(index) + 1) + b"".join(packer.pack(x) for kv in index.items() for x in kv)
+        return head + packer.pack("keys") + packer.pack_array_header(len(packed)) + b"".join(packed)
 
     def _put_index(self, body: bytes) -> None:
         """Write the index only over the one this cache last read or wrote (S3's conditional writes), so two caches
@@ -225,8 +237,14 @@ class PrivateBucket:
                 self.bucket, self.index_object, index.chunk_bytes, self.chunk_bytes,
             )  # fmt: skip
         elif index is not None:
-            keys, replicas, clean, owner = list(dict.fromkeys(index.keys)), index.replicas, index.clean, index.owner
-        if index is not None and not clean and (self.index_age_s or 0.0) < 2 * INDEX_INTERVAL_S:
+            keys, replicas, owner = list(dict.fromkeys(index.keys)), index.replicas, index.owner
+            clean = index.clean and not index.skipped  # else the skipped keys' objects are found and deleted
+            if index.skipped:
+                log.warning(
+                    "l4_pool: %d keys of index s3://%s/%s are not chunk keys: skipped, their objects deleted",
+                    index.skipped, self.bucket, self.index_object,
+                )  # fmt: skip
+        if index is not None and not index.clean and (self.index_age_s or 0.0) < 2 * INDEX_INTERVAL_S:
             log.warning(
                 "l4_pool: s3://%s/%s is marked in use by %s, its index written %.0f s ago: if that cache still runs,"
                 " two caches share this prefix and delete each other's chunks (give each an l4_pool.prefix of its"
@@ -362,6 +380,7 @@ class Index(NamedTuple):
     replicas: int
     clean: bool  # written at a close that deleted every object the run dropped
     owner: str  # host and pid of the cache that wrote it
+    skipped: int = 0  # keys that were not chunk keys: left out (their objects are deleted as orphans)
 
 
 def parse_index(data: bytes) -> Index:
@@ -371,6 +390,8 @@ def parse_index(data: bytes) -> Index:
         index: Any = msgpack.unpackb(data, raw=False, strict_map_key=True)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise ValueError(f"not msgpack: {exc}") from None
+    if isinstance(index, dict) and index.get("format") in OLD_FORMATS:
+        raise ValueError(f"a {index['format']} index, whose chunk objects have names {INDEX_FORMAT} does not use")
     if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
         raise ValueError(f"not a {INDEX_FORMAT} index")
     chunk_bytes, replicas, fields = index.get("chunk_bytes"), index.get("replicas"), index.get("keys")
@@ -383,7 +404,13 @@ def parse_index(data: bytes) -> Index:
         raise ValueError(f"clean {clean!r:.10} / owner {owner!r:.40} malformed")
     if not isinstance(fields, list):
         raise ValueError("keys is not a list")
-    return Index([key_from_fields(f) for f in fields], chunk_bytes, replicas, clean, owner)
+    keys: list[ChunkKey] = []
+    for f in fields:  # a key that is not one is skipped, not the whole index: its objects are then orphans
+        try:
+            keys.append(key_from_fields(f))
+        except ValueError:
+            pass
+    return Index(keys, chunk_bytes, replicas, clean, owner, len(fields) - len(keys))
 
 
 def chunk_object(prefix: str, key: ChunkKey, replica: int) -> str:

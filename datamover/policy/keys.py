@@ -20,9 +20,15 @@ class ChunkKey(NamedTuple):
     layer: int | None = None
 
     def digest(self) -> str:
-        """A stable 32-hex-digit name for the key (file and object names in L3/L4), the same in every process."""
-        text = f"{self.prefix_hash}|{self.model_version}|{self.tokenizer_version}|{self.layer}"
-        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        """A stable 32-hex-digit name for the key (file and object names in L3/L4), the same in every process.
+
+        Each field is length-prefixed, so no two keys hash the same text (fields joined by a separator did:
+        ``("m|x", "t")`` and ``("m", "x|t")`` named one object, and one chunk's bytes were served for the other).
+        """
+        layer = "" if self.layer is None else self.layer
+        fields = (str(f).encode("utf-8", "surrogatepass") for f in (self.prefix_hash, *self[1:3], layer))
+        text = b"".join(b"%d:%s" % (len(b), b) for b in fields)
+        return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 def key_from_fields(fields: object) -> ChunkKey:

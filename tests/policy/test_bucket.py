@@ -183,6 +183,59 @@ def test_another_chunk_size_is_not_adopted_and_its_objects_go(s3, tmp_path, capl
     assert objects(s3) == [INDEX_OBJECT]
 
 
+def test_keys_whose_fields_join_to_the_same_text_keep_their_own_bytes_across_a_restart(s3, tmp_path):
+    a, b = ChunkKey(42, "m|x", "t"), ChunkKey(42, "m", "x|t")  # one object name once: b's bytes served for a
+    cache = open_cache(s3, tmp_path, l4=4, replicas=1)
+    try:
+        cache.put([a], np.full(PAGE, 0xAA, np.uint8))
+        cache.put([b], np.full(PAGE, 0xBB, np.uint8))
+        cache.put(chunk_keys([1, 2], "m", "t"), chunks(chunk_keys([1, 2], "m", "t")))  # a and b go to L4
+        assert {a, b} <= cache.engine.resident[cache.names.index("l4_pool")]
+    finally:
+        close(cache)
+    cache = open_cache(s3, tmp_path, l4=4, replicas=1)
+    try:
+        for key, byte in ((a, 0xAA), (b, 0xBB)):
+            dst = np.zeros(PAGE, np.uint8)
+            assert cache.get([key], dst) == 1
+            assert (dst == byte).all(), key
+    finally:
+        close(cache)
+
+
+def rewrite_index(srv: S3Server, **changes) -> None:
+    """Replace the index object by the one found with `changes` made to it (as msgpack's dict)."""
+    index = msgpack.unpackb(srv.client().get_object(Bucket=BUCKET, Key=INDEX_OBJECT)["Body"].read())
+    srv.client().put_object(Bucket=BUCKET, Key=INDEX_OBJECT, Body=msgpack.packb({**index, **changes}))
+
+
+def test_an_index_with_keys_that_are_not_chunk_keys_keeps_the_others_and_deletes_the_orphans(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    held = one_run(s3, tmp_path, keys, l4=8, replicas=1)
+    stray = "kv/" + "0" * 32 + ".0"  # the object of the key that cannot be read back
+    s3.client().put_object(Bucket=BUCKET, Key=stray, Body=bytes(PAGE))
+    rewrite_index(s3, keys=[[7, b"m", "t"], *(list(k) for k in held)], clean=True)
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:  # (the whole index was discarded once, and every chunk deleted as an orphan)
+        assert sorted(cache.engine.resident[cache.names.index("l4_pool")]) == held
+        assert objects(s3) == sorted([*chunk_objects(held, 1), INDEX_OBJECT])
+        assert check_get(cache, held) == len(held)
+    finally:
+        close(cache)
+
+
+def test_a_clean_index_of_the_old_digest_is_not_used_and_its_objects_go(s3, tmp_path):
+    keys = chunk_keys(range(6), "m", "t")
+    one_run(s3, tmp_path, keys, l4=8, replicas=1)
+    rewrite_index(s3, format="datamover-l4-index/1", clean=True)  # its objects' names are not this digest's
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        assert cache.lookup(keys)[0] == 0
+        assert objects(s3) == [INDEX_OBJECT]
+    finally:
+        close(cache)
+
+
 def test_a_smaller_bucket_keeps_the_newest_and_fewer_replicas_delete_the_rest(s3, tmp_path):
     keys = chunk_keys(range(12), "m", "t")
     cache = open_cache(s3, tmp_path, l4=8, replicas=2)
@@ -342,8 +395,30 @@ def test_parse_index_takes_only_well_formed_indexes(data):
 def test_round_trip_of_the_index_format():
     keys = [ChunkKey(2**63 + 5, "m", "t"), ChunkKey(-1, "m2", "t2", 3)]
     body = index_body(replicas=2, keys=[list(k) for k in keys], clean=False)
-    assert parse_index(body) == (keys, PAGE, 2, False, "h pid 1")
-    assert parse_index(index_body(chunk_bytes=1)) == ([], 1, 1, True, "h pid 1")
+    assert parse_index(body) == (keys, PAGE, 2, False, "h pid 1", 0)
+    assert parse_index(index_body(chunk_bytes=1)) == ([], 1, 1, True, "h pid 1", 0)
+
+
+def test_keys_that_are_not_chunk_keys_are_skipped_not_the_index():
+    good = [ChunkKey(1, "m", "t"), ChunkKey(2, "m", "t", 0)]
+    body = index_body(keys=[list(good[0]), [1.5, "m", "t"], [3, b"m", "t"], list(good[1])])
+    assert parse_index(body) == (good, PAGE, 1, True, "h pid 1", 2)
+
+
+def test_an_index_of_the_old_digest_is_not_used():
+    with pytest.raises(ValueError, match="datamover-l4-index/1 index"):
+        parse_index(index_body(fmt="datamover-l4-index/1", keys=[[1, "m", "t"]]))
+
+
+def test_a_key_msgpack_cannot_hold_is_left_out_of_the_index_written_and_it_is_not_clean(s3, tmp_path):
+    cache = open_cache(s3, tmp_path)
+    try:
+        keys = [ChunkKey(1, "m", "t"), ChunkKey(1 << 70, "m", "t"), ChunkKey(2, "m", "t")]
+        index = parse_index(cache.bucket._index_body(keys, clean=True))
+        assert index.keys == [keys[0], keys[2]] and not index.clean
+        assert parse_index(cache.bucket._index_body(keys[:1], clean=True)).clean
+    finally:
+        close(cache)
 
 
 def test_a_key_the_indexes_cannot_record_is_refused_before_a_byte_moves(tmp_path):
