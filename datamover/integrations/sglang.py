@@ -259,11 +259,12 @@ class DatamoverHiCacheStorage(HiCacheStorage):
 
     # -- housekeeping -----------------------------------------------------------------
     def clear(self) -> None:
-        """Forget every page (TieredCache.clear: every tier, L3's index and a private L4 bucket's objects; a shared
-        pool's objects are kept). A closed storage stays closed."""
+        """Forget every page (TieredCache.clear: every tier, L3's index, a private L4 bucket's objects, and a shared
+        pool's objects, every instance's, as SGLang's own Mooncake store's clear removes them all: a clear follows
+        a weights update, after which no page from before may be found). A closed storage stays closed."""
         with self._lock:
             if self.cache is not None and not self.cache.closed:
-                self.cache.clear()
+                self.cache.clear(shared=True)
 
     def tier_stats(self) -> dict[str, Any]:
         """TieredCache.stats() of this storage (empty before the first page)."""

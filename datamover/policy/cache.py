@@ -198,22 +198,25 @@ class TieredCache:
     # -- the API ------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
         """Length of the longest cached prefix of `keys`, and the tier holding each of those chunks. With a shared
-        pool, the prefix goes on through the chunks the pool holds (put there by any instance)."""
-        with self._lock:
-            self._check_open()
-            tiers = []
-            for key in keys:
-                j = self.engine.where(key)
-                if j < 0:
-                    break
-                tiers.append(self.names[j])
-            if self.pool is not None and len(tiers) < len(keys):
-                rest = keys[len(tiers) :]
-                held = self.pool.held(rest)
-                for key in rest[:held]:
-                    j = self.engine.where(key)
-                    tiers.append(self.names[j] if j >= 0 else "l4_pool")
-            return len(tiers), tiers
+        pool, the prefix goes on through the chunks the pool holds (put there by any instance).
+
+        It does not wait for the cache's lock, which a get or put holds while its bytes move (an engine's scheduler
+        asks this for every block): the answer is of the moment, and a get that follows finds out for itself."""
+        self._check_open()
+        eng, names = self.engine, self.names
+        tiers = []
+        for key in keys:
+            j = eng.where(key)
+            if j < 0:
+                break
+            tiers.append(names[j])
+        if self.pool is not None and len(tiers) < len(keys):
+            rest = keys[len(tiers) :]
+            held = self.pool.held(rest)
+            for key in rest[:held]:
+                j = eng.where(key)
+                tiers.append(names[j] if j >= 0 else "l4_pool")
+        return len(tiers), tiers
 
     def get(self, keys: Sequence[ChunkKey], dst: Any) -> int:
         """Copy the longest cached prefix of `keys` into `dst` (chunk i at offset i*page, the i-th buffer of a
@@ -405,14 +408,21 @@ class TieredCache:
             log.warning("l4_pool drain: %d chunk(s) could not be copied off this instance", result["failed"])
         return result["copied"]
 
-    def clear(self) -> int:
+    def clear(self, shared: bool = False) -> int:
         """Forget every chunk (an engine's clear, a weights update): every tier emptied, pins included; the L3
-        index records it, and a private L4 bucket's objects are deleted (a shared pool's are kept: other
-        instances use them). Returns how many chunks were forgotten."""
+        index records it, and a private L4 bucket's objects are deleted. A shared pool's objects are kept (other
+        instances use them), unless `shared`: then every object of the pool's bucket goes too, every instance's
+        (as SGLang's own Mooncake store clears), so no chunk from before can be found there again. Returns how
+        many chunks this cache forgot."""
         with self._lock:
             self._check_open()
             eng = self.engine
             forgotten = len(set().union(*eng.resident))
+            if shared and self.pool is not None:
+                removed = self.pool.clear()
+                log.warning(
+                    "clear: %d object(s) of the shared pool %s removed (every instance's)", removed, self.pool.prefix
+                )
             self._pins.clear()
             eng.pinned.clear()
             for j, resident in enumerate(eng.resident):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..agents import Agent
+from ..errors import ObjectStoreError
 from .config import L4Config
 from .keys import ChunkKey
 
@@ -64,6 +65,16 @@ class SharedPool:
         self._lookup_s.append(time.perf_counter() - t0)
         self._check_budget()
         return next((i for i, f in enumerate(found) if f != 1), len(keys))
+
+    def clear(self) -> int:
+        """Remove every chunk of this pool (``<bucket>/kv/``), every instance's; how many objects went."""
+        removed = self.client.remove_prefix(self.prefix)
+        if removed < 0:
+            raise ObjectStoreError(
+                f"removing the pool's objects under {self.prefix!r} failed (Mooncake code {removed})",
+                bucket=self.config.bucket, key="kv/", code=str(removed), backend="mooncake",
+            )  # fmt: skip
+        return removed
 
     def _check_budget(self) -> None:
         if not self.budget_ms or self._warned or len(self._lookup_s) < 100:

@@ -263,6 +263,33 @@ def test_clear_forgets_every_page(tmp_path: Path) -> None:
         storage.close()
 
 
+def test_clear_on_a_shared_pool_leaves_no_page_there_either(tmp_path, mooncake_master):
+    """SGLang's own Mooncake store removes every object on clear (a weights update comes before it): pages the
+    pool held are not found again through it, by this rank or another instance on the pool."""
+    tiers = {
+        "l2_dram": {"pinned_pool_gb": 0.01},
+        "l4_pool": {
+            "enabled": True, "backend": "mooncake", "bucket": f"clr-{tmp_path.name}",
+            "master_server_addr": mooncake_master.master_addr, "metadata_service_url": mooncake_master.metadata_url,
+            "segment_gb": 16 / 1024,
+        },
+    }  # fmt: skip
+    pools = [PageFirstHostPool(8), PageFirstHostPool(8)]
+    fill(pools[0], 3)
+    storages = [attach(storage_config(tmp_path / str(i), 1, **tiers), pools[i]) for i in (0, 1)]
+    try:
+        ks = keys(4, "clr-")
+        assert storages[0].batch_set_v1(ks, pools[0].indices([0, 1, 2, 3])) == [True] * 4
+        assert storages[1].batch_exists(ks) == 4  # the other instance finds them in the pool
+        storages[0].clear()
+        for storage in storages:
+            assert storage.batch_exists(ks) == 0
+            assert not any(storage.batch_get_v1(ks, pools[1].indices([4, 5, 6, 7])))
+    finally:
+        for storage in storages:
+            storage.close()
+
+
 def test_the_example_runs(tmp_path: Path) -> None:
     import subprocess
     import sys

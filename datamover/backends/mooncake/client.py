@@ -318,6 +318,12 @@ class PoolClient:
             return np.zeros(0, dtype=np.int64)
         return np.asarray(answers(self._store.batch_remove(list(keys), bool(force)), len(keys)), dtype=np.int64)
 
+    def remove_prefix(self, prefix: str) -> int:
+        """Remove every object whose key starts with ``prefix`` (every instance's); how many went (< 0: failed)."""
+        import re
+
+        return int(self._store.remove_by_regex("^" + re.escape(prefix), True))
+
     def replicas(self, keys: Sequence[str]) -> dict[str, list[str]]:
         """The segments (host:port) holding a complete memory replica of each key."""
         out: dict[str, list[str]] = {}

@@ -3,7 +3,8 @@
 Offloading (vLLM's OffloadingConnector with this package's spec)::
 
     kv_transfer_config = {
-        "kv_connector": "DatamoverOffloadingConnector",            # or vLLM's "OffloadingConnector"
+        "kv_connector": "DatamoverOffloadingConnector",            # not vLLM's "OffloadingConnector": it asserts
+                                                                    # every load succeeded (a miss ends the worker)
         "kv_connector_module_path": "datamover.integrations.vllm",  # (drop it with OffloadingConnector)
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",

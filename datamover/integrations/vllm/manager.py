@@ -34,6 +34,7 @@ class DatamoverOffloadingManager(OffloadingManager):
 
     def __init__(self, clients: Sequence[CacheClient]) -> None:
         self.clients = list(clients)
+        self.reset_failed = False  # the last reset_cache could not clear every worker
         self._sources: OrderedDict[OffloadKey, str] = OrderedDict()  # tier of recent hits, for hit-source metrics
 
     def _ask(self, verb: str, keys: list[OffloadKey]) -> list[list] | None:
@@ -86,7 +87,19 @@ class DatamoverOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def reset_cache(self) -> None:
-        log.info("datamover offloading: the tiers keep their chunks across vLLM's reset_prefix_cache(reset_connector)")
+        """vLLM's reset_prefix_cache(reset_connector=True) and pause_generation(clear_cache=True), after a weights
+        update: every worker's tiers forget every chunk (and their pins: loads in flight are dropped by vLLM, and
+        never completed), so no block computed before is loaded again. A worker that cannot be reached leaves
+        `reset_failed` set, which DatamoverOffloadingConnector.reset_cache reports to vLLM as a failed reset."""
+        self._sources.clear()
+        try:
+            forgotten = [c.call("clear", []) for c in self.clients]
+        except ServiceError as exc:
+            self.reset_failed = True
+            log.error("datamover offloading: reset_cache could not clear every worker's tiers: %s", exc)
+            return
+        self.reset_failed = False
+        log.info("datamover offloading: reset_cache forgot %s chunks (per worker)", forgotten)
 
     def shutdown(self) -> None:
         for c in self.clients:

@@ -26,7 +26,7 @@ log = logging.getLogger("datamover.integrations.vllm")
 MAX_FRAME = 8 << 20  # a frame larger than this is refused before it is read
 MAX_KEYS = 1 << 16  # keys in one call
 MAX_KEY_BYTES = 256
-VERBS = ("lookup", "pin", "unpin", "stats")
+VERBS = ("lookup", "pin", "unpin", "stats", "clear")
 _LEN = struct.Struct("!I")
 
 # workers living in this process, by socket path: their manager calls them without a socket

@@ -61,14 +61,18 @@ class _Outcome:
 class DatamoverOffloadingWorker(OffloadingWorker):
     """Runs the jobs of vLLM's offloading connector against a TieredCache, one at a time, off the engine's thread.
 
-    A load that fails, or delivers only part of its chunks, is reported as failed for the blocks it did not fill:
-    as invalid blocks (which vLLM recomputes) when `report_load_errors` is set by DatamoverOffloadingConnector,
-    else as a failed job (which vLLM's own OffloadingConnector refuses loudly). Never as loaded.
+    A load that fails, or delivers only part of its chunks, is never reported as loaded. DatamoverOffloadingConnector
+    sets `report_load_errors`: with one KV cache group the blocks it did not fill go to vLLM as invalid blocks
+    (vLLM recomputes them), with several (block ids are not unique across groups) the job's request goes to vLLM
+    as a failed receive (`failed_jobs`; vLLM recomputes the request). Without it (vLLM's own OffloadingConnector)
+    the job is reported failed, which that connector refuses loudly.
     """
 
     def __init__(self, spec: Any, kv_caches: CanonicalKVCaches) -> None:
         config = spec.config
         self.report_load_errors = False
+        self.report_block_errors = False  # with report_load_errors: as blocks (one group), else as failed jobs
+        self.failed_jobs: set[int] = set()
         self.tensors = [t.tensor for t in kv_caches.tensors]
         self._groups: dict[int, list[int]] = {}  # KV cache group id -> its tensors, one page (chunk) each
         sizes: set[int] = set()
@@ -210,10 +214,20 @@ class DatamoverOffloadingWorker(OffloadingWorker):
         for o in outcomes:
             success = o.success
             if o.bad_blocks and self.report_load_errors:
-                self.invalid_block_ids.update(o.bad_blocks)
-                success = True  # finished; its bad blocks go to vLLM as load errors and are recomputed
+                with self._lock:  # finished; vLLM recomputes its bad blocks, or its request
+                    if self.report_block_errors:
+                        self.invalid_block_ids.update(o.bad_blocks)
+                    else:
+                        self.failed_jobs.add(o.job_id)
+                success = True
             results.append(TransferResult(o.job_id, success, o.nbytes, o.seconds))
         return results
+
+    def take_failed_jobs(self) -> set[int]:
+        """Load jobs that failed since the last call, for a connector that reports their requests as failed."""
+        with self._lock:
+            failed, self.failed_jobs = self.failed_jobs, set()
+        return failed
 
     def take_invalid_block_ids(self) -> set[int]:
         """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
@@ -231,6 +245,8 @@ class DatamoverOffloadingWorker(OffloadingWorker):
     def _handle(self, verb: str, args: list) -> Any:
         if verb == "stats":
             return {"tiers": self.cache.stats(), "worker": dict(self.counters)}
+        if verb == "clear":  # vLLM's reset_cache (a weights update): no block from before may be found again
+            return self.cache.clear(shared=True)
         keys = check_keys(args[0] if args else None)
         if verb == "lookup":
             out = []
