@@ -21,13 +21,14 @@ its header, before anything is allocated. Handlers run on ``workers`` threads.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -123,28 +124,37 @@ class MetadataServer:
     # -- the loop --------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic()
-            soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
             try:
-                events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
-            except OSError:
-                return
-            for key, mask in events:
-                if self._stop.is_set():
+                if not self._turn():
                     return
-                if key.fileobj is self._sock:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    self._drain_wake()
-                else:
-                    conn = self._conns.get(key.fd)
-                    if conn is not None:
-                        self._step(conn, mask)
-            now = time.monotonic()
-            for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
-                self.expired += 1
-                log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
-                self._close(conn)
+            except Exception:  # a bug in one turn must not stop this agent serving GET, PUSH and DROP
+                log.exception("side channel: a turn of the server loop failed; serving on")
+
+    def _turn(self) -> bool:
+        """Wait for and serve one round of events, then close the connections past their deadline; False to stop."""
+        now = time.monotonic()
+        soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
+        try:
+            events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
+        except OSError:
+            return False
+        for key, mask in events:
+            if self._stop.is_set():
+                return False
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                self._drain_wake()
+            else:
+                conn = self._conns.get(key.fd)
+                if conn is not None:
+                    self._step(conn, mask)
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
+            self.expired += 1
+            log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
+            self._close(conn)
+        return True
 
     def _accept(self) -> None:
         while True:
@@ -172,7 +182,7 @@ class MetadataServer:
         return True
 
     def _step(self, conn: _Conn, mask: int) -> None:
-        try:
+        with self._io(conn):
             if mask & selectors.EVENT_WRITE and conn.state == "reply":
                 self._send(conn)
             elif mask & selectors.EVENT_READ and conn.state in ("verb", "len", "body"):
@@ -180,6 +190,12 @@ class MetadataServer:
             elif mask & selectors.EVENT_READ:  # a client talking while its reply is prepared, or closing
                 if not conn.sock.recv(4096):
                     self._close(conn)
+
+    @contextlib.contextmanager
+    def _io(self, conn: _Conn) -> Iterator[None]:
+        """Socket calls on ``conn``: one that would block is tried again later; a lost client is closed."""
+        try:
+            yield
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
@@ -262,7 +278,8 @@ class MetadataServer:
         while self._replies:
             conn, reply = self._replies.popleft()
             if conn.sock.fileno() >= 0 and self._conns.get(conn.sock.fileno()) is conn:
-                self._reply(conn, reply)
+                with self._io(conn):  # the client may have reset its connection while it waited
+                    self._reply(conn, reply)
 
     def _reply(self, conn: _Conn, data: bytes) -> None:
         self._release(conn)

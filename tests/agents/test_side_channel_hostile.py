@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.agents.metadata import encode_metadata
-from datamover.agents.side_channel import DROP, PUSH, fetch_metadata, send_request
+from datamover.agents.side_channel import DROP, PUSH, MetadataServer, fetch_metadata, send_request
 from datamover.descriptors import MemType
-from datamover.errors import RemoteRefused
+from datamover.errors import DatamoverError, RemoteRefused
+from datamover.testing.waiting import until
 
 
 def _agent(name, **extra):
@@ -243,3 +244,49 @@ def test_a_push_of_millions_of_empty_lists_is_refused_before_they_are_built():
             tracemalloc.stop()
         assert peak < 100 << 20, f"decoding one PUSH took a peak of {peak >> 20} MiB"
         assert a.remotes == []
+
+
+def test_a_client_reset_while_its_reply_is_sent_closes_that_connection_and_the_server_serves_on(monkeypatch):
+    """The first reply's send raises ConnectionResetError (the client reset as its answer was ready): that client
+    is cut, and the server thread still answers the next GET (the old loop died there and served nobody again)."""
+    real_send = MetadataServer._send
+    failed = []
+
+    def reset_once(self, conn):
+        if not failed:
+            failed.append(conn)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real_send(self, conn)
+
+    monkeypatch.setattr(MetadataServer, "_send", reset_once)
+    server = MetadataServer(lambda: b"blob")
+    try:
+        with pytest.raises(DatamoverError):
+            fetch_metadata(*server.address, timeout=5)
+        assert failed, "the reply's send was never reached"
+        assert fetch_metadata(*server.address, timeout=5) == b"blob"
+        assert server._thread.is_alive()
+        until(lambda: server.open_connections == 0, 5, "the server closing its connections")
+    finally:
+        server.close()
+
+
+def test_an_unexpected_error_in_a_turn_of_the_loop_is_logged_and_the_server_serves_on(monkeypatch, caplog):
+    real_accept = MetadataServer._accept
+    failed = []
+
+    def broken_once(self):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the loop")
+        return real_accept(self)
+
+    monkeypatch.setattr(MetadataServer, "_accept", broken_once)
+    server = MetadataServer(lambda: b"blob")
+    try:
+        with socket.create_connection(server.address, timeout=5):  # its accept fails; the next turn accepts it
+            pass
+        assert fetch_metadata(*server.address, timeout=5) == b"blob"
+        assert failed and "a turn of the server loop failed" in caplog.text
+    finally:
+        server.close()
