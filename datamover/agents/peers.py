@@ -182,7 +182,7 @@ class Peers:
         if src[0] == "tcp":
             from .side_channel import fetch_metadata
 
-            return self.add(fetch_metadata(src[1], src[2]))
+            return self.add(fetch_metadata(src[1], src[2], timeout=self._config.timeout_s))
         from . import etcd as etcd_mod
 
         return self.add(etcd_mod.fetch(src[1], src[2], name, timeout=self._config.timeout_s))

@@ -6,6 +6,7 @@ and identity checks are exercised through the real server.
 
 import socket
 import struct
+import threading
 import time
 import tracemalloc
 
@@ -18,7 +19,7 @@ from datamover import Agent
 from datamover.agents.metadata import encode_metadata
 from datamover.agents.side_channel import DROP, PUSH, MetadataServer, fetch_metadata, send_request
 from datamover.descriptors import MemType
-from datamover.errors import DatamoverError, RemoteRefused
+from datamover.errors import DatamoverError, RemoteDisconnected, RemoteRefused
 from datamover.testing.waiting import until
 
 
@@ -290,3 +291,71 @@ def test_an_unexpected_error_in_a_turn_of_the_loop_is_logged_and_the_server_serv
         assert failed and "a turn of the server loop failed" in caplog.text
     finally:
         server.close()
+
+
+def _drip_server(head: bytes, n: int, gap_s: float) -> tuple[socket.socket, threading.Event]:
+    """A hostile side channel: answers ``head`` then ``n`` bytes, one every ``gap_s`` seconds, until told to stop."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(head)
+            for _ in range(n):
+                if stop.wait(gap_s):
+                    return
+                try:
+                    conn.sendall(b"\x80")
+                except OSError:
+                    return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return lst, stop
+
+
+@pytest.mark.parametrize(
+    "call, head",
+    [
+        (lambda addr: fetch_metadata(*addr, timeout=0.5), b"DMMD" + struct.pack("!I", 100)),
+        (lambda addr: fetch_metadata(*addr, timeout=0.5), b"ERR " + struct.pack("!I", 100)),
+        (lambda addr: send_request(*addr, PUSH, b"x", timeout=0.5), b"ERR " + struct.pack("!I", 100)),
+    ],
+    ids=["get-blob", "get-err-reason", "push-err-reason"],
+)
+def test_a_peer_dripping_bytes_cannot_hold_a_call_past_its_timeout(call, head):
+    """A byte every 0.1 s never trips a 0.5 s per-read timeout: the old client read 100 of them (10 s); the timeout
+    now bounds the call."""
+    lst, stop = _drip_server(head, 100, 0.1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteDisconnected, match="timed out"):
+            call(lst.getsockname())
+        assert time.monotonic() - t0 < 3
+    finally:
+        stop.set()
+        lst.close()
+
+
+def test_a_long_err_reason_is_read_to_4096_bytes_only():
+    lst, stop = _drip_server(b"ERR " + struct.pack("!I", 1 << 30) + b"r" * 4096, 0, 0)
+    try:
+        with pytest.raises(RemoteRefused) as caught:
+            send_request(*lst.getsockname(), DROP, b"x", timeout=5)
+        assert str(caught.value).endswith("r" * 4096)  # not a wait for, or an allocation of, the 1 GiB announced
+    finally:
+        stop.set()
+        lst.close()
+
+
+def test_refresh_waits_the_agents_configured_timeout(monkeypatch):
+    from datamover.agents import side_channel
+
+    with _agent("a") as a, Agent("b", {"backends": {"memcpy": {}}, "timeout_s": 1.5}) as b:
+        b.fetch_remote(*a.listen_address)
+        asked = []
+        real = side_channel.fetch_metadata
+        monkeypatch.setattr(side_channel, "fetch_metadata", lambda *args, **kw: asked.append(kw) or real(*args, **kw))
+        assert b.refresh_remote("a") == "a"
+        assert asked == [{"timeout": 1.5}]
