@@ -359,3 +359,21 @@ def test_refresh_waits_the_agents_configured_timeout(monkeypatch):
         monkeypatch.setattr(side_channel, "fetch_metadata", lambda *args, **kw: asked.append(kw) or real(*args, **kw))
         assert b.refresh_remote("a") == "a"
         assert asked == [{"timeout": 1.5}]
+
+
+def test_pushed_connection_info_counts_against_the_byte_budget():
+    """Each push keeps 60 KiB of connection info and no region: a 100 KiB budget takes one such peer, not two (the
+    old budget counted regions only, and a peer's megabytes of 'backends' were kept uncounted)."""
+    import msgpack
+
+    def blob(name):
+        return msgpack.packb(
+            {"schema": 1, "name": name, "backends": {"junk": {"x": b"j" * (60 << 10)}}, "regions": []},
+            use_bin_type=True,
+        )
+
+    with _agent("b", push_budget={"max_bytes": 100 << 10}) as b:
+        send_request(*b.listen_address, PUSH, blob("one"))
+        with pytest.raises(RemoteRefused, match="budget"):
+            send_request(*b.listen_address, PUSH, blob("two"))
+        assert b.remotes == ["one"]
