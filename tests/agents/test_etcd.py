@@ -194,3 +194,32 @@ def test_a_watch_refuses_a_line_over_its_bound_re_watches_and_delivers_on(etcd, 
     finally:
         watch.close()
         default.close()
+
+
+def test_a_key_holding_another_agents_metadata_replaces_nobody(etcd, ns):
+    """alice's key rewritten with a blob naming bob: the watch refuses it (bob stays the one this agent loaded), and
+    a fetch of a key naming bob refuses it without touching bob (it used to load the forgery, then forget bob)."""
+    import numpy as np
+
+    from datamover.agents.etcd import agent_key, connect
+    from datamover.agents.metadata import encode_metadata
+    from datamover.descriptors import MemType
+    from datamover.errors import InvalidMetadata
+
+    memcpy = {"backends": {"memcpy": {}}}
+    forged_bob = encode_metadata("bob", {}, [(MemType.DRAM, 0, 1 << 30, 1 << 20, 9)])
+    with Agent("me", memcpy) as me, Agent("alice", memcpy) as alice, Agent("bob", memcpy) as bob:
+        bob.register_memory(np.zeros(4096, np.uint8))
+        me.add_remote(bob.metadata())
+        real_bob = me.remote_metadata("bob")
+        alice.publish(etcd, ns, ttl=5)
+        assert me.fetch_remote("alice", etcd=etcd, namespace=ns, timeout=5) == "alice"
+        connect(etcd).put(agent_key(ns, "alice"), forged_bob)
+        alice.register_memory(np.zeros(4096, np.uint8))  # republished after the forgery: seen once it was handled
+        assert _until(lambda: len(me.remote_metadata("alice").regions) == 1, 10)
+        assert me.remote_metadata("bob") is real_bob
+        connect(etcd).put(agent_key(ns, "carol"), forged_bob)
+        with pytest.raises(InvalidMetadata, match="etcd key of 'carol' holds the metadata of 'bob'"):
+            me.fetch_remote("carol", etcd=etcd, namespace=ns, timeout=5)
+        assert me.remote_metadata("bob") is real_bob
+        alice.unpublish()
