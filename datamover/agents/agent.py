@@ -22,7 +22,7 @@ from .backend_set import BackendSet
 from .config import AgentConfig
 from .maker import Prepared, TransferMaker
 from .metadata import AgentMetadata
-from .notifications import Notifications
+from .notifications import InboxLimits, Notifications
 from .peers import Peers
 from .registry import Registry
 from .transfer import Transfer
@@ -56,7 +56,7 @@ class Agent:
         self._registry = Registry(name, self._lock, self._backends, on_change=self._regions_changed)
         self._peers = Peers(name, cfg, self._lock, self._backends, self._registry, on_change=self._peers_changed)
         self._maker = TransferMaker(self, cfg, self._registry, self._peers, self._backends)
-        self._inbox = Notifications()
+        self._inbox = Notifications(InboxLimits(**cfg.extra.get("inbox", {})))
         self._peers.listen()
 
     def _regions_changed(self) -> None:
@@ -268,6 +268,12 @@ class Agent:
     ) -> tuple[str, bytes]:
         """Wait for (and remove) the first notification starting with ``prefix``; returns (sender, message)."""
         return self._inbox.wait(prefix, timeout, peer)
+
+    @property
+    def notifications_dropped(self) -> dict[str, int]:
+        """By sender, the notifications dropped (oldest first) to keep the inbox within its limits (config
+        ``extra["inbox"]``: ``max_per_sender``, ``max_sender_bytes``, ``max_messages``, ``max_bytes``)."""
+        return self._inbox.dropped_by_sender()
 
     def send_notification(self, peer: str, message: bytes) -> None:
         """Send ``message`` to ``peer`` without data (to itself when ``peer`` is this agent)."""

@@ -15,7 +15,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -23,6 +23,10 @@ from ..errors import BackendUnavailable, InvalidMetadata, RemoteDisconnected
 from .metadata import MAX_BLOB_BYTES
 
 log = logging.getLogger("datamover.etcd")
+
+#: the longest watch-stream line taken: one event carrying the largest blob, base64 (4 bytes per 3), with room for
+#: the JSON around it (key, revisions, header)
+MAX_WATCH_LINE = 4 * -(-MAX_BLOB_BYTES // 3) + (64 << 10)
 
 
 def agent_key(namespace: str, name: str) -> str:
@@ -170,7 +174,8 @@ class EtcdWatch:
     revision after that read; a stream idle for ``idle_s`` is reopened the
     same way, which also notices a connection that died silently. Speaks the
     v3 JSON gateway itself (etcd3gw's watch iterator never ends when the
-    stream does).
+    stream does). A stream line over ``max_line`` bytes is refused and the
+    watch reopened.
     """
 
     def __init__(
@@ -183,8 +188,10 @@ class EtcdWatch:
         *,
         retry_s: float = 0.2,
         idle_s: float = 30.0,
+        max_line: int = MAX_WATCH_LINE,
     ) -> None:
         self.key = agent_key(namespace, name)
+        self._max_line = max_line
         self._client = client
         self._on_change, self._on_delete = on_change, on_delete
         self._retry_s, self._idle_s = retry_s, idle_s
@@ -231,7 +238,7 @@ class EtcdWatch:
         self._resp = resp = self._post("/watch", body, stream=True, timeout=(self._client.timeout, self._idle_s))
         try:
             resp.raise_for_status()
-            for line in resp.iter_lines():
+            for line in split_lines(resp.iter_content(chunk_size=1 << 20), self._max_line, f"etcd watch of {self.key}"):
                 if self._stop.is_set():
                     return
                 if not line.strip():
@@ -268,6 +275,28 @@ class EtcdWatch:
         if resp is not None:
             _shutdown(resp)
         self._thread.join(5)
+
+
+def split_lines(chunks: Iterable[bytes], most: int, what: str = "the etcd watch") -> Iterator[bytes]:
+    """The newline-ended lines of a stream read in chunks, each byte scanned once (requests' iter_lines copied a
+    long line's pending part again at every chunk); InvalidMetadata once a line passes ``most`` bytes."""
+    buf = bytearray()
+    for chunk in chunks:
+        scan, begin = len(buf), 0  # the bytes before ``scan`` hold no newline
+        buf += chunk
+        while (end := buf.find(b"\n", scan)) >= 0:
+            _refuse_over(end - begin, most, what)
+            yield bytes(buf[begin:end])
+            begin = scan = end + 1
+        del buf[:begin]
+        _refuse_over(len(buf), most, what)
+    if buf:
+        yield bytes(buf)
+
+
+def _refuse_over(n: int, most: int, what: str) -> None:
+    if n > most:
+        raise InvalidMetadata(f"{what}: a watch stream line of over {most} bytes; at most {most} accepted")
 
 
 def _b64(key: str) -> str:

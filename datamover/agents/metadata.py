@@ -30,6 +30,16 @@ MAX_REGIONS = 1 << 20
 #: lists and maps a blob may hold besides one per region (the document, its backends' maps, their values)
 _SPARE_CONTAINERS = 1024
 MAX_NAME_LEN = 256
+#: the most bytes the ``backends`` section (every backend's connection info) may take, encoded: real sections are
+#: a few hundred bytes (ucx: a worker address, typically under 2 KiB, a host and a port); this leaves room for ucx's
+#: own 64 KiB bound on a worker address
+MAX_BACKENDS_BYTES = 96 << 10
+#: the most keys and elements in the ``backends`` section, all levels together, and how deep it may nest (the
+#: section's map, a backend's map, a value that is a list or map of plain values)
+MAX_BACKENDS_ITEMS = 256
+MAX_BACKENDS_DEPTH = 3
+#: what one key or element of a decoded ``backends`` section is counted to keep besides its encoded bytes
+_ITEM_NBYTES = 64
 _INT64_MAX = (1 << 63) - 1
 _IDENT_LEN = 32
 
@@ -51,6 +61,7 @@ class AgentMetadata:
     mem_codes: np.ndarray = field(repr=False)
     ident: bytes | None = None
     partial: bool = False
+    backends_nbytes: int = 0  # what ``backends`` keeps, roughly (see ``MAX_BACKENDS_BYTES``)
 
     @functools.cached_property
     def regions(self) -> tuple[tuple[MemType, int, int, int, int], ...]:
@@ -60,7 +71,7 @@ class AgentMetadata:
     @property
     def nbytes(self) -> int:
         """What this metadata keeps in memory, roughly (for budgets)."""
-        return int(self.rows.nbytes + self.mem_codes.nbytes) + self.table.nbytes
+        return int(self.rows.nbytes + self.mem_codes.nbytes) + self.table.nbytes + self.backends_nbytes
 
 
 def agent_ident(token: bytes) -> bytes:
@@ -111,13 +122,17 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
     try:
         doc = msgpack.unpackb(
             bytes(blob), raw=False, strict_map_key=True, max_bin_len=MAX_BLOB_BYTES,
-            max_str_len=MAX_BLOB_BYTES, max_array_len=max(max_regions, 5), max_map_len=MAX_REGIONS,
+            max_str_len=MAX_BLOB_BYTES, max_array_len=max(max_regions, 5), max_map_len=MAX_BACKENDS_ITEMS,
             object_hook=count, list_hook=count,
         )  # fmt: skip
     except Exception as exc:
         if "max_array_len" in str(exc):
             raise InvalidMetadata(
                 f"metadata has an array longer than {max_regions}: at most {max_regions} regions are accepted"
+            ) from None
+        if "max_map_len" in str(exc):  # the only maps are the document's and its 'backends' section's
+            raise InvalidMetadata(
+                f"metadata has a map of more than {MAX_BACKENDS_ITEMS} keys: 'backends' holds at most that many"
             ) from None
         raise InvalidMetadata(f"metadata is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if not isinstance(doc, dict):
@@ -138,6 +153,7 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
         isinstance(k, str) and isinstance(v, dict) and all(isinstance(kk, str) for kk in v) for k, v in backends.items()
     ):
         raise InvalidMetadata("metadata 'backends' must map backend names to maps with string keys")
+    backends_nbytes = _backends_nbytes(backends)
     ident = doc.get("ident")
     if ident is not None and not (isinstance(ident, bytes) and len(ident) == _IDENT_LEN):
         raise InvalidMetadata(f"metadata 'ident' must be {_IDENT_LEN} bytes")
@@ -163,7 +179,27 @@ def decode_metadata(blob: bytes, max_regions: int = MAX_REGIONS) -> AgentMetadat
         mem_codes=codes,
         ident=ident,
         partial=partial,
+        backends_nbytes=backends_nbytes,
     )
+
+
+def _backends_nbytes(backends: dict) -> int:
+    """Refuse a ``backends`` section past its bounds (items, depth, encoded bytes); what it keeps, roughly."""
+    items, stack = 0, [(backends, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_BACKENDS_DEPTH:
+            raise InvalidMetadata(f"metadata 'backends' nests deeper than {MAX_BACKENDS_DEPTH} levels")
+        items += len(value)
+        if items > MAX_BACKENDS_ITEMS:
+            raise InvalidMetadata(f"metadata 'backends' has more than {MAX_BACKENDS_ITEMS} keys and elements")
+        stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    size = len(msgpack.packb(backends, use_bin_type=True))
+    if size > MAX_BACKENDS_BYTES:
+        raise InvalidMetadata(f"metadata 'backends' of {size} bytes; at most {MAX_BACKENDS_BYTES} accepted")
+    return size + items * _ITEM_NBYTES
 
 
 def _region_columns(raw: list) -> tuple[np.ndarray, tuple[MemType, ...], np.ndarray]:

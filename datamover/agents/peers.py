@@ -163,16 +163,21 @@ class Peers:
         from . import etcd as etcd_mod
 
         client = etcd_mod.connect(etcd, timeout=timeout)
-        name = self.add(etcd_mod.fetch(client, namespace, where, timeout=timeout))
-        if name != where:
-            self.remove(name)
-            raise InvalidMetadata(f"etcd key of {where!r} holds the metadata of {name!r}")
+        name = self._add_keyed(where, etcd_mod.fetch(client, namespace, where, timeout=timeout))
         self._sources[name] = ("etcd", client, namespace)
         if watch and name not in self._watches:
             self._watches[name] = etcd_mod.EtcdWatch(
-                client, namespace, name, on_change=self.add, on_delete=lambda: self._expired(name)
-            )
+                client, namespace, name, on_change=lambda blob: self._add_keyed(name, blob),
+                on_delete=lambda: self._expired(name),
+            )  # fmt: skip
         return name
+
+    def _add_keyed(self, name: str, blob: bytes) -> str:
+        """Load a blob read at peer ``name``'s etcd key; one naming another agent is refused before it replaces it."""
+        meta = decode_metadata(open_metadata(blob, self._config.secret))
+        if meta.name != name:
+            raise InvalidMetadata(f"etcd key of {name!r} holds the metadata of {meta.name!r}; refused")
+        return self.load(meta)
 
     def refresh(self, name: str) -> str:
         """Fetch peer ``name``'s metadata again from where it came."""
@@ -182,10 +187,10 @@ class Peers:
         if src[0] == "tcp":
             from .side_channel import fetch_metadata
 
-            return self.add(fetch_metadata(src[1], src[2]))
+            return self.add(fetch_metadata(src[1], src[2], timeout=self._config.timeout_s))
         from . import etcd as etcd_mod
 
-        return self.add(etcd_mod.fetch(src[1], src[2], name, timeout=self._config.timeout_s))
+        return self._add_keyed(name, etcd_mod.fetch(src[1], src[2], name, timeout=self._config.timeout_s))
 
     def send_metadata(self, host: str, port: int, timeout: float, blob: bytes | None) -> None:
         """PUSH this agent's metadata (or ``blob``) to the side channel at (host, port)."""

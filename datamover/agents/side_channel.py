@@ -21,13 +21,14 @@ its header, before anything is allocated. Handlers run on ``workers`` threads.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ OK, ERR = b"OK\0\0", b"ERR "
 _HEAD = struct.Struct("!4sI")
 _LEN = struct.Struct("!I")
 _MAX_PROOF = 256
+#: the most bytes of an ERR reason sent or read
+_MAX_REASON = 4096
 #: the fields each verb carries after it: (name, most bytes); PUSH's blob limit is the server's max_request_bytes
 _FIELDS = {GET: (), PUSH: (("blob", None), ("proof", _MAX_PROOF)), DROP: (("payload", None),)}
 
@@ -123,28 +126,37 @@ class MetadataServer:
     # -- the loop --------------------------------------------------------------
     def _serve(self) -> None:
         while not self._stop.is_set():
-            now = time.monotonic()
-            soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
             try:
-                events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
-            except OSError:
-                return
-            for key, mask in events:
-                if self._stop.is_set():
+                if not self._turn():
                     return
-                if key.fileobj is self._sock:
-                    self._accept()
-                elif key.fileobj is self._wake_r:
-                    self._drain_wake()
-                else:
-                    conn = self._conns.get(key.fd)
-                    if conn is not None:
-                        self._step(conn, mask)
-            now = time.monotonic()
-            for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
-                self.expired += 1
-                log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
-                self._close(conn)
+            except Exception:  # a bug in one turn must not stop this agent serving GET, PUSH and DROP
+                log.exception("side channel: a turn of the server loop failed; serving on")
+
+    def _turn(self) -> bool:
+        """Wait for and serve one round of events, then close the connections past their deadline; False to stop."""
+        now = time.monotonic()
+        soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
+        try:
+            events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
+        except OSError:
+            return False
+        for key, mask in events:
+            if self._stop.is_set():
+                return False
+            if key.fileobj is self._sock:
+                self._accept()
+            elif key.fileobj is self._wake_r:
+                self._drain_wake()
+            else:
+                conn = self._conns.get(key.fd)
+                if conn is not None:
+                    self._step(conn, mask)
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
+            self.expired += 1
+            log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
+            self._close(conn)
+        return True
 
     def _accept(self) -> None:
         while True:
@@ -172,7 +184,7 @@ class MetadataServer:
         return True
 
     def _step(self, conn: _Conn, mask: int) -> None:
-        try:
+        with self._io(conn):
             if mask & selectors.EVENT_WRITE and conn.state == "reply":
                 self._send(conn)
             elif mask & selectors.EVENT_READ and conn.state in ("verb", "len", "body"):
@@ -180,6 +192,12 @@ class MetadataServer:
             elif mask & selectors.EVENT_READ:  # a client talking while its reply is prepared, or closing
                 if not conn.sock.recv(4096):
                     self._close(conn)
+
+    @contextlib.contextmanager
+    def _io(self, conn: _Conn) -> Iterator[None]:
+        """Socket calls on ``conn``: one that would block is tried again later; a lost client is closed."""
+        try:
+            yield
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as exc:
@@ -262,7 +280,8 @@ class MetadataServer:
         while self._replies:
             conn, reply = self._replies.popleft()
             if conn.sock.fileno() >= 0 and self._conns.get(conn.sock.fileno()) is conn:
-                self._reply(conn, reply)
+                with self._io(conn):  # the client may have reset its connection while it waited
+                    self._reply(conn, reply)
 
     def _reply(self, conn: _Conn, data: bytes) -> None:
         self._release(conn)
@@ -310,57 +329,60 @@ class MetadataServer:
 
 
 def _error(reason: str) -> bytes:
-    data = reason.encode(errors="replace")[:4096]
+    data = reason.encode(errors="replace")[:_MAX_REASON]
     return _HEAD.pack(ERR, len(data)) + data
 
 
 def fetch_metadata(host: str, port: int, timeout: float = 5.0) -> bytes:
-    """Read a peer's blob from its side channel; RemoteDisconnected if unreachable, InvalidMetadata if garbled."""
+    """Read a peer's blob from its side channel within ``timeout`` seconds in all (not per read: a peer dripping
+    bytes holds nobody past it); RemoteDisconnected if unreachable or too slow, InvalidMetadata if garbled."""
+    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
             sock.sendall(GET)
-            magic, n = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
+            magic, n = _HEAD.unpack(_recv_exact(sock, _HEAD.size, deadline))
             if magic == ERR:
-                reason = _recv_exact(sock, min(n, 4096)).decode(errors="replace")
+                reason = _recv_exact(sock, min(n, _MAX_REASON), deadline).decode(errors="replace")
                 raise RemoteRefused(f"{host}:{port} refused GET: {reason}")
             if magic != MAGIC:
                 raise InvalidMetadata(f"{host}:{port} is not a datamover metadata side channel")
             if n > MAX_BLOB_BYTES:
                 raise InvalidMetadata(f"{host}:{port} announced a {n}-byte blob; at most {MAX_BLOB_BYTES} accepted")
-            return _recv_exact(sock, n)
+            return _recv_exact(sock, n, deadline)
     except OSError as exc:
         raise RemoteDisconnected(f"cannot fetch metadata from {host}:{port}: {exc.strerror or exc}") from None
 
 
 def send_request(host: str, port: int, verb: bytes, payload: bytes, timeout: float = 5.0, proof: bytes = b"") -> None:
-    """Send a PUSH (with ``proof``) or a DROP to a peer's side channel; RemoteRefused carries the peer's reason."""
+    """Send a PUSH (with ``proof``) or a DROP to a peer's side channel and take its answer within ``timeout``
+    seconds in all; RemoteRefused carries the peer's reason."""
     frame = verb + _LEN.pack(len(payload)) + payload
     if verb == PUSH:
         frame += _LEN.pack(len(proof)) + proof
+    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as sock:
             sock.sendall(frame)
-            status = _recv_exact(sock, 4)
+            status = _recv_exact(sock, 4, deadline)
             if status == OK:
                 return
             if status != ERR:
                 raise InvalidMetadata(f"{host}:{port} answered {status!r}: not a datamover side channel")
-            reason = _recv_sized(sock, "reply").decode(errors="replace")
+            (n,) = _LEN.unpack(_recv_exact(sock, 4, deadline))
+            reason = _recv_exact(sock, min(n, _MAX_REASON), deadline).decode(errors="replace")
     except OSError as exc:
         raise RemoteDisconnected(f"cannot reach the side channel at {host}:{port}: {exc.strerror or exc}") from None
     raise RemoteRefused(f"{host}:{port} refused {verb.decode().strip()}: {reason}")
 
 
-def _recv_sized(sock: socket.socket, what: str) -> bytes:
-    (n,) = _LEN.unpack(_recv_exact(sock, 4))
-    if n > MAX_BLOB_BYTES:
-        raise InvalidMetadata(f"side channel {what} of {n} bytes; at most {MAX_BLOB_BYTES} accepted")
-    return _recv_exact(sock, n)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes from ``sock`` by ``deadline`` (monotonic); TimeoutError (an OSError) once it passes."""
     buf = bytearray()
     while len(buf) < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"timed out after {len(buf)} of {n} bytes")
+        sock.settimeout(left)
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             raise InvalidMetadata(f"side channel closed after {len(buf)} of {n} bytes (truncated)")

@@ -14,6 +14,7 @@ from datamover.errors import (
     BackendUnavailable,
     InvalidDescriptor,
     InvalidMetadata,
+    InvalidParameter,
     NotificationTimeout,
     NotRegistered,
     TransferIOError,
@@ -229,3 +230,27 @@ def test_run_parts_parts_run_exactly_once_with_a_waiter_racing_the_pool():
             c = run_parts(pool, [(0, 1), (1, 2), (2, 3)], lambda a, b, comp, seen=seen: seen.append(a), backend="t")
             assert c.wait(5, assist=True)
             assert sorted(seen) == [0, 1, 2]
+
+
+def test_the_inbox_keeps_each_sender_within_its_limits_dropping_the_oldest_counted():
+    limits = {"max_per_sender": 3, "max_sender_bytes": 1000, "max_messages": 5, "max_bytes": 1 << 20}
+    with Agent("me", {"backends": {"memcpy": {}}, "extra": {"inbox": limits}}) as agent:
+        for k in range(6):  # a flooding sender: its three newest stay
+            agent.deliver_notification("flood", b"f%d" % k)
+        agent.deliver_notification("big", b"x" * 600)
+        agent.deliver_notification("big", b"y" * 600)  # with overhead, two are over the sender's 1000 bytes
+        agent.deliver_notification("calm", b"c0")
+        assert agent.notifications_dropped == {"flood": 3, "big": 1}
+        agent.deliver_notification("calm", b"c1")  # six queued, over the five in all: the oldest of the sender
+        assert agent.notifications_dropped == {"flood": 3, "big": 2}  # holding the most bytes goes
+        assert agent.get_notifications() == {"flood": [b"f3", b"f4", b"f5"], "calm": [b"c0", b"c1"]}
+        for k in range(5):  # drained: the budget is free again, and the sender's own limit still holds
+            agent.deliver_notification("calm", b"c%d" % k)
+        assert agent.wait_notification(b"c4", timeout=1) == ("calm", b"c4")
+        assert agent.get_notifications() == {"calm": [b"c2", b"c3"]}
+        assert agent.notifications_dropped == {"flood": 3, "big": 2, "calm": 2}
+
+
+def test_inbox_limits_must_be_positive_integers():
+    with pytest.raises(InvalidParameter, match="max_bytes"):
+        Agent("me", {"backends": {"memcpy": {}}, "extra": {"inbox": {"max_bytes": 0}}})

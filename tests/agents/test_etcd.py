@@ -5,6 +5,8 @@ import time
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from datamover import Agent, XferState
 from datamover.backends import backend_status
@@ -129,3 +131,95 @@ def test_unreachable_etcd(ns):
     with Agent("no-etcd", UCX) as agent:
         with pytest.raises(RemoteDisconnected, match="no etcd endpoint"):
             agent.publish("http://127.0.0.1:1", ns)
+
+
+def _expected_lines(data: bytes) -> list[bytes]:
+    *lines, last = data.split(b"\n")
+    return lines + ([last] if last else [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300).map(lambda b: b.replace(b"\x00", b"\n")), st.lists(st.integers(1, 40), max_size=20))
+def test_split_lines_is_split_on_newlines_and_refuses_a_line_over_the_bound(data, cuts):
+    from datamover.agents.etcd import split_lines
+    from datamover.errors import InvalidMetadata
+
+    bounds = sorted({0, len(data), *(c * 7 % (len(data) + 1) for c in cuts)})
+    chunks = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    most = 16
+    lines = _expected_lines(data)
+    if any(len(line) > most for line in lines):
+        with pytest.raises(InvalidMetadata, match="at most 16"):
+            list(split_lines(chunks, most))
+    else:
+        assert list(split_lines(chunks, most)) == lines
+
+
+def test_split_lines_refuses_a_stream_that_never_ends_its_line_once_past_the_bound():
+    from datamover.agents.etcd import split_lines
+    from datamover.errors import InvalidMetadata
+
+    read = []
+
+    def endless():
+        while True:
+            read.append(4096)
+            yield b"x" * 4096
+
+    with pytest.raises(InvalidMetadata, match="at most 65536"):
+        list(split_lines(endless(), 1 << 16))
+    assert sum(read) <= (1 << 16) + 4096  # the old reader buffered for as long as the gateway sent
+
+
+def test_a_watch_refuses_a_line_over_its_bound_re_watches_and_delivers_on(etcd, ns):
+    from datamover.agents.etcd import EtcdWatch, agent_key, connect
+
+    client = connect(etcd)
+    key = agent_key(ns, "peer")
+    client.put(key, b"v0")
+    changes, plain = [], []
+    watch = EtcdWatch(client, ns, "peer", on_change=changes.append, on_delete=lambda: None, max_line=4096)
+    default = EtcdWatch(client, ns, "peer", on_change=plain.append, on_delete=lambda: None)
+    try:
+        # the first reads are done: what follows comes through the streams
+        assert _until(lambda: changes == [b"v0"] and plain == [b"v0"], 10), (changes, plain)
+        big = b"b" * 8192  # its event's line is over 4096 bytes
+        client.put(key, big)
+        assert _until(lambda: changes[-1:] == [big], 10), "the refused line's value was not read again"
+        assert watch.reconnects >= 1
+        mib = bytes(range(256)) * 4096  # 1 MiB, under the default bound: taken from the stream as it is
+        client.put(key, mib)
+        assert _until(lambda: plain == [b"v0", big, mib], 10)
+        assert default.reconnects == 0
+    finally:
+        watch.close()
+        default.close()
+
+
+def test_a_key_holding_another_agents_metadata_replaces_nobody(etcd, ns):
+    """alice's key rewritten with a blob naming bob: the watch refuses it (bob stays the one this agent loaded), and
+    a fetch of a key naming bob refuses it without touching bob (it used to load the forgery, then forget bob)."""
+    import numpy as np
+
+    from datamover.agents.etcd import agent_key, connect
+    from datamover.agents.metadata import encode_metadata
+    from datamover.descriptors import MemType
+    from datamover.errors import InvalidMetadata
+
+    memcpy = {"backends": {"memcpy": {}}}
+    forged_bob = encode_metadata("bob", {}, [(MemType.DRAM, 0, 1 << 30, 1 << 20, 9)])
+    with Agent("me", memcpy) as me, Agent("alice", memcpy) as alice, Agent("bob", memcpy) as bob:
+        bob.register_memory(np.zeros(4096, np.uint8))
+        me.add_remote(bob.metadata())
+        real_bob = me.remote_metadata("bob")
+        alice.publish(etcd, ns, ttl=5)
+        assert me.fetch_remote("alice", etcd=etcd, namespace=ns, timeout=5) == "alice"
+        connect(etcd).put(agent_key(ns, "alice"), forged_bob)
+        alice.register_memory(np.zeros(4096, np.uint8))  # republished after the forgery: seen once it was handled
+        assert _until(lambda: len(me.remote_metadata("alice").regions) == 1, 10)
+        assert me.remote_metadata("bob") is real_bob
+        connect(etcd).put(agent_key(ns, "carol"), forged_bob)
+        with pytest.raises(InvalidMetadata, match="etcd key of 'carol' holds the metadata of 'bob'"):
+            me.fetch_remote("carol", etcd=etcd, namespace=ns, timeout=5)
+        assert me.remote_metadata("bob") is real_bob
+        alice.unpublish()

@@ -7,6 +7,9 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.agents.metadata import (
+    MAX_BACKENDS_BYTES,
+    MAX_BACKENDS_DEPTH,
+    MAX_BACKENDS_ITEMS,
     MAX_NAME_LEN,
     SCHEMA_VERSION,
     decode_metadata,
@@ -200,3 +203,32 @@ def test_signed_blob_any_flipped_byte_is_refused(regs, data):
     bad[i] ^= data.draw(st.integers(1, 255))
     with pytest.raises((AuthenticationError, InvalidMetadata)):
         decode_metadata(open_metadata(bytes(bad), b"key"))
+
+
+def _with_backends(backends):
+    return msgpack.packb({**_valid_doc(), "backends": backends}, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "backends, why",
+    [
+        ({"junk": {f"{i:x}": 0 for i in range(1_000_000)}}, "map of more than"),  # 7 MiB on the wire, 100 MB built
+        ({"junk": {"k": list(range(MAX_BACKENDS_ITEMS))}}, "keys and elements"),
+        ({"junk": {f"k{i}": [0] * 8 for i in range(MAX_BACKENDS_ITEMS // 8)}}, "keys and elements"),
+        ({"junk": {"k": [[0] * (MAX_BACKENDS_DEPTH - 2)]}}, "deeper"),
+        ({"ucx": {"address": b"a" * MAX_BACKENDS_BYTES}}, f"at most {MAX_BACKENDS_BYTES}"),
+    ],
+    ids=["million-keys", "long-list", "many-lists", "deep", "big-bytes"],
+)
+def test_a_backends_section_past_its_bounds_is_refused(backends, why):
+    with pytest.raises(InvalidMetadata, match=why):
+        decode_metadata(_with_backends(backends))
+
+
+def test_the_backends_section_is_counted_in_what_the_metadata_keeps():
+    """ucx's own bound on a worker address (64 KiB) fits, and the budget sees the bytes kept for it."""
+    info = {"ucx": {"address": b"a" * (64 << 10), "host": "node-17.cluster", "port": 40123}, "memcpy": {}}
+    meta = decode_metadata(_with_backends(info))
+    bare = decode_metadata(_with_backends({}))
+    assert meta.backends == info
+    assert meta.nbytes - bare.nbytes >= 64 << 10

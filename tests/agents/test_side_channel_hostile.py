@@ -6,6 +6,7 @@ and identity checks are exercised through the real server.
 
 import socket
 import struct
+import threading
 import time
 import tracemalloc
 
@@ -16,9 +17,10 @@ from hypothesis import strategies as st
 
 from datamover import Agent
 from datamover.agents.metadata import encode_metadata
-from datamover.agents.side_channel import DROP, PUSH, fetch_metadata, send_request
+from datamover.agents.side_channel import DROP, PUSH, MetadataServer, fetch_metadata, send_request
 from datamover.descriptors import MemType
-from datamover.errors import RemoteRefused
+from datamover.errors import DatamoverError, RemoteDisconnected, RemoteRefused
+from datamover.testing.waiting import until
 
 
 def _agent(name, **extra):
@@ -243,3 +245,135 @@ def test_a_push_of_millions_of_empty_lists_is_refused_before_they_are_built():
             tracemalloc.stop()
         assert peak < 100 << 20, f"decoding one PUSH took a peak of {peak >> 20} MiB"
         assert a.remotes == []
+
+
+def test_a_client_reset_while_its_reply_is_sent_closes_that_connection_and_the_server_serves_on(monkeypatch):
+    """The first reply's send raises ConnectionResetError (the client reset as its answer was ready): that client
+    is cut, and the server thread still answers the next GET (the old loop died there and served nobody again)."""
+    real_send = MetadataServer._send
+    failed = []
+
+    def reset_once(self, conn):
+        if not failed:
+            failed.append(conn)
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return real_send(self, conn)
+
+    monkeypatch.setattr(MetadataServer, "_send", reset_once)
+    server = MetadataServer(lambda: b"blob")
+    try:
+        with pytest.raises(DatamoverError):
+            fetch_metadata(*server.address, timeout=5)
+        assert failed, "the reply's send was never reached"
+        assert fetch_metadata(*server.address, timeout=5) == b"blob"
+        assert server._thread.is_alive()
+        until(lambda: server.open_connections == 0, 5, "the server closing its connections")
+    finally:
+        server.close()
+
+
+def test_an_unexpected_error_in_a_turn_of_the_loop_is_logged_and_the_server_serves_on(monkeypatch, caplog):
+    real_accept = MetadataServer._accept
+    failed = []
+
+    def broken_once(self):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("a bug in the loop")
+        return real_accept(self)
+
+    monkeypatch.setattr(MetadataServer, "_accept", broken_once)
+    server = MetadataServer(lambda: b"blob")
+    try:
+        with socket.create_connection(server.address, timeout=5):  # its accept fails; the next turn accepts it
+            pass
+        assert fetch_metadata(*server.address, timeout=5) == b"blob"
+        assert failed and "a turn of the server loop failed" in caplog.text
+    finally:
+        server.close()
+
+
+def _drip_server(head: bytes, n: int, gap_s: float) -> tuple[socket.socket, threading.Event]:
+    """A hostile side channel: answers ``head`` then ``n`` bytes, one every ``gap_s`` seconds, until told to stop."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            conn.recv(64)
+            conn.sendall(head)
+            for _ in range(n):
+                if stop.wait(gap_s):
+                    return
+                try:
+                    conn.sendall(b"\x80")
+                except OSError:
+                    return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return lst, stop
+
+
+@pytest.mark.parametrize(
+    "call, head",
+    [
+        (lambda addr: fetch_metadata(*addr, timeout=0.5), b"DMMD" + struct.pack("!I", 100)),
+        (lambda addr: fetch_metadata(*addr, timeout=0.5), b"ERR " + struct.pack("!I", 100)),
+        (lambda addr: send_request(*addr, PUSH, b"x", timeout=0.5), b"ERR " + struct.pack("!I", 100)),
+    ],
+    ids=["get-blob", "get-err-reason", "push-err-reason"],
+)
+def test_a_peer_dripping_bytes_cannot_hold_a_call_past_its_timeout(call, head):
+    """A byte every 0.1 s never trips a 0.5 s per-read timeout: the old client read 100 of them (10 s); the timeout
+    now bounds the call."""
+    lst, stop = _drip_server(head, 100, 0.1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteDisconnected, match="timed out"):
+            call(lst.getsockname())
+        assert time.monotonic() - t0 < 3
+    finally:
+        stop.set()
+        lst.close()
+
+
+def test_a_long_err_reason_is_read_to_4096_bytes_only():
+    lst, stop = _drip_server(b"ERR " + struct.pack("!I", 1 << 30) + b"r" * 4096, 0, 0)
+    try:
+        with pytest.raises(RemoteRefused) as caught:
+            send_request(*lst.getsockname(), DROP, b"x", timeout=5)
+        assert str(caught.value).endswith("r" * 4096)  # not a wait for, or an allocation of, the 1 GiB announced
+    finally:
+        stop.set()
+        lst.close()
+
+
+def test_refresh_waits_the_agents_configured_timeout(monkeypatch):
+    from datamover.agents import side_channel
+
+    with _agent("a") as a, Agent("b", {"backends": {"memcpy": {}}, "timeout_s": 1.5}) as b:
+        b.fetch_remote(*a.listen_address)
+        asked = []
+        real = side_channel.fetch_metadata
+        monkeypatch.setattr(side_channel, "fetch_metadata", lambda *args, **kw: asked.append(kw) or real(*args, **kw))
+        assert b.refresh_remote("a") == "a"
+        assert asked == [{"timeout": 1.5}]
+
+
+def test_pushed_connection_info_counts_against_the_byte_budget():
+    """Each push keeps 60 KiB of connection info and no region: a 100 KiB budget takes one such peer, not two (the
+    old budget counted regions only, and a peer's megabytes of 'backends' were kept uncounted)."""
+    import msgpack
+
+    def blob(name):
+        return msgpack.packb(
+            {"schema": 1, "name": name, "backends": {"junk": {"x": b"j" * (60 << 10)}}, "regions": []},
+            use_bin_type=True,
+        )
+
+    with _agent("b", push_budget={"max_bytes": 100 << 10}) as b:
+        send_request(*b.listen_address, PUSH, blob("one"))
+        with pytest.raises(RemoteRefused, match="budget"):
+            send_request(*b.listen_address, PUSH, blob("two"))
+        assert b.remotes == ["one"]

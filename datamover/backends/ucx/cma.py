@@ -24,6 +24,8 @@ import numpy as np
 from ..base import cap_runs
 
 _TOKEN_BYTES = 32
+#: the largest pid Linux hands out (PID_MAX_LIMIT)
+_PID_MAX = 1 << 22
 
 _ARGS = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
 _fns: tuple[Any, Any] | None = None
@@ -87,11 +89,15 @@ def probe(offer: Mapping[str, Any] | None) -> tuple[int, str]:
     calls = _calls()
     if calls is None:
         return 0, "process_vm_readv is unavailable on this platform"
-    try:
-        pid, addr, token = int(offer["pid"]), int(offer["addr"]), bytes(offer["token"])
-    except (KeyError, TypeError, ValueError):
-        return 0, "malformed token offer"
-    if pid <= 0 or len(token) != _TOKEN_BYTES:
+    pid, addr, token = offer.get("pid"), offer.get("addr"), offer.get("token")
+    if not (
+        type(pid) is int
+        and 0 < pid <= _PID_MAX
+        and type(addr) is int
+        and 0 <= addr < 1 << 63
+        and type(token) is bytes
+        and len(token) == _TOKEN_BYTES
+    ):  # checked before use: int() or bytes() of a peer's field could allocate 2**62 bytes, or overflow a uint64
         return 0, "malformed token offer"
     if pid == os.getpid():
         return 0, "the peer is this very process (UCX serves it)"

@@ -239,6 +239,8 @@ class Req(Message):
         n = len(self.addr)
         if n % 8 or len(self.length) != n or len(self.dev) != n:
             raise InvalidMetadata("control message 'req': descriptor columns must be equal-length int64 arrays")
+        if self.tag + self.rows > U64:  # each row takes the next tag: the last must fit 64 bits
+            raise InvalidMetadata(f"control message 'req': 'tag' {self.tag} + {self.rows} rows passes 2**64")
 
     @property
     def rows(self) -> int:

@@ -123,6 +123,33 @@ def test_probe_accepts_only_the_process_that_made_the_offer():
     assert cma.probe({"pid": "x"})[1] == "malformed token offer"
 
 
+_GOOD = {"pid": 1, "addr": 4096, "token": bytes(32)}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"token": 1 << 62},  # bytes(2**62): MemoryError before
+        {"token": 32},  # bytes(32) would have made a token of zeros
+        {"token": "x" * 32},
+        {"token": bytes(33)},
+        {"addr": -1},  # OverflowError in the uint64 iovec before
+        {"addr": 1 << 70},
+        {"addr": 1 << 63},
+        {"addr": 4096.0},
+        {"addr": True},
+        {"pid": 0},
+        {"pid": (1 << 22) + 1},
+        {"pid": 1 << 70},
+        {"pid": "1"},
+        {"pid": None},
+    ],
+    ids=repr,
+)
+def test_a_malformed_offer_is_refused_by_its_fields_before_they_are_used(bad):
+    assert cma.probe({**_GOOD, **bad}) == (0, "malformed token offer")
+
+
 def test_availability_reads_the_yama_policy(tmp_path):
     scope = tmp_path / "ptrace_scope"
     for value, word in (("0", "available"), ("1", "descendants"), ("2", "CAP_SYS_PTRACE"), ("3", "forbids")):

@@ -43,14 +43,14 @@ VALID = {
     m.Fail: st.builds(m.Fail, u64, reason),
     m.Revoked: st.builds(m.Revoked, u64),
     m.Cancel: st.builds(m.Cancel, u64),
-    m.Req: st.builds(
-        lambda i, op, mem, cols, tag, notify: m.Req(i, op, mem, *cols, tag, notify),
+    m.Req: st.tuples(
         u64,
         st.sampled_from(m.OPS),
         st.sampled_from(["DRAM", "VRAM", "FILE"]),
         _columns(),
-        u64,
         st.none() | st.binary(max_size=64),
+    ).flatmap(  # a tag for each row: the last fits 64 bits
+        lambda t: st.integers(0, m.U64 - len(t[3][0]) // 8).map(lambda tag: m.Req(*t[:3], *t[3], tag, t[4]))
     ),
 }
 
@@ -132,6 +132,8 @@ def _wrong_value(types):
 def test_each_field_is_refused_missing_mistyped_or_out_of_bounds(cls, spec):
     _, key, types, bound, required = spec
     base = _example(cls)
+    if cls is m.Req and key == "tag":  # each row takes a tag: the largest tag fits a request of no rows
+        base = {**base, "addr": b"", "len": b"", "dev": b""}
     if required:
         missing = dict(base)
         del missing[key]
@@ -173,12 +175,18 @@ def test_fields_at_their_bound_are_accepted():
         ({"addr": b"x" * 7, "len": b"x" * 7, "dev": b"x" * 7}, "equal-length int64"),
         ({"addr": b"x" * 8, "len": b"x" * 16, "dev": b"x" * 8}, "equal-length int64"),
         ({"addr": b"x" * 8, "len": b"x" * 8, "dev": b""}, "equal-length int64"),
+        ({"tag": (1 << 64) - 1, "addr": b"x" * 16, "len": b"x" * 16, "dev": b"x" * 16}, "'tag'.*passes 2\\*\\*64"),
     ],
 )
 def test_a_request_with_an_unknown_op_or_ragged_columns_is_refused(wire, why):
     base = m.Req(1, "WRITE", "DRAM", b"a" * 8, b"b" * 8, b"c" * 8, 7, None).to_wire()
     with pytest.raises(InvalidMetadata, match=why):
         m.from_wire({**base, **wire})
+
+
+def test_a_request_whose_last_row_takes_the_last_tag_is_accepted():
+    wire = m.Req(1, "WRITE", "DRAM", b"a" * 16, b"b" * 16, b"c" * 16, (1 << 64) - 2, None).to_wire()
+    assert m.from_wire(wire).tag == (1 << 64) - 2  # rows take tags 2**64-2 and 2**64-1
 
 
 @pytest.mark.parametrize("wire", [{"name": ""}, {"address": b""}])
