@@ -56,7 +56,7 @@ class Agent:
         self._registry = Registry(name, self._lock, self._backends, on_change=self._regions_changed)
         self._peers = Peers(name, cfg, self._lock, self._backends, self._registry, on_change=self._peers_changed)
         self._maker = TransferMaker(self, cfg, self._registry, self._peers, self._backends)
-        self._inbox = Notifications(InboxLimits(**cfg.extra.get("inbox", {})))
+        self._inbox = Notifications(InboxLimits.from_config(cfg.extra.get("inbox", {})))
         self._peers.listen()
 
     def _regions_changed(self) -> None:

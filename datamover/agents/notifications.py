@@ -26,6 +26,15 @@ class InboxLimits:
     max_messages: int = 1 << 20
     max_bytes: int = 256 << 20
 
+    @classmethod
+    def from_config(cls, values: object) -> InboxLimits:
+        """The limits a config's ``extra["inbox"]`` names (InvalidParameter for anything else)."""
+        if not isinstance(values, dict) or set(values) - set(cls.__dataclass_fields__):
+            raise InvalidParameter(
+                f"config extra 'inbox' takes {', '.join(cls.__dataclass_fields__)}, got {values!r:.200}"
+            )
+        return cls(**values)
+
     def __post_init__(self) -> None:
         for name in ("max_per_sender", "max_sender_bytes", "max_messages", "max_bytes"):
             value = getattr(self, name)

@@ -254,3 +254,9 @@ def test_the_inbox_keeps_each_sender_within_its_limits_dropping_the_oldest_count
 def test_inbox_limits_must_be_positive_integers():
     with pytest.raises(InvalidParameter, match="max_bytes"):
         Agent("me", {"backends": {"memcpy": {}}, "extra": {"inbox": {"max_bytes": 0}}})
+
+
+@pytest.mark.parametrize("inbox", [{"max_byte": 1}, [("max_bytes", 1)]], ids=["unknown-key", "not-a-map"])
+def test_inbox_limits_take_only_their_own_names(inbox):
+    with pytest.raises(InvalidParameter, match="config extra 'inbox' takes max_per_sender"):
+        Agent("me", {"backends": {"memcpy": {}}, "extra": {"inbox": inbox}})
