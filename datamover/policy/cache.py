@@ -135,8 +135,14 @@ class TieredCache:
         l3 = self.config.l3_nvme
         self.index = L3Index(l3.path, self.tiers[j].capacity, l3.fsync_mode, self.page)
         entries = self.index.load(data_bytes)
+        if self._check_crc:  # chunks written without crc32c_check have no CRC32C to be verified against
+            unchecked = [slot for slot, (_, crc) in entries.items() if crc is None]
+            for slot in unchecked:
+                del entries[slot]
+            if unchecked:
+                self.notes.append(f"l3_nvme: {len(unchecked)} chunks written without crc32c_check not used")
         self.engine.adopt(j, {key: slot for slot, (key, _) in entries.items()}, self.clock())
-        self.crc.update((key, crc) for key, crc in entries.values())
+        self.crc.update((key, crc) for key, crc in entries.values() if crc is not None)
         if entries:
             self.notes.append(f"l3_nvme: {len(entries)} chunks found again under {l3.path}")
 
@@ -466,7 +472,7 @@ class TieredCache:
             try:
                 if self.index is not None:
                     j = self.names.index("l3_nvme")
-                    live = {slot: (key, self.crc.get(key, 0)) for key, slot in self.engine.slots[j].items()}
+                    live = {slot: (key, self.crc.get(key)) for key, slot in self.engine.slots[j].items()}
                     self.index.close(live)
                 if self.bucket is not None:
                     self.bucket.close(list(self.engine.slots[self.names.index("l4_pool")]))

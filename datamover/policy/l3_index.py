@@ -1,14 +1,14 @@
 """The L3 index: which chunk (and its CRC32C) each slot of the L3 data file holds, kept across restarts.
 
 An append-only log of msgpack records: first `["layout", chunk_bytes]` (the size of a slot of the data file), then
-`["put", slot, crc, key]` and `["del", slot]`. It is read back when a cache starts (a torn or damaged tail ends the
-log; what came before it is kept; a `put` whose key is no chunk key is skipped and its slot dropped; a log of
-another layout, or none, is not used: its slots are other bytes of the file, which `crc32c_check: false` would
-serve unchecked), compacted to one `put` per live slot at start and at close, and appended to after every
-operation that stored or freed L3 slots, made durable as `l3_nvme.fsync_mode` says (the chunk data file first,
-then the log; without `crc32c_check`, the records of slots freed go first, before new chunks overwrite them). A log
-that cannot be written is removed; a record msgpack cannot pack is left out (a `put` then becomes a `del` of its
-slot).
+`["put", slot, crc, key]` (crc nil: written without `crc32c_check`) and `["del", slot]`. It is read back when a
+cache starts (a torn or damaged tail ends the log; what came before it is kept; a `put` whose key is no chunk key
+is skipped and its slot dropped; a log of another layout, or none, is not used: its slots are other bytes of the
+file, which `crc32c_check: false` would serve unchecked), compacted to one `put` per live slot at start and at
+close, and appended to after every operation that stored or freed L3 slots, made durable as `l3_nvme.fsync_mode`
+says (the chunk data file first, then the log; without `crc32c_check`, the records of slots freed go first, before
+new chunks overwrite them). A log that cannot be written is removed; a record msgpack cannot pack is left out (a
+`put` then becomes a `del` of its slot).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def parse_record(record: object) -> tuple[int, tuple[ChunkKey, int] | None]:
     if record[0] != "put" or len(record) != 4:
         raise ValueError(f"not a put or del record: {record!r:.80}")
     crc, fields = record[2], record[3]
-    if type(crc) is not int or not 0 <= crc < 1 << 32:
+    if crc is not None and (type(crc) is not int or not 0 <= crc < 1 << 32):
         raise ValueError(f"CRC32C {crc!r:.40} out of range")
     try:
         return slot, (key_from_fields(fields), crc)
@@ -172,7 +172,7 @@ class L3Index:
             self._file.close()
         self._file = open(self.path, "ab")
 
-    def stored(self, slot: int, crc: int, key: ChunkKey) -> None:
+    def stored(self, slot: int, crc: int | None, key: ChunkKey) -> None:
         """Record that `slot` now holds `key` (appended at the next `sync`; nothing once the log is given up)."""
         if self._file is not None:
             self._pending.append(["put", slot, crc, list(key)])

@@ -244,7 +244,7 @@ class Mover:
                 if dst == l3 and index is not None:
                     for m in live:
                         if m.key not in self.invalid:
-                            index.stored(m.dst_slot, self.crc.get(m.key, 0), m.key)
+                            index.stored(m.dst_slot, self.crc.get(m.key), m.key)
 
 
 def _unreachable(exc: DatamoverError) -> bool:

@@ -664,3 +664,23 @@ def test_a_prefetch_racing_close_is_refused_typed(tmp_path, monkeypatch):
     monkeypatch.setattr(cache._prefetcher, "shutdown", shut_then_prefetch)
     cache.close()
     assert cache.closed
+
+
+def test_chunks_written_without_checksums_are_not_served_once_checking_is_on(tmp_path, caplog):
+    """A run with crc32c_check off records no CRC32C; a later run with it on cannot verify those chunks: it does
+    not use them (it reported every one as corrupt, each an ERROR and a checksum failure)."""
+    keys = chunk_keys(range(4), "m", "t")
+    unchecked = tiers(tmp_path, l1=1, l2=0, l3=8, l3_nvme={"crc32c_check": False})
+    with TieredCache(unchecked) as cache:
+        cache.put(keys, chunks(keys))
+        on_disk = set(cache.engine.resident[cache.names.index("l3_nvme")])
+    assert on_disk
+    with TieredCache(unchecked) as cache:  # still unchecked: found again and served
+        assert set(cache.engine.resident[cache.names.index("l3_nvme")]) == on_disk
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=8)) as cache:
+        assert not cache.engine.resident[cache.names.index("l3_nvme")]
+        assert f"l3_nvme: {len(on_disk)} chunks written without crc32c_check not used" in cache.stats()["notes"]
+        assert check_get(cache, keys) == 0 and cache.stats()["checksum_failures"] == 0
+        cache.put(keys, chunks(keys))
+        assert check_get(cache, keys) == 4
+    assert "CRC32C mismatch" not in caplog.text
