@@ -45,6 +45,8 @@ _LEN = struct.Struct("!I")
 _MAX_PROOF = 256
 #: the most bytes of an ERR reason sent or read
 _MAX_REASON = 4096
+#: how long the server stops listening after accept failed with no connection to close (out of descriptors)
+ACCEPT_PAUSE_S = 0.1
 #: the fields each verb carries after it: (name, most bytes); PUSH's blob limit is the server's max_request_bytes
 _FIELDS = {GET: (), PUSH: (("blob", None), ("proof", _MAX_PROOF)), DROP: (("payload", None),)}
 
@@ -112,6 +114,7 @@ class MetadataServer:
         self._pool = ThreadPoolExecutor(max(1, lim.workers), thread_name_prefix=f"dm-metadata-{self.port}-h")
         self._stop = threading.Event()
         self.evicted = self.expired = 0
+        self._resume_at = 0.0  # when the listener is selected again after accept failed (0: it is)
         self._thread = threading.Thread(target=self._serve, name=f"dm-metadata-{self.port}", daemon=True)
         self._thread.start()
 
@@ -136,6 +139,8 @@ class MetadataServer:
         """Wait for and serve one round of events, then close the connections past their deadline; False to stop."""
         now = time.monotonic()
         soonest = min((c.deadline for c in self._conns.values() if c.state != "busy"), default=now + 1.0)
+        if self._resume_at:
+            soonest = min(soonest, self._resume_at)
         try:
             events = self._sel.select(max(0.0, min(soonest - now, 1.0)))
         except OSError:
@@ -152,6 +157,9 @@ class MetadataServer:
                 if conn is not None:
                     self._step(conn, mask)
         now = time.monotonic()
+        if self._resume_at and now >= self._resume_at:
+            self._resume_at = 0.0
+            self._sel.register(self._sock, selectors.EVENT_READ, None)
         for conn in [c for c in self._conns.values() if c.deadline <= now and c.state != "busy"]:
             self.expired += 1
             log.debug("side channel: a client used its %g s without finishing; closed", self.limits.deadline_s)
@@ -164,7 +172,10 @@ class MetadataServer:
                 sock, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:  # out of descriptors (EMFILE, ENFILE) or memory: the client stays queued
+                # and the listener readable, so make room, or stop listening a moment instead of spinning
+                if not self._evict():
+                    self._pause_accept(exc)
                 return
             if len(self._conns) >= self.limits.max_connections and not self._evict():
                 sock.close()
@@ -173,6 +184,12 @@ class MetadataServer:
             conn = _Conn(sock, time.monotonic() + self.limits.deadline_s)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, None)
+
+    def _pause_accept(self, exc: OSError) -> None:
+        """Stop selecting the listener for ACCEPT_PAUSE_S (accept failed and no connection could be closed)."""
+        log.warning("side channel: accept failed (%s); not accepting for %g s", exc, ACCEPT_PAUSE_S)
+        self._sel.unregister(self._sock)
+        self._resume_at = time.monotonic() + ACCEPT_PAUSE_S
 
     def _evict(self) -> bool:
         """Close the oldest connection still sending its request, to make room; False if every one is working."""

@@ -4,6 +4,7 @@ Idle and slow clients are real sockets held open at a known point of the protoco
 and identity checks are exercised through the real server.
 """
 
+import errno
 import socket
 import struct
 import threading
@@ -377,3 +378,26 @@ def test_pushed_connection_info_counts_against_the_byte_budget():
         with pytest.raises(RemoteRefused, match="budget"):
             send_request(*b.listen_address, PUSH, blob("two"))
         assert b.remotes == ["one"]
+
+
+def test_out_of_descriptors_the_server_pauses_accepting_instead_of_spinning(monkeypatch, caplog):
+    """accept fails with EMFILE while the client stays queued (the listener stays readable): the server stops
+    listening for a moment (it called accept in a tight loop, a core at 100 %), then serves the client."""
+    server = MetadataServer(lambda: b"blob")
+    real_accept = socket.socket.accept
+    calls = []
+
+    def out_of_fds(sock):
+        if sock is server._sock and len(calls) < 3:
+            calls.append(time.monotonic())
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_accept(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", out_of_fds)
+    try:
+        assert fetch_metadata(*server.address, timeout=10) == b"blob"  # served once accept works again
+        assert len(calls) == 3
+        assert calls[2] - calls[0] >= 2 * 0.09  # a pause after each failure, not a spin
+        assert "accept failed" in caplog.text
+    finally:
+        server.close()
