@@ -223,9 +223,16 @@ class EtcdWatch:
 
     def _sync(self) -> int:
         """Read the key, deliver what changed since the last event; the revision to watch from."""
-        resp = self._post("/kv/range", {"key": _b64(self.key)}, timeout=self._client.timeout)
-        resp.raise_for_status()
-        doc = resp.json()
+        resp = self._post("/kv/range", {"key": _b64(self.key)}, stream=True, timeout=self._client.timeout)
+        try:
+            resp.raise_for_status()
+            body = bytearray()
+            for chunk in resp.iter_content(chunk_size=1 << 20):
+                body += chunk
+                _refuse_over(len(body), MAX_WATCH_LINE, f"etcd range of {self.key}")
+        finally:
+            resp.close()
+        doc = json.loads(body)
         kvs = doc.get("kvs") or []
         if kvs:
             self._deliver("PUT", kvs[0])

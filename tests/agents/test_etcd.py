@@ -1,5 +1,6 @@
 """Metadata exchange through a real etcd on loopback: publish under a lease, fetch with a watch, expiry."""
 
+import logging
 import threading
 import time
 import uuid
@@ -223,3 +224,22 @@ def test_a_key_holding_another_agents_metadata_replaces_nobody(etcd, ns):
             me.fetch_remote("carol", etcd=etcd, namespace=ns, timeout=5)
         assert me.remote_metadata("bob") is real_bob
         alice.unpublish()
+
+
+def test_a_watch_reads_the_key_within_a_bound_too(etcd, ns, monkeypatch, caplog):
+    """The watch's first read of the key (and each re-read after a dropped stream) is bounded like its lines: a
+    value past the bound is refused, not read whole into memory."""
+    import datamover.agents.etcd as etcd_mod
+
+    client = etcd_mod.connect(etcd)
+    key = etcd_mod.agent_key(ns, "peer")
+    client.put(key, b"r" * 8192)
+    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", 4096)
+    caplog.set_level(logging.INFO, logger=etcd_mod.log.name)
+    changes = []
+    watch = etcd_mod.EtcdWatch(client, ns, "peer", on_change=changes.append, on_delete=lambda: None)
+    try:
+        assert _until(lambda: "etcd range of" in caplog.text, 10), caplog.text
+        assert changes == []
+    finally:
+        watch.close()
