@@ -24,6 +24,7 @@ from datamover.policy.l3_index import L3Index
 from datamover.policy.mover import Mover
 from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
+from tests.policy.full_disk import FullDisk
 
 PAGE = 4096
 GB = 1 << 30
@@ -437,24 +438,11 @@ def test_l3_chunks_past_the_end_of_a_cut_data_file_are_not_served_even_unchecked
             assert check_get(cache, [k]) == 1
 
 
-class _FullDisk:
-    """An index log file whose writes fail as on a full disk (the fault injected at a known point)."""
-
-    def __init__(self, file) -> None:
-        self.file = file
-
-    def write(self, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-
 def test_an_index_log_that_cannot_be_written_fails_no_put_and_close_writes_what_is_true(tmp_path):
     keys = chunk_keys(range(6), "m", "t")
     config = tiers(tmp_path, l1=1, l2=0, l3=10)
     with TieredCache(config) as cache:
-        cache.index._file = _FullDisk(cache.index._file)
+        cache.index._file = FullDisk(cache.index._file)
         cache.put(keys, chunks(keys))  # the chunks reach L3; their records cannot: no error for the caller
         assert not (tmp_path / "l3" / "index.log").exists()  # removed: a log cut short would mislead a restart
         assert check_get(cache, keys) == 6
@@ -468,9 +456,9 @@ def test_an_index_that_cannot_be_written_at_close_leaves_a_cold_start(tmp_path, 
     config = tiers(tmp_path, l1=1, l2=0, l3=10, l3_nvme={"crc32c_check": False})
     with TieredCache(config) as cache:
         cache.put(keys, chunks(keys))
-        cache.index._file = _FullDisk(cache.index._file)
+        cache.index._file = FullDisk(cache.index._file)
         cache.put(keys[:1], chunks(keys[:1]))
-        monkeypatch.setattr(L3Index, "rewrite", lambda self, entries: _FullDisk(None).write(b""))
+        monkeypatch.setattr(L3Index, "rewrite", lambda self, entries: FullDisk(None).write(b""))
     monkeypatch.undo()  # close() returned, the agent closed: nothing raised
     with TieredCache(config) as cache:
         assert cache.lookup(keys[1:])[0] == 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import os
 
 import msgpack
@@ -15,6 +14,7 @@ from datamover.errors import ConfigError
 from datamover.policy.keys import ChunkKey
 from datamover.policy.l3_index import INDEX_FILE, L3Index, UnreadableKey, lock_directory, parse_record
 from datamover.policy.slabs import DATA_FILE
+from tests.policy.full_disk import FullDisk
 
 KEY = ChunkKey(7, "m", "t")
 CHUNK = 4096
@@ -100,23 +100,10 @@ def test_any_stored_and_freed_records_replay_to_the_final_slots(tmp_path_factory
     assert {slot: key for slot, (key, _) in make(directory).load().items()} == final
 
 
-class _FullDisk:
-    """A log file whose writes fail as on a full disk."""
-
-    def __init__(self, file) -> None:
-        self.file = file
-
-    def write(self, data: bytes) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    def __getattr__(self, name: str):
-        return getattr(self.file, name)
-
-
 def test_a_log_given_up_keeps_no_records_pending(tmp_path):
     index = make(tmp_path)
     index.load()
-    index._file = _FullDisk(index._file)
+    index._file = FullDisk(index._file)
     index.stored(1, 1, KEY)
     index.sync()  # the write fails: the log is removed, not written again this run
     assert not (tmp_path / INDEX_FILE).exists()
