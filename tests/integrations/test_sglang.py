@@ -201,19 +201,23 @@ def test_mla_ranks_share_keys_as_sglang_writes_from_one_rank(tmp_path: Path, cap
     assert "writes from one rank only" in caplog.text  # no shared pool: the other rank will find nothing
 
 
+def pool_tiers(bucket: str, master) -> dict:  # type: ignore[no-untyped-def]
+    """Tier sections with L4 on a real Mooncake Store pool (`master`: the mooncake_master fixture) under `bucket`."""
+    return {
+        "l2_dram": {"pinned_pool_gb": 0.01},
+        "l4_pool": {
+            "enabled": True, "backend": "mooncake", "bucket": bucket, "master_server_addr": master.master_addr,
+            "metadata_service_url": master.metadata_url, "segment_gb": 16 / 1024,
+        },
+    }  # fmt: skip
+
+
 def test_an_mla_rank_that_never_writes_loads_the_writers_pages_from_a_shared_pool(tmp_path, mooncake_master):
     """Two TP ranks of an MLA model on one real Mooncake Store pool: rank 0 backs pages up (SGLang's writer),
     rank 1 (backup_skip) finds them all and loads them byte for byte."""
     from dataclasses import replace
 
-    tiers = {
-        "l2_dram": {"pinned_pool_gb": 0.01},
-        "l4_pool": {
-            "enabled": True, "backend": "mooncake", "bucket": f"mla-{tmp_path.name}",
-            "master_server_addr": mooncake_master.master_addr, "metadata_service_url": mooncake_master.metadata_url,
-            "segment_gb": 16 / 1024,
-        },
-    }  # fmt: skip
+    tiers = pool_tiers(f"mla-{tmp_path.name}", mooncake_master)
     base = replace(storage_config(tmp_path, 1, **tiers), tp_size=2, is_mla_model=True)
     pools = [PageFirstHostPool(8), PageFirstHostPool(8)]
     fill(pools[0], 7)
@@ -266,14 +270,7 @@ def test_clear_forgets_every_page(tmp_path: Path) -> None:
 def test_clear_on_a_shared_pool_leaves_no_page_there_either(tmp_path, mooncake_master):
     """SGLang's own Mooncake store removes every object on clear (a weights update comes before it): pages the
     pool held are not found again through it, by this rank or another instance on the pool."""
-    tiers = {
-        "l2_dram": {"pinned_pool_gb": 0.01},
-        "l4_pool": {
-            "enabled": True, "backend": "mooncake", "bucket": f"clr-{tmp_path.name}",
-            "master_server_addr": mooncake_master.master_addr, "metadata_service_url": mooncake_master.metadata_url,
-            "segment_gb": 16 / 1024,
-        },
-    }  # fmt: skip
+    tiers = pool_tiers(f"clr-{tmp_path.name}", mooncake_master)
     pools = [PageFirstHostPool(8), PageFirstHostPool(8)]
     fill(pools[0], 3)
     storages = [attach(storage_config(tmp_path / str(i), 1, **tiers), pools[i]) for i in (0, 1)]
