@@ -491,6 +491,33 @@ def test_file_read_past_eof_reports_err(agent, bufs, tmp_path):
         os.close(fd)
 
 
+def test_file_registration_leaves_the_file_alone(agent, bufs, tmp_path):
+    # NIXL's POSIX plugin never extends a file at registration: a READ past its end fails, a WRITE grows it
+    src, dst = bufs
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        agent.register_memory([(addr(src), src.nbytes, 0, ""), (addr(dst), dst.nbytes, 0, "")], "DRAM")
+        agent.register_memory([(0, dst.nbytes, fd, "")], "FILE")
+        assert path.stat().st_size == 100
+        dst[:] = 0xEE
+        whole_dst = agent.get_xfer_descs([(addr(dst), dst.nbytes, 0)], "DRAM")
+        h = agent.initialize_xfer("READ", whole_dst, nx.nixlXferDList("FILE", [(0, dst.nbytes, fd)]), "")
+        state = agent.transfer(h)
+        if state != "ERR":
+            state = wait_done(agent, h)
+        assert state == "ERR"
+        assert path.stat().st_size == 100
+        whole_src = agent.get_xfer_descs([(addr(src), src.nbytes, 0)], "DRAM")
+        w = agent.initialize_xfer("WRITE", whole_src, nx.nixlXferDList("FILE", [(0, src.nbytes, fd)]), "")
+        agent.transfer(w)
+        assert wait_done(agent, w) == "DONE"
+        assert path.read_bytes() == src.tobytes()
+    finally:
+        os.close(fd)
+
+
 # -- notifications ------------------------------------------------------------------------
 
 

@@ -63,7 +63,11 @@ class MemoryMixin:
             raise
 
     def _register_files(self, descs: nixlRegDList) -> None:
-        """FILE rows are (offset, len, fd, metaInfo): register each fd's file up to its furthest row."""
+        """FILE rows are (offset, len, fd, metaInfo): register each fd's file up to its furthest row.
+
+        The file is never extended (NIXL's POSIX plugin does not touch it): a READ past its end fails
+        (nixlBackendError), a WRITE past it grows the file.
+        """
         ends: dict[int, int] = {}
         for off, length, fd in descs.descs:
             ends[fd] = max(ends.get(fd, 0), off + length)
@@ -79,7 +83,7 @@ class MemoryMixin:
                 except OSError as exc:
                     raise nixlInvalidParamError(f"file descriptor {fd} is not open: {exc.strerror}") from None
                 with nixl_errors():
-                    r = self.agent.register_file(path, size=end, direct=direct, create=False)
+                    r = self.agent.register_file(path, size=end, direct=direct, create=False, extend=False)
                 made.append((fd, r))
                 self._files[fd] = r
         except BaseException:
