@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from datamover.compat import nixl as nx
 from datamover.compat.nixl import nixl_agent, nixl_agent_config
-from datamover.errors import LengthMismatch, NotRegistered
+from datamover.errors import LengthMismatch, NotRegistered, TransferIOError
 
 BUF = 4096
 
@@ -376,7 +376,7 @@ def test_prepped_xfer_with_index_lists_and_arrays(agent, bufs, index_kind):
     if index_kind != "list":
         li, ri = np.array(li, dtype=index_kind), np.array(ri, dtype=index_kind)
     h = agent.make_prepped_xfer("WRITE", local, li, remote, ri, b"done")
-    assert agent.transfer(h) != "ERR"
+    assert agent.transfer(h) in ("DONE", "PROC")
     assert wait_done(agent, h) == "DONE"
     assert np.array_equal(dst[3 * BUF :], src[:BUF])
     assert np.array_equal(dst[2 * BUF : 3 * BUF], src[BUF : 2 * BUF])
@@ -472,7 +472,8 @@ def test_posix_write_then_read_file(agent, bufs, tmp_path):
         os.close(fd)
 
 
-def test_file_read_past_eof_reports_err(agent, bufs, tmp_path):
+def test_file_read_past_eof_raises_backend_error(agent, bufs, tmp_path):
+    # as NIXL's binding (throw_nixl_exception): a failed transfer raises, its "ERR" is never returned
     _, dst = bufs
     path = tmp_path / "short.bin"
     fd = os.open(path, os.O_RDWR | os.O_CREAT)
@@ -482,11 +483,17 @@ def test_file_read_past_eof_reports_err(agent, bufs, tmp_path):
         os.ftruncate(fd, 100)  # the file shrinks behind the agent's back
         whole = agent.get_xfer_descs([(addr(dst), dst.nbytes, 0)], "DRAM")
         h = agent.initialize_xfer("READ", whole, nx.nixlXferDList("FILE", [(0, dst.nbytes, fd)]), "")
-        state = agent.transfer(h)
-        if state != "ERR":
-            state = wait_done(agent, h)
-        assert state == "ERR"
+        with pytest.raises(nx.nixlBackendError) as info:
+            if agent.transfer(h) == "PROC":  # the failure is raised by the post or by a later check
+                wait_done(agent, h)
+        assert isinstance(info.value, TransferIOError)  # still the datamover error
+        with pytest.raises(nx.nixlBackendError):  # and on every later check
+            agent.check_xfer_state(h)
         assert h.error is not None
+        os.ftruncate(fd, dst.nbytes)  # a repost after the failure runs again
+        if agent.transfer(h) == "PROC":
+            assert wait_done(agent, h) == "DONE"
+        assert agent.check_xfer_state(h) == "DONE"
     finally:
         os.close(fd)
 
@@ -504,10 +511,9 @@ def test_file_registration_leaves_the_file_alone(agent, bufs, tmp_path):
         dst[:] = 0xEE
         whole_dst = agent.get_xfer_descs([(addr(dst), dst.nbytes, 0)], "DRAM")
         h = agent.initialize_xfer("READ", whole_dst, nx.nixlXferDList("FILE", [(0, dst.nbytes, fd)]), "")
-        state = agent.transfer(h)
-        if state != "ERR":
-            state = wait_done(agent, h)
-        assert state == "ERR"
+        with pytest.raises(nx.nixlBackendError):
+            if agent.transfer(h) == "PROC":
+                wait_done(agent, h)
         assert path.stat().st_size == 100
         whole_src = agent.get_xfer_descs([(addr(src), src.nbytes, 0)], "DRAM")
         w = agent.initialize_xfer("WRITE", whole_src, nx.nixlXferDList("FILE", [(0, src.nbytes, fd)]), "")
@@ -567,6 +573,30 @@ def test_metadata_of_another_agent(agent, bufs):
             agent.add_remote_agent(b"\x93garbage")
     finally:
         other.close()
+
+
+def test_post_to_a_removed_peer_raises_and_leaves_the_handle_alone(bufs):
+    # NIXL's postXferReq refuses (nixlNotFoundError) before touching the request: it stays DONE
+    src, dst = bufs
+    a = nixl_agent("post-a", nixl_agent_config(backends=["UCX"]))
+    b = nixl_agent("post-b", nixl_agent_config(backends=["UCX"]))
+    try:
+        a.register_memory([(addr(src), BUF, 0, "")], "DRAM")
+        b.register_memory([(addr(dst), BUF, 0, "")], "DRAM")
+        a.add_remote_agent(b.get_agent_metadata())
+        local = a.get_xfer_descs([(addr(src), BUF, 0)], "DRAM")
+        h = a.initialize_xfer("WRITE", local, a.get_xfer_descs([(addr(dst), BUF, 0)], "DRAM"), "post-b")
+        a.transfer(h)
+        assert wait_done(a, h) == "DONE"
+        a.remove_remote_agent("post-b")
+        dst[:] = 0
+        with pytest.raises(nx.nixlNotFoundError):
+            a.transfer(h)
+        assert a.check_xfer_state(h) == "DONE"
+        assert not dst.any()  # nothing was posted
+    finally:
+        a.close()
+        b.close()
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -333,10 +333,12 @@ class nixl_agent:
         return nixl_xfer_handle(self.agent, handle)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
-        """Post a transfer: "DONE" when it already finished, "PROC" in flight, "ERR" failed (see handle.error)."""
+        """Post a transfer: "DONE" when it already finished, "PROC" in flight. A failure raises its nixl*Error
+        (as NIXL's binding does, so its "ERR" is never returned): a refused post leaves the handle as it was."""
         return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
+        """ "DONE" or "PROC"; a failed transfer raises its nixl*Error (nixlBackendError for I/O failures, ...)."""
         return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:

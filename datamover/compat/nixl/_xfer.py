@@ -14,14 +14,18 @@ from ...descriptors import DescList, StridedDescList
 from ...errors import DatamoverError, NotRegistered
 from ._dlists import nixlRemoteDList, nixlXferDList
 from ._errors import (
+    NixlError,
     nixl_errors,
+    nixlBackendError,
     nixlInvalidParamError,
     nixlNotAllowedError,
     nixlNoTelemetryError,
+    nixlNotFoundError,
     nixlNotPostedError,
     nixlNotSupportedError,
     nixlRepostActiveError,
     status_of,
+    translate,
 )
 from ._telemetry import nixlXferTelemetry
 from ._types import (
@@ -215,7 +219,9 @@ class XferMixin:
         return self._req(handle).xfer
 
     def postXferReq(self, handle: int, notif_msg: Any = None) -> nixl_status_t:
-        """Post a request; NIXL_SUCCESS when already done, NIXL_IN_PROG in flight, else the failure's status.
+        """Post a request; NIXL_SUCCESS when already done, NIXL_IN_PROG in flight; a failure raises, as NIXL's
+        binding does (its ``throw_nixl_exception``): a post refused (the peer was removed, the request is in
+        flight) raises before anything changes, a transfer failed at once raises its error's NIXL class.
 
         A non-empty ``notif_msg`` replaces the request's notification from this post on.
         """
@@ -223,6 +229,10 @@ class XferMixin:
         if req.xfer.state == XferState.PROC:
             self._events.error(nixl_status_t.NIXL_ERR_REPOST_ACTIVE)
             raise nixlRepostActiveError("the transfer is still in flight; wait for DONE before posting it again")
+        peer = req.xfer.request.remote_agent
+        if peer is not None and peer not in self.agent.remotes:
+            self._events.error(nixl_status_t.NIXL_ERR_NOT_FOUND)
+            raise nixlNotFoundError(f"remote agent {peer!r} was removed; load its metadata again before posting")
         if notif_msg is not None and notif_msg != b"" and as_bytes(notif_msg) != req.notify:
             new = req.remake(as_bytes(notif_msg))
             req.xfer.release()
@@ -237,7 +247,8 @@ class XferMixin:
         return self._status(req)
 
     def getXferStatus(self, handle: int) -> nixl_status_t:
-        """NIXL_SUCCESS, NIXL_IN_PROG, or the failure's status (its cause: ``xfer_of(handle).error``)."""
+        """NIXL_SUCCESS or NIXL_IN_PROG; a failed transfer raises its error as the NIXL class (nixlBackendError
+        for I/O, nixlRemoteDisconnectError, ...), every time it is asked, as NIXL's binding does."""
         return self._status(self._req(handle))
 
     def _status(self, req: XferReq) -> nixl_status_t:
@@ -252,7 +263,7 @@ class XferMixin:
             self._report(req)
         if state == XferState.DONE:
             return nixl_status_t.NIXL_SUCCESS
-        return status_of(req.xfer.error)
+        raise _failure(req.xfer.error)
 
     def _report(self, req: XferReq) -> None:
         """Telemetry events of a finished post, and the cost model's update."""
@@ -336,6 +347,19 @@ class XferMixin:
 
     def releaseMemView(self, handle: int) -> None:
         raise nixlNotSupportedError("memory views need UCX's GPU device API, which datamover does not have")
+
+
+def _failure(exc: BaseException | None) -> Exception:
+    """A failed transfer's error as NIXL raises it: its NIXL class (and still its datamover class)."""
+    if isinstance(exc, NixlError):
+        return exc
+    if isinstance(exc, DatamoverError):
+        err = translate(exc)
+        err.__cause__ = exc
+        return err
+    err = nixlBackendError(f"the transfer failed: {exc!r}" if exc is not None else "the transfer failed")
+    err.__cause__ = exc
+    return err
 
 
 def _indices(idx: Any, what: str) -> np.ndarray:
