@@ -331,7 +331,8 @@ def test_initialize_xfer_write_and_read_loopback(agent, bufs):
     assert agent.transfer(h) in ("DONE", "PROC")
     assert wait_done(agent, h) == "DONE"
     assert np.array_equal(dst[2 * BUF : 3 * BUF], src[:BUF]) and np.array_equal(dst[:BUF], src[BUF : 2 * BUF])
-    assert agent.query_xfer_backend(h) == "memcpy"
+    with pytest.raises(nx.nixlNotFoundError):  # datamover's memcpy moved it; no created backend moves DRAM -> DRAM
+        agent.query_xfer_backend(h)
     assert agent.check_remote_xfer_done("initiator", b"UUID")  # loopback notification, by prefix
 
     # READ pulls "remote" (here: our own) memory into the local descriptors
@@ -351,6 +352,26 @@ def test_initialize_xfer_write_and_read_loopback(agent, bufs):
     agent.release_xfer_handle(h)
     agent.release_xfer_handle(h2)
     agent.deregister_memory(reg)
+
+
+def test_query_backend_and_cost_answer_as_nixl(bufs):
+    # DRAM -> DRAM in one agent runs on datamover's memcpy, but the answer is the created backend that moves
+    # those memory types (NIXL's UCX does loopback itself); the cost method is one NIXL's _api can give
+    src, dst = bufs
+    a = nixl_agent("query", nixl_agent_config(backends=["UCX"]))
+    try:
+        a.register_memory([(addr(src), src.nbytes, 0, ""), (addr(dst), dst.nbytes, 0, "")], "DRAM")
+        local = a.get_xfer_descs([(addr(src), BUF, 0)], "DRAM")
+        h = a.initialize_xfer("WRITE", local, a.get_xfer_descs([(addr(dst), BUF, 0)], "DRAM"), a.name)
+        assert a.query_xfer_backend(h) == "UCX"
+        assert a.estimate_xfer_cost(h) == (0, 0, "UNKNOWN")
+        for _ in range(3):
+            a.transfer(h)
+            assert wait_done(a, h) == "DONE"
+        duration, margin, method = a.estimate_xfer_cost(h)
+        assert method == "ANALYTICAL_BACKEND" and duration > 0 and margin >= 0
+    finally:
+        a.close()
 
 
 def test_torch_tensors_through_the_facade(agent):

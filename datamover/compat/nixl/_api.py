@@ -295,10 +295,10 @@ class nixl_agent:
         return arr
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
-        """(duration us, error margin us, method): "MEASURED" from this agent's past transfers on that backend,
-        "UNKNOWN" before any (NIXL's UCX answers "ANALYTICAL_BACKEND" from UCX's own model)."""
+        """(duration us, error margin us, method): "ANALYTICAL_BACKEND" (here from this agent's past transfers on
+        that backend) or "UNKNOWN" (0, 0) before any, the only two NIXL's _api answers."""
         duration, margin, method = self.agent.estimateXferCost(req_handle._handle)
-        return duration, margin, method.name[len("NIXL_COST_") :]
+        return duration, margin, "ANALYTICAL_BACKEND" if method == nixlBind.NIXL_COST_ANALYTICAL_BACKEND else "UNKNOWN"
 
     def make_prepped_xfer(
         self,
@@ -345,11 +345,9 @@ class nixl_agent:
         return self.agent.getXferTelemetry(handle._handle)
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
+        """The name (a key of ``self.backends``) of the backend chosen for the transfer."""
         b_handle = self.agent.queryXferBackend(handle._handle)
-        # a backend datamover used without its creation (memcpy, DRAM -> DRAM) answers by its own name
-        return next((name for name, h in self.backends.items() if h == b_handle), None) or self.agent.backend_name(
-            b_handle
-        )
+        return next(name for name, h in self.backends.items() if h == b_handle)
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
         handle.release()

@@ -310,22 +310,28 @@ class XferMixin:
         )
 
     def queryXferBackend(self, handle: int) -> int:
-        """The handle of the created backend the request runs on (DRAM -> DRAM in one agent: the first one)."""
-        req = self._req(handle).xfer.request
-        name = self._req(handle).xfer.backend.name
+        """The handle of the created backend the request runs on; where datamover moves the bytes with a backend
+        NIXL has no plugin for (memcpy, DRAM -> DRAM in one agent), the created one that moves those memory
+        types (NIXL's UCX does loopback itself). nixlNotFoundError when no created backend does."""
+        xfer = self._req(handle).xfer
+        name = xfer.backend.name
         created = self._handle_of  # type: ignore[attr-defined]
         for plugin, h in created.items():
             if datamover_backend_name(plugin) == name:
                 return h
-        for plugin, h in created.items():  # e.g. memcpy moving DRAM -> DRAM, which NIXL's UCX does itself
-            cls = get_backend_class(datamover_backend_name(plugin))
-            if cls.moves(req.local.mem_type, req.remote.mem_type, req.remote_agent is not None):
+        pair = (xfer.request.local.mem_type, xfer.request.remote.mem_type)
+        for plugin, h in created.items():
+            try:
+                cls = get_backend_class(datamover_backend_name(plugin))
+            except DatamoverError:
+                continue
+            if pair in cls.pairs:
                 return h
-        return self._implicit_backend(name)  # type: ignore[attr-defined]
-        raise nixlNotAllowedError(f"the request runs on datamover's {name!r}, which no created backend stands for")
+        raise nixlNotFoundError(f"no created backend moves {pair[0]} -> {pair[1]} (datamover runs it on {name!r})")
 
     def estimateXferCost(self, handle: int) -> tuple[int, int, nixl_cost_t]:
-        """(duration us, error margin us, method): from this agent's measured throughput on that backend."""
+        """(duration us, error margin us, method): NIXL_COST_ANALYTICAL_BACKEND from this agent's measured
+        throughput on that backend, NIXL_COST_UNKNOWN (0, 0) before any transfer on it."""
         req = self._req(handle)
         backend = req.xfer.backend.name
         nbytes = int(req.xfer.nbytes)
@@ -333,7 +339,7 @@ class XferMixin:
         if not bw:
             return 0, 0, nixl_cost_t.NIXL_COST_UNKNOWN
         est = lat + nbytes / bw
-        return int(est * 1e6), int(est * 0.5e6), nixl_cost_t.NIXL_COST_MEASURED
+        return int(est * 1e6), int(est * 0.5e6), nixl_cost_t.NIXL_COST_ANALYTICAL_BACKEND
 
     def releaseXferReq(self, handle: int) -> None:
         """Free a request, aborting it (and waiting for the abort) when in flight."""
