@@ -582,6 +582,12 @@ def test_metadata_of_another_agent(agent, bufs):
         assert agent.check_remote_metadata("target", agent.get_xfer_descs([(addr(src), BUF, 0)], "DRAM"))
         assert not agent.check_remote_metadata("target", agent.get_xfer_descs([(addr(src), BUF + 1, 0)], "DRAM"))
         assert not agent.check_remote_metadata("nobody")
+        # its own name is always loaded (NIXL's loopback section), checked against its own registrations
+        assert agent.check_remote_metadata(agent.name)
+        assert not agent.check_remote_metadata(agent.name, agent.get_xfer_descs([(addr(src), BUF, 0)], "DRAM"))
+        agent.register_memory([(addr(src), BUF, 0, "")], "DRAM")
+        assert agent.check_remote_metadata(agent.name, agent.get_xfer_descs([(addr(src), BUF, 0)], "DRAM"))
+        assert not agent.check_remote_metadata(agent.name, agent.get_xfer_descs([(addr(src), BUF + 1, 0)], "DRAM"))
         agent.make_connection("target")
         with pytest.raises(nx.nixlNotFoundError):
             agent.make_connection("nobody")

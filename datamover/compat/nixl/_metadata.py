@@ -18,7 +18,7 @@ from typing import Any
 from ...agents.metadata import MAX_BLOB_BYTES
 from ...errors import DatamoverError, NotRegistered, RemoteDisconnected
 from ._dlists import nixlRegDList, nixlXferDList
-from ._errors import nixl_errors, nixlInvalidParamError, nixlMismatchError, nixlNotFoundError
+from ._errors import NixlError, nixl_errors, nixlInvalidParamError, nixlMismatchError, nixlNotFoundError
 from ._types import DEFAULT_COMM_PORT, as_bytes, as_name, nixl_status_t
 from ._worker import FETCH_RETRY_S, MetadataWorker, retry
 
@@ -76,14 +76,19 @@ class MetadataMixin:
         return nixl_status_t.NIXL_SUCCESS
 
     def checkRemoteMD(self, agent: Any, descs: nixlXferDList | None = None) -> nixl_status_t:
-        """NIXL_SUCCESS when the peer is loaded (and its metadata covers ``descs``), else NIXL_ERR_NOT_FOUND."""
+        """NIXL_SUCCESS when the peer is loaded (and its metadata covers ``descs``), else NIXL_ERR_NOT_FOUND.
+        This agent's own name is always loaded (NIXL's loopback section), checked against its own registrations."""
         name = as_name(agent)
-        if name not in self.agent.remotes:
+        own = name == self.name
+        if not own and name not in self.agent.remotes:
             return nixl_status_t.NIXL_ERR_NOT_FOUND
         if descs is not None and len(descs.descs):
             try:
-                self.agent.prepare(descs.descs, name)
-            except DatamoverError:
+                if own:
+                    self.agent.prepare(self._own_side(descs.descs))  # type: ignore[attr-defined]
+                else:
+                    self.agent.prepare(descs.descs, name)
+            except (DatamoverError, NixlError):
                 return nixl_status_t.NIXL_ERR_NOT_FOUND
         return nixl_status_t.NIXL_SUCCESS
 
