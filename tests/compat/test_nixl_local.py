@@ -596,8 +596,17 @@ def test_metadata_of_another_agent(agent, bufs):
         agent.remove_remote_agent("target")  # NIXL returns a status here, nothing raised
         with pytest.raises(nx.nixlInvalidParamError):
             agent.add_remote_agent(agent.get_agent_metadata())  # its own
-        with pytest.raises(nx.nixlInvalidParamError):
+        with pytest.raises(nx.nixlMismatchError):  # as NIXL: a blob that does not decode
             agent.add_remote_agent(b"\x93garbage")
+        with pytest.raises(nx.nixlMismatchError):
+            agent.add_remote_agent(b"garbage")
+        # partial metadata without connection info from a peer not loaded: nothing to connect with (as NIXL)
+        partial = other.get_partial_agent_metadata(other.get_reg_descs([(addr(src), BUF, 0, "")], "DRAM"), False)
+        with pytest.raises(nx.nixlNotFoundError):
+            agent.add_remote_agent(partial)
+        assert not agent.check_remote_metadata("target")
+        agent.add_remote_agent(other.get_agent_metadata())
+        assert agent.add_remote_agent(partial) == b"target"  # once it is loaded, partial metadata merges
     finally:
         other.close()
 
@@ -640,9 +649,16 @@ def test_error_mapping(agent, bufs):
     assert info.value.index == 0
 
     agent.register_memory([(addr(dst), dst.nbytes, 0, "")], "DRAM")
-    with pytest.raises(nx.nixlMismatchError) as info:
+    with pytest.raises(nx.nixlInvalidParamError) as info:  # as NIXL's createXferReq (not nixlMismatchError)
         agent.initialize_xfer("WRITE", good, agent.get_xfer_descs([(addr(dst), BUF - 1, 0)], "DRAM"), agent.name)
     assert isinstance(info.value, LengthMismatch)
+    two = agent.get_xfer_descs([(addr(dst), BUF // 2, 0), (addr(dst, BUF), BUF // 2, 0)], "DRAM")
+    with pytest.raises(nx.nixlInvalidParamError):  # descriptor counts differ
+        agent.initialize_xfer("WRITE", good, two, agent.name)
+    with pytest.raises(TypeError):  # NIXL's binding: pybind refuses None where a list is expected
+        agent.register_memory(None)
+    with pytest.raises(TypeError):
+        agent.initialize_xfer("WRITE", None, good, agent.name)
     with pytest.raises(KeyError):  # as NIXL: self.nixl_ops[operation]
         agent.initialize_xfer("COPY", good, good, agent.name)
     with pytest.raises(nx.nixlNotFoundError):

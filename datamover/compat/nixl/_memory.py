@@ -35,7 +35,7 @@ class MemoryMixin:
         moves the memory type.
         """
         if not isinstance(descs, nixlRegDList):
-            raise nixlInvalidParamError(f"registerMem takes a nixlRegDList, got {type(descs).__name__}")
+            raise TypeError(f"registerMem takes a nixlRegDList, got {type(descs).__name__}")
         mem = descs.descs.mem_type
         if mem == MemType.OBJ:
             self._register_objects(descs)
@@ -162,7 +162,7 @@ class MemoryMixin:
         """Deregister what ``registerMem`` registered: a DRAM/VRAM row undoes one registration of it, a file or
         object registration goes as a whole."""
         if not isinstance(descs, nixlRegDList):
-            raise nixlInvalidParamError(f"deregisterMem takes a nixlRegDList, got {type(descs).__name__}")
+            raise TypeError(f"deregisterMem takes a nixlRegDList, got {type(descs).__name__}")
         mem = descs.descs.mem_type
         if mem in (MemType.DRAM, MemType.VRAM):
             keys = [(mem, a, n, d) for a, n, d in descs.descs]

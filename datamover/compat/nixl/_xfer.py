@@ -119,7 +119,7 @@ class XferMixin:
         descs = args[0]
         self._backend_names(args[1] if len(args) > 1 else ())  # type: ignore[attr-defined]
         if not isinstance(descs, nixlXferDList):
-            raise nixlInvalidParamError(f"prepXferDlist takes a nixlXferDList, got {type(descs).__name__}")
+            raise TypeError(f"prepXferDlist takes a nixlXferDList, got {type(descs).__name__}")
         name = as_name(agent_name)
         peer = self._peer(name)
         pl = PreppedList(peer, name in ("", NIXL_INIT_AGENT), self._prepare_rows(descs.descs, peer), None)
@@ -197,7 +197,7 @@ class XferMixin:
         only = self._backend_names(backends)  # type: ignore[attr-defined]
         for what, d in (("local", local_descs), ("remote", remote_descs)):
             if not isinstance(d, nixlXferDList):
-                raise nixlInvalidParamError(f"the {what} descriptors must be a nixlXferDList, got {type(d).__name__}")
+                raise TypeError(f"the {what} descriptors must be a nixlXferDList, got {type(d).__name__}")
         lp = self._prepare_rows(local_descs.descs, None)
         rp = self._prepare_rows(remote_descs.descs, self._peer(remote_agent))
 
