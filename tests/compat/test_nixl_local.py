@@ -412,6 +412,34 @@ def test_prepped_xfer_with_index_lists_and_arrays(agent, bufs, index_kind):
         agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
 
 
+def test_requests_nixl_refuses_are_refused(agent, bufs):
+    src, dst = bufs
+    agent.register_memory([(addr(src), src.nbytes, 0, ""), (addr(dst), dst.nbytes, 0, "")], "DRAM")
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr(src), BUF, 0)], "DRAM")
+    loop = agent.prep_xfer_dlist(agent.name, [(addr(dst), BUF, 0)], "DRAM")
+    with pytest.raises(nx.nixlInvalidParamError):  # sides swapped
+        agent.make_prepped_xfer("WRITE", loop, [0], local, [0])
+    with pytest.raises(nx.nixlInvalidParamError):
+        agent.make_prepped_xfer("WRITE", local, [], loop, [])
+    d = agent.get_xfer_descs([(addr(src), BUF, 0)], "DRAM")
+    with pytest.raises(nx.nixlNotFoundError):  # NIXL_INIT_AGENT names no agent
+        agent.initialize_xfer("WRITE", d, agent.get_xfer_descs([(addr(dst), BUF, 0)], "DRAM"), "NIXL_INIT_AGENT")
+    other = nixl_agent("peer", nixl_agent_config(backends=[]))
+    try:
+        other.register_memory([(addr(dst), BUF, 0, "")], "DRAM")
+        agent.add_remote_agent(other.get_agent_metadata())
+        remote = agent.prep_xfer_dlist("peer", [(addr(dst), BUF, 0)], "DRAM")
+        agent.release_xfer_handle(agent.make_prepped_xfer("WRITE", local, [0], remote, [0]))
+        agent.remove_remote_agent("peer")
+        with pytest.raises(nx.nixlNotFoundError):  # prepared for a peer removed since
+            agent.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    finally:
+        other.close()
+    h = agent.make_prepped_xfer("WRITE", local, [0], loop, [0])  # the right way round still works
+    agent.transfer(h)
+    assert wait_done(agent, h) == "DONE" and np.array_equal(dst[:BUF], src[:BUF])
+
+
 @pytest.mark.parametrize("indices", [[0.9, 2.7], np.array([1.5, 3.99]), ["1", "2"], [[0, 1]]], ids=repr)
 def test_prepped_xfer_refuses_indices_that_are_not_integers(agent, bufs, indices):
     """NIXL's bindings take ints only: numpy would truncate floats and parse strings into other blocks."""

@@ -160,9 +160,15 @@ class XferMixin:
         op = _op(operation)
         only = self._backend_names(backends)  # type: ignore[attr-defined]
         lpl, rpl = self._prepped(local_handle), self._prepped(remote_handle)
-        if lpl.peer is not None:
+        if not lpl.local:
             raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        if rpl.local:
+            raise nixlInvalidParamError("the remote side must be prepared with an agent's name, not NIXL_INIT_AGENT")
+        if rpl.peer is not None and rpl.peer not in self.agent.remotes:
+            raise nixlNotFoundError(f"the remote side was prepared for {rpl.peer!r}, which was removed since")
         li, ri = _indices(local_indices, "local_indices"), _indices(remote_indices, "remote_indices")
+        if not len(li) or not len(ri):
+            raise nixlInvalidParamError("make_prepped_xfer needs at least one index on each side")
         lp, li = self._side(lpl, li)
         rp, ri = self._side(rpl, ri)
 
@@ -198,6 +204,8 @@ class XferMixin:
         for what, d in (("local", local_descs), ("remote", remote_descs)):
             if not isinstance(d, nixlXferDList):
                 raise TypeError(f"the {what} descriptors must be a nixlXferDList, got {type(d).__name__}")
+        if as_name(remote_agent) == NIXL_INIT_AGENT:  # NIXL looks it up as a peer's name, and finds none
+            raise nixlNotFoundError("remote_agent must name an agent (this one for loopback), not NIXL_INIT_AGENT")
         lp = self._prepare_rows(local_descs.descs, None)
         rp = self._prepare_rows(remote_descs.descs, self._peer(remote_agent))
 
