@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 
@@ -452,6 +453,16 @@ def test_prepped_xfer_refuses_indices_that_are_not_integers(agent, bufs, indices
     assert not dst.any()
 
 
+def test_dropped_prepared_list_is_released(agent, bufs):
+    src, _ = bufs
+    agent.register_memory([(addr(src), src.nbytes, 0, "")], "DRAM")
+    before = len(agent.agent._handles)
+    for _ in range(50):
+        agent.prep_xfer_dlist("NIXL_INIT_AGENT", [(addr(src), BUF, 0)], "DRAM")  # the handle is dropped at once
+    gc.collect()
+    assert len(agent.agent._handles) == before  # as NIXL's handle, __del__ released each
+
+
 def test_prepped_xfer_from_strided_array(agent, bufs):
     src, dst = bufs
     agent.register_memory([(addr(src), src.nbytes, 0, ""), (addr(dst), dst.nbytes, 0, "")], "DRAM")
@@ -507,6 +518,7 @@ def test_posix_write_then_read_file(agent, bufs, tmp_path):
 
         info = agent.query_memory([(0, 0, 0, str(path)), (0, 0, 0, str(tmp_path / "absent"))], "POSIX", "FILE")
         assert info[0] is not None and info[0]["size"] == str(src.nbytes) and info[1] is None
+        assert info[0]["mode"] == str(path.stat().st_mode)  # decimal, as NIXL's POSIX plugin
         with pytest.raises(ValueError):
             agent.query_memory([(0, 0, 0, str(path))], "UCX", "FILE")
 

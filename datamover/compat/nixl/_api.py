@@ -39,6 +39,13 @@ class nixl_prepped_dlist_handle:
             self._agent.releasedDlistH(self._handle)
             self._released = True
 
+    def __del__(self) -> None:
+        """Release on garbage collection, as NIXL's handle does (a dropped list would stay in the agent)."""
+        try:
+            self.release()
+        except Exception:
+            pass
+
     def __repr__(self) -> str:
         return f"nixl_prepped_dlist_handle(0x{self._handle:x}, released={self._released})"
 

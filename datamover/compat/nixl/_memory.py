@@ -190,7 +190,8 @@ class MemoryMixin:
         return nixl_status_t.NIXL_SUCCESS
 
     def queryMem(self, descs: nixlRegDList, backend: Any) -> list[dict[str, str] | None]:
-        """For FILE descriptors, each file's size, mode and mtime by the path in metaInfo (None if absent)."""
+        """For FILE descriptors, each file's size, mode and mtime by the path in metaInfo (None if absent), as
+        decimal strings (NIXL's POSIX plugin: mode "33188", not "0o100644")."""
         self._backend_name(backend)  # type: ignore[attr-defined]
         if descs.descs.mem_type != MemType.FILE:
             raise nixlNotSupportedError(f"queryMem supports FILE descriptors only, got {descs.descs.mem_type}")
@@ -201,7 +202,7 @@ class MemoryMixin:
             except (OSError, ValueError):
                 out.append(None)
                 continue
-            out.append({"size": str(st.st_size), "mode": oct(st.st_mode), "mtime": str(int(st.st_mtime))})
+            out.append({"size": str(st.st_size), "mode": str(st.st_mode), "mtime": str(int(st.st_mtime))})
         return out
 
     def _own_side(self, descs: DescList) -> DescList:
