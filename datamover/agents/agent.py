@@ -81,15 +81,23 @@ class Agent:
         return self._registry.register(x)
 
     def register_file(
-        self, path: str | os.PathLike, size: int | None = None, direct: bool = True, create: bool = True
+        self,
+        path: str | os.PathLike,
+        size: int | None = None,
+        direct: bool = True,
+        create: bool = True,
+        *,
+        extend: bool = True,
     ) -> Registration:
-        """Register a file for FILE descriptors; ``size`` extends it if shorter.
+        """Register a file for FILE descriptors; ``size`` extends it if shorter (unless ``extend`` is False).
 
         FILE descriptors address ``[0, size)`` of it (the current size when
         ``size`` is None). ``direct`` asks for O_DIRECT where the filesystem
-        allows it.
+        allows it. With ``extend=False`` the file is left as it is: a write
+        past its end grows it, a read past its end fails (the NIXL facade's
+        registration, as NIXL's POSIX plugin never touches the file).
         """
-        return self._registry.register_file(path, size, direct, create)
+        return self._registry.register_file(path, size, direct, create, extend=extend)
 
     def register_objects(
         self, bucket: str, keys: Iterable[str] | None = None, prefix: str | None = None

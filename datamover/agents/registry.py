@@ -66,8 +66,10 @@ class Registry:
                 raise InvalidDescriptor(f"[{addr:#x}, +{nbytes}) overlaps region {other} already registered")
             return self._add(Registration(self._new_id(), mem, addr, nbytes, dev, owner=owner))
 
-    def register_file(self, path: str | os.PathLike, size: int | None, direct: bool, create: bool) -> Registration:
-        """A file registered for FILE descriptors over ``[0, size)``; ``size`` extends it if shorter."""
+    def register_file(
+        self, path: str | os.PathLike, size: int | None, direct: bool, create: bool, *, extend: bool = True
+    ) -> Registration:
+        """A file registered for FILE descriptors over ``[0, size)``; ``size`` extends it if shorter and ``extend``."""
         path = os.fspath(path)
         flags = os.O_RDWR | (os.O_CREAT if create else 0)
         try:
@@ -79,7 +81,7 @@ class Registry:
             if size is not None:
                 if size < 0:
                     raise InvalidDescriptor(f"file size must be >= 0, got {size}")
-                if current < size:
+                if current < size and extend:
                     os.ftruncate(fd, size)
             length = current if size is None else int(size)
         finally:

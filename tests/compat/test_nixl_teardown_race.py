@@ -72,7 +72,7 @@ def initiator(ports, target_gone, results, errors) -> None:
         local = agent.get_xfer_descs([(rows[i].ctypes.data, rows[i].nbytes, 0) for i in range(10)], "DRAM")
         _until(lambda: agent.check_remote_metadata("target"), "the target's metadata")
         h = agent.initialize_xfer("READ", local, remote, "target", "Done_reading")
-        assert agent.transfer(h) != "ERR"
+        assert agent.transfer(h) in ("DONE", "PROC")  # a failure raises
         _until(lambda: agent.check_xfer_state(h) == "DONE", "the READ")
         assert (rows == 1).all(), "data read is wrong"
 

@@ -107,7 +107,7 @@ def initiator_process(ports, errors) -> None:
         remote_prep = agent.prep_xfer_dlist("target", target_descs)
         local_idx, remote_idx = np.array([0, 1], dtype=np.int32), np.array([1, 0], dtype=np.int32)
         xfer_handle_2 = agent.make_prepped_xfer("READ", local_prep, local_idx, remote_prep, remote_idx, b"UUID2")
-        assert agent.transfer(xfer_handle_2) != "ERR"
+        assert agent.transfer(xfer_handle_2) in ("DONE", "PROC")  # a failure raises
         while (state := agent.check_xfer_state(xfer_handle_2)) == "PROC":
             pass
         assert state == "DONE", f"prepped transfer ended {state}: {xfer_handle_2.error!r}"

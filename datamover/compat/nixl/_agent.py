@@ -70,7 +70,9 @@ class nixlAgent(BackendsMixin, MemoryMixin, XferMixin, MetadataMixin):
         self._handle_of: dict[str, int] = {}
         self._backend_of: dict[int, str] = {}
         self._backend_info: dict[str, tuple[dict[str, str], list[str]]] = {}
-        self._regs: dict[tuple[MemType, int, int, int], Registration] = {}
+        self._regs: dict[tuple[MemType, int, int, int], Registration | None] = {}
+        self._region_refs: dict[tuple[MemType, int, int, int], int] = {}
+        self._core_refs: dict[int, int] = {}
         self._files: dict[int, Registration] = {}
         self._obj_keys: dict[int, str] = {}
         self._obj_bucket: str | None = None
@@ -120,6 +122,8 @@ class nixlAgent(BackendsMixin, MemoryMixin, XferMixin, MetadataMixin):
         self.agent.close()
         self._events.close()
         self._regs.clear()
+        self._region_refs.clear()
+        self._core_refs.clear()
         self._files.clear()
 
     def __del__(self) -> None:

@@ -39,6 +39,13 @@ class nixl_prepped_dlist_handle:
             self._agent.releasedDlistH(self._handle)
             self._released = True
 
+    def __del__(self) -> None:
+        """Release on garbage collection, as NIXL's handle does (a dropped list would stay in the agent)."""
+        try:
+            self.release()
+        except Exception:
+            pass
+
     def __repr__(self) -> str:
         return f"nixl_prepped_dlist_handle(0x{self._handle:x}, released={self._released})"
 
@@ -295,10 +302,10 @@ class nixl_agent:
         return arr
 
     def estimate_xfer_cost(self, req_handle: nixl_xfer_handle) -> tuple[int, int, str]:
-        """(duration us, error margin us, method): "MEASURED" from this agent's past transfers on that backend,
-        "UNKNOWN" before any (NIXL's UCX answers "ANALYTICAL_BACKEND" from UCX's own model)."""
+        """(duration us, error margin us, method): "ANALYTICAL_BACKEND" (here from this agent's past transfers on
+        that backend) or "UNKNOWN" (0, 0) before any, the only two NIXL's _api answers."""
         duration, margin, method = self.agent.estimateXferCost(req_handle._handle)
-        return duration, margin, method.name[len("NIXL_COST_") :]
+        return duration, margin, "ANALYTICAL_BACKEND" if method == nixlBind.NIXL_COST_ANALYTICAL_BACKEND else "UNKNOWN"
 
     def make_prepped_xfer(
         self,
@@ -333,21 +340,21 @@ class nixl_agent:
         return nixl_xfer_handle(self.agent, handle)
 
     def transfer(self, handle: nixl_xfer_handle, notif_msg: bytes = b"") -> str:
-        """Post a transfer: "DONE" when it already finished, "PROC" in flight, "ERR" failed (see handle.error)."""
+        """Post a transfer: "DONE" when it already finished, "PROC" in flight. A failure raises its nixl*Error
+        (as NIXL's binding does, so its "ERR" is never returned): a refused post leaves the handle as it was."""
         return _STATES.get(self.agent.postXferReq(handle._handle, notif_msg), "ERR")
 
     def check_xfer_state(self, handle: nixl_xfer_handle) -> str:
+        """ "DONE" or "PROC"; a failed transfer raises its nixl*Error (nixlBackendError for I/O failures, ...)."""
         return _STATES.get(self.agent.getXferStatus(handle._handle), "ERR")
 
     def get_xfer_telemetry(self, handle: nixl_xfer_handle) -> nixlBind.nixlXferTelemetry:
         return self.agent.getXferTelemetry(handle._handle)
 
     def query_xfer_backend(self, handle: nixl_xfer_handle) -> str:
+        """The name (a key of ``self.backends``) of the backend chosen for the transfer."""
         b_handle = self.agent.queryXferBackend(handle._handle)
-        # a backend datamover used without its creation (memcpy, DRAM -> DRAM) answers by its own name
-        return next((name for name, h in self.backends.items() if h == b_handle), None) or self.agent.backend_name(
-            b_handle
-        )
+        return next(name for name, h in self.backends.items() if h == b_handle)
 
     def release_xfer_handle(self, handle: nixl_xfer_handle) -> None:
         handle.release()

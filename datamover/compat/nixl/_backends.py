@@ -9,7 +9,7 @@ from typing import Any
 from ...backends import get_backend_class
 from ...descriptors import MemType
 from ._errors import nixl_errors, nixlInvalidParamError, nixlNotFoundError
-from ._types import datamover_backend_name, nixl_plugin_names
+from ._types import datamover_backend_name
 
 log = logging.getLogger("datamover.compat.nixl")
 
@@ -119,16 +119,6 @@ class BackendsMixin:
         if not handles:
             return None
         return list(dict.fromkeys(datamover_backend_name(self._backend_name(h)) for h in handles))
-
-    def _implicit_backend(self, name: str) -> int:
-        """A handle for a datamover backend used without being created (memcpy for DRAM -> DRAM in one agent)."""
-        plugin = nixl_plugin_names(name)[0]
-        for h, p in self._backend_of.items():
-            if p == plugin:
-                return h
-        handle = self._new_handle(plugin)
-        self._backend_of[handle] = plugin
-        return handle
 
     def createBackend(self, plugin: str, params: dict[str, str] | None = None) -> int:
         """Start a backend by its NIXL name with NIXL-style string parameters; returns its handle.

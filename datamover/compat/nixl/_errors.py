@@ -83,7 +83,7 @@ ERROR_CLASSES: tuple[type[NixlError], ...] = (
 # first match wins: datamover error -> the NIXL error a NIXL program would catch
 _ERROR_MAP: tuple[tuple[type[DatamoverError], type[NixlError]], ...] = (
     (NotRegistered, nixlNotFoundError),
-    (LengthMismatch, nixlMismatchError),
+    (LengthMismatch, nixlInvalidParamError),  # NIXL's createXferReq: NIXL_ERR_INVALID_PARAM
     (InvalidMetadata, nixlInvalidParamError),
     (InvalidDescriptor, nixlInvalidParamError),
     (InvalidParameter, nixlInvalidParamError),

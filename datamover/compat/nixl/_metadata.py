@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...agents.metadata import MAX_BLOB_BYTES
-from ...errors import DatamoverError, NotRegistered, RemoteDisconnected
+from ...agents.metadata import MAX_BLOB_BYTES, decode_metadata, open_metadata
+from ...errors import DatamoverError, InvalidMetadata, NotRegistered, RemoteDisconnected
 from ._dlists import nixlRegDList, nixlXferDList
-from ._errors import nixl_errors, nixlInvalidParamError, nixlMismatchError, nixlNotFoundError
+from ._errors import NixlError, nixl_errors, nixlInvalidParamError, nixlMismatchError, nixlNotFoundError
 from ._types import DEFAULT_COMM_PORT, as_bytes, as_name, nixl_status_t
 from ._worker import FETCH_RETRY_S, MetadataWorker, retry
 
@@ -55,15 +55,27 @@ class MetadataMixin:
     def getLocalPartialMD(self, descs: nixlRegDList, inc_conn_info: bool = False, backends: Any = ()) -> bytes:
         """Metadata of the registrations behind ``descs`` only (with connection info if asked)."""
         if not isinstance(descs, nixlRegDList):
-            raise nixlInvalidParamError(f"partial metadata takes a nixlRegDList, got {type(descs).__name__}")
+            raise TypeError(f"partial metadata takes a nixlRegDList, got {type(descs).__name__}")
         regs = self._registrations_of(descs) if len(descs) else []  # type: ignore[attr-defined]
         with nixl_errors():
             return self.agent.metadata(regs, connection=bool(inc_conn_info))
 
     def loadRemoteMD(self, metadata: bytes) -> bytes:
-        """Load a peer's (full or partial) metadata; returns its name as bytes, as NIXL's binding does."""
+        """Load a peer's (full or partial) metadata; returns its name as bytes, as NIXL's binding does.
+
+        As NIXL: a blob that does not decode is nixlMismatchError; partial metadata without connection info
+        from a peer not loaded yet is nixlNotFoundError (there is nothing to connect with)."""
+        blob = as_bytes(metadata)
         with nixl_errors():
-            return self.agent.add_remote(as_bytes(metadata)).encode()
+            try:
+                meta = decode_metadata(open_metadata(blob, self.agent.secret))
+            except InvalidMetadata as exc:
+                raise nixlMismatchError(f"cannot load the metadata: {exc.reason}") from exc
+            if meta.partial and not meta.backends and meta.name not in self.agent.remotes:
+                raise nixlNotFoundError(
+                    f"partial metadata of {meta.name!r} has no connection info, and {meta.name!r} is not loaded"
+                )
+            return self.agent.add_remote(blob).encode()
 
     def invalidateRemoteMD(self, agent: Any) -> nixl_status_t:
         """Forget a peer and disconnect from it; an unknown one is NIXL_ERR_NOT_FOUND, not raised (as NIXL)."""
@@ -76,14 +88,19 @@ class MetadataMixin:
         return nixl_status_t.NIXL_SUCCESS
 
     def checkRemoteMD(self, agent: Any, descs: nixlXferDList | None = None) -> nixl_status_t:
-        """NIXL_SUCCESS when the peer is loaded (and its metadata covers ``descs``), else NIXL_ERR_NOT_FOUND."""
+        """NIXL_SUCCESS when the peer is loaded (and its metadata covers ``descs``), else NIXL_ERR_NOT_FOUND.
+        This agent's own name is always loaded (NIXL's loopback section), checked against its own registrations."""
         name = as_name(agent)
-        if name not in self.agent.remotes:
+        own = name == self.name
+        if not own and name not in self.agent.remotes:
             return nixl_status_t.NIXL_ERR_NOT_FOUND
         if descs is not None and len(descs.descs):
             try:
-                self.agent.prepare(descs.descs, name)
-            except DatamoverError:
+                if own:
+                    self.agent.prepare(self._own_side(descs.descs))  # type: ignore[attr-defined]
+                else:
+                    self.agent.prepare(descs.descs, name)
+            except (DatamoverError, NixlError):
                 return nixl_status_t.NIXL_ERR_NOT_FOUND
         return nixl_status_t.NIXL_SUCCESS
 

@@ -42,10 +42,11 @@ class nixl_thread_sync_t(IntEnum):
 
 
 class nixl_cost_t(IntEnum):
-    """How ``estimateXferCost`` estimated: NIXL's analytical model, datamover's measured throughput, or not."""
+    """How ``estimateXferCost`` estimated: the backend's model (here: its measured throughput), or not at all.
+
+    NIXL's enum names only ANALYTICAL_BACKEND; anything else reads as "UNKNOWN" in its ``_api``."""
 
     NIXL_COST_ANALYTICAL_BACKEND = 0
-    NIXL_COST_MEASURED = 1
     NIXL_COST_UNKNOWN = 2
 
 

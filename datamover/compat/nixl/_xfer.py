@@ -14,14 +14,18 @@ from ...descriptors import DescList, StridedDescList
 from ...errors import DatamoverError, NotRegistered
 from ._dlists import nixlRemoteDList, nixlXferDList
 from ._errors import (
+    NixlError,
     nixl_errors,
+    nixlBackendError,
     nixlInvalidParamError,
     nixlNotAllowedError,
     nixlNoTelemetryError,
+    nixlNotFoundError,
     nixlNotPostedError,
     nixlNotSupportedError,
     nixlRepostActiveError,
     status_of,
+    translate,
 )
 from ._telemetry import nixlXferTelemetry
 from ._types import (
@@ -115,7 +119,7 @@ class XferMixin:
         descs = args[0]
         self._backend_names(args[1] if len(args) > 1 else ())  # type: ignore[attr-defined]
         if not isinstance(descs, nixlXferDList):
-            raise nixlInvalidParamError(f"prepXferDlist takes a nixlXferDList, got {type(descs).__name__}")
+            raise TypeError(f"prepXferDlist takes a nixlXferDList, got {type(descs).__name__}")
         name = as_name(agent_name)
         peer = self._peer(name)
         pl = PreppedList(peer, name in ("", NIXL_INIT_AGENT), self._prepare_rows(descs.descs, peer), None)
@@ -156,9 +160,15 @@ class XferMixin:
         op = _op(operation)
         only = self._backend_names(backends)  # type: ignore[attr-defined]
         lpl, rpl = self._prepped(local_handle), self._prepped(remote_handle)
-        if lpl.peer is not None:
+        if not lpl.local:
             raise nixlInvalidParamError("the local side must be prepared with NIXL_INIT_AGENT")
+        if rpl.local:
+            raise nixlInvalidParamError("the remote side must be prepared with an agent's name, not NIXL_INIT_AGENT")
+        if rpl.peer is not None and rpl.peer not in self.agent.remotes:
+            raise nixlNotFoundError(f"the remote side was prepared for {rpl.peer!r}, which was removed since")
         li, ri = _indices(local_indices, "local_indices"), _indices(remote_indices, "remote_indices")
+        if not len(li) or not len(ri):
+            raise nixlInvalidParamError("make_prepped_xfer needs at least one index on each side")
         lp, li = self._side(lpl, li)
         rp, ri = self._side(rpl, ri)
 
@@ -193,7 +203,9 @@ class XferMixin:
         only = self._backend_names(backends)  # type: ignore[attr-defined]
         for what, d in (("local", local_descs), ("remote", remote_descs)):
             if not isinstance(d, nixlXferDList):
-                raise nixlInvalidParamError(f"the {what} descriptors must be a nixlXferDList, got {type(d).__name__}")
+                raise TypeError(f"the {what} descriptors must be a nixlXferDList, got {type(d).__name__}")
+        if as_name(remote_agent) == NIXL_INIT_AGENT:  # NIXL looks it up as a peer's name, and finds none
+            raise nixlNotFoundError("remote_agent must name an agent (this one for loopback), not NIXL_INIT_AGENT")
         lp = self._prepare_rows(local_descs.descs, None)
         rp = self._prepare_rows(remote_descs.descs, self._peer(remote_agent))
 
@@ -215,7 +227,9 @@ class XferMixin:
         return self._req(handle).xfer
 
     def postXferReq(self, handle: int, notif_msg: Any = None) -> nixl_status_t:
-        """Post a request; NIXL_SUCCESS when already done, NIXL_IN_PROG in flight, else the failure's status.
+        """Post a request; NIXL_SUCCESS when already done, NIXL_IN_PROG in flight; a failure raises, as NIXL's
+        binding does (its ``throw_nixl_exception``): a post refused (the peer was removed, the request is in
+        flight) raises before anything changes, a transfer failed at once raises its error's NIXL class.
 
         A non-empty ``notif_msg`` replaces the request's notification from this post on.
         """
@@ -223,6 +237,10 @@ class XferMixin:
         if req.xfer.state == XferState.PROC:
             self._events.error(nixl_status_t.NIXL_ERR_REPOST_ACTIVE)
             raise nixlRepostActiveError("the transfer is still in flight; wait for DONE before posting it again")
+        peer = req.xfer.request.remote_agent
+        if peer is not None and peer not in self.agent.remotes:
+            self._events.error(nixl_status_t.NIXL_ERR_NOT_FOUND)
+            raise nixlNotFoundError(f"remote agent {peer!r} was removed; load its metadata again before posting")
         if notif_msg is not None and notif_msg != b"" and as_bytes(notif_msg) != req.notify:
             new = req.remake(as_bytes(notif_msg))
             req.xfer.release()
@@ -237,7 +255,8 @@ class XferMixin:
         return self._status(req)
 
     def getXferStatus(self, handle: int) -> nixl_status_t:
-        """NIXL_SUCCESS, NIXL_IN_PROG, or the failure's status (its cause: ``xfer_of(handle).error``)."""
+        """NIXL_SUCCESS or NIXL_IN_PROG; a failed transfer raises its error as the NIXL class (nixlBackendError
+        for I/O, nixlRemoteDisconnectError, ...), every time it is asked, as NIXL's binding does."""
         return self._status(self._req(handle))
 
     def _status(self, req: XferReq) -> nixl_status_t:
@@ -252,7 +271,7 @@ class XferMixin:
             self._report(req)
         if state == XferState.DONE:
             return nixl_status_t.NIXL_SUCCESS
-        return status_of(req.xfer.error)
+        raise _failure(req.xfer.error)
 
     def _report(self, req: XferReq) -> None:
         """Telemetry events of a finished post, and the cost model's update."""
@@ -299,22 +318,28 @@ class XferMixin:
         )
 
     def queryXferBackend(self, handle: int) -> int:
-        """The handle of the created backend the request runs on (DRAM -> DRAM in one agent: the first one)."""
-        req = self._req(handle).xfer.request
-        name = self._req(handle).xfer.backend.name
+        """The handle of the created backend the request runs on; where datamover moves the bytes with a backend
+        NIXL has no plugin for (memcpy, DRAM -> DRAM in one agent), the created one that moves those memory
+        types (NIXL's UCX does loopback itself). nixlNotFoundError when no created backend does."""
+        xfer = self._req(handle).xfer
+        name = xfer.backend.name
         created = self._handle_of  # type: ignore[attr-defined]
         for plugin, h in created.items():
             if datamover_backend_name(plugin) == name:
                 return h
-        for plugin, h in created.items():  # e.g. memcpy moving DRAM -> DRAM, which NIXL's UCX does itself
-            cls = get_backend_class(datamover_backend_name(plugin))
-            if cls.moves(req.local.mem_type, req.remote.mem_type, req.remote_agent is not None):
+        pair = (xfer.request.local.mem_type, xfer.request.remote.mem_type)
+        for plugin, h in created.items():
+            try:
+                cls = get_backend_class(datamover_backend_name(plugin))
+            except DatamoverError:
+                continue
+            if pair in cls.pairs:
                 return h
-        return self._implicit_backend(name)  # type: ignore[attr-defined]
-        raise nixlNotAllowedError(f"the request runs on datamover's {name!r}, which no created backend stands for")
+        raise nixlNotFoundError(f"no created backend moves {pair[0]} -> {pair[1]} (datamover runs it on {name!r})")
 
     def estimateXferCost(self, handle: int) -> tuple[int, int, nixl_cost_t]:
-        """(duration us, error margin us, method): from this agent's measured throughput on that backend."""
+        """(duration us, error margin us, method): NIXL_COST_ANALYTICAL_BACKEND from this agent's measured
+        throughput on that backend, NIXL_COST_UNKNOWN (0, 0) before any transfer on it."""
         req = self._req(handle)
         backend = req.xfer.backend.name
         nbytes = int(req.xfer.nbytes)
@@ -322,7 +347,7 @@ class XferMixin:
         if not bw:
             return 0, 0, nixl_cost_t.NIXL_COST_UNKNOWN
         est = lat + nbytes / bw
-        return int(est * 1e6), int(est * 0.5e6), nixl_cost_t.NIXL_COST_MEASURED
+        return int(est * 1e6), int(est * 0.5e6), nixl_cost_t.NIXL_COST_ANALYTICAL_BACKEND
 
     def releaseXferReq(self, handle: int) -> None:
         """Free a request, aborting it (and waiting for the abort) when in flight."""
@@ -336,6 +361,19 @@ class XferMixin:
 
     def releaseMemView(self, handle: int) -> None:
         raise nixlNotSupportedError("memory views need UCX's GPU device API, which datamover does not have")
+
+
+def _failure(exc: BaseException | None) -> Exception:
+    """A failed transfer's error as NIXL raises it: its NIXL class (and still its datamover class)."""
+    if isinstance(exc, NixlError):
+        return exc
+    if isinstance(exc, DatamoverError):
+        err = translate(exc)
+        err.__cause__ = exc
+        return err
+    err = nixlBackendError(f"the transfer failed: {exc!r}" if exc is not None else "the transfer failed")
+    err.__cause__ = exc
+    return err
 
 
 def _indices(idx: Any, what: str) -> np.ndarray:
