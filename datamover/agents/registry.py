@@ -40,6 +40,7 @@ class Registry:
         #: bumped when a region goes or the agent closes: a post checks its regions only when it moved
         self.generation = 0
         self._transfers: set[weakref.ref] = set()  # every live Transfer made on these regions
+        self._going: set[int] = set()  # regions being deregistered: waiting for the transfers on them
 
     # -- registering ---------------------------------------------------------
     def register(self, x: Any) -> Registration | list[Registration]:
@@ -129,18 +130,20 @@ class Registry:
                 self.deregister(r)
             return
         with self._lock:
-            if self._regs.get(reg.id) is not reg:
+            if self._regs.get(reg.id) is not reg or reg.id in self._going:
                 raise NotRegistered(f"region {reg.id} is not registered with {self._owner}")
-            del self._regs[reg.id]
+            # going: new transfers no longer find it and posts refuse it, while the backends still see it
+            # (``regions``) for the transfers in flight on it
+            self._going.add(reg.id)
             self.generation += 1
-            self._changed()  # no longer found by lookups or offered to peers
+            self._changed()
         try:
             for t in self._live():  # outside the lock: a transfer may need it to finish
                 if reg.id in t.request.own_regions:
                     t.settle()
         except BaseException:
             with self._lock:
-                self._regs[reg.id] = reg
+                self._going.discard(reg.id)
                 self._changed()
             raise
         with self._lock:
@@ -149,11 +152,14 @@ class Registry:
                 if inst is not None:
                     inst.deregister(reg, handle)
             reg.handles.clear()
+            del self._regs[reg.id]
+            self._going.discard(reg.id)
+            self._changed()
 
     def deregister_all(self) -> None:
         """Undo every registration (closing the agent)."""
         with self._lock:
-            for reg in list(self._regs.values()):
+            for reg in [r for r in self._regs.values() if r.id not in self._going]:
                 self.deregister(reg)
 
     # -- transfers on these regions ---------------------------------------------
@@ -172,9 +178,9 @@ class Registry:
         (TransferTracker; a post's bytes would go to memory or a file no longer the caller's)."""
         if self.closed:
             raise TransferStateError(f"{self._owner} is closed", backend=backend)
-        regs = self._regs
+        regs, going = self._regs, self._going
         for rid in regions:
-            if rid not in regs:
+            if rid not in regs or rid in going:
                 raise NotRegistered(
                     f"region {rid} was deregistered from {self._owner} after this transfer was made", backend=backend
                 )
@@ -196,7 +202,8 @@ class Registry:
         return [t for t in (r() for r in refs) if t is not None]
 
     def _changed(self) -> None:
-        self.table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in self._regs.values())
+        live = (r for r in self._regs.values() if r.id not in self._going)
+        self.table = RegionTable((r.mem_type, r.dev, r.addr, r.length, r.id) for r in live)
         self._on_change()
 
     def check_registered(self, regs: Iterable[Registration]) -> list[Registration]:
@@ -222,7 +229,7 @@ class Registry:
         if int(descs.dev.max()) >= len(keys):
             i = int(np.flatnonzero(descs.dev >= len(keys))[0])
             raise InvalidDescriptor(f"key index {int(descs.dev[i])} is outside the list's {len(keys)} keys", index=i)
-        regs = [r for r in self._regs.values() if r.mem_type == MemType.OBJ]
+        regs = [r for r in self._regs.values() if r.mem_type == MemType.OBJ and r.id not in self._going]
         key_reg = np.full(len(keys), -1, dtype=np.int64)
         for k, key in enumerate(keys):
             for r in regs:

@@ -160,3 +160,21 @@ def test_the_dead_region_check_names_only_this_agents_regions():
         agent.deregister_memory(rc)
         assert x.post().wait() == XferState.DONE and not b.any()
         assert sorted(x.request.own_regions) == sorted([ra.id, rb.id])
+
+
+def test_a_backend_still_finds_a_region_going_while_the_transfers_on_it_finish(tmp_path, held_write):
+    """While deregistration waits, the region is gone for new transfers but still in `regions` for the backends
+    (ucx's service thread looks a queued post's regions up there: it failed the post with NotRegistered)."""
+    agent, buf, fa = _file_agent(tmp_path)
+    with agent:
+        xfer = agent.transfer("WRITE", DescList.from_buffers(buf), DescList.file(fa, [0], [MiB]))
+        assert held_write.reached.wait(BOUND_S)
+        gone = threading.Thread(target=agent.deregister_memory, args=(fa,))
+        gone.start()
+        gone.join(0.2)
+        assert gone.is_alive() and fa.id in agent.regions
+        with pytest.raises(NotRegistered):
+            agent.deregister_memory(fa)  # once is enough: a second deregistration meanwhile is refused
+        held_write.go.set()
+        gone.join(BOUND_S)
+        assert fa.id not in agent.regions and xfer.state == XferState.DONE
