@@ -187,7 +187,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         if not self.pacing.start_progress():
             self._watch_ucx(True)
-        self._stop = False
+        self._stop = False  # no command is accepted (close() began, or the service thread ended)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
 
@@ -390,10 +391,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         """Stop the service thread; it frees every UCX object (endpoints, workers, the context) as it ends, so
         they are gone when this returns. A thread still running after ``close_timeout_s`` (a UCX call that does
         not return) is left to free them, and what it polls, when it ends: logged as an error."""
-        if self._stop:
+        if self._closed:
             return
-        self._submit(lambda: None)
-        self._stop = True
+        self._closed = True
+        with self._ending:  # commands queued before this are run (or failed) by the service thread's end
+            self._stop = True
         self._wake()
         self._thread.join(float(self.params["close_timeout_s"]))
         with self._ending:  # the thread, at its end, reads this under the same lock

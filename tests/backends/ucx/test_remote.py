@@ -517,3 +517,52 @@ def test_tls_includes_reads_ucx_tls_as_ucx_does():
     assert tls_includes("self,sm,tcp", "cma", sm) and tls_includes("^tcp", "cma", sm)
     assert not tls_includes("^cma", "cma", sm) and not tls_includes("^sm", "cma", sm)
     assert not tls_includes("tcp,self", "cma", sm) and tls_includes(" cma , tcp", "cma", sm)
+
+
+def test_a_failing_periodic_step_leaves_the_service_loop_serving(monkeypatch):
+    """A bug in a periodic step (here _bury) is logged; the loop goes on, and the next transfer completes at once."""
+    from datamover.backends.ucx.backend import UcxBackend
+
+    with RemotePeer("step-target", UCX) as peer, Agent("step-me", UCX) as agent:
+        buf = RemoteBuffer(peer, 1 << 20)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, 1 << 20)
+        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        backend, real, fired = agent.backend("ucx"), UcxBackend._bury, threading.Event()
+
+        def bury(self):
+            if not fired.is_set():
+                fired.set()
+                raise RuntimeError("injected: a bug in a periodic step")
+            return real(self)
+
+        monkeypatch.setattr(UcxBackend, "_bury", bury)
+        assert fired.wait(10)
+        backend.remove_remote(peer.name)  # a command run after the fault: the loop still runs them
+        agent.add_remote(peer.metadata())
+        xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name, timeout=30)
+        assert xfer.wait() == XferState.DONE
+        assert backend._thread.is_alive()
+
+
+def test_a_dead_service_thread_fails_transfers_at_once(monkeypatch):
+    """If the service thread dies anyway, the backend refuses new work with RemoteDisconnected (it sat in PROC)."""
+    from datamover.backends.ucx.backend import UcxBackend
+
+    with RemotePeer("dead-target", UCX) as peer, Agent("dead-me", UCX) as agent:
+        buf = RemoteBuffer(peer, 1 << 20)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, 1 << 20)
+        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        backend = agent.backend("ucx")
+
+        def in_flight(self):
+            raise RuntimeError("injected: a bug outside every guarded step")
+
+        monkeypatch.setattr(UcxBackend, "_in_flight", in_flight)
+        backend._wake()
+        backend._thread.join(10)
+        assert not backend._thread.is_alive()
+        with pytest.raises(RemoteDisconnected, match="service thread ended"):
+            xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name, timeout=30)
+            xfer.wait()
