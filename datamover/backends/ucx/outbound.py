@@ -6,6 +6,7 @@ import dataclasses
 import hmac
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,7 @@ class Outbound:
         peer.conn = FrameConn(sock, outbound=True)
         peer.nonce = new_nonce()
         peer.state = "connecting"
+        peer.since = time.monotonic()
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
@@ -127,17 +129,23 @@ class Outbound:
         else:
             peer.queue.append(("req", op))
 
-    def _notify(self, name: str, message: bytes, done: Completion) -> None:
+    def _notify(self, name: str, message: bytes, done: Completion, claim: threading.Lock) -> None:
+        """Send a notification now, or queue it behind the handshake; ``claim`` taken first means its caller gave up."""
         try:
             peer = self._peer(name)
         except DatamoverError as exc:
             done.finish_part(exc)
             return
         if peer.state == "ready":
+            self._send_notif(peer, message, done, claim)
+        else:
+            peer.queue.append(("notify", (message, done, claim)))
+
+    @staticmethod
+    def _send_notif(peer: Peer, message: bytes, done: Completion, claim: threading.Lock) -> None:
+        if claim.acquire(blocking=False):  # else its caller was told it was not sent: it never is
             peer.conn.send(Notif(message))  # type: ignore[union-attr]
             done.finish_part()
-        else:
-            peer.queue.append(("notify", (message, done)))
 
     def _launch(self, peer: Peer, op: OutOp) -> None:
         """Send the request and post this side's UCX operations at once (no round trip first).
@@ -291,13 +299,19 @@ class Outbound:
             if kind == "req":
                 self._launch(peer, item)
             else:
-                peer.conn.send(Notif(item[0]))  # type: ignore[union-attr]
-                item[1].finish_part()
+                self._send_notif(peer, *item)
 
     def _send_after(self, peer: Peer, message: bytes) -> None:
         """A notification for a request that already completed (its data has landed)."""
         if peer.conn is not None and peer.state == "ready":
             peer.conn.send(Notif(message))
+
+    def _check_handshakes(self, now: float) -> None:
+        """Give up on targets that did not finish the handshake within connect_timeout_s (what waits on it fails)."""
+        late = now - float(self.params["connect_timeout_s"])
+        for peer in [p for p in self._peers.values() if p.state == "connecting" and p.since < late]:
+            why = f"agent {peer.name!r} did not finish the handshake within {self.params['connect_timeout_s']} s"
+            self._disconnect_peer(peer, RemoteDisconnected(why, backend=self.name))
 
     def _check_cancelled(self) -> None:
         """Ops still waiting for the handshake give up when released or late; launched ones run to the end."""

@@ -115,6 +115,7 @@ class ServiceLoop:
                 if now - last_scan > 0.005:
                     last_scan = now
                     self._step(self._check_cancelled)
+                    self._step(self._check_handshakes, now)
                     self._step(self._bury)
                     if self.losses.pending:
                         self._step(self.losses.check, now)

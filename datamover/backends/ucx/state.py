@@ -230,6 +230,7 @@ class Peer:
         self.ep: Any = None
         self.data_ep: int | None = None  # its endpoint on the data worker (one-sided rows), when there is one
         self.state = "idle"  # idle -> connecting -> ready; back to idle when the connection drops
+        self.since = 0.0  # when it began connecting (the handshake is given connect_timeout_s)
         self.nonce = b""
         self.nonce_t = b""
         self.conn_id = 0

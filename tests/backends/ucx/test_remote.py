@@ -1,5 +1,7 @@
 """Remote agents over ucx, each peer a real process: side channel, refresh, notifications, refusals, SIGKILL."""
 
+import os
+import signal
 import threading
 import time
 
@@ -566,3 +568,22 @@ def test_a_dead_service_thread_fails_transfers_at_once(monkeypatch):
         with pytest.raises(RemoteDisconnected, match="service thread ended"):
             xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name, timeout=30)
             xfer.wait()
+
+
+def test_a_notification_reported_unsent_is_never_delivered():
+    """A target frozen before the handshake: send_notification raises, and once thawed the message does not arrive."""
+    from datamover.errors import NotificationTimeout
+
+    cfg = {"backends": {"ucx": {"connect_timeout_s": 1.0}}}
+    with RemotePeer("notif-peer", cfg) as peer, Agent("notif-me", cfg) as agent:
+        agent.add_remote(peer.metadata())
+        peer.freeze()
+        try:
+            with pytest.raises(RemoteDisconnected, match=r"handshake|not sent"):
+                agent.send_notification("notif-peer", b"hello-1")
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        with pytest.raises(NotificationTimeout):
+            peer.call("wait_notification", b"hello", 3.0)
+        agent.send_notification("notif-peer", b"hello-2")  # a fresh handshake once it answers
+        assert peer.call("wait_notification", b"hello", 10.0) == ("notif-me", b"hello-2")
