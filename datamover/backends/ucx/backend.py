@@ -178,6 +178,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._cma_ops: dict[int, tuple[Peer, frozenset]] = {}
         self._cma_ids = itertools.count(1)
         self.resets = 0
+        self._resetting = False  # _reset_worker is disconnecting every peer
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")

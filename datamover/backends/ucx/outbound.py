@@ -60,11 +60,17 @@ class Outbound:
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
+        """Close the connection to ``peer`` and fail its requests with ``why``.
+
+        Its one-sided requests are finished last: when gets or puts of one are still in flight, the worker is
+        replaced and kept, never progressed again (quarantined), first, so that none of their bytes moves after ERR.
+        """
+        directs = [d for d in list(self._directs) if d.peer is peer]
+        for direct in directs:
+            self.one_sided._forget_direct(direct)
+        in_flight = not self._resetting and any(self.one_sided._in_flight(d) for d in directs)
         self._fail_ops(peer, why)
         self._retired.cancel_now(self._quiesced)  # what they had in flight goes before the endpoint closes
-        for direct in [d for d in list(self._directs) if d.peer is peer]:
-            self.one_sided._finish_direct(direct, why)
-            self.one_sided._forget_direct(direct)
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
             self._revokes.remove(entry)
@@ -93,6 +99,16 @@ class Outbound:
         self._retire_ep(peer.ep)
         peer.ep = None
         peer.state = "idle"
+        if in_flight:
+            self._reset_worker(
+                f"agent {peer.name!r} was let go with one-sided puts or gets in flight",
+                quarantine=True,
+                culprit=peer.name,
+            )
+            for direct in directs:
+                self._undriven(direct)
+        for direct in directs:
+            self.one_sided._finish_direct(direct, why)
 
     def _fail_ops(self, peer: Peer, why: BaseException) -> None:
         """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""

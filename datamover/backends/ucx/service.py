@@ -278,8 +278,12 @@ class ServiceLoop:
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         self.losses.on_reset()  # its hang-ups' receives and probes, and its prober, were on the worker being replaced
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
-        for peer in list(self._peers.values()):
-            self._disconnect_peer(peer, why)
+        self._resetting = True  # the peers' disconnects below need no reset of their own
+        try:
+            for peer in list(self._peers.values()):
+                self._disconnect_peer(peer, why)
+        finally:
+            self._resetting = False
         for inbound in list(self._inbound.values()):
             self._drop_inbound(inbound)
         if self._ucx_watched:
