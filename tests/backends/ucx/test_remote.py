@@ -587,3 +587,36 @@ def test_a_notification_reported_unsent_is_never_delivered():
             peer.call("wait_notification", b"hello", 3.0)
         agent.send_notification("notif-peer", b"hello-2")  # a fresh handshake once it answers
         assert peer.call("wait_notification", b"hello", 10.0) == ("notif-me", b"hello-2")
+
+
+def test_deregister_cuts_off_receives_still_served_into_the_region(monkeypatch):
+    """The target's wait for a served WRITE runs out: its receives are cut off (the writer hears Fail), and the
+    writer's late sends land nowhere in the memory the target's caller got back."""
+    from datamover.backends.ucx.tagged import Tagged
+    from datamover.testing.waiting import HeldOnce
+
+    size, served = 4 << 20, {"backends": {"ucx": {"one_sided": False}}}
+    with Agent("dereg-t", {**served, "timeout_s": 1.0}) as target, Agent("dereg-w", served) as writer:
+        tbuf = HostBuffer(target, size)
+        tbuf.write(0, b"\x00" * size)
+        writer.add_remote(target.metadata())
+        src = HostBuffer(writer, size)
+        src.write(0, b"\x5a" * size)
+        assert writer.transfer("WRITE", src.descs([0], [4096]), tbuf.descs([0], [4096]), "dereg-t").wait()
+        tbuf.write(0, b"\x00" * size)
+        hold, real = HeldOnce("the writer posting its sends"), Tagged._post_local
+        # the writer's request leaves, then its sends wait: the target has its receives posted meanwhile
+        monkeypatch.setattr(Tagged, "_post_local", lambda self, peer, op: hold.wrap(real)(self, peer, op))
+        xfer = writer.transfer("WRITE", src.descs([0], [size]), tbuf.descs([0], [size]), "dereg-t", timeout=60)
+        assert hold.reached.wait(10)
+        tb = target.backend("ucx")
+        until(lambda: tb._active_in, what="the target serving the WRITE")
+        target.deregister_memory(tbuf.registration)
+        assert not tb._active_in and tb.describe()["quarantined workers"]["held"] == 1
+        tbuf.write(0, b"\x00" * size)  # the target's caller reuses its memory
+        hold.go.set()
+        with pytest.raises(RemoteDisconnected, match="deregistered"):
+            xfer.wait(30)
+        assert hold.returned.wait(10)
+        landed = int(np.count_nonzero(np.frombuffer(tbuf.read(0, size), np.uint8)))
+        assert landed == 0, f"{landed} bytes of the cut-off WRITE landed after deregister_memory returned"
