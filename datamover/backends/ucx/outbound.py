@@ -85,6 +85,7 @@ class Outbound:
                 peer.data_ep = None
             peer.regions = {}
             peer.epoch = next(self._epochs)
+            peer.session += 1
         for kind, item in peer.queue:
             if kind == "notify":
                 item[1].finish_part(why)

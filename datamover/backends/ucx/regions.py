@@ -92,6 +92,7 @@ class MappedRegions:
             # a peer that neither confirmed nor disconnected may still write: cut it off before unmapping
             for inbound in [i for i in b._inbound.values() if i.conn_id in late]:
                 log.warning("agent %r did not confirm dropping region %d; disconnecting it", inbound.name, rid)
+                inbound.conn.flush()  # its Revoke goes out before the close: its direct cma copies stop on it
                 b._drop_inbound(inbound)
             b._reset_worker(f"peers {sorted(late)} kept region {rid} after it was deregistered")
         rma.mem_unmap(b._ctx.handle, memh)

@@ -242,6 +242,7 @@ class Peer:
         self.rkeys: dict[int, int] = {}
         self.keys: RkeyCheck | None = None  # what packed keys the target's current address allows
         self.epoch = 0
+        self.session = 0  # bumped by every disconnect: a direct cma copy checked on an older one stops
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()
         self.elsewhere = False  # on another machine (``config.peer_elsewhere`` of the control connection)
