@@ -178,6 +178,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._cma_ops: dict[int, tuple[Peer, frozenset]] = {}
         self._cma_ids = itertools.count(1)
         self.resets = 0
+        self._resetting = False  # _reset_worker is disconnecting every peer
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._sel.register(self._listener, selectors.EVENT_READ, "listen")
@@ -187,7 +188,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._ucx_watched = False  # UCX's event fd is in the selector (not while a waiter progresses UCX)
         if not self.pacing.start_progress():
             self._watch_ucx(True)
-        self._stop = False
+        self._stop = False  # no command is accepted (close() began, or the service thread ended)
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"dm-ucx-{host.name}", daemon=True)
         self._thread.start()
 
@@ -375,10 +377,13 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         return completion
 
     def send_notification(self, remote: str, message: bytes) -> None:
-        done = Completion(1)
-        self._submit(lambda: self._notify(remote, bytes(message), done))
+        """Send ``message`` once the peer is connected; one reported as not sent is never sent later."""
+        done, claim = Completion(1), threading.Lock()  # who takes ``claim`` first: the sender, or this giving up
+        self._submit(lambda: self._notify(remote, bytes(message), done, claim))
         if not done.wait(float(self.params["connect_timeout_s"]) + 1.0):
-            raise RemoteDisconnected(f"notification to {remote!r} was not sent in time", backend=self.name)
+            if claim.acquire(blocking=False):
+                raise RemoteDisconnected(f"notification to {remote!r} was not sent in time", backend=self.name)
+            done.wait(float(self.params["close_timeout_s"]))  # being sent right now: it finishes at once
         if done.error is not None:
             raise done.error
 
@@ -390,10 +395,11 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         """Stop the service thread; it frees every UCX object (endpoints, workers, the context) as it ends, so
         they are gone when this returns. A thread still running after ``close_timeout_s`` (a UCX call that does
         not return) is left to free them, and what it polls, when it ends: logged as an error."""
-        if self._stop:
+        if self._closed:
             return
-        self._submit(lambda: None)
-        self._stop = True
+        self._closed = True
+        with self._ending:  # commands queued before this are run (or failed) by the service thread's end
+            self._stop = True
         self._wake()
         self._thread.join(float(self.params["close_timeout_s"]))
         with self._ending:  # the thread, at its end, reads this under the same lock

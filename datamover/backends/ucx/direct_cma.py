@@ -109,16 +109,30 @@ class DirectCma:
         A part (``completion`` given) stops before any chunk once cancelled or past the deadline; a copy
         inside ``post()`` (no completion) checks the deadline from its second chunk on.
         """
-        write = req.op == "WRITE"
+        write, session, rids = req.op == "WRITE", peer.session, frozenset(np.unique(req.remote_regions).tolist())
         for i in range(first, last):
             if completion is not None and completion.cancelled:
                 return None
             if (completion is not None or i > first) and time.monotonic() > deadline:
                 return self._cma_timeout(req)
+            if not self._still_offered(peer, session, rids):
+                return RemoteDisconnected(
+                    f"agent {peer.name!r} disconnected or revoked a region of this {req.op}: the copy stopped",
+                    backend=self.b.name,
+                )
             stop = plan.run(pid, write, i, i + 1)
             if stop is not None:
                 return self._cma_error(peer, req, *stop)
         return None
+
+    def _still_offered(self, peer: Peer, session: int, rids: frozenset[int]) -> bool:
+        """Whether the connection the rows were checked on is up and the peer still offers every region they touch.
+
+        Checked before each chunk: a target that revokes a region (or drops us) cannot stop a process_vm_writev
+        already under way, so it is fenced one chunk late at most; it confirms the revocation only after that.
+        """
+        with self.b._rma_lock:
+            return peer.state == "ready" and peer.session == session and rids <= peer.regions.keys()
 
     def _cma_timeout(self, req: TransferRequest) -> TransferTimeout:
         return TransferTimeout(

@@ -29,11 +29,11 @@ class Losses:
         b = self.b
         quarantine = False
         if isinstance(owner, Peer):
-            # our READs from it with receives or gets still posted into their callers' memory: what the peer
-            # queued before it went must not land after their ERR
+            # our READs from it with receives still posted into their callers' memory: what the peer queued
+            # before it went must not land after their ERR (one-sided gets: _disconnect_peer quarantines)
             quarantine = receiving = any(
                 op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
-            ) or any(d.peer is owner and d.op == "READ" and not d.done for d in list(b._directs))
+            )
             if why is None:
                 why = RemoteDisconnected(
                     f"agent {owner.name!r} disconnected (control connection closed)", backend=b.name

@@ -79,6 +79,12 @@ class OneSided:
             direct.completion.finish_part(why or self._status_error(status, direct.peer))
         return True
 
+    @staticmethod
+    def _in_flight(direct: Direct) -> bool:
+        """Whether ``direct`` is unfinished with its flush not ended: its puts or gets may still move bytes."""
+        with direct.lock:
+            return not direct.done and direct.flush.poll() == rma.UCS_INPROGRESS
+
     def _worker(self) -> Any:
         """The worker one-sided rows go through: the data worker where there is one, else ucxx's."""
         return self.b._data if self.b._data is not None else self.b._worker

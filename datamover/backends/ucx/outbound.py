@@ -6,6 +6,7 @@ import dataclasses
 import hmac
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,14 +56,21 @@ class Outbound:
         peer.conn = FrameConn(sock, outbound=True)
         peer.nonce = new_nonce()
         peer.state = "connecting"
+        peer.since = time.monotonic()
         self._sel.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
+        """Close the connection to ``peer`` and fail its requests with ``why``.
+
+        Its one-sided requests are finished last: when gets or puts of one are still in flight, the worker is
+        replaced and kept, never progressed again (quarantined), first, so that none of their bytes moves after ERR.
+        """
+        directs = [d for d in list(self._directs) if d.peer is peer]
+        for direct in directs:
+            self.one_sided._forget_direct(direct)
+        in_flight = not self._resetting and any(self.one_sided._in_flight(d) for d in directs)
         self._fail_ops(peer, why)
         self._retired.cancel_now(self._quiesced)  # what they had in flight goes before the endpoint closes
-        for direct in [d for d in list(self._directs) if d.peer is peer]:
-            self.one_sided._finish_direct(direct, why)
-            self.one_sided._forget_direct(direct)
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
             self._revokes.remove(entry)
@@ -77,6 +85,7 @@ class Outbound:
                 peer.data_ep = None
             peer.regions = {}
             peer.epoch = next(self._epochs)
+            peer.session += 1
         for kind, item in peer.queue:
             if kind == "notify":
                 item[1].finish_part(why)
@@ -91,6 +100,16 @@ class Outbound:
         self._retire_ep(peer.ep)
         peer.ep = None
         peer.state = "idle"
+        if in_flight:
+            self._reset_worker(
+                f"agent {peer.name!r} was let go with one-sided puts or gets in flight",
+                quarantine=True,
+                culprit=peer.name,
+            )
+            for direct in directs:
+                self._undriven(direct)
+        for direct in directs:
+            self.one_sided._finish_direct(direct, why)
 
     def _fail_ops(self, peer: Peer, why: BaseException) -> None:
         """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""
@@ -127,17 +146,23 @@ class Outbound:
         else:
             peer.queue.append(("req", op))
 
-    def _notify(self, name: str, message: bytes, done: Completion) -> None:
+    def _notify(self, name: str, message: bytes, done: Completion, claim: threading.Lock) -> None:
+        """Send a notification now, or queue it behind the handshake; ``claim`` taken first means its caller gave up."""
         try:
             peer = self._peer(name)
         except DatamoverError as exc:
             done.finish_part(exc)
             return
         if peer.state == "ready":
+            self._send_notif(peer, message, done, claim)
+        else:
+            peer.queue.append(("notify", (message, done, claim)))
+
+    @staticmethod
+    def _send_notif(peer: Peer, message: bytes, done: Completion, claim: threading.Lock) -> None:
+        if claim.acquire(blocking=False):  # else its caller was told it was not sent: it never is
             peer.conn.send(Notif(message))  # type: ignore[union-attr]
             done.finish_part()
-        else:
-            peer.queue.append(("notify", (message, done)))
 
     def _launch(self, peer: Peer, op: OutOp) -> None:
         """Send the request and post this side's UCX operations at once (no round trip first).
@@ -291,13 +316,19 @@ class Outbound:
             if kind == "req":
                 self._launch(peer, item)
             else:
-                peer.conn.send(Notif(item[0]))  # type: ignore[union-attr]
-                item[1].finish_part()
+                self._send_notif(peer, *item)
 
     def _send_after(self, peer: Peer, message: bytes) -> None:
         """A notification for a request that already completed (its data has landed)."""
         if peer.conn is not None and peer.state == "ready":
             peer.conn.send(Notif(message))
+
+    def _check_handshakes(self, now: float) -> None:
+        """Give up on targets that did not finish the handshake within connect_timeout_s (what waits on it fails)."""
+        late = now - float(self.params["connect_timeout_s"])
+        for peer in [p for p in self._peers.values() if p.state == "connecting" and p.since < late]:
+            why = f"agent {peer.name!r} did not finish the handshake within {self.params['connect_timeout_s']} s"
+            self._disconnect_peer(peer, RemoteDisconnected(why, backend=self.name))
 
     def _check_cancelled(self) -> None:
         """Ops still waiting for the handshake give up when released or late; launched ones run to the end."""

@@ -12,7 +12,7 @@ from typing import Any
 from ...descriptors import MemType
 from . import rma
 from .config import log
-from .messages import Revoke, Rkeys
+from .messages import Fail, Revoke, Rkeys
 
 
 class MappedRegions:
@@ -70,6 +70,7 @@ class MappedRegions:
 
         if not b._wait_until(probe, box, deadline):
             log.warning("deregistering region %d while UCX operations on it are still pending", reg.id)
+            b._call(lambda: self.cut_off(reg.id))
 
     def revoke(self, rid: int) -> None:
         """On the service thread: forget region ``rid`` and ask every peer that holds its rkey to drop it."""
@@ -91,9 +92,29 @@ class MappedRegions:
             # a peer that neither confirmed nor disconnected may still write: cut it off before unmapping
             for inbound in [i for i in b._inbound.values() if i.conn_id in late]:
                 log.warning("agent %r did not confirm dropping region %d; disconnecting it", inbound.name, rid)
+                inbound.conn.flush()  # its Revoke goes out before the close: its direct cma copies stop on it
                 b._drop_inbound(inbound)
             b._reset_worker(f"peers {sorted(late)} kept region {rid} after it was deregistered")
         rma.mem_unmap(b._ctx.handle, memh)
+
+    def cut_off(self, rid: int) -> None:
+        """On the service thread, the wait for region ``rid`` run out: the requests served into it are failed and
+        their connections dropped, and the worker is replaced (kept, never progressed, if any is still posted)."""
+        b = self.b
+        late = [i for i in b._inbound.values() if any(rid in entry[4] for entry in i.ops.values())]
+        if not late:
+            return
+        posted = []
+        for inbound in late:
+            for op_id, entry in list(inbound.ops.items()):
+                if rid in entry[4]:
+                    if entry[0].poll() is False:
+                        posted.append(inbound.name)
+                    inbound.conn.send(Fail(op_id, f"region {rid} was deregistered while this request was served"))
+            log.warning("agent %r still had requests served into region %d; disconnecting it", inbound.name, rid)
+            b._drop_inbound(inbound)
+        reason = f"requests of {sorted({i.name for i in late})} were still served into region {rid} at deregistration"
+        b._reset_worker(reason, quarantine=bool(posted), culprit=posted[0] if posted else None)
 
     def in_use(self, rid: int) -> bool:
         """Whether a request of this agent, or one it serves for a peer, still touches region ``rid``."""

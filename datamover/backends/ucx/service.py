@@ -31,9 +31,12 @@ class ServiceLoop:
 
     # -- plumbing between caller threads and the service thread ---------------
     def _submit(self, fn: Callable[[], None]) -> None:
-        if self._stop:
-            raise RemoteDisconnected("the ucx backend is closed", backend=self.name)
-        self._cmds.append(fn)
+        # under the lock the service thread's end takes: a command is either refused here or run by that end
+        with self._ending:
+            if self._stop:
+                why = "closed" if self._closed else "stopped: its service thread ended"
+                raise RemoteDisconnected(f"the ucx backend is {why}", backend=self.name)
+            self._cmds.append(fn)
         self._wake()
 
     def _wake(self) -> None:
@@ -103,27 +106,28 @@ class ServiceLoop:
                     n += 1
                 busy |= n > 0
                 if self._active_out or self._active_in or self._revokes:
-                    busy |= self.tagged._check_requests()
+                    busy |= bool(self._step(self.tagged._check_requests))
                 if self._directs:
-                    self.one_sided._check_directs()
+                    self._step(self.one_sided._check_directs)
                 now = time.monotonic()
                 if self._cut_drains:  # cancelled requests' UCX operations given time to end (see Fencing._cut)
-                    self._cut_drains.check(now, lambda: self._worker)
+                    self._step(self._cut_drains.check, now, lambda: self._worker)
                 if now - last_scan > 0.005:
                     last_scan = now
-                    self._check_cancelled()
-                    self._bury()
+                    self._step(self._check_cancelled)
+                    self._step(self._check_handshakes, now)
+                    self._step(self._bury)
                     if self.losses.pending:
-                        self.losses.check(now)
-                    self._drop_silent(now)
-                    self.pacing.rescan_cork(now)
+                        self._step(self.losses.check, now)
+                    self._step(self._drop_silent, now)
+                    self._step(self.pacing.rescan_cork, now)
                 if busy:
                     last = now
                 if self._drivers:
                     # a waiter progresses UCX: sleep on sockets and commands only, leaving it the GIL (UCX's
                     # event fd stays readable while nobody arms the worker, so it is left out of the wait)
                     self._watch_ucx(False)
-                    self._poll(0.005)
+                    self._step(self._poll, 0.005)
                     continue
                 if self._progress is not None:
                     # the native thread progresses UCX; it wakes this one after work while requests are in flight
@@ -133,11 +137,11 @@ class ServiceLoop:
                         # what this thread (or a caller nobody waits for) posted raises no UCX event: have it
                         # progressed; a caller's waiter drives its own request (and holds the native thread off)
                         self._progress.kick()
-                    if self._poll(0.0 if busy else (0.001 if in_flight else 0.05)):
+                    if self._step(self._poll, 0.0 if busy else (0.001 if in_flight else 0.05)):
                         last = time.monotonic()
                     continue
                 self._watch_ucx(True)
-                if self._poll(0.0):
+                if self._step(self._poll, 0.0):
                     last = now
                     continue
                 if now - last < spin or self._cmds:
@@ -148,15 +152,16 @@ class ServiceLoop:
                     continue
                 # with requests in flight wake often: ucxx can finish a request without a UCX event firing
                 in_flight = self._in_flight()
-                if self._poll(0.001 if in_flight else 0.05):
+                if self._step(self._poll, 0.001 if in_flight else 0.05):
                     last = time.monotonic()
-        except BaseException as exc:
+        except BaseException as exc:  # logged, not raised: its end below fails what waits on it
             log.error("ucx service thread of %s died: %s", self.host.name, _trace(exc))
-            raise
         finally:
             # an exception raised on this thread and kept (a transfer's error, a log record) holds this frame
             # through its traceback after the thread ended: it must not hold a worker
             worker = None
+            with self._ending:  # no command is accepted from here on; _shutdown fails those queued and in flight
+                self._stop = True
             try:
                 self._shutdown()
             finally:
@@ -166,6 +171,14 @@ class ServiceLoop:
                 if orphaned:  # close() returned without them (the cma pool's threads may wait on this one)
                     self._close_rest(wait=False)
                     gc.collect()  # UCX objects caught in reference cycles; otherwise close() collects, once
+
+    def _step(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One periodic step of the loop; a bug in it is logged and the loop goes on serving every peer (False)."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.error("ucx service step %s failed: %s", getattr(fn, "__qualname__", fn), _trace(exc))
+            return False
 
     def _in_flight(self) -> bool:
         """Whether requests are in flight (or cancelled ones draining): the loop then wakes every millisecond."""
@@ -265,8 +278,12 @@ class ServiceLoop:
         log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         self.losses.on_reset()  # its hang-ups' receives and probes, and its prober, were on the worker being replaced
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
-        for peer in list(self._peers.values()):
-            self._disconnect_peer(peer, why)
+        self._resetting = True  # the peers' disconnects below need no reset of their own
+        try:
+            for peer in list(self._peers.values()):
+                self._disconnect_peer(peer, why)
+        finally:
+            self._resetting = False
         for inbound in list(self._inbound.values()):
             self._drop_inbound(inbound)
         if self._ucx_watched:

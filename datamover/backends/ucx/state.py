@@ -230,6 +230,7 @@ class Peer:
         self.ep: Any = None
         self.data_ep: int | None = None  # its endpoint on the data worker (one-sided rows), when there is one
         self.state = "idle"  # idle -> connecting -> ready; back to idle when the connection drops
+        self.since = 0.0  # when it began connecting (the handshake is given connect_timeout_s)
         self.nonce = b""
         self.nonce_t = b""
         self.conn_id = 0
@@ -241,6 +242,7 @@ class Peer:
         self.rkeys: dict[int, int] = {}
         self.keys: RkeyCheck | None = None  # what packed keys the target's current address allows
         self.epoch = 0
+        self.session = 0  # bumped by every disconnect: a direct cma copy checked on an older one stops
         self.cma_pid = 0  # the peer's pid when this process may attach to it (direct_cma), else 0
         self.cma_why = "not connected"  # why not, for describe()
         self.elsewhere = False  # on another machine (``config.peer_elsewhere`` of the control connection)

@@ -1,5 +1,7 @@
 """Remote agents over ucx, each peer a real process: side channel, refresh, notifications, refusals, SIGKILL."""
 
+import os
+import signal
 import threading
 import time
 
@@ -517,3 +519,104 @@ def test_tls_includes_reads_ucx_tls_as_ucx_does():
     assert tls_includes("self,sm,tcp", "cma", sm) and tls_includes("^tcp", "cma", sm)
     assert not tls_includes("^cma", "cma", sm) and not tls_includes("^sm", "cma", sm)
     assert not tls_includes("tcp,self", "cma", sm) and tls_includes(" cma , tcp", "cma", sm)
+
+
+def test_a_failing_periodic_step_leaves_the_service_loop_serving(monkeypatch):
+    """A bug in a periodic step (here _bury) is logged; the loop goes on, and the next transfer completes at once."""
+    from datamover.backends.ucx.backend import UcxBackend
+
+    with RemotePeer("step-target", UCX) as peer, Agent("step-me", UCX) as agent:
+        buf = RemoteBuffer(peer, 1 << 20)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, 1 << 20)
+        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        backend, real, fired = agent.backend("ucx"), UcxBackend._bury, threading.Event()
+
+        def bury(self):
+            if not fired.is_set():
+                fired.set()
+                raise RuntimeError("injected: a bug in a periodic step")
+            return real(self)
+
+        monkeypatch.setattr(UcxBackend, "_bury", bury)
+        assert fired.wait(10)
+        backend.remove_remote(peer.name)  # a command run after the fault: the loop still runs them
+        agent.add_remote(peer.metadata())
+        xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name, timeout=30)
+        assert xfer.wait() == XferState.DONE
+        assert backend._thread.is_alive()
+
+
+def test_a_dead_service_thread_fails_transfers_at_once(monkeypatch):
+    """If the service thread dies anyway, the backend refuses new work with RemoteDisconnected (it sat in PROC)."""
+    from datamover.backends.ucx.backend import UcxBackend
+
+    with RemotePeer("dead-target", UCX) as peer, Agent("dead-me", UCX) as agent:
+        buf = RemoteBuffer(peer, 1 << 20)
+        agent.add_remote(peer.metadata())
+        local = HostBuffer(agent, 1 << 20)
+        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        backend = agent.backend("ucx")
+
+        def in_flight(self):
+            raise RuntimeError("injected: a bug outside every guarded step")
+
+        monkeypatch.setattr(UcxBackend, "_in_flight", in_flight)
+        backend._wake()
+        backend._thread.join(10)
+        assert not backend._thread.is_alive()
+        with pytest.raises(RemoteDisconnected, match="service thread ended"):
+            xfer = agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name, timeout=30)
+            xfer.wait()
+
+
+def test_a_notification_reported_unsent_is_never_delivered():
+    """A target frozen before the handshake: send_notification raises, and once thawed the message does not arrive."""
+    from datamover.errors import NotificationTimeout
+
+    cfg = {"backends": {"ucx": {"connect_timeout_s": 1.0}}}
+    with RemotePeer("notif-peer", cfg) as peer, Agent("notif-me", cfg) as agent:
+        agent.add_remote(peer.metadata())
+        peer.freeze()
+        try:
+            with pytest.raises(RemoteDisconnected, match=r"handshake|not sent"):
+                agent.send_notification("notif-peer", b"hello-1")
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        with pytest.raises(NotificationTimeout):
+            peer.call("wait_notification", b"hello", 3.0)
+        agent.send_notification("notif-peer", b"hello-2")  # a fresh handshake once it answers
+        assert peer.call("wait_notification", b"hello", 10.0) == ("notif-me", b"hello-2")
+
+
+def test_deregister_cuts_off_receives_still_served_into_the_region(monkeypatch):
+    """The target's wait for a served WRITE runs out: its receives are cut off (the writer hears Fail), and the
+    writer's late sends land nowhere in the memory the target's caller got back."""
+    from datamover.backends.ucx.tagged import Tagged
+    from datamover.testing.waiting import HeldOnce
+
+    size, served = 4 << 20, {"backends": {"ucx": {"one_sided": False}}}
+    with Agent("dereg-t", {**served, "timeout_s": 1.0}) as target, Agent("dereg-w", served) as writer:
+        tbuf = HostBuffer(target, size)
+        tbuf.write(0, b"\x00" * size)
+        writer.add_remote(target.metadata())
+        src = HostBuffer(writer, size)
+        src.write(0, b"\x5a" * size)
+        assert writer.transfer("WRITE", src.descs([0], [4096]), tbuf.descs([0], [4096]), "dereg-t").wait()
+        tbuf.write(0, b"\x00" * size)
+        hold, real = HeldOnce("the writer posting its sends"), Tagged._post_local
+        # the writer's request leaves, then its sends wait: the target has its receives posted meanwhile
+        monkeypatch.setattr(Tagged, "_post_local", lambda self, peer, op: hold.wrap(real)(self, peer, op))
+        xfer = writer.transfer("WRITE", src.descs([0], [size]), tbuf.descs([0], [size]), "dereg-t", timeout=60)
+        assert hold.reached.wait(10)
+        tb = target.backend("ucx")
+        until(lambda: tb._active_in, what="the target serving the WRITE")
+        target.deregister_memory(tbuf.registration)
+        assert not tb._active_in and tb.describe()["quarantined workers"]["held"] == 1
+        tbuf.write(0, b"\x00" * size)  # the target's caller reuses its memory
+        hold.go.set()
+        with pytest.raises(RemoteDisconnected, match="deregistered"):
+            xfer.wait(30)
+        assert hold.returned.wait(10)
+        landed = int(np.count_nonzero(np.frombuffer(tbuf.read(0, size), np.uint8)))
+        assert landed == 0, f"{landed} bytes of the cut-off WRITE landed after deregister_memory returned"

@@ -19,7 +19,7 @@ import pytest
 
 from datamover import Agent, XferState
 from datamover.backends import backend_status
-from datamover.errors import TransferAborted, TransferTimeout
+from datamover.errors import RemoteDisconnected, TransferAborted, TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 
@@ -34,21 +34,29 @@ SIZE, BS = 32 << 20, 1 << 20
 
 
 def _frozen_read(agent, frozen, fbuf, local, how):
-    """Post a READ of all of ``fbuf`` while its owner is frozen; end it by timeout or release."""
+    """Post a READ of all of ``fbuf`` while its owner is frozen; end it by timeout, release or removing the peer."""
     n = SIZE // BS
+    # removing: rows in reverse, so they stay BS each (one-sided; a single 32 MiB row would be served by the owner)
+    remote = fbuf.descs((n - 1 - np.arange(n)) * BS if how == "remove" else np.arange(n) * BS, BS)
     xfer = agent.transfer(
-        "READ", local.descs(np.arange(n) * BS, BS), fbuf.descs(np.arange(n) * BS, BS), frozen.name, timeout=0.5
+        "READ", local.descs(np.arange(n) * BS, BS), remote, frozen.name, timeout=60 if how == "remove" else 0.5
     )
     if how == "timeout":
         with pytest.raises(TransferTimeout):
             xfer.wait()
+    elif how == "remove":  # the peer let go with the READ in flight (remove_remote, new metadata, invalidation)
+        agent.remove_remote(frozen.name)  # (not reading state first: a read drives the gets, up to the deadline)
+        assert xfer.state == XferState.ERR
+        with pytest.raises(RemoteDisconnected, match="was removed"):
+            xfer.wait()
+        xfer.release()
     else:
         assert xfer.state == XferState.PROC
         xfer.release()
     return xfer
 
 
-@pytest.mark.parametrize("how", ["timeout", "release"])
+@pytest.mark.parametrize("how", ["timeout", "release", "remove"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
     cfg = {"backends": {"ucx": PATHS[path]}}
@@ -67,6 +75,7 @@ def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
         # connect to both first, so the freeze comes with the data connection up and idle
         for peer, buf in ((frozen, fbuf), (healthy, hbuf)):
             assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        blob = frozen.metadata()
         assert frozen.call("ping") == frozen.pid  # the peer is idle in its command loop now
         frozen.freeze()
         try:
@@ -80,6 +89,8 @@ def test_no_byte_of_a_cancelled_read_lands_after_the_peer_thaws(path, how):
         finally:
             os.kill(frozen.pid, signal.SIGCONT)
         assert frozen.call("ping") == frozen.pid
+        if how == "remove":
+            agent.add_remote(blob)
         # a full READ from the thawed peer, into other memory: what it still had for the old request came first
         other = HostBuffer(agent, 1 << 20)
         assert agent.transfer("READ", other.descs([0], [1 << 20]), fbuf.descs([0], [1 << 20]), "frozen").wait()
