@@ -47,6 +47,7 @@ import importlib.util
 import itertools
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,7 @@ _VERIFY_BEFORE_COPY = 1 * MiB
 _READ_CHUNK = 1 * MiB
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
 
 _T = TypeVar("_T")
@@ -409,6 +411,9 @@ class S3Backend(Backend):
         object is exactly that long (the usual case) S3 then sends its own
         checksums too, and the read is verified. A longer object makes it a
         prefix read: ``count`` bytes are kept and the connection is dropped.
+        A ranged answer must be a 206 for exactly the range asked. An answer
+        without Content-Length (chunked) is read to ``count`` bytes and at most
+        one more, which tells a whole object from a longer one.
         Once ``stop()`` is true (the transfer was cancelled) no more of the body reaches ``dst``.
         """
         p = req.plan
@@ -418,45 +423,93 @@ class S3Backend(Backend):
         kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
         resp = self._call(self._client.get_object, req=req, row=row, what="GET", at=start, Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
-        got = int(resp.get("ContentLength", count))
-        total = _total_size(resp, off + count) if ranged else got
+        length = resp.get("ContentLength")  # None: a chunked answer, whose length shows only at its end
         meta = (resp.get("Metadata") or {}).get(CRC_META)
+        total = length
+        got = [0]
         try:
-            if got < count or (ranged and got > count):
-                why = (
-                    f"holds {total} bytes: [{off}, {off + count}) reads past its end"
-                    if got < count
-                    else f"answered {got} bytes for a range of {count} (does the server ignore Range?)"
-                )
-                raise ObjectStoreError(
-                    f"GET s3://{bucket}/{key} {why}",
-                    bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-                    code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
-                    index=req.caller_index(row, start + got if got < count else start), backend=self.name,
-                )  # fmt: skip
-            if ranged or got > count:
-                _read_into(body, dst, stop=stop)  # a range or a prefix: nothing to verify it against
+            if ranged:
+                total = self._check_range(req, row, start, count, resp)
+                _read_into(body, dst, stop=stop, got=got)  # a range: nothing to verify it against
+                if length is None and not _at_end(body):
+                    why = f"sent more than the range of {count}"
+                    raise self._bad_answer(req, row, start, resp, "RangeIgnored", why)
+            elif length is not None and length < count:
+                why = f"holds {length} bytes: [0, {count}) reads past its end"
+                raise self._bad_answer(req, row, start + length, resp, "ShortRead", why)
+            elif length is not None and length > count:
+                _read_into(body, dst, stop=stop, got=got)  # a prefix: nothing to verify it against
             elif count <= _VERIFY_BEFORE_COPY:
-                data = body.read()  # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
-                self._verify(req, row, data, resp, meta)
+                # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
+                data = body.read() if length is not None else body.read(count + 1)
+                if len(data) < count:
+                    raise self._bad_answer(
+                        req, row, start + len(data), resp, "ShortRead",
+                        f"holds {len(data)} bytes: [0, {count}) reads past its end",
+                    )  # fmt: skip
+                if len(data) == count:
+                    if length is None:
+                        body.read(1)  # the end of a chunked body: botocore checks S3's checksum there
+                    self._verify(req, row, data, resp, meta)
+                else:
+                    total, data = None, data[:count]  # a chunked answer of a longer object: a prefix read
                 if stop():
                     raise _Cancelled()
                 dst[:] = np.frombuffer(data, dtype=np.uint8)
             else:
                 try:
-                    crc = _read_into(body, dst, crc=True, stop=stop)  # CRC32C of each chunk while the next arrives
-                    body.read()
-                    self._verify(req, row, crc, resp, meta)
+                    # CRC32C of each chunk while the next arrives
+                    crc = _read_into(body, dst, crc=True, stop=stop, got=got, ended=length is None)
+                    if length is not None:
+                        body.read()
+                    elif not _at_end(body):
+                        total, crc = None, None  # a chunked answer of a longer object: a prefix read
+                    if crc is not None:
+                        self._verify(req, row, crc, resp, meta)
                 except Exception:
                     dst[:] = 0  # never leave unverified bytes behind
                     raise
         except DatamoverError:
             raise
+        except _Ended:
+            raise self._bad_answer(
+                req, row, start + got[0], resp, "ShortRead", f"holds {got[0]} bytes: [0, {count}) reads past its end"
+            ) from None
         except Exception as exc:
-            raise self.error(exc, req, row, "GET") from exc
+            raise self.error(exc, req, row, "GET", start + got[0]) from exc
         finally:
             body.close()
         return {"etag": resp.get("ETag"), "crc": meta, "total": total}
+
+    def _check_range(self, req: TransferRequest, row: int, start: int, count: int, resp: dict) -> int:
+        """The object's size, from the Content-Range of a 206 for exactly [off, off + count) (or for its part up to
+        the object's end: a ShortRead); any other answer is RangeIgnored."""
+        off = req.plan.off[row] + start
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        m = _CONTENT_RANGE.fullmatch((resp.get("ContentRange") or "").strip())
+        first, last = (int(m[1]), int(m[2])) if m else (-1, -1)
+        total = int(m[3]) if m and m[3] != "*" else None
+        length = resp.get("ContentLength")
+        if status != 206 or first != off or last < first or (length is not None and length != last - first + 1):
+            cr = resp.get("ContentRange")
+            why = f"answered HTTP {status} (Content-Range {cr!r}) for bytes {off}-{off + count - 1}"
+            raise self._bad_answer(req, row, start, resp, "RangeIgnored", why + " (does the server ignore Range?)")
+        if last > off + count - 1 or (last < off + count - 1 and (total is None or last != total - 1)):
+            raise self._bad_answer(req, row, start, resp, "RangeIgnored", f"answered bytes {first}-{last} for {count}")
+        if last < off + count - 1:
+            why = f"holds {total} bytes: [{off}, {off + count}) reads past its end"
+            raise self._bad_answer(req, row, start + last + 1 - off, resp, "ShortRead", why)
+        return total if total is not None else off + count
+
+    def _bad_answer(self, req: TransferRequest, row: int, at: int, resp: dict, code: str, why: str) -> ObjectStoreError:
+        """A GET answered with the wrong bytes (``code`` ShortRead or RangeIgnored), naming the descriptor at ``at``."""
+        p = req.plan
+        bucket, key = p.bucket[row], p.key[row]
+        return ObjectStoreError(
+            f"GET s3://{bucket}/{key} {why}",
+            bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+            code=code, errno=errno_mod.EIO, index=req.caller_index(row, at), backend=self.name,
+        )  # fmt: skip
 
     def _verify(self, req: TransferRequest, row: int, data: Any, resp: dict | None, stored: str | None) -> None:
         """Check a whole object's bytes (or their CRC32C, a str): our metadata, else S3's own full-object CRC32C.
@@ -743,30 +796,44 @@ class _Cancelled(DatamoverError):
         super().__init__("cancelled", backend="s3")
 
 
-def _read_into(body: Any, dst: np.ndarray, crc: bool = False, stop: Any = lambda: False) -> str | None:
+def _read_into(
+    body: Any,
+    dst: np.ndarray,
+    crc: bool = False,
+    stop: Any = lambda: False,
+    got: list[int] | None = None,
+    ended: bool = False,
+) -> str | None:
     """Fill ``dst`` from a response body, a chunk at a time, until ``stop()``; with ``crc``, return the CRC32C of
-    what was read."""
+    what was read. ``got[0]`` counts the bytes read; a body that ends early raises _Ended with ``ended`` (the answer
+    had no length: the object is shorter), else ConnectionResetError."""
     import crc32c
 
     mv = memoryview(dst).cast("B")
-    got, value = 0, 0
-    while got < mv.nbytes:
+    done = got if got is not None else [0]
+    value = 0
+    while done[0] < mv.nbytes:
         if stop():
             raise _Cancelled()
-        n = body.readinto(mv[got : got + _READ_CHUNK])
+        at = done[0]
+        n = body.readinto(mv[at : at + _READ_CHUNK])
         if not n:
-            raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")
+            if ended:
+                raise _Ended()
+            raise ConnectionResetError(f"the response ended after {at} of {mv.nbytes} bytes")
         if crc:
-            value = crc32c.crc32c(mv[got : got + n], value)
-        got += n
+            value = crc32c.crc32c(mv[at : at + n], value)
+        done[0] = at + n
     return _b64(value) if crc else None
 
 
-def _total_size(resp: dict, fallback: int) -> int:
-    """The object's size from Content-Range ("bytes a-b/total")."""
-    cr = resp.get("ContentRange") or ""
-    _, _, total = cr.rpartition("/")
-    return int(total) if total.isdigit() else fallback
+def _at_end(body: Any) -> bool:
+    """Whether a body read to the bytes asked for has ended (reads at most one more byte)."""
+    return not body.read(1)
+
+
+class _Ended(Exception):
+    """Internal: a body without Content-Length ended before the bytes asked for."""
 
 
 def _refuses_checksum(exc: BaseException) -> bool:
