@@ -180,6 +180,7 @@ class S3Backend(Backend):
             native = p["native_checksum"]
             raise InvalidParameter(f"native_checksum must be True, False or 'auto', got {native!r}", backend="s3")
         self._native = p["native_checksum"]
+        self._stage = threading.local()
         self._client = self._make_client()
         self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
 
@@ -349,9 +350,9 @@ class S3Backend(Backend):
         p = req.plan
         tasks = p.tasks
         runners = min(int(self.params["concurrency"]), len(tasks))
-        # a READ's runners write into the caller's memory (GET bodies, zeroing what was not verified): each is inside
-        # the fence for its whole life, so ERR and release() come once every runner stopped (up to 10 s); a WRITE's
-        # read it only to copy a body out (``_Run.copy``), inside the fence, so none is read after ERR
+        # a READ's runners write into the caller's memory only inside the fence (each chunk of a GET body, copied from
+        # the runner's own buffer; zeroing what was not verified); a WRITE's read it only to copy a body out
+        # (``_Run.copy``), inside the fence: none is touched after ERR or release()
         completion = ReadFence(runners)
         if not runners:
             return completion
@@ -402,9 +403,7 @@ class S3Backend(Backend):
             kw["ChecksumCRC32C"] = crc
         self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
 
-    def get(
-        self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray, stop: Any = lambda: False
-    ) -> dict:
+    def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray, fence: ReadFence) -> dict:
         """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response facts we need.
 
         A whole row at object offset 0 is asked for without a Range: when the
@@ -414,7 +413,8 @@ class S3Backend(Backend):
         A ranged answer must be a 206 for exactly the range asked. An answer
         without Content-Length (chunked) is read to ``count`` bytes and at most
         one more, which tells a whole object from a longer one.
-        Once ``stop()`` is true (the transfer was cancelled) no more of the body reaches ``dst``.
+        Bodies come into this thread's own buffer and are copied into ``dst`` inside ``fence``: once the transfer
+        is cancelled no more of the body reaches ``dst``, and a socket never holds the caller's memory.
         """
         p = req.plan
         off = p.off[row] + start
@@ -427,10 +427,11 @@ class S3Backend(Backend):
         meta = (resp.get("Metadata") or {}).get(CRC_META)
         total = length
         got = [0]
+        stage = self._staging()
         try:
             if ranged:
                 total = self._check_range(req, row, start, count, resp)
-                _read_into(body, dst, stop=stop, got=got)  # a range: nothing to verify it against
+                _read_into(body, dst, stage, fence, got=got)  # a range: nothing to verify it against
                 if length is None and not _at_end(body):
                     why = f"sent more than the range of {count}"
                     raise self._bad_answer(req, row, start, resp, "RangeIgnored", why)
@@ -438,7 +439,7 @@ class S3Backend(Backend):
                 why = f"holds {length} bytes: [0, {count}) reads past its end"
                 raise self._bad_answer(req, row, start + length, resp, "ShortRead", why)
             elif length is not None and length > count:
-                _read_into(body, dst, stop=stop, got=got)  # a prefix: nothing to verify it against
+                _read_into(body, dst, stage, fence, got=got)  # a prefix: nothing to verify it against
             elif count <= _VERIFY_BEFORE_COPY:
                 # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
                 data = body.read() if length is not None else body.read(count + 1)
@@ -453,13 +454,11 @@ class S3Backend(Backend):
                     self._verify(req, row, data, resp, meta)
                 else:
                     total, data = None, data[:count]  # a chunked answer of a longer object: a prefix read
-                if stop():
-                    raise _Cancelled()
-                dst[:] = np.frombuffer(data, dtype=np.uint8)
+                _land(fence, memoryview(dst).cast("B"), 0, data)
             else:
                 try:
                     # CRC32C of each chunk while the next arrives
-                    crc = _read_into(body, dst, crc=True, stop=stop, got=got, ended=length is None)
+                    crc = _read_into(body, dst, stage, fence, crc=True, got=got, ended=length is None)
                     if length is not None:
                         body.read()
                     elif not _at_end(body):
@@ -467,7 +466,7 @@ class S3Backend(Backend):
                     if crc is not None:
                         self._verify(req, row, crc, resp, meta)
                 except Exception:
-                    dst[:] = 0  # never leave unverified bytes behind
+                    _zero(fence, dst)  # never leave unverified bytes behind
                     raise
         except DatamoverError:
             raise
@@ -480,6 +479,13 @@ class S3Backend(Backend):
         finally:
             body.close()
         return {"etag": resp.get("ETag"), "crc": meta, "total": total}
+
+    def _staging(self) -> memoryview:
+        """This pool thread's own buffer for GET bodies (one chunk, made once per thread)."""
+        stage = getattr(self._stage, "buf", None)
+        if stage is None:
+            stage = self._stage.buf = memoryview(np.empty(_READ_CHUNK, dtype=np.uint8)).cast("B")
+        return stage
 
     def _check_range(self, req: TransferRequest, row: int, start: int, count: int, resp: dict) -> int:
         """The object's size, from the Content-Range of a 206 for exactly [off, off + count) (or for its part up to
@@ -580,10 +586,8 @@ class _Run:
     def runner(self) -> None:
         tasks = self.req.plan.tasks
         c = self.completion
-        fence = c if not self.write else None
-        inside = fence is None or fence.join()  # False: a READ cancelled before this runner began touches nothing
         try:
-            while inside and not c.cancelled:
+            while not c.cancelled:
                 i = next(self.next)
                 if i >= len(tasks):
                     break
@@ -598,15 +602,10 @@ class _Run:
                 self.active -= 1
                 last = self.active == 0
             try:
-                if last and inside:
+                if last:
                     self.cleanup()
             finally:
-                if fence is not None and inside:
-                    fence.leave()
-            c.finish_part(None)
-
-    def _stop(self) -> bool:
-        return self.completion.cancelled
+                c.finish_part(None)
 
     def view(self, row: int, start: int, count: int) -> np.ndarray:
         p = self.req.plan
@@ -643,7 +642,7 @@ class _Run:
                     raise
                 self.outcomes[row] = "committed"
             else:
-                self.b.get(self.req, row, start, count, view, self._stop)
+                self.b.get(self.req, row, start, count, view, self.completion)
             return
         g = self.groups[row]
         ok = False
@@ -651,7 +650,7 @@ class _Run:
             if self.write:
                 self.upload_part(g, part, view)
             else:
-                info = self.b.get(self.req, row, start, count, view, self._stop)
+                info = self.b.get(self.req, row, start, count, view, self.completion)
                 with g.lock:
                     g.etags.append(info["etag"])
                     g.meta_crc, g.total = info["crc"], info["total"]
@@ -732,7 +731,7 @@ class _Run:
             try:
                 b._verify(req, row, dst, None, g.meta_crc)
             except ChecksumMismatch:
-                dst[:] = 0  # never leave unverified bytes behind
+                _zero(self.completion, dst)  # never leave unverified bytes behind
                 raise
         g.finished = True
 
@@ -745,7 +744,7 @@ class _Run:
             if self.write and g.upload_id is not None and not g.finished and g.row not in self.outcomes:
                 self.settle(g)
             elif not self.write and not g.finished and g.left < g.nparts:
-                self.view(g.row, 0, self.req.plan.len[g.row])[:] = 0
+                _zero(self.completion, self.view(g.row, 0, self.req.plan.len[g.row]))
         err = self.completion.error
         if self.write and err is not None:
             done = getattr(err, "outcomes", None) or {}
@@ -799,32 +798,55 @@ class _Cancelled(DatamoverError):
 def _read_into(
     body: Any,
     dst: np.ndarray,
+    stage: memoryview,
+    fence: ReadFence,
     crc: bool = False,
-    stop: Any = lambda: False,
     got: list[int] | None = None,
     ended: bool = False,
 ) -> str | None:
-    """Fill ``dst`` from a response body, a chunk at a time, until ``stop()``; with ``crc``, return the CRC32C of
-    what was read. ``got[0]`` counts the bytes read; a body that ends early raises _Ended with ``ended`` (the answer
-    had no length: the object is shorter), else ConnectionResetError."""
+    """Fill ``dst`` from a response body a chunk at a time through ``stage``, each chunk copied inside ``fence``;
+    with ``crc``, return the CRC32C of what was read. ``got[0]`` counts the bytes read; a body that ends early
+    raises _Ended with ``ended`` (the answer had no length: the object is shorter), else ConnectionResetError."""
     import crc32c
 
     mv = memoryview(dst).cast("B")
     done = got if got is not None else [0]
     value = 0
     while done[0] < mv.nbytes:
-        if stop():
+        if fence.cancelled:
             raise _Cancelled()
         at = done[0]
-        n = body.readinto(mv[at : at + _READ_CHUNK])
+        n = body.readinto(stage[: min(stage.nbytes, mv.nbytes - at)])
         if not n:
             if ended:
                 raise _Ended()
             raise ConnectionResetError(f"the response ended after {at} of {mv.nbytes} bytes")
         if crc:
-            value = crc32c.crc32c(mv[at : at + n], value)
+            value = crc32c.crc32c(stage[:n], value)
+        _land(fence, mv, at, stage[:n])
         done[0] = at + n
     return _b64(value) if crc else None
+
+
+def _land(fence: ReadFence, dst: memoryview, at: int, data: Any) -> None:
+    """Copy ``data`` into the caller's memory at ``at``, inside the fence; raises _Cancelled (copying nothing) once
+    the transfer was cancelled."""
+    if not fence.enter():
+        raise _Cancelled()
+    try:
+        dst[at : at + len(data)] = data
+    finally:
+        fence.leave()
+
+
+def _zero(fence: ReadFence, dst: np.ndarray) -> None:
+    """Zero bytes that landed unverified, inside the fence; not once the transfer was released or timed out (the
+    memory is the caller's again)."""
+    if fence.join():
+        try:
+            dst[:] = 0
+        finally:
+            fence.leave()
 
 
 def _at_end(body: Any) -> bool:
