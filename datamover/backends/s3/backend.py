@@ -42,6 +42,7 @@ environment variables and config files for anything not set here.
 from __future__ import annotations
 
 import base64
+import binascii
 import errno as errno_mod
 import importlib.util
 import itertools
@@ -82,6 +83,8 @@ _VERIFY_BEFORE_COPY = 1 * MiB
 _READ_CHUNK = 1 * MiB
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
+#: what botocore accepts as a region name
+_REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
 
@@ -179,6 +182,7 @@ class S3Backend(Backend):
         if p["native_checksum"] not in (True, False, "auto"):
             native = p["native_checksum"]
             raise InvalidParameter(f"native_checksum must be True, False or 'auto', got {native!r}", backend="s3")
+        _check_params(p)
         self._native = p["native_checksum"]
         self._stage = threading.local()
         self._client = self._make_client()
@@ -240,13 +244,16 @@ class S3Backend(Backend):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        client = session.client(
-            "s3",
-            endpoint_url=p["endpoint_url"],
-            region_name=session.region_name or "us-east-1",
-            verify=p["verify_tls"],
-            config=config,
-        )
+        try:
+            client = session.client(
+                "s3",
+                endpoint_url=p["endpoint_url"],
+                region_name=session.region_name or "us-east-1",
+                verify=p["verify_tls"],
+                config=config,
+            )
+        except (ValueError, botocore.exceptions.BotoCoreError) as exc:  # a region or endpoint from the environment
+            raise InvalidParameter(f"cannot make an S3 client: {exc}", backend="s3") from exc
         if mode in ("standard", "adaptive"):
             _unbounded_retry_quota(client, attempts)
         return client
@@ -858,6 +865,35 @@ class _Ended(Exception):
     """Internal: a body without Content-Length ended before the bytes asked for."""
 
 
+def _check_params(p: Mapping[str, Any]) -> None:
+    """Refuse, naming the parameter, what botocore or the pool would refuse later with an untyped error."""
+    from urllib.parse import urlsplit
+
+    for name, bound in (("concurrency", "an integer >= 1"), ("max_attempts", "an integer >= 1"),
+                        ("connect_timeout", "seconds > 0"), ("read_timeout", "seconds > 0")):  # fmt: skip
+        value = p[name]
+        if value is None and name == "max_attempts":
+            continue
+        try:
+            ok = int(value) >= 1 if bound.startswith("an integer") else float(value) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidParameter(f"{name} must be {bound}, got {value!r}", backend="s3")
+    url = p["endpoint_url"]
+    if url is not None:
+        try:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidParameter(f"endpoint_url must be an http(s)://host[:port] URL, got {url!r}", backend="s3")
+    region = p["region"]
+    if region is not None and not (isinstance(region, str) and _REGION.fullmatch(region)):
+        raise InvalidParameter(f"region must be a region name such as 'us-east-1', got {region!r}", backend="s3")
+
+
 def _refuses_checksum(exc: BaseException) -> bool:
     response = getattr(exc, "response", None)
     if not isinstance(response, dict):
@@ -877,7 +913,8 @@ def object_store_error(
     import botocore.exceptions as bx
 
     where = f"{what} s3://{bucket}/{key}"
-    if isinstance(exc, bx.FlexibleChecksumError):
+    # binascii.Error: the answer's checksum header is not base64 (botocore decodes it while it checks the body)
+    if isinstance(exc, bx.FlexibleChecksumError | binascii.Error):
         err = ChecksumMismatch(f"{where}: {exc}", index=index, backend=backend)
         err.bucket, err.key = bucket, key
         return err

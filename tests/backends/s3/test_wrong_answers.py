@@ -9,7 +9,7 @@ from botocore import response
 
 from datamover import Agent, DescList, XferState
 from datamover.backends.s3.backend import crc32c_b64
-from datamover.errors import ObjectStoreError
+from datamover.errors import ChecksumMismatch, ObjectStoreError
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.s3server import S3Server
 
@@ -144,5 +144,29 @@ def test_a_body_cut_short_names_the_merged_descriptor_it_was_in(server):
             with pytest.raises(ObjectStoreError) as info:
                 xfer.wait()
             assert info.value.index == 2, str(info.value)
+    finally:
+        proxy.close()
+
+
+@pytest.mark.parametrize("size", [4000, 2 * MiB])
+def test_a_checksum_header_that_is_not_base64_is_a_checksum_mismatch(server, size):
+    data = random_bytes(size, 1)
+    key = f"g/{size}"
+    server.client().put_object(Bucket=server.bucket, Key=key, Body=data, ChecksumAlgorithm="CRC32")
+
+    def garble(method, headers, status, body):
+        return body, False, {"x-amz-checksum-crc32": "!!!notbase64"} if method == "GET" else {}
+
+    proxy = FaultProxy(server.endpoint_url, garble)
+    try:
+        with _agent(server, proxy, read_part_size=64 * MiB) as agent:
+            reg = agent.register_objects(server.bucket, keys=[key])
+            buf = HostBuffer(agent, size)
+            buf.write(0, b"\xee" * size)
+            xfer = agent.transfer("READ", buf.descs([0], [size]), DescList.objects(reg, [size], 0, keys=[key]))
+            with pytest.raises(ChecksumMismatch) as info:
+                xfer.wait()
+            assert (info.value.bucket, info.value.key, info.value.index) == (server.bucket, key, 0), str(info.value)
+            assert buf.read(0, size) != data, "the unverified bytes were kept"
     finally:
         proxy.close()
