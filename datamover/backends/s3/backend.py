@@ -644,8 +644,9 @@ class _Run:
                 body, crc = self.copy(view)  # raises once cancelled: nothing sent, the object untouched
                 try:
                     self.b.put(self.req, row, body, crc)  # type: ignore[arg-type]
-                except BaseException as exc:  # an HTTP answer means nothing was stored; no answer, no telling
-                    self.outcomes[row] = "aborted" if getattr(exc, "status", None) else "unknown"
+                except BaseException as exc:  # one attempt refused means nothing was stored; else no telling
+                    refused = getattr(exc, "status", None) and _retry_attempts(exc) == 0
+                    self.outcomes[row] = "aborted" if refused else "unknown"
                     raise
                 self.outcomes[row] = "committed"
             else:
@@ -968,6 +969,16 @@ def _error_code(exc: BaseException) -> str:
         if isinstance(response, dict):
             return str(response.get("Error", {}).get("Code", ""))
     return ""
+
+
+def _retry_attempts(exc: BaseException) -> int | None:
+    """How many times botocore retried the call that failed with ``exc`` (or the error it wraps); None: unknown."""
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            attempts = response.get("ResponseMetadata", {}).get("RetryAttempts")
+            return attempts if isinstance(attempts, int) else None
+    return None
 
 
 def _unbounded_retry_quota(client: Any, attempts: int) -> None:

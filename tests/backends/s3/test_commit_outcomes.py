@@ -195,3 +195,43 @@ def test_release_of_a_multi_object_write_says_what_it_committed_and_aborted(serv
     assert _body(server, keys[0]) == data[: sizes[0]]
     assert _body(server, keys[1]) == b"old" and not _pending(server, keys[1])
     assert _body(server, keys[2]) == data[offs[2] : offs[3]] and _body(server, keys[3]) == b"old"
+
+
+def test_a_put_refused_after_a_lost_answer_is_unknown_not_aborted(server, monkeypatch):
+    """Attempt 1 of a PUT reaches the store (which stores the object) and its answer is lost; attempt 2 is refused
+    with a 503. Before, the HTTP status on the final error made the row "aborted" while the object held the new
+    bytes; only a call refused on its single attempt is "aborted"."""
+    from botocore import httpsession
+    from botocore.awsrequest import AWSResponse
+    from botocore.exceptions import ReadTimeoutError
+
+    key = "out/refused-retry"
+    real_send = httpsession.URLLib3Session.send
+    attempts: list[str] = []
+
+    class _Raw:
+        def stream(self, **_):
+            yield b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+
+    def send(self, request):
+        if request.method == "PUT" and request.url.endswith(f"/{key}"):
+            attempts.append(request.url)
+            if len(attempts) == 1:
+                real_send(self, request)
+                raise ReadTimeoutError(endpoint_url=request.url)
+            return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Raw())
+        return real_send(self, request)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server) as agent:
+        buf = HostBuffer(agent, 4096)
+        data = random_bytes(4096, 5)
+        buf.write(0, data)
+        reg = agent.register_objects(server.bucket, keys=[key])
+        xfer = agent.transfer("WRITE", buf.descs([0], [4096]), DescList.objects(reg, [4096], 0, keys=[key]))
+        with pytest.raises(ObjectStoreError) as info:
+            xfer.wait()
+        assert info.value.status == 503 and len(attempts) == 2
+        assert xfer.outcomes == {0: "unknown"}
+    monkeypatch.undo()
+    assert _body(server, key) == data
