@@ -14,7 +14,9 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   caller descriptor index -> "committed" (the object holds the new bytes),
   "aborted" (started, then aborted or refused: the object is as it was),
   "untouched" (never started) or "unknown" (no answer and the server could
-  not be asked), for every descriptor of the WRITE.
+  not be asked), for every descriptor of the WRITE; from ERR on, rows still
+  in flight are "unknown" until settled. botocore retries nothing for a
+  transfer cancelled or past its deadline (retry modes standard, adaptive).
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
   into parallel ranged GETs into the destination. A READ at offset 0 of the
   whole row is a plain GET: when the object is exactly that long it is a
@@ -66,7 +68,7 @@ from ...errors import (
     OverlappingDestination,
 )
 from ...units import MiB
-from ..base import Backend, BackendHost, Completion, TransferRequest, refuse_offset_writes, typed_error
+from ..base import Backend, BackendHost, Completion, TransferRequest, clock, refuse_offset_writes, typed_error
 from ..fence import ReadFence
 
 log = logging.getLogger("datamover.s3")
@@ -81,6 +83,8 @@ _MAX_PARTS = 10_000
 #: whole objects up to this size are verified before they touch the destination; larger ones land, then are checked
 _VERIFY_BEFORE_COPY = 1 * MiB
 _READ_CHUNK = 1 * MiB
+#: the bound on each call that settles a cut-short upload (release() waits up to 10 s past the deadline for it)
+_SETTLE_S = 3.0
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
 #: what botocore accepts as a region name
@@ -185,6 +189,9 @@ class S3Backend(Backend):
         _check_params(p)
         self._native = p["native_checksum"]
         self._stage = threading.local()
+        self._calling = threading.local()  # .stop: whether the transfer of this thread's call may no longer retry
+        self._settler: Any = None
+        self._settler_lock = threading.Lock()
         self._client = self._make_client()
         self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
 
@@ -255,8 +262,20 @@ class S3Backend(Backend):
         except (ValueError, botocore.exceptions.BotoCoreError) as exc:  # a region or endpoint from the environment
             raise InvalidParameter(f"cannot make an S3 client: {exc}", backend="s3") from exc
         if mode in ("standard", "adaptive"):
-            _unbounded_retry_quota(client, attempts)
+            _unbounded_retry_quota(client, attempts, self._stopped)
         return client
+
+    def _stopped(self) -> bool:
+        """Whether the transfer this thread calls for was cancelled or is past its deadline: no more retries."""
+        stop = getattr(self._calling, "stop", None)
+        return stop is not None and stop()
+
+    def settle_client(self) -> Any:
+        """The client that settles a cut-short upload (HEAD, abort): each call ends within about ``_SETTLE_S``."""
+        with self._settler_lock:
+            if self._settler is None:
+                self._settler = self.bounded_client(_SETTLE_S)
+            return self._settler
 
     @property
     def client(self) -> Any:
@@ -370,10 +389,12 @@ class S3Backend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        try:
-            self._client.close()
-        except Exception as exc:  # closing must not fail the agent's close
-            log.debug("closing the S3 client failed: %s", exc)
+        for client in (self._client, self._settler):
+            try:
+                if client is not None:
+                    client.close()
+            except Exception as exc:  # closing must not fail the agent's close
+                log.debug("closing an S3 client failed: %s", exc)
 
     # -- single requests -----------------------------------------------------
     def _use_native(self) -> bool:
@@ -573,6 +594,21 @@ class _Run:
         self.groups = {r: _Group(r, n, left=n) for r, n in p.groups.items()}
         self.write = req.op == "WRITE"
         self.outcomes: dict[int, str] = {}  # row -> "committed" | "aborted" | "unknown", for rows written
+        if self.write:
+            completion.drain = self.in_flight
+
+    def in_flight(self, _seconds: float) -> None:
+        """At a timeout or ``release()``: until ``cleanup`` settles them, rows started and not settled are "unknown"
+        on the error (a call may still commit them), rows never started "untouched"."""
+        tasks, err = self.req.plan.tasks, self.completion.error
+        started = {t[0] for t in tasks[: next(self.next)]}  # taking a task index: none is started after cancel
+        with self.lock:
+            if err is None or getattr(err, "outcomes", None) is not None:
+                return
+            rows = range(len(self.req.plan.key))
+            err.outcomes = {
+                self.req.caller_index(r): self.outcomes.get(r, "unknown" if r in started else "untouched") for r in rows
+            }
 
     def start(self, pool: ThreadPoolExecutor) -> None:
         """Start the other runners, then be one."""
@@ -593,6 +629,8 @@ class _Run:
     def runner(self) -> None:
         tasks = self.req.plan.tasks
         c = self.completion
+        deadline = self.req.deadline
+        self.b._calling.stop = lambda: c.cancelled or clock() >= deadline
         try:
             while not c.cancelled:
                 i = next(self.next)
@@ -605,6 +643,7 @@ class _Run:
                     # stops the other runners; Completion's cancel, as a fence's would wait for this runner itself
                     Completion.cancel(c, typed_error(exc, "s3", self.req.caller_index(row)))
         finally:
+            self.b._calling.stop = None
             with self.lock:
                 self.active -= 1
                 last = self.active == 0
@@ -755,9 +794,9 @@ class _Run:
                 _zero(self.completion, self.view(g.row, 0, self.req.plan.len[g.row]))
         err = self.completion.error
         if self.write and err is not None:
-            done = getattr(err, "outcomes", None) or {}
             mine = {self.req.caller_index(r): self.outcomes.get(r, "untouched") for r in range(len(self.req.plan.key))}
-            err.outcomes = {**done, **mine}
+            with self.lock:
+                err.outcomes = {**(getattr(err, "outcomes", None) or {}), **mine}
 
     def settle(self, g: _Group) -> str:
         """Whether ``g``'s upload was committed, after a CompleteMultipartUpload with no answer or none at all.
@@ -766,7 +805,7 @@ class _Run:
         it impossible to complete later (an abort that finds no upload looks once more: the complete may just have
         landed). "unknown" only when the server cannot be asked.
         """
-        p, client = self.req.plan, self.b._client
+        p, client = self.req.plan, self.b.settle_client()
         bucket, key = p.bucket[g.row], p.key[g.row]
         outcome = "unknown"
         try:
@@ -788,7 +827,7 @@ class _Run:
     def _marker_visible(self, g: _Group) -> bool:
         p = self.req.plan
         try:
-            head = self.b._client.head_object(Bucket=p.bucket[g.row], Key=p.key[g.row])
+            head = self.b.settle_client().head_object(Bucket=p.bucket[g.row], Key=p.key[g.row])
         except Exception as exc:
             if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return False
@@ -981,12 +1020,13 @@ def _retry_attempts(exc: BaseException) -> int | None:
     return None
 
 
-def _unbounded_retry_quota(client: Any, attempts: int) -> None:
-    """Give botocore's standard retries a quota that never runs out.
+def _unbounded_retry_quota(client: Any, attempts: int, stopped: Callable[[], bool] = lambda: False) -> None:
+    """Give botocore's standard retries a quota that never runs out, and none once ``stopped()``.
 
     botocore spends a shared quota of 500 on retries (14 per connection error), refilled only by calls that
     succeed: after an outage of a few dozen failed calls, one dropped connection fails a transfer at once. The
-    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes.
+    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes. A call of a transfer
+    cancelled or past its deadline is not retried: a retry sent then could commit an object after ``release()``.
     """
     import sys
 
@@ -1006,4 +1046,8 @@ def _unbounded_retry_quota(client: Any, attempts: int) -> None:
     )
     unique_id = f"retry-config-{svc}"
     client.meta.events.unregister(f"needs-retry.{svc}", unique_id=unique_id)
-    client.meta.events.register(f"needs-retry.{svc}", handler.needs_retry, unique_id=unique_id)
+
+    def needs_retry(**kwargs: Any) -> float | None:
+        return None if stopped() else handler.needs_retry(**kwargs)
+
+    client.meta.events.register(f"needs-retry.{svc}", needs_retry, unique_id=unique_id)

@@ -235,3 +235,48 @@ def test_a_put_refused_after_a_lost_answer_is_unknown_not_aborted(server, monkey
         assert xfer.outcomes == {0: "unknown"}
     monkeypatch.undo()
     assert _body(server, key) == data
+
+
+@pytest.mark.parametrize("end", ["release", "timeout"])
+def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch, end):
+    """Attempt 1 of a PUT is held (a stalled store) until the transfer is ERR (or ``release`` returned), then gets
+    no answer. Before, botocore sent attempt 2 after that, committing the object behind the caller's back, and
+    ``release`` returned with no outcomes; now no retry is sent and the row is "unknown" from ERR on."""
+    from botocore import httpsession
+    from botocore.exceptions import ReadTimeoutError
+
+    key = f"out/no-retry-after-{end}"
+    real_send = httpsession.URLLib3Session.send
+    reached, ended = threading.Event(), threading.Event()
+    attempts: list[bool] = []  # whether each attempt was sent after ERR
+
+    def send(self, request):
+        if request.method == "PUT" and request.url.endswith(f"/{key}"):
+            attempts.append(ended.is_set())
+            if len(attempts) == 1:
+                reached.set()
+                assert ended.wait(60)
+                raise ReadTimeoutError(endpoint_url=request.url)
+        return real_send(self, request)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server, max_attempts=3) as agent:
+        buf = HostBuffer(agent, 4096)
+        buf.write(0, random_bytes(4096, 6))
+        reg = agent.register_objects(server.bucket, keys=[key])
+        objs = DescList.objects(reg, [4096], 0, keys=[key])
+        xfer = agent.transfer("WRITE", buf.descs([0], [4096]), objs, backends="s3", timeout=1.0)
+        assert reached.wait(60), "the PUT was never sent"
+        if end == "release":
+            xfer.release()
+        else:
+            with pytest.raises(TransferTimeout):
+                xfer.wait()
+        told = xfer.outcomes
+        ended.set()
+        assert xfer._completion.wait(60), "the WRITE's worker never stopped"
+        assert told == {0: "unknown"}, told
+        assert xfer.outcomes == {0: "unknown"}
+        xfer.release()
+    assert attempts == [False], f"attempts sent after ERR: {attempts.count(True)}"
+    assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0
