@@ -17,6 +17,9 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   not be asked), for every descriptor of the WRITE; from ERR on, rows still
   in flight are "unknown" until settled. botocore retries nothing for a
   transfer cancelled or past its deadline (retry modes standard, adaptive).
+  A CreateMultipartUpload is retried by us: one whose answer was lost may
+  have started an upload, which is found (the key's uploads started since)
+  and aborted.
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
   into parallel ranged GETs into the destination. A READ at offset 0 of the
   whole row is a plain GET: when the object is exactly that long it is a
@@ -50,11 +53,14 @@ import importlib.util
 import itertools
 import logging
 import os
+import random
 import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import numpy as np
@@ -85,6 +91,10 @@ _VERIFY_BEFORE_COPY = 1 * MiB
 _READ_CHUNK = 1 * MiB
 #: the bound on each call that settles a cut-short upload (release() waits up to 10 s past the deadline for it)
 _SETTLE_S = 3.0
+#: HTTP statuses of a CreateMultipartUpload worth another try (throttled, server busy or failing)
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+#: how much earlier than our clock says the store may have stamped an upload we started
+_CLOCK_SLACK_S = 2.0
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
 #: what botocore accepts as a region name
@@ -266,7 +276,12 @@ class S3Backend(Backend):
         return client
 
     def _stopped(self) -> bool:
-        """Whether the transfer this thread calls for was cancelled or is past its deadline: no more retries."""
+        """Whether this thread's call may not be retried: its transfer was cancelled or is past its deadline, or
+        the call is retried by us (``_Run.create_upload``)."""
+        return getattr(self._calling, "once", False) or self._stopped_transfer()
+
+    def _stopped_transfer(self) -> bool:
+        """Whether the transfer this thread calls for was cancelled or is past its deadline."""
         stop = getattr(self._calling, "stop", None)
         return stop is not None and stop()
 
@@ -724,9 +739,7 @@ class _Run:
                 kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": meta}
                 if b._use_native():
                     kw["ChecksumAlgorithm"] = "CRC32C"
-                create = b._client.create_multipart_upload
-                resp = b._call(create, req=req, row=g.row, what="CreateMultipartUpload", **kw)
-                g.upload_id = resp["UploadId"]
+                g.upload_id = self.create_upload(g.row, kw)
                 g.etags = [None] * g.nparts
         if self.completion.cancelled:
             raise _Cancelled()
@@ -740,6 +753,52 @@ class _Run:
         if crc is not None:
             entry["ChecksumCRC32C"] = crc
         g.etags[part] = entry
+
+    def create_upload(self, row: int, kw: dict[str, Any]) -> str:
+        """CreateMultipartUpload, retried here rather than by botocore: an attempt whose answer was lost may have
+        started an upload nobody knows the id of, pending (invisible, billed) forever; such uploads of the key
+        started since that attempt are found and aborted."""
+        b = self.b
+        tries = int(b.retries["total_max_attempts"])
+        lost_since: datetime | None = None
+        upload_id: str | None = None
+        b._calling.once = True
+        try:
+            for attempt in itertools.count(1):
+                sent = datetime.now(timezone.utc)
+                try:
+                    resp = b._call(
+                        b._client.create_multipart_upload, req=self.req, row=row, what="CreateMultipartUpload", **kw
+                    )
+                    upload_id = resp["UploadId"]
+                    return upload_id
+                except ObjectStoreError as exc:
+                    if exc.status is None:
+                        lost_since = lost_since or sent
+                    elif exc.status not in _RETRY_STATUS:
+                        raise
+                    if attempt >= tries or b._stopped_transfer():
+                        raise
+                time.sleep(random.uniform(0, min(1.0, 0.05 * 2**attempt)))  # botocore's jittered backoff, shorter
+        finally:
+            b._calling.once = False
+            if lost_since is not None:
+                self.abort_strays(row, lost_since, upload_id)
+        raise AssertionError("unreachable")
+
+    def abort_strays(self, row: int, since: datetime, keep: str | None) -> None:
+        """Abort the uploads of row's key started since ``since`` (less clock slack) but ``keep``."""
+        p = self.req.plan
+        bucket, key = p.bucket[row], p.key[row]
+        client = self.b.settle_client()
+        try:
+            found = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads") or []
+            for upload in found:
+                mine = upload.get("Initiated") and upload["Initiated"] >= since - timedelta(seconds=_CLOCK_SLACK_S)
+                if upload.get("Key") == key and upload.get("UploadId") != keep and mine:
+                    client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+        except Exception as exc:  # it stays pending: a lifecycle rule reaps it
+            log.warning("cannot abort the uploads of %r a lost CreateMultipartUpload may have started: %s", key, exc)
 
     def finish_group(self, g: _Group) -> None:
         b, req, p = self.b, self.req, self.req.plan

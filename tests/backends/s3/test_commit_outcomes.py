@@ -280,3 +280,43 @@ def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch
         xfer.release()
     assert attempts == [False], f"attempts sent after ERR: {attempts.count(True)}"
     assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0
+
+
+def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeypatch):
+    """The first CreateMultipartUpload reaches the store and its answer is lost. Before, botocore sent it again and
+    the upload the first one started stayed pending forever; now it is aborted, and an older upload of the same key
+    (another writer's, started before this transfer) is left alone. moto stamps every upload 2010-11-10, so the
+    listing is given real start times: now for uploads started by this transfer."""
+    from datetime import datetime, timezone
+
+    from botocore import httpsession
+    from botocore.exceptions import ReadTimeoutError
+
+    key = "out/lost-create"
+    other = server.client().create_multipart_upload(Bucket=server.bucket, Key=key)["UploadId"]
+    real_send = httpsession.URLLib3Session.send
+    creates: list[str] = []
+
+    def send(self, request):
+        if request.method == "POST" and request.url.endswith(f"/{key}?uploads"):
+            creates.append(request.url)
+            if len(creates) == 1:
+                real_send(self, request)
+                raise ReadTimeoutError(endpoint_url=request.url)
+        return real_send(self, request)
+
+    def real_start_times(parsed, **_):
+        for upload in parsed.get("Uploads") or []:
+            if upload["UploadId"] != other:
+                upload["Initiated"] = datetime.now(timezone.utc)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server, part_size=P, multipart_threshold=P, max_attempts=3) as agent:
+        agent.backend("s3").settle_client().meta.events.register("after-call.s3.ListMultipartUploads", real_start_times)
+        xfer, data = _multipart(agent, server, key, 7)
+        assert xfer.wait() == XferState.DONE
+    monkeypatch.undo()
+    assert len(creates) == 2
+    assert _body(server, key) == data
+    assert [u["UploadId"] for u in _pending(server, key)] == [other]
+    server.client().abort_multipart_upload(Bucket=server.bucket, Key=key, UploadId=other)
