@@ -14,7 +14,12 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   caller descriptor index -> "committed" (the object holds the new bytes),
   "aborted" (started, then aborted or refused: the object is as it was),
   "untouched" (never started) or "unknown" (no answer and the server could
-  not be asked), for every descriptor of the WRITE.
+  not be asked), for every descriptor of the WRITE; from ERR on, rows still
+  in flight are "unknown" until settled. botocore retries nothing for a
+  transfer cancelled or past its deadline (retry modes standard, adaptive).
+  A CreateMultipartUpload is retried by us: one whose answer was lost may
+  have started an upload, which is found (the key's uploads started since)
+  and aborted.
 - READ (offset, length) is a ranged GET; above ``read_part_size`` it is split
   into parallel ranged GETs into the destination. A READ at offset 0 of the
   whole row is a plain GET: when the object is exactly that long it is a
@@ -42,15 +47,20 @@ environment variables and config files for anything not set here.
 from __future__ import annotations
 
 import base64
+import binascii
 import errno as errno_mod
 import importlib.util
 import itertools
 import logging
 import os
+import random
+import re
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 import numpy as np
@@ -64,7 +74,7 @@ from ...errors import (
     OverlappingDestination,
 )
 from ...units import MiB
-from ..base import Backend, BackendHost, Completion, TransferRequest, refuse_offset_writes, typed_error
+from ..base import Backend, BackendHost, Completion, TransferRequest, clock, refuse_offset_writes, typed_error
 from ..fence import ReadFence
 
 log = logging.getLogger("datamover.s3")
@@ -79,8 +89,17 @@ _MAX_PARTS = 10_000
 #: whole objects up to this size are verified before they touch the destination; larger ones land, then are checked
 _VERIFY_BEFORE_COPY = 1 * MiB
 _READ_CHUNK = 1 * MiB
+#: the bound on each call that settles a cut-short upload (release() waits up to 10 s past the deadline for it)
+_SETTLE_S = 3.0
+#: HTTP statuses of a CreateMultipartUpload worth another try (throttled, server busy or failing)
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+#: how much earlier than our clock says the store may have stamped an upload we started
+_CLOCK_SLACK_S = 2.0
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
+#: what botocore accepts as a region name
+_REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _ERRNO = {403: errno_mod.EACCES, 404: errno_mod.ENOENT, 416: errno_mod.EINVAL}
 
 _T = TypeVar("_T")
@@ -177,7 +196,12 @@ class S3Backend(Backend):
         if p["native_checksum"] not in (True, False, "auto"):
             native = p["native_checksum"]
             raise InvalidParameter(f"native_checksum must be True, False or 'auto', got {native!r}", backend="s3")
+        _check_params(p)
         self._native = p["native_checksum"]
+        self._stage = threading.local()
+        self._calling = threading.local()  # .stop: whether the transfer of this thread's call may no longer retry
+        self._settler: Any = None
+        self._settler_lock = threading.Lock()
         self._client = self._make_client()
         self._pool = ThreadPoolExecutor(int(p["concurrency"]), thread_name_prefix="dm-s3")
 
@@ -237,16 +261,36 @@ class S3Backend(Backend):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        client = session.client(
-            "s3",
-            endpoint_url=p["endpoint_url"],
-            region_name=session.region_name or "us-east-1",
-            verify=p["verify_tls"],
-            config=config,
-        )
+        try:
+            client = session.client(
+                "s3",
+                endpoint_url=p["endpoint_url"],
+                region_name=session.region_name or "us-east-1",
+                verify=p["verify_tls"],
+                config=config,
+            )
+        except (ValueError, botocore.exceptions.BotoCoreError) as exc:  # a region or endpoint from the environment
+            raise InvalidParameter(f"cannot make an S3 client: {exc}", backend="s3") from exc
         if mode in ("standard", "adaptive"):
-            _unbounded_retry_quota(client, attempts)
+            _unbounded_retry_quota(client, attempts, self._stopped)
         return client
+
+    def _stopped(self) -> bool:
+        """Whether this thread's call may not be retried: its transfer was cancelled or is past its deadline, or
+        the call is retried by us (``_Run.create_upload``)."""
+        return getattr(self._calling, "once", False) or self._stopped_transfer()
+
+    def _stopped_transfer(self) -> bool:
+        """Whether the transfer this thread calls for was cancelled or is past its deadline."""
+        stop = getattr(self._calling, "stop", None)
+        return stop is not None and stop()
+
+    def settle_client(self) -> Any:
+        """The client that settles a cut-short upload (HEAD, abort): each call ends within about ``_SETTLE_S``."""
+        with self._settler_lock:
+            if self._settler is None:
+                self._settler = self.bounded_client(_SETTLE_S)
+            return self._settler
 
     @property
     def client(self) -> Any:
@@ -347,9 +391,9 @@ class S3Backend(Backend):
         p = req.plan
         tasks = p.tasks
         runners = min(int(self.params["concurrency"]), len(tasks))
-        # a READ's runners write into the caller's memory (GET bodies, zeroing what was not verified): each is inside
-        # the fence for its whole life, so ERR and release() come once every runner stopped (up to 10 s); a WRITE's
-        # read it only to copy a body out (``_Run.copy``), inside the fence, so none is read after ERR
+        # a READ's runners write into the caller's memory only inside the fence (each chunk of a GET body, copied from
+        # the runner's own buffer; zeroing what was not verified); a WRITE's read it only to copy a body out
+        # (``_Run.copy``), inside the fence: none is touched after ERR or release()
         completion = ReadFence(runners)
         if not runners:
             return completion
@@ -360,10 +404,12 @@ class S3Backend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        try:
-            self._client.close()
-        except Exception as exc:  # closing must not fail the agent's close
-            log.debug("closing the S3 client failed: %s", exc)
+        for client in (self._client, self._settler):
+            try:
+                if client is not None:
+                    client.close()
+            except Exception as exc:  # closing must not fail the agent's close
+                log.debug("closing an S3 client failed: %s", exc)
 
     # -- single requests -----------------------------------------------------
     def _use_native(self) -> bool:
@@ -400,16 +446,18 @@ class S3Backend(Backend):
             kw["ChecksumCRC32C"] = crc
         self._call(self._client.put_object, req=req, row=row, what="PUT", **kw)
 
-    def get(
-        self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray, stop: Any = lambda: False
-    ) -> dict:
+    def get(self, req: TransferRequest, row: int, start: int, count: int, dst: np.ndarray, fence: ReadFence) -> dict:
         """GET ``count`` bytes at ``start`` of row's range into ``dst``; returns the response facts we need.
 
         A whole row at object offset 0 is asked for without a Range: when the
         object is exactly that long (the usual case) S3 then sends its own
         checksums too, and the read is verified. A longer object makes it a
         prefix read: ``count`` bytes are kept and the connection is dropped.
-        Once ``stop()`` is true (the transfer was cancelled) no more of the body reaches ``dst``.
+        A ranged answer must be a 206 for exactly the range asked. An answer
+        without Content-Length (chunked) is read to ``count`` bytes and at most
+        one more, which tells a whole object from a longer one.
+        Bodies come into this thread's own buffer and are copied into ``dst`` inside ``fence``: once the transfer
+        is cancelled no more of the body reaches ``dst``, and a socket never holds the caller's memory.
         """
         p = req.plan
         off = p.off[row] + start
@@ -418,45 +466,99 @@ class S3Backend(Backend):
         kw: dict[str, Any] = {"Range": f"bytes={off}-{off + count - 1}"} if ranged else {"ChecksumMode": "ENABLED"}
         resp = self._call(self._client.get_object, req=req, row=row, what="GET", at=start, Bucket=bucket, Key=key, **kw)
         body = resp["Body"]
-        got = int(resp.get("ContentLength", count))
-        total = _total_size(resp, off + count) if ranged else got
+        length = resp.get("ContentLength")  # None: a chunked answer, whose length shows only at its end
         meta = (resp.get("Metadata") or {}).get(CRC_META)
+        total = length
+        got = [0]
+        stage = self._staging()
         try:
-            if got < count or (ranged and got > count):
-                why = (
-                    f"holds {total} bytes: [{off}, {off + count}) reads past its end"
-                    if got < count
-                    else f"answered {got} bytes for a range of {count} (does the server ignore Range?)"
-                )
-                raise ObjectStoreError(
-                    f"GET s3://{bucket}/{key} {why}",
-                    bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-                    code="ShortRead" if got < count else "RangeIgnored", errno=errno_mod.EIO,
-                    index=req.caller_index(row, start + got if got < count else start), backend=self.name,
-                )  # fmt: skip
-            if ranged or got > count:
-                _read_into(body, dst, stop=stop)  # a range or a prefix: nothing to verify it against
+            if ranged:
+                total = self._check_range(req, row, start, count, resp)
+                _read_into(body, dst, stage, fence, got=got)  # a range: nothing to verify it against
+                if length is None and not _at_end(body):
+                    why = f"sent more than the range of {count}"
+                    raise self._bad_answer(req, row, start, resp, "RangeIgnored", why)
+            elif length is not None and length < count:
+                why = f"holds {length} bytes: [0, {count}) reads past its end"
+                raise self._bad_answer(req, row, start + length, resp, "ShortRead", why)
+            elif length is not None and length > count:
+                _read_into(body, dst, stage, fence, got=got)  # a prefix: nothing to verify it against
             elif count <= _VERIFY_BEFORE_COPY:
-                data = body.read()  # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
-                self._verify(req, row, data, resp, meta)
-                if stop():
-                    raise _Cancelled()
-                dst[:] = np.frombuffer(data, dtype=np.uint8)
+                # to EOF: botocore checks the length (and S3's CRC32/SHA if the object has one)
+                data = body.read() if length is not None else body.read(count + 1)
+                if len(data) < count:
+                    raise self._bad_answer(
+                        req, row, start + len(data), resp, "ShortRead",
+                        f"holds {len(data)} bytes: [0, {count}) reads past its end",
+                    )  # fmt: skip
+                if len(data) == count:
+                    if length is None:
+                        body.read(1)  # the end of a chunked body: botocore checks S3's checksum there
+                    self._verify(req, row, data, resp, meta)
+                else:
+                    total, data = None, data[:count]  # a chunked answer of a longer object: a prefix read
+                _land(fence, memoryview(dst).cast("B"), 0, data)
             else:
                 try:
-                    crc = _read_into(body, dst, crc=True, stop=stop)  # CRC32C of each chunk while the next arrives
-                    body.read()
-                    self._verify(req, row, crc, resp, meta)
+                    # CRC32C of each chunk while the next arrives
+                    crc = _read_into(body, dst, stage, fence, crc=True, got=got, ended=length is None)
+                    if length is not None:
+                        body.read()
+                    elif not _at_end(body):
+                        total, crc = None, None  # a chunked answer of a longer object: a prefix read
+                    if crc is not None:
+                        self._verify(req, row, crc, resp, meta)
                 except Exception:
-                    dst[:] = 0  # never leave unverified bytes behind
+                    _zero(fence, dst)  # never leave unverified bytes behind
                     raise
         except DatamoverError:
             raise
+        except _Ended:
+            raise self._bad_answer(
+                req, row, start + got[0], resp, "ShortRead", f"holds {got[0]} bytes: [0, {count}) reads past its end"
+            ) from None
         except Exception as exc:
-            raise self.error(exc, req, row, "GET") from exc
+            raise self.error(exc, req, row, "GET", start + got[0]) from exc
         finally:
             body.close()
         return {"etag": resp.get("ETag"), "crc": meta, "total": total}
+
+    def _staging(self) -> memoryview:
+        """This pool thread's own buffer for GET bodies (one chunk, made once per thread)."""
+        stage = getattr(self._stage, "buf", None)
+        if stage is None:
+            stage = self._stage.buf = memoryview(np.empty(_READ_CHUNK, dtype=np.uint8)).cast("B")
+        return stage
+
+    def _check_range(self, req: TransferRequest, row: int, start: int, count: int, resp: dict) -> int:
+        """The object's size, from the Content-Range of a 206 for exactly [off, off + count) (or for its part up to
+        the object's end: a ShortRead); any other answer is RangeIgnored."""
+        off = req.plan.off[row] + start
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        m = _CONTENT_RANGE.fullmatch((resp.get("ContentRange") or "").strip())
+        first, last = (int(m[1]), int(m[2])) if m else (-1, -1)
+        total = int(m[3]) if m and m[3] != "*" else None
+        length = resp.get("ContentLength")
+        if status != 206 or first != off or last < first or (length is not None and length != last - first + 1):
+            cr = resp.get("ContentRange")
+            why = f"answered HTTP {status} (Content-Range {cr!r}) for bytes {off}-{off + count - 1}"
+            raise self._bad_answer(req, row, start, resp, "RangeIgnored", why + " (does the server ignore Range?)")
+        if last > off + count - 1 or (last < off + count - 1 and (total is None or last != total - 1)):
+            raise self._bad_answer(req, row, start, resp, "RangeIgnored", f"answered bytes {first}-{last} for {count}")
+        if last < off + count - 1:
+            why = f"holds {total} bytes: [{off}, {off + count}) reads past its end"
+            raise self._bad_answer(req, row, start + last + 1 - off, resp, "ShortRead", why)
+        return total if total is not None else off + count
+
+    def _bad_answer(self, req: TransferRequest, row: int, at: int, resp: dict, code: str, why: str) -> ObjectStoreError:
+        """A GET answered with the wrong bytes (``code`` ShortRead or RangeIgnored), naming the descriptor at ``at``."""
+        p = req.plan
+        bucket, key = p.bucket[row], p.key[row]
+        return ObjectStoreError(
+            f"GET s3://{bucket}/{key} {why}",
+            bucket=bucket, key=key, status=resp.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+            code=code, errno=errno_mod.EIO, index=req.caller_index(row, at), backend=self.name,
+        )  # fmt: skip
 
     def _verify(self, req: TransferRequest, row: int, data: Any, resp: dict | None, stored: str | None) -> None:
         """Check a whole object's bytes (or their CRC32C, a str): our metadata, else S3's own full-object CRC32C.
@@ -507,6 +609,21 @@ class _Run:
         self.groups = {r: _Group(r, n, left=n) for r, n in p.groups.items()}
         self.write = req.op == "WRITE"
         self.outcomes: dict[int, str] = {}  # row -> "committed" | "aborted" | "unknown", for rows written
+        if self.write:
+            completion.drain = self.in_flight
+
+    def in_flight(self, _seconds: float) -> None:
+        """At a timeout or ``release()``: until ``cleanup`` settles them, rows started and not settled are "unknown"
+        on the error (a call may still commit them), rows never started "untouched"."""
+        tasks, err = self.req.plan.tasks, self.completion.error
+        started = {t[0] for t in tasks[: next(self.next)]}  # taking a task index: none is started after cancel
+        with self.lock:
+            if err is None or getattr(err, "outcomes", None) is not None:
+                return
+            rows = range(len(self.req.plan.key))
+            err.outcomes = {
+                self.req.caller_index(r): self.outcomes.get(r, "unknown" if r in started else "untouched") for r in rows
+            }
 
     def start(self, pool: ThreadPoolExecutor) -> None:
         """Start the other runners, then be one."""
@@ -527,10 +644,10 @@ class _Run:
     def runner(self) -> None:
         tasks = self.req.plan.tasks
         c = self.completion
-        fence = c if not self.write else None
-        inside = fence is None or fence.join()  # False: a READ cancelled before this runner began touches nothing
+        deadline = self.req.deadline
+        self.b._calling.stop = lambda: c.cancelled or clock() >= deadline
         try:
-            while inside and not c.cancelled:
+            while not c.cancelled:
                 i = next(self.next)
                 if i >= len(tasks):
                     break
@@ -541,19 +658,15 @@ class _Run:
                     # stops the other runners; Completion's cancel, as a fence's would wait for this runner itself
                     Completion.cancel(c, typed_error(exc, "s3", self.req.caller_index(row)))
         finally:
+            self.b._calling.stop = None
             with self.lock:
                 self.active -= 1
                 last = self.active == 0
             try:
-                if last and inside:
+                if last:
                     self.cleanup()
             finally:
-                if fence is not None and inside:
-                    fence.leave()
-            c.finish_part(None)
-
-    def _stop(self) -> bool:
-        return self.completion.cancelled
+                c.finish_part(None)
 
     def view(self, row: int, start: int, count: int) -> np.ndarray:
         p = self.req.plan
@@ -585,12 +698,13 @@ class _Run:
                 body, crc = self.copy(view)  # raises once cancelled: nothing sent, the object untouched
                 try:
                     self.b.put(self.req, row, body, crc)  # type: ignore[arg-type]
-                except BaseException as exc:  # an HTTP answer means nothing was stored; no answer, no telling
-                    self.outcomes[row] = "aborted" if getattr(exc, "status", None) else "unknown"
+                except BaseException as exc:  # one attempt refused means nothing was stored; else no telling
+                    refused = getattr(exc, "status", None) and _retry_attempts(exc) == 0
+                    self.outcomes[row] = "aborted" if refused else "unknown"
                     raise
                 self.outcomes[row] = "committed"
             else:
-                self.b.get(self.req, row, start, count, view, self._stop)
+                self.b.get(self.req, row, start, count, view, self.completion)
             return
         g = self.groups[row]
         ok = False
@@ -598,7 +712,7 @@ class _Run:
             if self.write:
                 self.upload_part(g, part, view)
             else:
-                info = self.b.get(self.req, row, start, count, view, self._stop)
+                info = self.b.get(self.req, row, start, count, view, self.completion)
                 with g.lock:
                     g.etags.append(info["etag"])
                     g.meta_crc, g.total = info["crc"], info["total"]
@@ -625,9 +739,7 @@ class _Run:
                 kw: dict[str, Any] = {"Bucket": bucket, "Key": key, "Metadata": meta}
                 if b._use_native():
                     kw["ChecksumAlgorithm"] = "CRC32C"
-                create = b._client.create_multipart_upload
-                resp = b._call(create, req=req, row=g.row, what="CreateMultipartUpload", **kw)
-                g.upload_id = resp["UploadId"]
+                g.upload_id = self.create_upload(g.row, kw)
                 g.etags = [None] * g.nparts
         if self.completion.cancelled:
             raise _Cancelled()
@@ -641,6 +753,52 @@ class _Run:
         if crc is not None:
             entry["ChecksumCRC32C"] = crc
         g.etags[part] = entry
+
+    def create_upload(self, row: int, kw: dict[str, Any]) -> str:
+        """CreateMultipartUpload, retried here rather than by botocore: an attempt whose answer was lost may have
+        started an upload nobody knows the id of, pending (invisible, billed) forever; such uploads of the key
+        started since that attempt are found and aborted."""
+        b = self.b
+        tries = int(b.retries["total_max_attempts"])
+        lost_since: datetime | None = None
+        upload_id: str | None = None
+        b._calling.once = True
+        try:
+            for attempt in itertools.count(1):
+                sent = datetime.now(timezone.utc)
+                try:
+                    resp = b._call(
+                        b._client.create_multipart_upload, req=self.req, row=row, what="CreateMultipartUpload", **kw
+                    )
+                    upload_id = resp["UploadId"]
+                    return upload_id
+                except ObjectStoreError as exc:
+                    if exc.status is None:
+                        lost_since = lost_since or sent
+                    elif exc.status not in _RETRY_STATUS:
+                        raise
+                    if attempt >= tries or b._stopped_transfer():
+                        raise
+                time.sleep(random.uniform(0, min(1.0, 0.05 * 2**attempt)))  # botocore's jittered backoff, shorter
+        finally:
+            b._calling.once = False
+            if lost_since is not None:
+                self.abort_strays(row, lost_since, upload_id)
+        raise AssertionError("unreachable")
+
+    def abort_strays(self, row: int, since: datetime, keep: str | None) -> None:
+        """Abort the uploads of row's key started since ``since`` (less clock slack) but ``keep``."""
+        p = self.req.plan
+        bucket, key = p.bucket[row], p.key[row]
+        client = self.b.settle_client()
+        try:
+            found = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads") or []
+            for upload in found:
+                mine = upload.get("Initiated") and upload["Initiated"] >= since - timedelta(seconds=_CLOCK_SLACK_S)
+                if upload.get("Key") == key and upload.get("UploadId") != keep and mine:
+                    client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+        except Exception as exc:  # it stays pending: a lifecycle rule reaps it
+            log.warning("cannot abort the uploads of %r a lost CreateMultipartUpload may have started: %s", key, exc)
 
     def finish_group(self, g: _Group) -> None:
         b, req, p = self.b, self.req, self.req.plan
@@ -679,7 +837,7 @@ class _Run:
             try:
                 b._verify(req, row, dst, None, g.meta_crc)
             except ChecksumMismatch:
-                dst[:] = 0  # never leave unverified bytes behind
+                _zero(self.completion, dst)  # never leave unverified bytes behind
                 raise
         g.finished = True
 
@@ -692,12 +850,12 @@ class _Run:
             if self.write and g.upload_id is not None and not g.finished and g.row not in self.outcomes:
                 self.settle(g)
             elif not self.write and not g.finished and g.left < g.nparts:
-                self.view(g.row, 0, self.req.plan.len[g.row])[:] = 0
+                _zero(self.completion, self.view(g.row, 0, self.req.plan.len[g.row]))
         err = self.completion.error
         if self.write and err is not None:
-            done = getattr(err, "outcomes", None) or {}
             mine = {self.req.caller_index(r): self.outcomes.get(r, "untouched") for r in range(len(self.req.plan.key))}
-            err.outcomes = {**done, **mine}
+            with self.lock:
+                err.outcomes = {**(getattr(err, "outcomes", None) or {}), **mine}
 
     def settle(self, g: _Group) -> str:
         """Whether ``g``'s upload was committed, after a CompleteMultipartUpload with no answer or none at all.
@@ -706,7 +864,7 @@ class _Run:
         it impossible to complete later (an abort that finds no upload looks once more: the complete may just have
         landed). "unknown" only when the server cannot be asked.
         """
-        p, client = self.req.plan, self.b._client
+        p, client = self.req.plan, self.b.settle_client()
         bucket, key = p.bucket[g.row], p.key[g.row]
         outcome = "unknown"
         try:
@@ -728,7 +886,7 @@ class _Run:
     def _marker_visible(self, g: _Group) -> bool:
         p = self.req.plan
         try:
-            head = self.b._client.head_object(Bucket=p.bucket[g.row], Key=p.key[g.row])
+            head = self.b.settle_client().head_object(Bucket=p.bucket[g.row], Key=p.key[g.row])
         except Exception as exc:
             if _error_code(exc) in ("404", "NoSuchKey", "NotFound"):
                 return False
@@ -743,30 +901,96 @@ class _Cancelled(DatamoverError):
         super().__init__("cancelled", backend="s3")
 
 
-def _read_into(body: Any, dst: np.ndarray, crc: bool = False, stop: Any = lambda: False) -> str | None:
-    """Fill ``dst`` from a response body, a chunk at a time, until ``stop()``; with ``crc``, return the CRC32C of
-    what was read."""
+def _read_into(
+    body: Any,
+    dst: np.ndarray,
+    stage: memoryview,
+    fence: ReadFence,
+    crc: bool = False,
+    got: list[int] | None = None,
+    ended: bool = False,
+) -> str | None:
+    """Fill ``dst`` from a response body a chunk at a time through ``stage``, each chunk copied inside ``fence``;
+    with ``crc``, return the CRC32C of what was read. ``got[0]`` counts the bytes read; a body that ends early
+    raises _Ended with ``ended`` (the answer had no length: the object is shorter), else ConnectionResetError."""
     import crc32c
 
     mv = memoryview(dst).cast("B")
-    got, value = 0, 0
-    while got < mv.nbytes:
-        if stop():
+    done = got if got is not None else [0]
+    value = 0
+    while done[0] < mv.nbytes:
+        if fence.cancelled:
             raise _Cancelled()
-        n = body.readinto(mv[got : got + _READ_CHUNK])
+        at = done[0]
+        n = body.readinto(stage[: min(stage.nbytes, mv.nbytes - at)])
         if not n:
-            raise ConnectionResetError(f"the response ended after {got} of {mv.nbytes} bytes")
+            if ended:
+                raise _Ended()
+            raise ConnectionResetError(f"the response ended after {at} of {mv.nbytes} bytes")
         if crc:
-            value = crc32c.crc32c(mv[got : got + n], value)
-        got += n
+            value = crc32c.crc32c(stage[:n], value)
+        _land(fence, mv, at, stage[:n])
+        done[0] = at + n
     return _b64(value) if crc else None
 
 
-def _total_size(resp: dict, fallback: int) -> int:
-    """The object's size from Content-Range ("bytes a-b/total")."""
-    cr = resp.get("ContentRange") or ""
-    _, _, total = cr.rpartition("/")
-    return int(total) if total.isdigit() else fallback
+def _land(fence: ReadFence, dst: memoryview, at: int, data: Any) -> None:
+    """Copy ``data`` into the caller's memory at ``at``, inside the fence; raises _Cancelled (copying nothing) once
+    the transfer was cancelled."""
+    if not fence.enter():
+        raise _Cancelled()
+    try:
+        dst[at : at + len(data)] = data
+    finally:
+        fence.leave()
+
+
+def _zero(fence: ReadFence, dst: np.ndarray) -> None:
+    """Zero bytes that landed unverified, inside the fence; not once the transfer was released or timed out (the
+    memory is the caller's again)."""
+    if fence.join():
+        try:
+            dst[:] = 0
+        finally:
+            fence.leave()
+
+
+def _at_end(body: Any) -> bool:
+    """Whether a body read to the bytes asked for has ended (reads at most one more byte)."""
+    return not body.read(1)
+
+
+class _Ended(Exception):
+    """Internal: a body without Content-Length ended before the bytes asked for."""
+
+
+def _check_params(p: Mapping[str, Any]) -> None:
+    """Refuse, naming the parameter, what botocore or the pool would refuse later with an untyped error."""
+    from urllib.parse import urlsplit
+
+    for name, bound in (("concurrency", "an integer >= 1"), ("max_attempts", "an integer >= 1"),
+                        ("connect_timeout", "seconds > 0"), ("read_timeout", "seconds > 0")):  # fmt: skip
+        value = p[name]
+        if value is None and name == "max_attempts":
+            continue
+        try:
+            ok = int(value) >= 1 if bound.startswith("an integer") else float(value) > 0
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidParameter(f"{name} must be {bound}, got {value!r}", backend="s3")
+    url = p["endpoint_url"]
+    if url is not None:
+        try:
+            parts = urlsplit(url) if isinstance(url, str) else None
+            ok = parts is not None and parts.scheme in ("http", "https") and bool(parts.hostname)
+        except ValueError:
+            ok = False
+        if not ok:
+            raise InvalidParameter(f"endpoint_url must be an http(s)://host[:port] URL, got {url!r}", backend="s3")
+    region = p["region"]
+    if region is not None and not (isinstance(region, str) and _REGION.fullmatch(region)):
+        raise InvalidParameter(f"region must be a region name such as 'us-east-1', got {region!r}", backend="s3")
 
 
 def _refuses_checksum(exc: BaseException) -> bool:
@@ -788,7 +1012,8 @@ def object_store_error(
     import botocore.exceptions as bx
 
     where = f"{what} s3://{bucket}/{key}"
-    if isinstance(exc, bx.FlexibleChecksumError):
+    # binascii.Error: the answer's checksum header is not base64 (botocore decodes it while it checks the body)
+    if isinstance(exc, bx.FlexibleChecksumError | binascii.Error):
         err = ChecksumMismatch(f"{where}: {exc}", index=index, backend=backend)
         err.bucket, err.key = bucket, key
         return err
@@ -844,12 +1069,23 @@ def _error_code(exc: BaseException) -> str:
     return ""
 
 
-def _unbounded_retry_quota(client: Any, attempts: int) -> None:
-    """Give botocore's standard retries a quota that never runs out.
+def _retry_attempts(exc: BaseException) -> int | None:
+    """How many times botocore retried the call that failed with ``exc`` (or the error it wraps); None: unknown."""
+    for e in (exc, exc.__cause__):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            attempts = response.get("ResponseMetadata", {}).get("RetryAttempts")
+            return attempts if isinstance(attempts, int) else None
+    return None
+
+
+def _unbounded_retry_quota(client: Any, attempts: int, stopped: Callable[[], bool] = lambda: False) -> None:
+    """Give botocore's standard retries a quota that never runs out, and none once ``stopped()``.
 
     botocore spends a shared quota of 500 on retries (14 per connection error), refilled only by calls that
     succeed: after an outage of a few dozen failed calls, one dropped connection fails a transfer at once. The
-    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes.
+    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes. A call of a transfer
+    cancelled or past its deadline is not retried: a retry sent then could commit an object after ``release()``.
     """
     import sys
 
@@ -869,4 +1105,8 @@ def _unbounded_retry_quota(client: Any, attempts: int) -> None:
     )
     unique_id = f"retry-config-{svc}"
     client.meta.events.unregister(f"needs-retry.{svc}", unique_id=unique_id)
-    client.meta.events.register(f"needs-retry.{svc}", handler.needs_retry, unique_id=unique_id)
+
+    def needs_retry(**kwargs: Any) -> float | None:
+        return None if stopped() else handler.needs_retry(**kwargs)
+
+    client.meta.events.register(f"needs-retry.{svc}", needs_retry, unique_id=unique_id)

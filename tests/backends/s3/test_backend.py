@@ -20,7 +20,7 @@ import pytest
 
 from datamover import Agent, DescList, XferState
 from datamover.backends.s3 import CRC_META, crc32c_b64
-from datamover.errors import ChecksumMismatch, ObjectStoreError
+from datamover.errors import ChecksumMismatch, InvalidParameter, ObjectStoreError
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.s3server import S3Server, free_port
 
@@ -409,6 +409,17 @@ def test_bad_params_refused():
         Agent("s3-bad", {"backends": {"s3": {"part_size": 1 << 20}}}).backend("s3")
     with pytest.raises(ValueError, match="unknown parameter"):
         Agent("s3-bad", {"backends": {"s3": {"endpoint": "x"}}}).backend("s3")
+
+
+@pytest.mark.parametrize(
+    "name, value", [("endpoint_url", "not a url"), ("region", "us east 1!"), ("concurrency", 0), ("read_timeout", -1)]
+)
+def test_bad_params_refused_naming_the_parameter(name, value):
+    """Before, these escaped the first transfer as a ValueError or a botocore error, naming nothing."""
+    params = {name: value, "access_key_id": "a", "secret_access_key": "b"}
+    with pytest.raises(InvalidParameter, match=name) as info:
+        Agent("s3-bad", {"backends": {"s3": params}}).backend("s3")
+    assert info.value.backend == "s3"
 
 
 # -- concurrency -----------------------------------------------------------------

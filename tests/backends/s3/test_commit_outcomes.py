@@ -195,3 +195,128 @@ def test_release_of_a_multi_object_write_says_what_it_committed_and_aborted(serv
     assert _body(server, keys[0]) == data[: sizes[0]]
     assert _body(server, keys[1]) == b"old" and not _pending(server, keys[1])
     assert _body(server, keys[2]) == data[offs[2] : offs[3]] and _body(server, keys[3]) == b"old"
+
+
+def test_a_put_refused_after_a_lost_answer_is_unknown_not_aborted(server, monkeypatch):
+    """Attempt 1 of a PUT reaches the store (which stores the object) and its answer is lost; attempt 2 is refused
+    with a 503. Before, the HTTP status on the final error made the row "aborted" while the object held the new
+    bytes; only a call refused on its single attempt is "aborted"."""
+    from botocore import httpsession
+    from botocore.awsrequest import AWSResponse
+    from botocore.exceptions import ReadTimeoutError
+
+    key = "out/refused-retry"
+    real_send = httpsession.URLLib3Session.send
+    attempts: list[str] = []
+
+    class _Raw:
+        def stream(self, **_):
+            yield b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+
+    def send(self, request):
+        if request.method == "PUT" and request.url.endswith(f"/{key}"):
+            attempts.append(request.url)
+            if len(attempts) == 1:
+                real_send(self, request)
+                raise ReadTimeoutError(endpoint_url=request.url)
+            return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Raw())
+        return real_send(self, request)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server) as agent:
+        buf = HostBuffer(agent, 4096)
+        data = random_bytes(4096, 5)
+        buf.write(0, data)
+        reg = agent.register_objects(server.bucket, keys=[key])
+        xfer = agent.transfer("WRITE", buf.descs([0], [4096]), DescList.objects(reg, [4096], 0, keys=[key]))
+        with pytest.raises(ObjectStoreError) as info:
+            xfer.wait()
+        assert info.value.status == 503 and len(attempts) == 2
+        assert xfer.outcomes == {0: "unknown"}
+    monkeypatch.undo()
+    assert _body(server, key) == data
+
+
+@pytest.mark.parametrize("end", ["release", "timeout"])
+def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch, end):
+    """Attempt 1 of a PUT is held (a stalled store) until the transfer is ERR (or ``release`` returned), then gets
+    no answer. Before, botocore sent attempt 2 after that, committing the object behind the caller's back, and
+    ``release`` returned with no outcomes; now no retry is sent and the row is "unknown" from ERR on."""
+    from botocore import httpsession
+    from botocore.exceptions import ReadTimeoutError
+
+    key = f"out/no-retry-after-{end}"
+    real_send = httpsession.URLLib3Session.send
+    reached, ended = threading.Event(), threading.Event()
+    attempts: list[bool] = []  # whether each attempt was sent after ERR
+
+    def send(self, request):
+        if request.method == "PUT" and request.url.endswith(f"/{key}"):
+            attempts.append(ended.is_set())
+            if len(attempts) == 1:
+                reached.set()
+                assert ended.wait(60)
+                raise ReadTimeoutError(endpoint_url=request.url)
+        return real_send(self, request)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server, max_attempts=3) as agent:
+        buf = HostBuffer(agent, 4096)
+        buf.write(0, random_bytes(4096, 6))
+        reg = agent.register_objects(server.bucket, keys=[key])
+        objs = DescList.objects(reg, [4096], 0, keys=[key])
+        xfer = agent.transfer("WRITE", buf.descs([0], [4096]), objs, backends="s3", timeout=1.0)
+        assert reached.wait(60), "the PUT was never sent"
+        if end == "release":
+            xfer.release()
+        else:
+            with pytest.raises(TransferTimeout):
+                xfer.wait()
+        told = xfer.outcomes
+        ended.set()
+        assert xfer._completion.wait(60), "the WRITE's worker never stopped"
+        assert told == {0: "unknown"}, told
+        assert xfer.outcomes == {0: "unknown"}
+        xfer.release()
+    assert attempts == [False], f"attempts sent after ERR: {attempts.count(True)}"
+    assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0
+
+
+def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeypatch):
+    """The first CreateMultipartUpload reaches the store and its answer is lost. Before, botocore sent it again and
+    the upload the first one started stayed pending forever; now it is aborted, and an older upload of the same key
+    (another writer's, started before this transfer) is left alone. moto stamps every upload 2010-11-10, so the
+    listing is given real start times: now for uploads started by this transfer."""
+    from datetime import datetime, timezone
+
+    from botocore import httpsession
+    from botocore.exceptions import ReadTimeoutError
+
+    key = "out/lost-create"
+    other = server.client().create_multipart_upload(Bucket=server.bucket, Key=key)["UploadId"]
+    real_send = httpsession.URLLib3Session.send
+    creates: list[str] = []
+
+    def send(self, request):
+        if request.method == "POST" and request.url.endswith(f"/{key}?uploads"):
+            creates.append(request.url)
+            if len(creates) == 1:
+                real_send(self, request)
+                raise ReadTimeoutError(endpoint_url=request.url)
+        return real_send(self, request)
+
+    def real_start_times(parsed, **_):
+        for upload in parsed.get("Uploads") or []:
+            if upload["UploadId"] != other:
+                upload["Initiated"] = datetime.now(timezone.utc)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    with _agent(server, part_size=P, multipart_threshold=P, max_attempts=3) as agent:
+        agent.backend("s3").settle_client().meta.events.register("after-call.s3.ListMultipartUploads", real_start_times)
+        xfer, data = _multipart(agent, server, key, 7)
+        assert xfer.wait() == XferState.DONE
+    monkeypatch.undo()
+    assert len(creates) == 2
+    assert _body(server, key) == data
+    assert [u["UploadId"] for u in _pending(server, key)] == [other]
+    server.client().abort_multipart_upload(Bucket=server.bucket, Key=key, UploadId=other)

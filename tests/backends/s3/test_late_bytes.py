@@ -95,3 +95,38 @@ def test_an_s3_write_cut_short_sends_nothing_read_after_err(server, monkeypatch,
             stored = None
         assert stored is None or stored == data, f"{stored.count(0xBB)} bytes of the refilled buffer were committed"
         assert xfer.outcomes[0] == "committed" if stored is not None else xfer.outcomes[0] in ("aborted", "untouched")
+
+
+def test_an_s3_read_body_stalled_past_the_fence_lands_nowhere(server, monkeypatch):
+    """The socket read of a GET body is held until ``release`` has returned, past the fence's wait (FENCE_S, set
+    to 0 here: the fence gives up at once, as after 10 s of a stalled store). Before, the socket read straight into
+    the caller's buffer, so the late bytes landed there after ``release``; now they land in the worker's own buffer
+    and are never copied."""
+    from urllib3 import response as u3
+
+    from datamover.backends import fence
+
+    monkeypatch.setattr(fence, "FENCE_S", 0.0)
+    n = 3 * MiB
+    key = "late/stalled-past-fence"
+    server.client().put_object(Bucket=server.bucket, Key=key, Body=random_bytes(n, 13))
+    held = HeldOnce("the socket read of the body")
+    real = u3.HTTPResponse.readinto
+    held_read = held.wrap(real)
+    monkeypatch.setattr(
+        u3.HTTPResponse, "readinto", lambda self, b: (held_read if len(b) >= MiB // 2 else real)(self, b)
+    )
+    cfg = server.config(max_attempts=1, read_part_size=64 * MiB, require_checksum=False)
+    with Agent("s3-late-fence", {"backends": {"s3": cfg}}) as agent:
+        buf = HostBuffer(agent, n)
+        buf.array[:] = 0xAA
+        reg = agent.register_objects(server.bucket, keys=[key])
+        xfer = agent.transfer("READ", buf.descs([0], [n]), DescList.objects(reg, [n], 0, keys=[key]), timeout=2.0)
+        assert held.reached.wait(60), "the GET never reached its body"
+        xfer.release()
+        at_release = buf.array.copy()
+        held.go.set()
+        assert held.returned.wait(60)
+        assert xfer._completion.wait(60), "the READ's worker never stopped"
+        changed = int(np.count_nonzero(buf.array != at_release))
+        assert changed == 0, f"{changed} bytes of a READ reached the caller after release() returned"
