@@ -80,6 +80,7 @@ class TieredCache:
         self._own_agent = agent is None
         self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
+        self._pin_lock = threading.Lock()  # pins alone (taken inside _lock, never the other way round)
         self._pins: Counter = Counter()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dm-kv-prefetch")
         self.crc: dict[ChunkKey, int] = {}
@@ -335,15 +336,17 @@ class TieredCache:
             return moved
 
     def pin(self, keys: Sequence[ChunkKey]) -> None:
-        """Keep chunks from being evicted (nested: each pin needs an unpin)."""
-        with self._lock:
+        """Keep chunks from being evicted by the operations that start from now on (nested: each pin needs an
+        unpin). Like lookup it does not wait for a get or put whose bytes are moving (an engine pins a request's
+        hits from its scheduler): a chunk that operation already chose to evict goes anyway, and is a miss."""
+        with self._pin_lock:
             self._check_open()
             self._pins.update(keys)
             self.engine.pinned.update(keys)
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
         """Undo one pin of each chunk."""
-        with self._lock:
+        with self._pin_lock:
             self._check_open()
             self._pins.subtract(keys)
             for key in keys:
@@ -429,8 +432,9 @@ class TieredCache:
                 log.warning(
                     "clear: %d object(s) of the shared pool %s removed (every instance's)", removed, self.pool.prefix
                 )
-            self._pins.clear()
-            eng.pinned.clear()
+            with self._pin_lock:
+                self._pins.clear()
+                eng.pinned.clear()
             for j, resident in enumerate(eng.resident):
                 for key in list(resident):
                     eng.drop(j, key)

@@ -134,8 +134,9 @@ def test_reset_cache_forgets_every_block_and_pin(offload):
     assert not worker.cache._pins and not any(worker.cache.engine.resident)
 
 
-def test_a_lookup_is_answered_while_a_store_moves_its_bytes(offload):
-    """The scheduler asks for every block of every new request: a store in flight must not hold it up."""
+def test_a_lookup_and_a_pin_are_answered_while_a_store_moves_its_bytes(offload):
+    """The scheduler asks for every block of every new request, and pins a request's hits for its load: a store
+    in flight must hold up neither."""
     _, worker, manager, _ = offload()
     _LOCAL.pop(worker.service.path)  # the scheduler lives in another process: go through the socket
     held = HeldOnce("the store's move")
@@ -148,6 +149,11 @@ def test_a_lookup_is_answered_while_a_store_moves_its_bytes(offload):
     asking.start()
     asking.join(BOUND_S / 2)
     asked = worker.counters["lookups"]  # the worker answered (a manager that gave up waiting says MISS too)
+    pinning = threading.Thread(target=manager.prepare_load, args=([key(99)], ReqContext("other")))
+    pinning.start()
+    pinning.join(BOUND_S / 2)
+    pinned = dict(worker.cache._pins)
     held.go.set()
     assert asked == 1 and answered == [LookupResult.MISS]  # answered while the store was still held
+    assert len(pinned) == LAYERS  # the load's pages pinned meanwhile too
     finish(worker, {1})
