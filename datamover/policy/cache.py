@@ -20,12 +20,13 @@ chunk from the cache, logs the key, and counts as a miss: get() returns only the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ class TieredCache:
         self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
         self._pin_lock = threading.Lock()  # pins alone (taken inside _lock, never the other way round)
+        self._pool_users = threading.Condition()  # calls into the shared pool made without _lock, see _pool_call
+        self._pool_busy = 0
         self._pins: Counter = Counter()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dm-kv-prefetch")
         self.crc: dict[ChunkKey, int] = {}
@@ -219,7 +222,8 @@ class TieredCache:
             tiers.append(names[j])
         if self.pool is not None and len(tiers) < len(keys):
             rest = keys[len(tiers) :]
-            held = self.pool.held(rest)
+            with self._pool_call():
+                held = self.pool.held(rest)
             for key in rest[:held]:
                 j = eng.where(key)
                 tiers.append(names[j] if j >= 0 else "l4_pool")
@@ -408,7 +412,8 @@ class TieredCache:
                     self.unpin(local)
                     self._invalid.clear()
             known = set(eng.resident[j4])
-        result = self.pool.drain(sorted(known, key=lambda k: k.digest()))
+        with self._pool_call():
+            result = self.pool.drain(sorted(known, key=lambda k: k.digest()))
         self.notes.append(
             f"l4_pool drain: {result['unique']} of {result['candidates']} chunks only here, {result['copied']} "
             f"copied to other members, {result['failed']} failed"
@@ -465,6 +470,21 @@ class TieredCache:
         if self._closed:
             raise TransferStateError("TieredCache is closed: its tiers' memory and files are released")
 
+    @contextlib.contextmanager
+    def _pool_call(self) -> Iterator[None]:
+        """Around a call into the shared pool's client made without the cache's lock (lookup, drain): refused once
+        the cache is closed, and waited for by close before it closes the client (a call into a closed Mooncake
+        store crashes the process)."""
+        with self._pool_users:
+            self._check_open()
+            self._pool_busy += 1
+        try:
+            yield
+        finally:
+            with self._pool_users:
+                self._pool_busy -= 1
+                self._pool_users.notify_all()
+
     def close(self) -> None:
         """Finish background work, compact the L3 index, release memory and files (once; later calls do nothing,
         and every other call but `stats` raises TransferStateError)."""
@@ -472,7 +492,9 @@ class TieredCache:
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
+            with self._pool_users:
+                self._closed = True
+                self._pool_users.wait_for(lambda: self._pool_busy == 0, self.agent.config.timeout_s)
             try:
                 if self.index is not None:
                     j = self.names.index("l3_nvme")

@@ -9,29 +9,39 @@ a get of the second put's 4 chunks delivered all 4 with the first put's bytes.
 
 from __future__ import annotations
 
-import numpy as np
+import threading
 
+import numpy as np
+import pytest
+
+from datamover.errors import TransferStateError
 from datamover.policy.cache import TieredCache
 from datamover.policy.config import GIB, TierConfig, with_overrides
 from datamover.policy.keys import chunk_keys
+from datamover.policy.pool import SharedPool
 from datamover.testing.mooncake import chunk_bytes
+from datamover.testing.waiting import BOUND_S, HeldOnce
 
 PAGE = 64 << 10
 
 
-def test_a_put_whose_pool_write_fails_never_serves_wrong_bytes(mooncake_master):
-    m = mooncake_master
-    config = with_overrides(
+def pool_config(m, bucket: str) -> TierConfig:
+    """Small L1/L2 in host memory and L4 on the real Mooncake pool of `m` (the mooncake_master fixture)."""
+    return with_overrides(
         TierConfig(),
         l1_hbm={"page_size_bytes": PAGE, "block_pool_size": 4, "device": "dram"},
         l2_dram={"pinned_pool_gb": 4 * PAGE / GIB},
         l4_pool={
-            "enabled": True, "backend": "mooncake", "capacity_gb": 1024 * PAGE / GIB, "bucket": "faults",
+            "enabled": True, "backend": "mooncake", "capacity_gb": 1024 * PAGE / GIB, "bucket": bucket,
             "master_server_addr": m.master_addr, "metadata_service_url": m.metadata_url,
             "segment_gb": 32 * (1 << 20) / GIB,
         },
     )  # fmt: skip
-    cache = TieredCache(config)
+
+
+def test_a_put_whose_pool_write_fails_never_serves_wrong_bytes(mooncake_master):
+    m = mooncake_master
+    cache = TieredCache(pool_config(m, "faults"))
     try:
         first = chunk_keys(list(range(100, 104)), "model@1", "tok@1")
         second = chunk_keys(list(range(200, 204)), "model@1", "tok@1")
@@ -49,3 +59,26 @@ def test_a_put_whose_pool_write_fails_never_serves_wrong_bytes(mooncake_master):
         m.start()  # a client closes in ~1 s with its master up, ~14 s without
     finally:
         cache.close()
+
+
+def test_close_waits_for_a_lookup_asking_the_pool(mooncake_master, monkeypatch):
+    """lookup asks the pool without the cache's lock: close must not close the Mooncake client under it (a call
+    into a closed store crashed the process), and a lookup after close is refused."""
+    cache = TieredCache(pool_config(mooncake_master, "close-race"))
+    probe = chunk_keys(range(900, 903), "m", "t")  # in no tier of this instance: lookup asks the pool
+    held = HeldOnce("the pool's existence check")
+    monkeypatch.setattr(SharedPool, "held", held.wrap(SharedPool.held))
+    looked = []
+    asking = threading.Thread(target=lambda: looked.append(cache.lookup(probe)))
+    asking.start()
+    assert held.reached.wait(BOUND_S)
+    closing = threading.Thread(target=cache.close)
+    closing.start()
+    closing.join(0.3)
+    assert closing.is_alive() and cache.closed  # closed to new calls, waiting for the one in the pool
+    held.go.set()
+    asking.join(BOUND_S)
+    closing.join(BOUND_S)
+    assert not closing.is_alive() and looked == [(0, [])]
+    with pytest.raises(TransferStateError):
+        cache.lookup(probe)
