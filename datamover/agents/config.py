@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, UnknownBackend
 
 
 @dataclass
@@ -56,11 +56,43 @@ class AgentConfig:
                     self.backends[name] = {}
                 elif not isinstance(params, Mapping):
                     raise InvalidParameter(f"config 'backends.{name}' must be a dict of parameters")
+            from ..backends import backend_names
+
+            known = backend_names()
+            unknown = [name for name in self.backends if name not in known]
+            if unknown:
+                raise UnknownBackend(
+                    f"config 'backends' names {', '.join(map(repr, unknown))}, which no installed backend is; "
+                    f"known: {', '.join(known)}"
+                )
         if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 365 * 86400):
             raise InvalidParameter(
                 f"config 'timeout_s' must be a number of seconds in (0, a year], got {self.timeout_s!r}"
             )
+        _check_extra(self.extra)
         if isinstance(self.secret, str):
             self.secret = self.secret.encode()
         if self.listen_port is not None and not (0 <= int(self.listen_port) < 65536):
             raise InvalidParameter(f"config 'listen_port' must be 0..65535, got {self.listen_port!r}")
+
+
+def _check_extra(extra: Any) -> None:
+    """Refuse an ``extra`` section this agent would not read, or a name its section does not have (a misspelt
+    limit was ignored, or failed later with a TypeError from deep inside)."""
+    from .notifications import InboxLimits
+    from .peer_auth import PushBudget
+    from .side_channel import SideChannelLimits
+
+    sections = {"inbox": InboxLimits, "push_budget": PushBudget, "side_channel": SideChannelLimits}
+    if not isinstance(extra, Mapping):
+        raise InvalidParameter(f"config 'extra' must be a dict, got {type(extra).__name__}")
+    unknown = set(extra) - set(sections) - {"listen_host"}
+    if unknown:
+        raise InvalidParameter(
+            f"config 'extra' has unknown section(s) {sorted(unknown)}; known: {', '.join([*sections, 'listen_host'])}"
+        )
+    for name, cls in sections.items():
+        values = extra.get(name, {})
+        known = [f.name for f in fields(cls) if f.init]
+        if not isinstance(values, Mapping) or set(values) - set(known):
+            raise InvalidParameter(f"config extra '{name}' takes {', '.join(known)}, got {values!r:.200}")

@@ -1,5 +1,6 @@
 """Agent: registration, validation, backend choice, lifecycle, notifications, metadata and config."""
 
+import re
 import subprocess
 import sys
 
@@ -260,3 +261,18 @@ def test_inbox_limits_must_be_positive_integers():
 def test_inbox_limits_take_only_their_own_names(inbox):
     with pytest.raises(InvalidParameter, match="config extra 'inbox' takes max_per_sender"):
         Agent("me", {"backends": {"memcpy": {}}, "extra": {"inbox": inbox}})
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"sidechannel": {}}, "unknown section(s) ['sidechannel']"),
+        ({"side_channel": {"deadlin_s": 1}}, "extra 'side_channel' takes max_connections"),
+        ({"push_budget": {"max_peer": 1}}, "extra 'push_budget' takes max_regions"),
+        ({"push_budget": 5}, "extra 'push_budget' takes"),
+    ],
+)
+def test_config_extra_sections_take_only_their_own_names(extra, said):
+    """A misspelt limit was ignored (or, with listen_port, a TypeError from deep inside the side channel)."""
+    with pytest.raises(InvalidParameter, match=re.escape(said)):
+        Agent("me", {"backends": {"memcpy": {}}, "listen_port": 0, "extra": extra})

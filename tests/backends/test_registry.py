@@ -17,10 +17,13 @@ def test_an_unknown_backend_is_a_typed_error_naming_the_known_ones():
     assert not ok and "unknown backend 'no-such-backend'" in reason
 
 
-def test_an_agent_configured_with_an_unknown_backend_says_so():
-    with Agent("u", {"backends": {"no-such-backend": {}}}) as agent:
-        with pytest.raises(BackendUnavailable, match="unknown backend 'no-such-backend'"):
-            agent.backend("no-such-backend")
+def test_an_agent_configured_with_an_unknown_backend_says_so_when_it_is_built():
+    """A misspelt backend name is refused by the config (it used to build, and fail at the first transfer)."""
+    with pytest.raises(UnknownBackend, match="'no-such-backend', which no installed backend is; known: memcpy"):
+        Agent("u", {"backends": {"no-such-backend": {}}})
+    with Agent("u", {"backends": {"memcpy": {}}}) as agent:
+        with pytest.raises(BackendUnavailable, match="'posix' is not enabled"):
+            agent.backend("posix")
 
 
 def test_the_builtins_come_first_in_preference_order():
