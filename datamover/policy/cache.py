@@ -427,16 +427,12 @@ class TieredCache:
         index records it, and a private L4 bucket's objects are deleted. A shared pool's objects are kept (other
         instances use them), unless `shared`: then every object of the pool's bucket goes too, every instance's
         (as SGLang's own Mooncake store clears), so no chunk from before can be found there again. Returns how
-        many chunks this cache forgot."""
+        many chunks this cache forgot. This cache's tiers are emptied even when the pool cannot be: its error
+        (an ObjectStoreError) is raised after."""
         with self._lock:
             self._check_open()
             eng = self.engine
             forgotten = len(set().union(*eng.resident))
-            if shared and self.pool is not None:
-                removed = self.pool.clear()
-                log.warning(
-                    "clear: %d object(s) of the shared pool %s removed (every instance's)", removed, self.pool.prefix
-                )
             with self._pin_lock:
                 self._pins.clear()
                 eng.pinned.clear()
@@ -444,6 +440,11 @@ class TieredCache:
                 for key in list(resident):
                     eng.drop(j, key)
             self._execute([], None)
+            if shared and self.pool is not None:
+                removed = self.pool.clear()
+                log.warning(
+                    "clear: %d object(s) of the shared pool %s removed (every instance's)", removed, self.pool.prefix
+                )
             return forgotten
 
     def stats(self) -> dict[str, Any]:

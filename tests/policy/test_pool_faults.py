@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from datamover.errors import TransferStateError
+from datamover.errors import ObjectStoreError, TransferStateError
 from datamover.policy.cache import TieredCache
 from datamover.policy.config import GIB, TierConfig, with_overrides
 from datamover.policy.keys import chunk_keys
@@ -82,3 +82,21 @@ def test_close_waits_for_a_lookup_asking_the_pool(mooncake_master, monkeypatch):
     assert not closing.is_alive() and looked == [(0, [])]
     with pytest.raises(TransferStateError):
         cache.lookup(probe)
+
+
+def test_a_clear_the_pool_cannot_take_still_empties_this_caches_tiers(mooncake_master):
+    """clear(shared=True) after a weights update, the master gone: the pool's objects cannot be removed (said,
+    ObjectStoreError), but this instance's tiers forget every chunk all the same (it raised first and kept them)."""
+    m = mooncake_master
+    cache = TieredCache(pool_config(m, "clear-down"))
+    try:
+        keys = chunk_keys(range(300, 304), "m", "t")
+        cache.put(keys, np.stack([chunk_bytes(k, PAGE) for k in keys]))
+        assert any(cache.engine.resident)
+        m.kill()
+        with pytest.raises(ObjectStoreError, match="removing the pool's objects"):
+            cache.clear(shared=True)
+        assert not any(cache.engine.resident) and not cache.engine.pinned
+        m.start()
+    finally:
+        cache.close()
