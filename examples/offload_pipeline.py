@@ -62,6 +62,8 @@ def main() -> None:
         "(Mooncake copy tasks: about 16 chunks a second)",
     )
     args = parser.parse_args()
+    if not Path(args.trace).is_file():
+        parser.error(f"no trace at {args.trace}: pass --trace PATH (a Mooncake-format .jsonl, or datamover tracegen)")
     n_inst = args.instances or (2 if args.mooncake else 1)
     master = None
     if args.mooncake and not args.master:

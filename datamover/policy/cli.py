@@ -31,8 +31,8 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--policy",
         action="append",
-        help="policy to replay, repeatable (default: the configured "
-        "policy, lru and belady); 'belady' is the offline optimum",
+        help="policy to replay, repeatable (default: the configured policy, every baseline: lru, lfu, arc, "
+        "s3fifo, wtinylfu, lecar, and belady); 'belady' is the offline optimum",
     )
     p.add_argument("--l1-capacity", help="override L1 capacity: chunks, or a share of distinct chunks like 1%%")
     p.add_argument("--single-tier", action="store_true", help="replay L1 alone (other tiers disabled)")

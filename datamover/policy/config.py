@@ -197,16 +197,20 @@ def _check_l4(obj: L4Config, path: str) -> None:
 class PolicyConfig:
     """Placement and eviction."""
 
-    name: str = _f("default", "eviction policy of every tier: default, lru, or a registered plug-in")
+    name: str = _f(
+        "default",
+        "eviction policy of every tier: default (adaptive), lru, lfu, arc, s3fifo, wtinylfu, lecar, scored, "
+        "or a registered plug-in",
+    )
     half_life_s: float = _f(
-        300.0, "default policy: a chunk's score (decayed use count) halves after this long unused", gt=0.0
+        300.0, "scored policy only: a chunk's score (decayed use count) halves after this long unused", gt=0.0
     )
     history_factor: float = _f(
-        8.0, "default policy: remember the scores of this many evicted chunks per resident chunk", ge=0.0
+        8.0, "scored policy only: remember the scores of this many evicted chunks per resident chunk", ge=0.0
     )
     admission: bool = _f(
         True,
-        "admit a new chunk into a full tier only if it outscores the chunk it would "
+        "scored policy only: admit a new chunk into a full tier only if it outscores the chunk it would "
         "replace; otherwise it goes to the next tier",
     )
     promote_on_hit: bool = _f(True, "copy a chunk found in a lower tier up to L1")
