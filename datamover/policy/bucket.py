@@ -220,7 +220,9 @@ class PrivateBucket:
         the index is marked as in use. After a run that did not close (or with no index), the prefix is listed:
         only chunks whose objects are there are kept, and every other chunk object under it is deleted (what
         the crashed run wrote: its keys are not known). Chunks past the capacity, and replicas beyond
-        `replica_count`, are deleted. An index that cannot be read or parsed counts as none (logged)."""
+        `replica_count`, are deleted. An index that cannot be read or parsed counts as none (logged). A bucket
+        the store says does not exist is a ConfigError naming `l4_pool.bucket` (L4 would miss every chunk)."""
+        self._check_bucket()
         index = self._read_index()
         if self._etag == _UNKNOWN:  # the store did not answer: asking it more now only delays the start
             log.warning(
@@ -340,6 +342,18 @@ class PrivateBucket:
                 len(errors), self.bucket, errors[0].get("Key"), errors[0].get("Message"),
             )  # fmt: skip
         return len(errors)
+
+    def _check_bucket(self) -> None:
+        """ConfigError when the store answers that the bucket does not exist; anything else is left to the
+        index read (a store that does not answer starts L4 cold; a 403 may only mean no ListBucket right)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:
+            code, status = _error(exc)
+            if status == 404 or code in ("404", "NoSuchBucket"):
+                raise ConfigError(
+                    "l4_pool.bucket", f"bucket {self.bucket!r} does not exist at the store; create it first"
+                ) from None
 
     def _read_index(self) -> Index | None:
         where = f"s3://{self.bucket}/{self.index_object}"

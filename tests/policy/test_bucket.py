@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent
-from datamover.errors import InvalidParameter
+from datamover.errors import ConfigError, InvalidParameter
 from datamover.policy import bucket as bucket_module
 from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, PrivateBucket, parse_index
 from datamover.policy.cache import TieredCache
@@ -600,7 +600,6 @@ def test_a_cache_whose_prefix_another_took_leaves_its_objects_alone(s3, tmp_path
 
 
 def test_two_caches_starting_on_one_prefix_at_once_one_is_refused(s3, tmp_path):
-    from datamover.errors import ConfigError
 
     real = PrivateBucket._read_index
 
@@ -734,5 +733,16 @@ def test_a_store_that_hangs_during_a_get_costs_one_wait_not_one_per_chunk_and_re
                 assert asked == [2]  # the one batch read, no chunk by chunk and replica by replica
             finally:
                 s3.resume()
+    finally:
+        agent.close()
+
+
+def test_a_bucket_that_does_not_exist_is_a_config_error_at_start(s3, tmp_path):
+    """L4 on a bucket the store does not have ran with every L4 read and write failing (logged), a 0% tier."""
+    agent = Agent("kv-nobucket", {"backends": {"memcpy": {}, "posix": {}, "s3": s3.config()}})
+    l4 = {"enabled": True, "bucket": "no-such-bucket", "capacity_gb": 4 * PAGE / GB, "replica_count": 1}
+    try:
+        with pytest.raises(ConfigError, match=r"l4_pool\.bucket: bucket 'no-such-bucket' does not exist"):
+            TieredCache(tiers(tmp_path, l1=2, l2=0, l3=None, l4_pool=l4), agent=agent)
     finally:
         agent.close()
