@@ -98,3 +98,24 @@ def test_bad_sizes_are_one_line_not_a_traceback(argv, said, capsys) -> None:
     except SystemExit as exc:
         rc, err = 1, str(exc.code)
     assert rc != 0 and err == "datamover bench: " + said
+
+
+def test_memcpy_param_reaches_its_agent(tmp_path, capsys) -> None:
+    # memcpy's options were never read: threads=1 was ignored (the header said the default) and unknown keys passed
+    js = tmp_path / "m.json"
+    assert main(["bench", "--backend", "memcpy", "--param", "memcpy.threads=1", *TINY, "--json", str(js)]) == 0
+    assert "memcpy: threads=1" in capsys.readouterr().out
+    assert json.loads(js.read_text())["headers"]["memcpy"]["threads"] == 1
+    assert main(["bench", "--backend", "memcpy", "--param", "memcpy.nosuch=1", *TINY]) == 2
+    assert "backend 'memcpy': unknown parameter(s) ['nosuch']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["x", "1.5"])
+def test_bad_posix_param_is_one_line_and_leaves_no_file(tmp_path, capsys, value) -> None:
+    # threads=x was a 30-line traceback (ValueError from int()); it and an unknown key left the bench file behind
+    for param in (f"posix.threads={value}", "posix.nosuch=1"):
+        assert main(["bench", "--backend", "posix", "--param", param, "--dir", str(tmp_path), *TINY]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("datamover bench: backend 'posix': ") and "\n" not in err
+        assert list(tmp_path.iterdir()) == []
+
