@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from datamover.bench import format_table, run_sweep
-from datamover.bench.runner import parse_size
+from datamover.units import parse_size
 
 
 def main() -> None:

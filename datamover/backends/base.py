@@ -265,6 +265,30 @@ class TransferRequest:
         return caller_index_at(self.first_index, self.caller_lengths, row, offset)
 
 
+def check_param_types(
+    backend: str, defaults: Mapping[str, Any], params: Mapping[str, Any], loose: frozenset[str] = frozenset()
+) -> None:
+    """Refuse (``InvalidParameter`` naming backend, key, value and the type wanted) a parameter whose default is
+    a flag, a whole number or a number and whose value is not one: the backend would otherwise fail later with a
+    bare ValueError from ``int()`` or take ``"false"`` for true. Keys in ``loose`` are left to the backend."""
+    for key, value in params.items():
+        default = defaults.get(key)
+        if key in loose or default is None:
+            continue
+        if isinstance(default, bool):
+            ok, wanted = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, wanted = isinstance(value, int) and not isinstance(value, bool), "a whole number"
+        elif isinstance(default, float):
+            ok, wanted = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        if not ok:
+            raise InvalidParameter(
+                f"parameter {key!r} must be {wanted}, got {value!r} ({type(value).__name__})", backend=backend
+            )
+
+
 class Backend(ABC):
     """How bytes move: one subclass per backend, registered by name.
 
@@ -280,6 +304,9 @@ class Backend(ABC):
     supports_notifications: ClassVar[bool] = False
     #: parameters accepted in the agent config, with their defaults
     default_params: ClassVar[Mapping[str, Any]] = {}
+    #: parameters whose value need not have the type of their default (a size as "64M", None for the library's
+    #: own setting, a path where the default is a flag): the backend checks those itself
+    loose_params: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         self.host = host
@@ -287,6 +314,7 @@ class Backend(ABC):
         if unknown:
             known = ", ".join(sorted(self.default_params)) or "none"
             raise InvalidParameter(f"unknown parameter(s) {sorted(unknown)}; known: {known}", backend=self.name)
+        check_param_types(self.name, self.default_params, params or {}, self.loose_params)
         self.params: dict[str, Any] = {**self.default_params, **(params or {})}
 
     @classmethod

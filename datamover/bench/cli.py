@@ -16,6 +16,8 @@ DEFAULT_BLOCKS = "4K,64K,1M,16M,64M"
 DEFAULT_BATCHES = "1,64,4096"
 #: which backend carries each path of a model-shaped run
 MODEL_PATHS = {"offload (DRAM <-> FILE)": "posix", "PD (DRAM -> remote DRAM)": "ucx"}
+#: the ops a workload may time
+OPS = ("WRITE", "READ")
 
 
 def add_bench_parser(sub) -> None:
@@ -176,9 +178,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if min(blocks) < 1 or min(batches) < 1:
         raise SystemExit("datamover bench: block and batch sizes must be at least 1")
     ops = [o.strip().upper() for o in args.op.split(",")] if args.op else None
+    unknown_ops = [o for o in ops or () if o not in OPS]
+    if unknown_ops:
+        print(f"datamover bench: unknown --op {', '.join(unknown_ops)}; ops are {' and '.join(OPS)}", file=sys.stderr)
+        return 2
     options: dict = {"posix": {"dir": args.dir}} if args.dir else {}
     for backend, key, value in (parse_param(text) for text in args.param):
+        if backend not in backends:
+            print(
+                f"datamover bench: --param {backend}.{key}: backend {backend!r} is not benchmarked in this run "
+                f"({', '.join(backends)})",
+                file=sys.stderr,
+            )
+            return 2
         options.setdefault(backend, {}).setdefault(backend, {})[key] = value
+    if ops:
+        for backend in list(backends):
+            has = workload_class(backend).ops
+            lacks = [o for o in ops if o not in has]
+            if lacks:
+                skip = len(lacks) == len(ops)
+                print(
+                    f"datamover bench: {backend} does not support {' or '.join(lacks)} (its ops: {', '.join(has)})"
+                    + ("; skipped" if skip else ""),
+                    file=sys.stderr,
+                )
+                if skip:
+                    backends.remove(backend)
+        if not backends:
+            return 2
     settings = None
     if args.vs == "nixl":
         from .nixl_api import NixlSettings, nixl_status

@@ -22,13 +22,19 @@ class MemcpyWorkload(Workload):
 
     def __init__(self, max_bytes, options=None) -> None:
         super().__init__(max_bytes, options)
-        self.agent = Agent("bench-memcpy", {"backends": {"memcpy": {}}})
-        self.src = aligned_empty(max_bytes)
-        self.dst = aligned_empty(max_bytes)
-        fill_random(self.src)
-        self.dst[:] = 1
-        self.agent.register_memory(self.src)
-        self.agent.register_memory(self.dst)
+        # --param memcpy.KEY=VALUE: the backend refuses a key it does not know, or a value of the wrong type
+        self.agent = Agent("bench-memcpy", {"backends": {"memcpy": dict(self.options.get("memcpy", {}))}})
+        try:
+            self.agent.backend("memcpy")
+            self.src = aligned_empty(max_bytes)
+            self.dst = aligned_empty(max_bytes)
+            fill_random(self.src)
+            self.dst[:] = 1
+            self.agent.register_memory(self.src)
+            self.agent.register_memory(self.dst)
+        except BaseException:
+            self.agent.close()
+            raise
 
     def header(self):
         return {"threads": self.agent.backend("memcpy").params["threads"]}
@@ -75,13 +81,17 @@ class PosixWorkload(Workload):
         directory = self.options.get("dir") or tempfile.gettempdir()
         self.path = os.path.join(directory, f"datamover-bench-{os.getpid()}.bin")
         self.agent = Agent("bench-posix", {"backends": {"posix": dict(self.options.get("posix", {}))}})
-        self.mem = aligned_empty(max_bytes)
-        fill_random(self.mem)
-        self.agent.register_memory(self.mem)
-        self.file = self.agent.register_file(self.path, size=max_bytes)
-        self.agent.backend("posix")  # starting the backend opens every registered file
-        self.handle = self.file.handles["posix"]
-        self.agent.transfer("WRITE", DescList.blocks(self.mem, 64 << 20), self.file.blocks(64 << 20)).wait()
+        try:
+            self.mem = aligned_empty(max_bytes)
+            fill_random(self.mem)
+            self.agent.register_memory(self.mem)
+            self.file = self.agent.register_file(self.path, size=max_bytes)
+            self.agent.backend("posix")  # starting the backend opens every registered file (a bad --param fails)
+            self.handle = self.file.handles["posix"]
+            self.agent.transfer("WRITE", DescList.blocks(self.mem, 64 << 20), self.file.blocks(64 << 20)).wait()
+        except BaseException:
+            self.close()  # the caller gets no workload to close: the file goes here
+            raise
 
     def header(self):
         return {"file": self.path, "io": self.handle.note, "threads": self.agent.backend("posix").params["threads"]}
@@ -134,8 +144,10 @@ class PosixWorkload(Workload):
         )
 
     def close(self):
-        self.agent.close()
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            self.agent.close()
+        finally:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass

@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -153,13 +154,35 @@ def write_trace(rows: list[dict], path: str) -> None:
             f.write(json.dumps(row, separators=(", ", ": ")) + "\n")
 
 
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` above zero (a rate of 0 divided by zero, a negative one raised)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not 0 < value < float("inf"):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
 def add_tracegen_parser(sub: argparse._SubParsersAction) -> None:
     """Add `tracegen` to a subcommand parser."""
     p = sub.add_parser("tracegen", help="write a seeded synthetic trace in Mooncake's format")
     p.add_argument("--shape", default="mixed", choices=sorted(SHAPES), help="workload shape (default mixed)")
-    p.add_argument("--requests", type=int, default=4000, help="requests to write (default 4000)")
+    p.add_argument(
+        "--requests",
+        type=_positive(int),
+        default=4000,
+        help="about this many requests, never more: sessions are started for about this many turns and the trace "
+        "is cut there, so a shape of long sessions may write fewer (default 4000)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--rate", type=float, help="override the shape's arrivals per second")
+    p.add_argument("--rate", type=_positive(float), help="override the shape's arrivals per second (> 0)")
     p.add_argument("--output", "-o", required=True, help="JSON-lines file to write")
     p.set_defaults(func=cmd_tracegen)
 

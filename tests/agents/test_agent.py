@@ -194,6 +194,42 @@ def test_config_validation():
         Agent("x", {"backends": {"memcpy": {"threadz": 2}}}).backend("memcpy")
 
 
+@pytest.mark.parametrize(
+    ("backend", "key", "value", "wanted"),
+    [
+        ("posix", "threads", "x", "a whole number"),
+        ("posix", "threads", 2.5, "a whole number"),
+        ("posix", "threads", True, "a whole number"),
+        ("posix", "aio", "false", "true or false"),
+        ("memcpy", "inline_bytes", "1M", "a whole number"),
+    ],
+)
+def test_backend_param_of_wrong_type_is_a_typed_error(backend, key, value, wanted):
+    # a bad value is refused when the backend starts, naming backend, key, value and the type wanted (it was a
+    # bare ValueError from int(), or "false" taken for true)
+    with Agent("x", {"backends": {backend: {key: value}}}) as agent, pytest.raises(InvalidParameter) as info:
+        agent.backend(backend)
+    assert info.value.backend == backend
+    assert f"parameter {key!r} must be {wanted}, got {value!r}" in str(info.value)
+
+
+def test_param_types_float_default_takes_numbers_and_loose_keys_are_left_alone():
+    from datamover.backends.base import check_param_types
+
+    defaults = {"timeout_s": 5.0, "threads": 4, "path": None}
+    check_param_types("b", defaults, {"timeout_s": 1, "threads": "many"}, frozenset({"threads"}))
+    check_param_types("b", defaults, {"timeout_s": 0.5, "path": 3})
+    with pytest.raises(InvalidParameter, match="'timeout_s' must be a number, got 'soon'"):
+        check_param_types("b", defaults, {"timeout_s": "soon"})
+
+
+def test_backend_params_of_the_right_type_are_kept():
+    with Agent("x", {"backends": {"posix": {"threads": 1, "aio": False}, "memcpy": {"threads": 1}}}) as agent:
+        assert agent.backend("posix").params["threads"] == 1
+        assert agent.backend("posix").params["aio"] is False
+        assert agent.backend("memcpy").params["threads"] == 1
+
+
 def test_info_cli_reports_every_backend():
     out = subprocess.run([sys.executable, "-m", "datamover.cli", "info"], capture_output=True, text=True, check=True)
     for name in ("memcpy", "posix", "cuda", "gds", "ucx", "s3"):

@@ -98,3 +98,59 @@ def test_bad_sizes_are_one_line_not_a_traceback(argv, said, capsys) -> None:
     except SystemExit as exc:
         rc, err = 1, str(exc.code)
     assert rc != 0 and err == "datamover bench: " + said
+
+
+def test_memcpy_param_reaches_its_agent(tmp_path, capsys) -> None:
+    # memcpy's options were never read: threads=1 was ignored (the header said the default) and unknown keys passed
+    js = tmp_path / "m.json"
+    assert main(["bench", "--backend", "memcpy", "--param", "memcpy.threads=1", *TINY, "--json", str(js)]) == 0
+    assert "memcpy: threads=1" in capsys.readouterr().out
+    assert json.loads(js.read_text())["headers"]["memcpy"]["threads"] == 1
+    assert main(["bench", "--backend", "memcpy", "--param", "memcpy.nosuch=1", *TINY]) == 2
+    assert "backend 'memcpy': unknown parameter(s) ['nosuch']" in capsys.readouterr().err
+
+
+def test_param_for_a_backend_not_benchmarked_is_refused(capsys) -> None:
+    assert main(["bench", "--backend", "memcpy", "--param", "posix.threads=1", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == (
+        "datamover bench: --param posix.threads: backend 'posix' is not benchmarked in this run (memcpy)"
+    )
+    assert "GB/s" not in out  # refused before any timing
+
+
+@pytest.mark.parametrize("value", ["x", "1.5"])
+def test_bad_posix_param_is_one_line_and_leaves_no_file(tmp_path, capsys, value) -> None:
+    # threads=x was a 30-line traceback (ValueError from int()); it and an unknown key left the bench file behind
+    for param in (f"posix.threads={value}", "posix.nosuch=1"):
+        assert main(["bench", "--backend", "posix", "--param", param, "--dir", str(tmp_path), *TINY]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("datamover bench: backend 'posix': ") and "\n" not in err
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_op_is_refused(capsys) -> None:
+    assert main(["bench", "--backend", "memcpy", "--op", "FOO", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "datamover bench: unknown --op FOO; ops are WRITE and READ"
+    assert "GB/s" not in out
+
+
+def test_op_a_backend_lacks_is_said(tmp_path, capsys) -> None:
+    # --op READ --backend memcpy printed an empty table and exited 0
+    assert main(["bench", "--backend", "memcpy", "--op", "READ", *TINY]) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == "datamover bench: memcpy does not support READ (its ops: WRITE); skipped"
+    assert "GB/s" not in out
+    # a backend lacking the op is skipped, the others run it
+    js = tmp_path / "r.json"
+    argv = ["bench", "--backend", "memcpy,posix", "--op", "read", "--dir", str(tmp_path), *TINY, "--json", str(js)]
+    assert main(argv) == 0
+    assert "memcpy does not support READ (its ops: WRITE); skipped" in capsys.readouterr().err
+    rows = json.loads(js.read_text())["results"]
+    assert {(r["backend"], r["op"]) for r in rows} == {("posix", "READ")}
+    # asked for both, memcpy times the one it has and says which it lacks
+    assert main(["bench", "--backend", "memcpy", "--op", "WRITE,READ", *TINY]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == "datamover bench: memcpy does not support READ (its ops: WRITE)"
+    assert "memcpy   WRITE" in out

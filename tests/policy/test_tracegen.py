@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from datamover.cli import main as datamover_main
 from datamover.policy.replay import load_trace
 from datamover.policy.tracegen import SHAPES, generate
@@ -59,3 +61,35 @@ def test_the_command_writes_a_trace_the_replay_reads(tmp_path, capsys):
     first, second = load_trace(out, part="first"), load_trace(out, part="second")
     assert first.requests + second.requests == 200 and first.requests and second.requests
     assert first.times.max() < second.times.min()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--rate", "0"], "argument --rate: must be a finite number above 0, got 0"),  # was ZeroDivisionError
+        (["--rate", "-1"], "argument --rate: must be a finite number above 0, got -1"),  # was numpy's ValueError
+        (["--rate", "nan"], "argument --rate: must be a finite number above 0, got nan"),
+        (["--rate", "fast"], "argument --rate: not a number: 'fast'"),
+        (["--requests", "0"], "argument --requests: must be a finite number above 0, got 0"),
+    ],
+)
+def test_bad_rate_or_count_is_an_argparse_error(tmp_path, capsys, argv, said):
+    out = tmp_path / "t.jsonl"
+    with pytest.raises(SystemExit) as info:
+        datamover_main(["tracegen", *argv, "-o", str(out)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(said)
+    assert not out.exists()
+
+
+def test_rate_override_is_used_and_requests_is_said_to_be_approximate(tmp_path, capsys):
+    out = tmp_path / "t.jsonl"
+    argv = ["tracegen", "--shape", "prompts", "--rate", "0.8", "--requests", "50", "-o", str(out)]
+    assert datamover_main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    usual = generate("prompts", 50)  # single requests only, at the shape's own 8 per second: ten times as fast
+    assert len(rows) == len(usual) == 50
+    assert abs(rows[-1]["timestamp"] - 10 * usual[-1]["timestamp"]) <= 10
+    with pytest.raises(SystemExit):
+        datamover_main(["tracegen", "--help"])
+    assert "about this many requests, never more" in " ".join(capsys.readouterr().out.split())

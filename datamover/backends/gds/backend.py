@@ -151,6 +151,7 @@ class GdsBackend(Backend):
         # each worker gets at least this many bytes of a request
         "min_part_bytes": 1 << 20,
     }
+    loose_params = frozenset({"threads", "task_size", "min_part_bytes"})  # None, sizes as "4M": validate_params
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)

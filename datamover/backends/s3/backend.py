@@ -180,6 +180,7 @@ class S3Backend(Backend):
         "native_checksum": "auto",  # send x-amz-checksum-crc32c: True, False, or "auto" (drop it if refused)
         "require_checksum": True,  # a whole-object read of an object without our CRC32C fails
     }
+    loose_params = frozenset({"verify_tls"})  # True, False or a CA bundle path
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)

@@ -85,7 +85,7 @@ from .messages import Req
 from .one_sided import OneSided
 from .outbound import Outbound
 from .pacing import Pacing
-from .params import DEFAULT_PARAMS, check_params
+from .params import DEFAULT_PARAMS, LOOSE_PARAMS, check_params
 from .protocol import FrameBudget
 from .regions import MappedRegions
 from .retired import Retired
@@ -107,6 +107,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
     supports_remote = True
     supports_notifications = True
     default_params = DEFAULT_PARAMS
+    loose_params = LOOSE_PARAMS
 
     def __init__(self, host: BackendHost, params=None) -> None:
         super().__init__(host, params)

@@ -125,6 +125,15 @@ DEFAULT_PARAMS: dict[str, Any] = {
 }
 
 
+#: microsecond parameters with a whole-number default that take fractions too (``check_params`` checks them)
+LOOSE_PARAMS = frozenset(
+    {
+        "progress_spin_us", "progress_poll_us", "far_progress_spin_us", "far_progress_poll_us", "drive_pause_us",
+        "far_drive_pause_us", "far_read_pause_us", "far_stream_poll_us",
+    }
+)  # fmt: skip
+
+
 def check_params(params: Mapping[str, Any], backend: str = "ucx") -> None:
     """Refuse (``InvalidParameter``) pacing parameters out of range: the microsecond ones must lie in [0, 1000000],
     the READ cork's row counts be whole numbers >= 0."""
