@@ -18,10 +18,12 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
   (zero-copy): a mismatch is a miss, never wrong bytes. A get that failed in transfer (the holder of the
   chosen replica died) is asked again ``read_retries`` times; Mooncake picks a replica per get.
 
-Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
-waiting caller runs parts itself), spread over the threads from ``split_bytes`` a thread on, so checksums of
-one part overlap the transfer of another; a release stops between parts. VRAM is refused with the reason: the
-non-CUDA build of Mooncake cannot address device memory (datamover's tier cache stages VRAM through host memory).
+Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (never
+on the caller's: a store call can block ~30 s whatever the deadline; ``inline_bytes`` opts small requests back
+into running inside post), no call or retry starts past the deadline, spread over the threads from
+``split_bytes`` a thread on, so checksums of one part overlap the transfer of another; a release stops between
+parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device memory (datamover's
+tier cache stages VRAM through host memory).
 """
 
 from __future__ import annotations
