@@ -478,12 +478,14 @@ def run_parts(
     *,
     backend: str,
     completion_type: type[Completion] = Completion,
+    assist: bool = True,
 ) -> Completion:
     """Run ``work(start, stop, completion)`` for each range on ``executor``; inline (``run_inline``) when it is None.
 
     Errors raised by ``work`` finish its part with that error; anything not a
     DatamoverError is wrapped so the caller always sees a typed error.
     ``completion_type`` is the completion made (a backend's subclass whose ``cancel`` fences its parts).
+    ``assist=False``: a waiting caller never runs a part itself (for work that can block far past a deadline).
     """
     if executor is None:
         return run_inline(ranges, work, backend=backend)
@@ -507,5 +509,6 @@ def run_parts(
 
     for i in range(len(ranges)):
         executor.submit(claim, i)
-    completion.set_assist(lambda: [claim(i) for i in reversed(range(len(ranges)))])
+    if assist:
+        completion.set_assist(lambda: [claim(i) for i in reversed(range(len(ranges)))])
     return completion

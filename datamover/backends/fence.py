@@ -10,6 +10,11 @@ nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), pos
 pwritev; an AIO batch from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy),
 gds (each worker's kvikio reads and writes) and s3 (each chunk of a GET body, copied from the worker's own
 buffer, and the zeroing of unverified bytes: ``join``; a WRITE's copies of its bodies).
+
+A part whose call into a library writes the caller's memory itself (mooncake's zero-copy get) cannot be stopped
+once that call is under way: if it outlasts ``FENCE_S`` the library may still land its bytes after ``cancel``
+returned (the warning says so). What the part does itself after the call (zeroing, verifying) it does only while
+``shut`` is False.
 """
 
 from __future__ import annotations
@@ -59,6 +64,13 @@ class ReadFence(Completion):
                 return False
             self._busy += 1
             return True
+
+    def shut(self) -> bool:
+        """Whether ``cancel`` ran (a timeout, a release), read under the fence's lock: a part still inside (its
+        cancel may have given up waiting for it) checks this before it touches the caller's memory again, e.g. to
+        zero bytes a failed call left there."""
+        with self._idle:
+            return self._closed
 
     def leave(self) -> None:
         with self._idle:

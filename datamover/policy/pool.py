@@ -4,9 +4,9 @@ With `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool that many instance
 object `<bucket>/kv/<ChunkKey.digest()>`; the digest covers the model and tokenizer versions, so a chunk of
 another model never matches. This module holds what the instance asks the pool directly (through the
 mooncake backend's client, not through transfers): which keys it holds (`exists`, timed against
-`p99_latency_budget_ms`), and `drain`, which copies every chunk whose only replicas live in this instance's
-memory to other members of the pool (Mooncake copy tasks) before the instance leaves. Chunk bytes still move
-only through Agent transfers (`mover.py`).
+`p99_latency_budget_ms` and bounded: an answer that does not come in time is a miss, with a warning), and
+`drain`, which copies every chunk whose only replicas live in this instance's memory to other members of the pool
+(Mooncake copy tasks) before the instance leaves. Chunk bytes still move only through Agent transfers (`mover.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ log = logging.getLogger("datamover.kvcache")
 #: the most bytes read from the master's admin endpoint (key and segment listings): input from another process
 ADMIN_LIMIT = 64 << 20
 _LATENCY_WINDOW = 4096
+#: a lookup's bound on the pool's answer: at least this, and this without a latency budget
+LOOKUP_MIN_S = 0.1
+LOOKUP_DEFAULT_S = 1.0
+#: the most often a lookup the pool did not answer in time is logged
+WARN_EVERY_S = 60.0
 
 
 class SharedPool:
@@ -42,6 +47,12 @@ class SharedPool:
         self.budget_ms = float(config.p99_latency_budget_ms)
         self._lookup_s: deque[float] = deque(maxlen=_LATENCY_WINDOW)
         self._warned = False
+        #: the longest a lookup waits for the pool's answer (a stalled master holds a call ~30 s): ten times the p99
+        #: budget, at least LOOKUP_MIN_S (a thread hop and a scheduler hiccup must not turn hits into misses), or
+        #: LOOKUP_DEFAULT_S without a budget; an unanswered lookup is a miss
+        self.bound_s = max(10 * self.budget_ms / 1e3, LOOKUP_MIN_S) if self.budget_ms else LOOKUP_DEFAULT_S
+        self._warned_late_at = -WARN_EVERY_S
+        self._unanswered = 0
 
     def name(self, key: ChunkKey) -> str:
         """The chunk's object name inside the L4 registration (prefix ``kv/``)."""
@@ -61,9 +72,20 @@ class SharedPool:
         if not keys:
             return 0
         t0 = time.perf_counter()
-        found = self.client.exists([self.pool_key(k) for k in keys])
-        self._lookup_s.append(time.perf_counter() - t0)
+        found = self.client.exists([self.pool_key(k) for k in keys], self.bound_s)
+        took = time.perf_counter() - t0
+        self._lookup_s.append(took)
         self._check_budget()
+        if found and found[0] == -1:
+            self._unanswered += 1
+            now = time.monotonic()
+            if now - self._warned_late_at >= WARN_EVERY_S:
+                log.warning(
+                    "l4_pool: the pool did not answer an existence check within %.3f s (%d unanswered since the last"
+                    " warning; a stalled master?): those chunks count as misses",
+                    self.bound_s, self._unanswered,
+                )  # fmt: skip
+                self._warned_late_at, self._unanswered = now, 0
         return next((i for i, f in enumerate(found) if f != 1), len(keys))
 
     def clear(self) -> int:

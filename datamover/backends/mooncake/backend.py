@@ -18,16 +18,19 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
   (zero-copy): a mismatch is a miss, never wrong bytes. A get that failed in transfer (the holder of the
   chosen replica died) is asked again ``read_retries`` times; Mooncake picks a replica per get.
 
-Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (a
-waiting caller runs parts itself), spread over the threads from ``split_bytes`` a thread on, so checksums of
-one part overlap the transfer of another; a release stops between parts. VRAM is refused with the reason: the
-non-CUDA build of Mooncake cannot address device memory (datamover's tier cache stages VRAM through host memory).
+Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (never
+on the caller's: a store call can block ~30 s whatever the deadline; ``inline_bytes`` opts small requests back
+into running inside post), no call or retry starts past the deadline, spread over the threads from
+``split_bytes`` a thread on, so checksums of one part overlap the transfer of another; a release stops between
+parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device memory (datamover's
+tier cache stages VRAM through host memory).
 """
 
 from __future__ import annotations
 
 import errno as errno_mod
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +44,7 @@ from ...errors import (
     InvalidParameter,
     ObjectStoreError,
     OverlappingDestination,
+    TransferAborted,
     TransferTimeout,
     UnsupportedTransfer,
 )
@@ -60,6 +64,9 @@ from . import codes
 from .client import DEFAULTS, PoolClient, store_import_error
 
 log = logging.getLogger("datamover.mooncake")
+
+#: the longest ``close`` waits for store calls in flight, and then for the store client's own close
+CLOSE_S = 5.0
 
 
 @dataclass
@@ -92,9 +99,12 @@ class MooncakeBackend(Backend):
         # a request is spread over the threads only from this many bytes per thread on: each batched call of
         # Mooncake's client keeps a core busy while it waits, so calls side by side pay only with cores to spare
         "split_bytes": 32 << 20,
-        # requests of at most this many bytes (in one part; 16 values of 64 KiB with their trailers) run inside
-        # post(): one store call, no thread hop
-        "inline_bytes": (1 << 20) + (64 << 10),
+        # requests of at most this many bytes (in one part) run inside post(), on the caller's thread: no thread
+        # hop, but a store call can block ~30 s (Mooncake's RPC timeout) whatever the transfer's deadline, and the
+        # caller with it. 0 (the default): every request runs on the pool threads and a caller is never held past
+        # its deadline; e.g. (1 << 20) + (64 << 10) (16 values of 64 KiB with their trailers) trades that for ~the
+        # cost of a thread hop per small request
+        "inline_bytes": 0,
         "part_bytes": 32 << 20,
     }
 
@@ -110,6 +120,10 @@ class MooncakeBackend(Backend):
             raise InvalidParameter(str(exc), backend=self.name) from exc
         self._replace = p["write_mode"] == "replace"
         self._pool = ThreadPoolExecutor(max(1, int(p["threads"])), thread_name_prefix="dm-mooncake")
+        # parts inside a store call now, and whether close began (from then on no part calls the store)
+        self._active = threading.Condition(threading.Lock())
+        self._running = 0
+        self._closing = False
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -214,31 +228,48 @@ class MooncakeBackend(Backend):
         def part(a: int, z: int, c: Completion) -> None:
             if c.cancelled:
                 return
-            late = "not started"
+            late, failed = "not started", None
             if clock() <= req.deadline:
-                work(req, a, z, c)
+                with self._active:
+                    if self._closing:
+                        raise TransferAborted(f"{req.op} of {p.keys[a]!r}: the mooncake backend is closing")
+                    self._running += 1
+                try:
+                    work(req, a, z, c)
+                except DatamoverError as exc:
+                    if clock() <= req.deadline:
+                        raise
+                    failed = exc  # a store call that failed past the deadline (an RPC timed out): a timeout
+                finally:
+                    with self._active:
+                        self._running -= 1
+                        self._active.notify_all()
                 late = "not finished"
-                if clock() <= req.deadline:
+                if failed is None and clock() <= req.deadline:
                     return
-            raise TransferTimeout(
-                f"{req.op} of {z - a} key(s) from {p.keys[a]!r} {late} within the {req.timeout:g} s deadline",
+            err = TransferTimeout(
+                f"{req.op} of {z - a} key(s) from {p.keys[a]!r} {late} within the {req.timeout:g} s deadline"
+                + (f" ({failed})" if failed is not None else ""),
                 index=req.caller_index(a),
                 backend=self.name,
             )
+            raise err from failed
 
         if p.inline:
             return run_inline(p.parts, part, backend=self.name)
-        # parts go to the pool; a caller that waits runs the ones no thread took yet (no thread hop). A READ's
-        # completion fences its parts: once it is cancelled (timed out, released) nothing reaches the caller
+        # parts go to the pool, never to a waiting caller (a store call can block far past the deadline; the caller
+        # waits only to it). A READ's completion fences its parts: once it is cancelled (timed out, released)
+        # nothing reaches the caller, except what Mooncake itself writes in a zero-copy get already under way
         kind = ReadFence if req.op is Op.READ else Completion
-        return run_parts(self._pool, p.parts, part, backend=self.name, completion_type=kind)
+        return run_parts(self._pool, p.parts, part, backend=self.name, completion_type=kind, assist=False)
 
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         keys, addrs, sizes, groups = req.plan.calls[a]
-        st = self.client.put(keys, addrs, sizes, self._replace, groups)
+        st = self.client.put(keys, addrs, sizes, self._replace, groups, req.deadline)
         if any(st):
             bad = [i for i, v in enumerate(st) if v]
-            raise self._error(req, a + bad[0], st[bad[0]], "put", failed=len(bad), of=z - a)
+            what = "put (replace)" if self._replace else "put"
+            raise self._error(req, a + bad[0], st[bad[0]], what, failed=len(bad), of=z - a)
 
     def _read(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         p: MooncakePlan = req.plan
@@ -246,7 +277,7 @@ class MooncakeBackend(Backend):
         fence = c if type(c) is ReadFence else None
         if p.all_whole:
             k, ad, sz, groups = p.calls[a]
-            got = self.client.get(k, ad, sz, groups, fence)
+            got = self.client.get(k, ad, sz, groups, fence, req.deadline)
             if not any(got):
                 return
             st = np.asarray(got, dtype=np.int64)
@@ -255,12 +286,16 @@ class MooncakeBackend(Backend):
             st = np.zeros(z - a, dtype=np.int64)
             if whole:
                 st[np.array(whole) - a] = self.client.get(
-                    [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole], None, fence
-                )
+                    [keys[i] for i in whole], [addrs[i] for i in whole], [sizes[i] for i in whole], None, fence,
+                    req.deadline,
+                )  # fmt: skip
         # ranged reads, and whole-row reads of objects that hold more (their prefix): verified in a bounce buffer
         for i in range(a, z):
             if not p.whole[i] or st[i - a] == codes.SIZE_MISMATCH:
-                st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i], fence)[0]
+                if clock() > req.deadline:
+                    st[i - a] = codes.DEADLINE
+                    continue
+                st[i - a] = self.client.get_range(keys[i], offsets[i], addrs[i], sizes[i], fence, req.deadline)[0]
         bad = np.flatnonzero(st != 0)
         if bad.size:
             row = a + int(bad[0])
@@ -272,7 +307,7 @@ class MooncakeBackend(Backend):
         bucket, _, name = key.partition("/")
         more = f" ({failed} of {of} keys in this part failed)" if failed > 1 else ""
         reason = f"{what} {key!r} failed: {codes.name(code)}{more}"
-        if code == codes.SIZE_MISMATCH:
+        if code == codes.SIZE_MISMATCH and clock() <= req.deadline:  # one more store call: only within the deadline
             size = self.client.size(key)
             if size is not None:
                 off, n = req.plan.offsets[row], req.plan.sizes[row]
@@ -288,8 +323,24 @@ class MooncakeBackend(Backend):
         )  # fmt: skip
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.client.close()
+        """Stop the pool without waiting for parts stuck in a store call (a stalled master holds one ~30 s, and
+        retries would hold it longer): parts not started are cancelled; those inside a call get ``CLOSE_S`` to
+        return. Past that the store client is left open (closing it under a call in flight can crash the process)
+        and a warning says so; else it is closed, also bounded (``PoolClient.close``)."""
+        with self._active:
+            self._closing = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._active:
+            idle = self._active.wait_for(lambda: not self._running, CLOSE_S)
+            stuck = self._running
+        if not idle:
+            log.warning(
+                "mooncake: %d store call(s) still in flight %g s into close: the store client is left open",
+                stuck,
+                CLOSE_S,
+            )
+            return
+        self.client.close(CLOSE_S)
 
 
 def _cut(lengths: np.ndarray, base: int, keys: int, nbytes: int) -> list[tuple[int, int]]:

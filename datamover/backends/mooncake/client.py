@@ -10,17 +10,29 @@ backend (``backend.py``) and the shared L4 pool of the tier cache both use it.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import queue
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ...descriptors import host_view
+from ..base import clock
 from . import codes
 from .objects import MAGIC, SLOT, TRAILER, Arena, answers, get_objects, put_objects
 
 __all__ = ["DEFAULTS", "MAGIC", "TRAILER", "PoolClient", "resolve", "store_import_error"]
+
+log = logging.getLogger("datamover.mooncake")
+
+#: the key ``close`` asks about to tell a stalled master before Mooncake's close blocks on it
+_PROBE_KEY = "datamover/close-probe"
+
+#: how long ``exists`` waits for the store's answer by default
+EXISTS_S = 1.0
 
 #: the most keys in one batched call of the store
 BATCH_KEYS = 4096
@@ -138,6 +150,7 @@ class PoolClient:
         self._cached_copy = int(p["cached_copy_bytes"])
         self._arena = Arena(self.register, self.unregister, int(p["staging_bytes"]))
         self._upsert = hasattr(self._store, "batch_upsert_from")  # Mooncake 0.3.13 on
+        self._asker = Asker("dm-mooncake-exists")
         self._closed = False
 
     # -- memory --------------------------------------------------------------
@@ -190,13 +203,16 @@ class PoolClient:
         sizes: Sequence[int],
         replace: bool = False,
         groups: Sequence[tuple[int, int, bool]] | None = None,
+        deadline: float | None = None,
     ) -> list[int]:
         """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
 
         Mooncake keeps the first object written under a key: a put of an existing key succeeds and leaves it
         as it was. With ``replace`` what is written is what the keys hold after: staged objects are upserted
-        (``batch_upsert_from``: one call, where a remove and a put are two), zero-copy ones removed first.
-        ``groups`` is ``groups(sizes)``, computed here when not given.
+        (``batch_upsert_from``: one call, where a remove and a put are two), zero-copy ones removed first; a key
+        whose remove the store refused (OBJECT_HAS_LEASE, RPC_FAIL, ...) is not put and answers that status.
+        ``groups`` is ``groups(sizes)``, computed here when not given. Past ``deadline`` (on ``backends.base.clock``)
+        no further call starts: the keys left answer DEADLINE.
         """
         keys = keys if type(keys) is list else list(keys)
         groups = groups or self.groups(sizes)
@@ -204,6 +220,9 @@ class PoolClient:
             return self._put_group(keys, addrs, sizes, groups[0][2], replace)
         out: list[int] = []
         for a, z, staged in groups:
+            if deadline is not None and clock() > deadline:
+                out += [codes.DEADLINE] * (z - a)
+                continue
             out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace)
         return out
 
@@ -211,9 +230,22 @@ class PoolClient:
         self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
     ) -> list[int]:
         upsert = replace and staged and self._upsert
-        if replace and not upsert:
-            self._store.batch_remove(keys, True)
-        return put_objects(self._store, self._config, self._arena, keys, addrs, sizes, staged, upsert)
+        if not replace or upsert:
+            return put_objects(self._store, self._config, self._arena, keys, addrs, sizes, staged, upsert)
+        # a key the store refused to remove (a lease on it, the master gone) would keep its old object under a put
+        # that "succeeds": it fails with the remove's status and is not put
+        removed = answers(self._store.batch_remove(keys, True), len(keys))
+        ok = [i for i, r in enumerate(removed) if r == 0 or r == codes.OBJECT_NOT_FOUND]
+        if len(ok) == len(keys):
+            return put_objects(self._store, self._config, self._arena, keys, addrs, sizes, staged, upsert)
+        if ok:
+            got = put_objects(
+                self._store, self._config, self._arena, [keys[i] for i in ok], [addrs[i] for i in ok],
+                [sizes[i] for i in ok], staged, upsert,
+            )  # fmt: skip
+            for i, st in zip(ok, got):
+                removed[i] = st
+        return removed
 
     def get(
         self,
@@ -222,24 +254,34 @@ class PoolClient:
         sizes: Sequence[int],
         groups: Sequence[tuple[int, int, bool]] | None = None,
         fence: Any = None,
+        deadline: float | None = None,
     ) -> list[int]:
         """Read whole objects ``keys[i]`` of payload ``sizes[i]`` into ``addrs[i]``; one status per key (0: read
         and verified). A get that failed in transfer is asked again ``read_retries`` times (Mooncake picks a
         replica per get, so another try may reach a live holder). ``groups`` as in ``put``; with a ``fence``
-        (``backends.fence.ReadFence``) nothing reaches ``addrs`` once it was cancelled (those keys: CANCELLED)."""
+        (``backends.fence.ReadFence``) nothing reaches ``addrs`` once it was cancelled (those keys: CANCELLED). Past
+        ``deadline`` (on ``backends.base.clock``) no call starts, no retry either: a key not asked answers DEADLINE,
+        one that failed keeps its status."""
         keys = keys if type(keys) is list else list(keys)
-        status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes), fence)
+        status = self._get_round(keys, addrs, sizes, groups or self.groups(sizes), fence, deadline)
         if not any(status):
             return status
         n = len(keys)
         for _ in range(max(0, int(self.params["read_retries"]))):
+            if deadline is not None and clock() > deadline:
+                return status
             todo = [i for i in range(n) if status[i] in codes.RETRYABLE]
             if not todo:
                 break
             sub = [sizes[i] for i in todo]
-            got = self._get_round([keys[i] for i in todo], [addrs[i] for i in todo], sub, self.groups(sub), fence)
+            got = self._get_round(
+                [keys[i] for i in todo], [addrs[i] for i in todo], sub, self.groups(sub), fence, deadline
+            )
             for i, st in zip(todo, got):
-                status[i] = st
+                if st != codes.DEADLINE:
+                    status[i] = st
+        if deadline is not None and clock() > deadline:
+            return status
         for i in [i for i in range(n) if status[i] in (codes.INVALID_PARAMS, codes.TRANSFER_FAIL)]:
             size = self._size(keys[i])  # too small a buffer (-600) or a shorter object (-800): say which
             if size >= 0 and size != sizes[i]:
@@ -255,12 +297,16 @@ class PoolClient:
         sizes: Sequence[int],
         groups: Sequence[tuple[int, int, bool]],
         fence: Any = None,
+        deadline: float | None = None,
     ) -> list[int]:
-        """One try at every row: a status per key."""
+        """One try at every row: a status per key (DEADLINE for the calls not started past ``deadline``)."""
         if len(groups) == 1:
             return get_objects(self._store, self._arena, keys, addrs, sizes, groups[0][2], fence)
         out: list[int] = []
         for a, z, staged in groups:
+            if deadline is not None and clock() > deadline:
+                out += [codes.DEADLINE] * (z - a)
+                continue
             out += get_objects(self._store, self._arena, keys[a:z], addrs[a:z], sizes[a:z], staged, fence)
         return out
 
@@ -280,7 +326,9 @@ class PoolClient:
             return codes.TOO_LARGE
         return total - TRAILER
 
-    def get_range(self, key: str, offset: int, addr: int, nbytes: int, fence: Any = None) -> tuple[int, int | None]:
+    def get_range(
+        self, key: str, offset: int, addr: int, nbytes: int, fence: Any = None, deadline: float | None = None
+    ) -> tuple[int, int | None]:
         """Read ``nbytes`` at ``offset`` of object ``key`` into ``addr``: the whole object is read into a
         bounce buffer and verified first. Returns (status, the object's payload size or None). ``fence`` as
         in ``get``."""
@@ -292,7 +340,7 @@ class PoolClient:
         bounce = np.empty(max(size, 1), dtype=np.uint8)
         self.register(bounce.ctypes.data, bounce.nbytes)
         try:
-            st = self.get([key], [bounce.ctypes.data], [size])[0]
+            st = self.get([key], [bounce.ctypes.data], [size], deadline=deadline)[0]
         finally:
             self.unregister(bounce.ctypes.data)
         if st == 0 and nbytes:
@@ -306,10 +354,23 @@ class PoolClient:
         return st, size
 
     # -- the pool's view -----------------------------------------------------
-    def exists(self, keys: Sequence[str]) -> list[int]:
-        """1 where the pool holds ``keys[i]``, 0 where not, -1 where it could not tell."""
-        res = self._store.batch_is_exist(keys if isinstance(keys, list) else list(keys)) if len(keys) else []
-        if len(res) != len(keys):
+    def exists(self, keys: Sequence[str], timeout: float | None = EXISTS_S) -> list[int]:
+        """1 where the pool holds ``keys[i]``, 0 where not, -1 where it could not tell.
+
+        With ``timeout`` (None: as long as the store takes) the store call runs on the client's own asking thread
+        and this waits at most ``timeout`` seconds for it (a stalled master holds a call ~30 s): -1 for every key
+        when it does not answer in time, and at once while an earlier call that did not is still stuck (no second
+        call piles up behind it)."""
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not keys or self._closed:
+            return [-1] * len(keys)
+        if timeout is None:
+            res = self._store.batch_is_exist(keys)
+        else:
+            answered, res = self._asker.ask(lambda: self._store.batch_is_exist(keys), timeout)
+            if not answered:
+                return [-1] * len(keys)
+        if res is None or len(res) != len(keys):
             return [-1] * len(keys)
         return res
 
@@ -359,12 +420,91 @@ class PoolClient:
     def replicate_config(self) -> Any:
         return self._config
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Close the store client. Mooncake's close makes RPCs to the master holding the GIL (no Python thread runs
+        meanwhile, so no thread can bound it): with ``timeout``, the master is first asked something (on the asking
+        thread, bounded by ``timeout``); when it does not answer (stalled), or an existence check is still stuck,
+        the client is left open (leaked) with a warning rather than blocking the process for as long as the RPCs
+        take. True when closed."""
         if self._closed:
-            return
+            return True
+        if timeout is not None:
+            try:
+                answered, _ = self._asker.ask(lambda: self._store.batch_is_exist([_PROBE_KEY]), timeout)
+            except Exception:  # any failure to answer is "not answered"
+                answered = False
+            if not answered:
+                self._closed = True
+                self._asker.stop(0)
+                log.warning("mooncake: the master did not answer within %g s: the store client is left open", timeout)
+                return False
         self._closed = True
+        if not self._asker.stop(timeout):
+            log.warning("mooncake: an existence check is stuck in the store; the store client is left open")
+            return False
         self._arena.close()
         self._store.close()
+        return True
+
+
+class Asker:
+    """One daemon thread that runs store calls for callers who wait for them a bounded time.
+
+    A caller that gave up marks the thread stuck: until that call returns, ``ask`` answers at once without
+    starting another (calls would only pile up behind it)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self._stuck = False
+        self._running = 0  # calls queued or running
+
+    def ask(self, fn: Any, timeout: float) -> tuple[bool, Any]:
+        """(True, fn()) when it returned within ``timeout`` seconds, else (False, None); fn's exception is raised."""
+        with self._lock:
+            if self._stuck:
+                return False, None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+                self._thread.start()
+            self._running += 1
+        job: list[Any] = [fn, threading.Event(), None, None]  # fn, done, result, exception
+        self._jobs.put(job)
+        if not job[1].wait(timeout):
+            with self._lock:
+                if not job[1].is_set():
+                    self._stuck = True
+                    return False, None
+        if job[3] is not None:
+            raise job[3]
+        return True, job[2]
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job[2] = job[0]()
+            except BaseException as exc:  # handed to the caller
+                job[3] = exc
+            with self._lock:
+                job[1].set()
+                self._running -= 1
+                if not self._running:
+                    self._stuck = False
+                    self._idle.notify_all()
+
+    def stop(self, timeout: float | None) -> bool:
+        """Wait (at most ``timeout``) for the calls asked to return, then let the thread end; False if one is stuck."""
+        with self._lock:
+            idle = self._idle.wait_for(lambda: not self._running, timeout)
+            self._stuck = True  # nothing more is asked
+        self._jobs.put(None)
+        return idle
 
 
 def _probe_master(addr: str, timeout: float) -> None:

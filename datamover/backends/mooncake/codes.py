@@ -37,6 +37,7 @@ SIZE_MISMATCH = -20002  # the object's payload is not the size the descriptor re
 NO_ANSWER = -20003  # the store answered fewer results than keys (client not initialized, closed)
 TOO_LARGE = -20004  # the store reports an object larger than max_object_bytes: refused before allocating
 CANCELLED = -20005  # the READ was cancelled (timed out or released) before its bytes reached the caller
+DEADLINE = -20006  # not asked (again): the transfer's deadline had passed
 
 NAMES = {
     INTERNAL_ERROR: "INTERNAL_ERROR",
@@ -77,6 +78,7 @@ NAMES = {
     NO_ANSWER: "the store answered no result (is the client set up?)",
     TOO_LARGE: "the store reports an object larger than max_object_bytes (refused before allocating)",
     CANCELLED: "the transfer was cancelled (timed out or released) before these bytes were delivered",
+    DEADLINE: "not asked: the transfer's deadline had passed",
 }
 
 #: codes that mean "the pool does not hold a readable copy": a miss, not a fault

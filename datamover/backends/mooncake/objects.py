@@ -10,7 +10,11 @@ Two ways to move them, both batched calls on registered memory:
   never holds bytes that failed their check.
 - zero-copy: the payload moves straight from/to the caller's registered memory and the trailer from/to an
   arena row, as two buffers of one object (``batch_put_from_multi_buffers`` / ``batch_get_into_multi_buffers``):
-  no local copy, one more slice per object; a row that fails its check is zeroed.
+  no local copy, one more slice per object; a row that fails its check is zeroed. Fenced (a READ's
+  ``ReadFence``), nothing is verified or zeroed once the fence was shut while the store call ran; but Mooncake's
+  own writes into the destination cannot be stopped once the call is under way, so a get stuck past the fence's
+  bound (``FENCE_S``, a stalled master) may still land its bytes after the transfer was released. Staged mode
+  (``transfer_mode="staged"``) never writes the caller's memory after a cancel.
 
 A get is accepted only when the store answered exactly payload + trailer bytes, the trailer's magic and length
 are the ones expected and the CRC32C of the payload matches; anything else is a miss for that key.
@@ -190,6 +194,10 @@ def get_objects(
                 off += TRAILER
             arr[: TRAILER * n] = 0
             got = store.batch_get_into_multi_buffers(keys, ptrs, lens)
+            # the call may have outlasted the fence (cancel gave up waiting, the caller released the memory): then
+            # touch nothing more, neither verify nor zero (what Mooncake itself wrote there cannot be taken back)
+            if fence is not None and fence.shut():
+                return [codes.CANCELLED] * n
         if type(got) is not list or len(got) != n:
             got = answers(got, n)
         if fence is not None and staged:

@@ -146,6 +146,45 @@ def test_write_modes(mooncake_master, agent):
             assert buf.read(0, n) == data, n
 
 
+def test_replace_whose_remove_is_refused_fails_naming_the_key(agents, monkeypatch):
+    """write_mode replace, zero-copy (removed, then put): a key the store refuses to remove (OBJECT_HAS_LEASE) fails
+    the WRITE with a typed error naming it and is not put; the other key of the call is replaced. Before: the
+    refusal was ignored, Mooncake's put of the existing key answered 0 and kept the old object: DONE, old bytes."""
+    from datamover.backends.mooncake import codes
+
+    agent = agents["zero_copy"]
+    reg = agent.register_objects("wm", prefix="refused/")
+    size = 64 << 10
+    buf = HostBuffer(agent, 2 * size)
+    old = random_bytes(2 * size, 20)
+    buf.write(0, old)
+    write(agent, buf, reg, ["refused/a", "refused/b"], size)
+    client = agent.backend("mooncake").client
+    real = client._store
+
+    class Refusing:  # the fault: the store refuses to remove refused/b (a lease on it)
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def batch_remove(self, keys, force):
+            out = real.batch_remove([k for k in keys if not k.endswith("/b")], force)
+            it = iter(out)
+            return [codes.OBJECT_HAS_LEASE if k.endswith("/b") else next(it) for k in keys]
+
+    monkeypatch.setattr(client, "_store", Refusing())
+    new = random_bytes(2 * size, 21)
+    buf.write(0, new)
+    dst = DescList.objects(reg, [size, size], 0, keys=["refused/a", "refused/b"])
+    with pytest.raises(ObjectStoreError) as info:
+        agent.transfer("WRITE", buf.descs([0, size], size), dst).wait()
+    assert info.value.key == "refused/b" and info.value.code == "OBJECT_HAS_LEASE" and info.value.index == 1
+    monkeypatch.undo()
+    buf.write(0, bytes(2 * size))
+    assert read(agent, buf, reg, ["refused/a", "refused/b"], size).wait() == XferState.DONE
+    assert buf.read(0, size) == new[:size], "the key whose remove went through was not replaced"
+    assert buf.read(size, size) == old[size:], "the key whose remove was refused changed"
+
+
 class Spy:
     """The store client, with the buffers every batched put/get was given recorded (nothing else changed)."""
 

@@ -142,3 +142,32 @@ def test_zero_copy_read_timing_out_mid_call_reports_err_after_its_bytes(late_age
     after = buf.read(0, SIZE)
     changed = int(np.count_nonzero(np.frombuffer(after, np.uint8) != np.frombuffer(seen["at ERR"], np.uint8)))
     assert changed == 0, f"{changed} bytes of a READ reached the caller after it reported ERR"
+
+
+def test_zero_copy_get_failing_after_the_fence_gave_up_leaves_the_released_buffer_alone(late_agents, monkeypatch):
+    """A zero-copy get stuck past the fence's bound (a stalled master): ``cancel`` gives up waiting, the READ is
+    released; then the get returns a failure. The part must not zero the released buffer (before: all 65,536
+    bytes were set to zero after release returned)."""
+    from datamover.backends import fence
+    from datamover.backends.mooncake import codes
+
+    monkeypatch.setattr(fence, "FENCE_S", 0.2)
+    agent = late_agents["zero_copy"]
+    buf, _, dst, held, done = _setup(agent, "zero-copy-late-fail", "batch_get_into_multi_buffers", True, monkeypatch)
+    real = held.real
+
+    class Failing:  # the held call answers a failure for every key once let go (it never reached the store)
+        def __getattr__(self, name):
+            if name == "batch_get_into_multi_buffers":
+                return lambda keys, *_: [codes.RPC_TIMEOUT] * len(keys)
+            return getattr(real, name)
+
+    held.real = Failing()
+    xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=START_S)
+    assert held.reached.wait(60), "the READ never reached the store"
+    until(lambda: xfer.state == XferState.ERR, what="the READ timing out")
+    assert isinstance(xfer.error, TransferTimeout)
+    xfer.release()
+    held.go.set()
+    assert done.wait(60), "the held part never finished"
+    assert buf.read(0, SIZE) == b"\xaa" * SIZE, "a failed get zeroed the caller's buffer after release"
