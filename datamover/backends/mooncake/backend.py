@@ -18,9 +18,10 @@ An OBJ descriptor (offset, length) naming key k of a registration for "bucket" b
   (zero-copy): a mismatch is a miss, never wrong bytes. A get that failed in transfer (the holder of the
   chosen replica died) is asked again ``read_retries`` times; Mooncake picks a replica per get.
 
-Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (never
-on the caller's: a store call can block ~30 s whatever the deadline; ``inline_bytes`` opts small requests back
-into running inside post), no call or retry starts past the deadline, spread over the threads from
+Work runs in parts of at most ``batch_keys`` keys and ``part_bytes`` bytes on ``threads`` pool threads (small
+requests, up to ``inline_bytes``, inside post: a store call under way when their deadline passes holds the caller
+until Mooncake's RPC timeout, ~30 s; ``inline_bytes: 0`` never runs one on the caller's thread), no call or retry
+starts past the deadline, spread over the threads from
 ``split_bytes`` a thread on, so checksums of one part overlap the transfer of another; a release stops between
 parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device memory (datamover's
 tier cache stages VRAM through host memory).
@@ -99,12 +100,12 @@ class MooncakeBackend(Backend):
         # a request is spread over the threads only from this many bytes per thread on: each batched call of
         # Mooncake's client keeps a core busy while it waits, so calls side by side pay only with cores to spare
         "split_bytes": 32 << 20,
-        # requests of at most this many bytes (in one part) run inside post(), on the caller's thread: no thread
-        # hop, but a store call can block ~30 s (Mooncake's RPC timeout) whatever the transfer's deadline, and the
-        # caller with it. 0 (the default): every request runs on the pool threads and a caller is never held past
-        # its deadline; e.g. (1 << 20) + (64 << 10) (16 values of 64 KiB with their trailers) trades that for ~the
-        # cost of a thread hop per small request
-        "inline_bytes": 0,
+        # requests of at most this many bytes (in one part; the default: 16 values of 64 KiB with their trailers)
+        # run inside post(), on the caller's thread: no thread hop, which costs small requests several times their
+        # time here (BENCHMARKS.md, session 27); but a store call already under way when the deadline passes can
+        # hold the caller until Mooncake's RPC timeout (~30 s) ends it (no call or retry starts past the deadline).
+        # 0: every request runs on the pool threads and a caller is never held past its deadline
+        "inline_bytes": (1 << 20) + (64 << 10),
         "part_bytes": 32 << 20,
     }
 

@@ -45,7 +45,7 @@ class Parked:
 
 @pytest.fixture(scope="module")
 def agent(mooncake_master):
-    a = mooncake_agent(mooncake_master, "stalls", transfer_mode="staged")
+    a = mooncake_agent(mooncake_master, "stalls", transfer_mode="staged", inline_bytes=0)  # never on the caller's
     yield a
     a.close()
 
@@ -110,7 +110,7 @@ def test_close_does_not_wait_for_a_stuck_store_call(mooncake_master, monkeypatch
     from datamover.backends.mooncake import backend
 
     monkeypatch.setattr(backend, "CLOSE_S", 0.5)
-    a = mooncake_agent(mooncake_master, "stall-close", transfer_mode="staged")
+    a = mooncake_agent(mooncake_master, "stall-close", transfer_mode="staged", inline_bytes=0)
     buf, dst = _one_object(a, "stuck-close")
     client = a.backend("mooncake").client
     parked = Parked(client._store, "batch_get_into", codes.RPC_TIMEOUT)
