@@ -39,14 +39,20 @@ def _file_agent(tmp_path, name="p"):
     return agent, buf, fa
 
 
+def _deregister_under_a_held_write(agent, buf, fa, held_write):
+    """(a WRITE into file `fa` held in its syscall, a thread deregistering `fa` meanwhile, still waiting)."""
+    xfer = agent.transfer("WRITE", DescList.from_buffers(buf), DescList.file(fa, [0], [MiB]))
+    assert held_write.reached.wait(BOUND_S)
+    gone = threading.Thread(target=agent.deregister_memory, args=(fa,))
+    gone.start()
+    gone.join(0.2)
+    return xfer, gone
+
+
 def test_deregistering_a_file_a_write_is_using_waits_for_the_write(tmp_path, held_write):
     agent, buf, fa = _file_agent(tmp_path)
     with agent:
-        xfer = agent.transfer("WRITE", DescList.from_buffers(buf), DescList.file(fa, [0], [MiB]))
-        assert held_write.reached.wait(BOUND_S)
-        gone = threading.Thread(target=agent.deregister_memory, args=(fa,))
-        gone.start()
-        gone.join(0.2)
+        xfer, gone = _deregister_under_a_held_write(agent, buf, fa, held_write)
         assert gone.is_alive() and not held_write.returned.is_set()  # A's descriptor is still open
         with pytest.raises(NotRegistered, match="has no FILE memory registered on device"):
             # a new transfer on the region going away is refused meanwhile
@@ -167,11 +173,7 @@ def test_a_backend_still_finds_a_region_going_while_the_transfers_on_it_finish(t
     (ucx's service thread looks a queued post's regions up there: it failed the post with NotRegistered)."""
     agent, buf, fa = _file_agent(tmp_path)
     with agent:
-        xfer = agent.transfer("WRITE", DescList.from_buffers(buf), DescList.file(fa, [0], [MiB]))
-        assert held_write.reached.wait(BOUND_S)
-        gone = threading.Thread(target=agent.deregister_memory, args=(fa,))
-        gone.start()
-        gone.join(0.2)
+        xfer, gone = _deregister_under_a_held_write(agent, buf, fa, held_write)
         assert gone.is_alive() and fa.id in agent.regions
         with pytest.raises(NotRegistered):
             agent.deregister_memory(fa)  # once is enough: a second deregistration meanwhile is refused
