@@ -131,9 +131,9 @@ class Transfer:
                 "transfer is still in flight; wait for it before posting again", backend=self.backend.name
             )
         tracker = self._tracker
-        if tracker is not None and tracker.generation != self._checked:
+        if tracker is not None and (generation := tracker.generation) != self._checked:
             tracker.check_live(self.request.own_regions, self.backend.name)
-            self._checked = tracker.generation
+            self._checked = generation  # read before the check: a region going meanwhile is checked next time
         self._completion = None  # a post that fails below leaves no earlier outcome behind
         self._error = None
         self._posted_wall = time.time()
