@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..agents import Agent
+from ..backends.mooncake import codes
 from ..errors import ObjectStoreError
 from .config import L4Config
 from .keys import ChunkKey
@@ -93,8 +94,8 @@ class SharedPool:
         removed = self.client.remove_prefix(self.prefix)
         if removed < 0:
             raise ObjectStoreError(
-                f"removing the pool's objects under {self.prefix!r} failed (Mooncake code {removed})",
-                bucket=self.config.bucket, key="kv/", code=str(removed), backend="mooncake",
+                f"removing the pool's objects under {self.prefix!r} failed: {codes.name(removed)}",
+                bucket=self.config.bucket, key="kv/", code=codes.name(removed).split(" ")[0], backend="mooncake",
             )  # fmt: skip
         return removed
 
