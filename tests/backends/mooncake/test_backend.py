@@ -10,6 +10,7 @@ condition itself, with a deadline, never for a fixed sleep.
 from __future__ import annotations
 
 import errno
+import threading
 import time
 
 import numpy as np
@@ -31,6 +32,21 @@ def mooncake_agent(master: MooncakeMaster, name: str = "mc", **params) -> Agent:
     agent = Agent(name, {"backends": {"mooncake": master.config(**params)}})
     agent.backend("mooncake")
     return agent
+
+
+def signal_get_returned(client, monkeypatch) -> threading.Event:
+    """An event set each time ``client.get`` returns or raises (everything that get would copy is copied by then)."""
+    done = threading.Event()
+    real_get = client.get
+
+    def get(*args, **kwargs):
+        try:
+            return real_get(*args, **kwargs)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(client, "get", get)
+    return done
 
 
 def until(cond, timeout: float = 30.0, what: str = "condition") -> None:

@@ -18,7 +18,7 @@ from datamover import DescList, XferState
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 
-from .test_backend import mooncake_agent, until
+from .test_backend import mooncake_agent, signal_get_returned, until
 
 SIZE = 64 << 10
 #: the READ's timeout: its part checks the deadline before it calls the store, so the pool thread must reach that
@@ -80,16 +80,7 @@ def _setup(agent, key: str, store_call: str, before: bool, monkeypatch):
     client = agent.backend("mooncake").client
     held = HeldStore(client._store, store_call, before)
     monkeypatch.setattr(client, "_store", held)
-    done = threading.Event()
-    real_get = client.get
-
-    def get(*args, **kwargs):
-        try:
-            return real_get(*args, **kwargs)
-        finally:
-            done.set()
-
-    monkeypatch.setattr(client, "get", get)
+    done = signal_get_returned(client, monkeypatch)
     return buf, data, dst, held, done
 
 

@@ -14,7 +14,7 @@ from datamover.backends.mooncake import codes
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
 
-from .test_backend import mooncake_agent, until
+from .test_backend import mooncake_agent, signal_get_returned, until
 
 SIZE = 4096
 START_S = 2.0  # the READ's timeout: long enough for a pool thread to reach the store call on a loaded machine
@@ -67,16 +67,7 @@ def test_a_read_stuck_in_the_store_ends_at_its_deadline_and_is_not_retried_past_
     client = agent.backend("mooncake").client
     parked = Parked(client._store, "batch_get_into", codes.RPC_TIMEOUT)
     monkeypatch.setattr(client, "_store", parked)
-    done = threading.Event()
-    real_get = client.get
-
-    def get(*args, **kwargs):
-        try:
-            return real_get(*args, **kwargs)
-        finally:
-            done.set()
-
-    monkeypatch.setattr(client, "get", get)
+    done = signal_get_returned(client, monkeypatch)
     xfer = agent.transfer("READ", buf.descs([0], [SIZE]), dst, timeout=START_S)
     assert parked.reached.wait(60), "the READ never reached the store"
     with pytest.raises(TransferTimeout):
