@@ -1,5 +1,6 @@
 """Remote agents over ucx, each peer a real process: side channel, refresh, notifications, refusals, SIGKILL."""
 
+import contextlib
 import os
 import signal
 import threading
@@ -521,15 +522,22 @@ def test_tls_includes_reads_ucx_tls_as_ucx_does():
     assert not tls_includes("tcp,self", "cma", sm) and tls_includes(" cma , tcp", "cma", sm)
 
 
-def test_a_failing_periodic_step_leaves_the_service_loop_serving(monkeypatch):
-    """A bug in a periodic step (here _bury) is logged; the loop goes on, and the next transfer completes at once."""
-    from datamover.backends.ucx.backend import UcxBackend
-
-    with RemotePeer("step-target", UCX) as peer, Agent("step-me", UCX) as agent:
+@contextlib.contextmanager
+def _connected(name: str):
+    """(target peer, agent, 1 MiB buffer on the peer, 1 MiB local buffer) after one READ went through."""
+    with RemotePeer(f"{name}-target", UCX) as peer, Agent(f"{name}-me", UCX) as agent:
         buf = RemoteBuffer(peer, 1 << 20)
         agent.add_remote(peer.metadata())
         local = HostBuffer(agent, 1 << 20)
         assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+        yield peer, agent, buf, local
+
+
+def test_a_failing_periodic_step_leaves_the_service_loop_serving(monkeypatch):
+    """A bug in a periodic step (here _bury) is logged; the loop goes on, and the next transfer completes at once."""
+    from datamover.backends.ucx.backend import UcxBackend
+
+    with _connected("step") as (peer, agent, buf, local):
         backend, real, fired = agent.backend("ucx"), UcxBackend._bury, threading.Event()
 
         def bury(self):
@@ -551,11 +559,7 @@ def test_a_dead_service_thread_fails_transfers_at_once(monkeypatch):
     """If the service thread dies anyway, the backend refuses new work with RemoteDisconnected (it sat in PROC)."""
     from datamover.backends.ucx.backend import UcxBackend
 
-    with RemotePeer("dead-target", UCX) as peer, Agent("dead-me", UCX) as agent:
-        buf = RemoteBuffer(peer, 1 << 20)
-        agent.add_remote(peer.metadata())
-        local = HostBuffer(agent, 1 << 20)
-        assert agent.transfer("READ", local.descs([0], [4096]), buf.descs([0], [4096]), peer.name).wait()
+    with _connected("dead") as (peer, agent, buf, local):
         backend = agent.backend("ucx")
 
         def in_flight(self):
