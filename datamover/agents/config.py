@@ -8,6 +8,9 @@ from typing import Any
 
 from ..errors import InvalidParameter, UnknownBackend
 
+#: the longest transfer timeout taken (a year): past it, waits on a lock overflow the platform's timeout
+MAX_TIMEOUT_S = 365 * 86400.0
+
 
 @dataclass
 class AgentConfig:
@@ -65,7 +68,7 @@ class AgentConfig:
                     f"config 'backends' names {', '.join(map(repr, unknown))}, which no installed backend is; "
                     f"known: {', '.join(known)}"
                 )
-        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= 365 * 86400):
+        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
             raise InvalidParameter(
                 f"config 'timeout_s' must be a number of seconds in (0, a year], got {self.timeout_s!r}"
             )

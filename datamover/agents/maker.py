@@ -14,13 +14,10 @@ from ..descriptors import DescList, RegionTable
 from ..descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from ..errors import InvalidDescriptor, InvalidParameter, LengthMismatch, OverlappingDestination
 from .backend_set import BackendSet
-from .config import AgentConfig
+from .config import MAX_TIMEOUT_S, AgentConfig
 from .peers import Peers
 from .registry import Registry
 from .transfer import Transfer
-
-#: the longest transfer timeout taken (a year): past it, waits on a lock overflow the platform's timeout
-MAX_TIMEOUT_S = 365 * 86400.0
 
 
 class Prepared:
