@@ -68,7 +68,7 @@ NAMES = {
     -713: "REPLICA_NOT_IN_LOCAL_MEMORY",
     -714: "OBJECT_REPLICA_BUSY",
     TRANSFER_FAIL: "TRANSFER_FAIL",
-    CHECKSUM_MISMATCH: "CHECKSUM_MISMATCH (CRC32C of the bytes read differs from the one written)",
+    CHECKSUM_MISMATCH: "CHECKSUM_MISMATCH (CRC32C of key and bytes read differs from the one written)",
     RPC_FAIL: "RPC_FAIL (is the master reachable?)",
     RPC_TIMEOUT: "RPC_TIMEOUT",
     -1010: "UNAVAILABLE_IN_CURRENT_STATUS",

@@ -1,5 +1,7 @@
-"""datamover's objects in a Mooncake pool: the payload, then a 16-byte trailer (magic ``DMv1``, the payload's
-CRC32C and its length, little-endian u32, u32, u64), and the batched puts and gets that write and check them.
+"""datamover's objects in a Mooncake pool: the payload, then a 16-byte trailer (magic ``DMv2``, the CRC32C of the
+object's key then its payload, and the payload's length, little-endian u32, u32, u64), and the batched puts and
+gets that write and check them. The key is in the CRC so that an object read under another key than the one it
+was written for (a misplaced or copied object) fails its check instead of serving another chunk's bytes.
 
 Two ways to move them, both batched calls on registered memory:
 
@@ -17,7 +19,7 @@ Two ways to move them, both batched calls on registered memory:
   (``transfer_mode="staged"``) never writes the caller's memory after a cancel.
 
 A get is accepted only when the store answered exactly payload + trailer bytes, the trailer's magic and length
-are the ones expected and the CRC32C of the payload matches; anything else is a miss for that key.
+are the ones expected and the CRC32C of the key and payload matches; anything else is a miss for that key.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ try:
 except ImportError:  # MooncakeBackend.available() says what to install
     _crc = None
 
-MAGIC = 0x31764D44  # b"DMv1" little-endian
+MAGIC = 0x32764D44  # b"DMv2" little-endian (DMv1 had the payload's CRC32C alone)
 TRAILER = 16
 _TRAILER = struct.Struct("<IIQ")
 _MIN_BLOCK = 4 << 20
@@ -126,19 +128,21 @@ def put_objects(
         lens: list[Any] = []
         off = 0
         if staged:
-            for a, s in zip(addrs, sizes):
+            for k, a, s in zip(keys, addrs, sizes):
                 # the slot starts at a's offset in its page: a copy between buffers a few bytes apart modulo a
                 # page takes several times as long (the CPU sees false store-to-load dependencies)
                 off += (a - base - off) % _PAGE
                 _memmove(base + off, a, s)
-                _pack_into(mv, off + s, MAGIC, _crc(mv[off : off + s]), s)
+                _pack_into(mv, off + s, MAGIC, _crc(mv[off : off + s], _crc(k.encode())), s)
                 ptrs.append(base + off)
                 lens.append(s + TRAILER)
                 off += s + TRAILER
             res = (store.batch_upsert_from if upsert else store.batch_put_from)(keys, ptrs, lens, config)
         else:
-            for a, s in zip(addrs, sizes):
-                crc = _crc((ctypes.c_char * s).from_address(a)) if s else 0
+            for k, a, s in zip(keys, addrs, sizes):
+                crc = _crc(k.encode())
+                if s:
+                    crc = _crc((ctypes.c_char * s).from_address(a), crc)
                 _pack_into(mv, off, MAGIC, crc, s)
                 ptrs.append([a, base + off] if s else [base + off])
                 lens.append([s, TRAILER] if s else [TRAILER])
@@ -205,7 +209,7 @@ def get_objects(
                 return [codes.CANCELLED] * n
             entered = True
         out = []
-        for a, s, o, r in zip(addrs, sizes, offs, got):
+        for k, a, s, o, r in zip(keys, addrs, sizes, offs, got):
             if r != s + TRAILER:
                 st = r if r < 0 else codes.SIZE_MISMATCH
             else:
@@ -213,7 +217,7 @@ def get_objects(
                 if magic != MAGIC or length != s:
                     st = codes.NOT_DATAMOVER
                 elif staged:
-                    if _crc(mv[o : o + s]) == crc:
+                    if _crc(mv[o : o + s], _crc(k.encode())) == crc:
                         if s:
                             _memmove(a, base + o, s)
                         out.append(0)
@@ -221,7 +225,7 @@ def get_objects(
                     st = codes.CHECKSUM_MISMATCH
                 else:
                     payload = (ctypes.c_char * s).from_address(a) if s else b""
-                    st = 0 if _crc(payload) == crc else codes.CHECKSUM_MISMATCH
+                    st = 0 if _crc(payload, _crc(k.encode())) == crc else codes.CHECKSUM_MISMATCH
             if st != 0 and not staged and s:
                 ctypes.memset(a, 0, s)
             out.append(st)

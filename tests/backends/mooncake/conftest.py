@@ -13,21 +13,22 @@ from datamover.testing import ObjectBuffer
 from datamover.testing.mooncake import MooncakeMaster
 
 
-def pack(payload: bytes, crc: int | None = None, length: int | None = None, magic: int = MAGIC) -> bytes:
-    """An object in datamover's format (payload, then magic, CRC32C, length), built by hand."""
+def pack(key: str, payload: bytes, crc: int | None = None, length: int | None = None, magic: int = MAGIC) -> bytes:
+    """Object ``key`` in datamover's format (payload, then magic, CRC32C of key and payload, length), by hand."""
     import crc32c
 
-    crc = crc32c.crc32c(payload) if crc is None else crc
+    crc = crc32c.crc32c(key.encode() + payload) if crc is None else crc
     return payload + struct.pack("<IIQ", magic, crc, len(payload) if length is None else length)
 
 
-def unpack(blob: bytes) -> bytes:
-    """The payload of an object in datamover's format, its trailer checked."""
+def unpack(key: str, blob: bytes) -> bytes:
+    """The payload of object ``key`` in datamover's format, its trailer checked."""
     import crc32c
 
     magic, crc, length = struct.unpack("<IIQ", blob[-16:])
     payload = blob[:-16]
-    assert magic == MAGIC and length == len(payload) and crc == crc32c.crc32c(payload), "bad trailer"
+    assert magic == MAGIC and length == len(payload), "bad trailer"
+    assert crc == crc32c.crc32c(key.encode() + payload), "bad CRC32C (or an object written for another key)"
     return payload
 
 
@@ -76,8 +77,8 @@ class PoolObjects(ObjectBuffer):
 
     def put_object(self, key: str, data: bytes) -> None:
         self.raw.store.remove(f"{self.bucket}/{key}", True)  # Mooncake keeps the first object under a key
-        self.raw.put(f"{self.bucket}/{key}", pack(data))
+        self.raw.put(f"{self.bucket}/{key}", pack(f"{self.bucket}/{key}", data))
 
     def get_object(self, key: str) -> bytes | None:
         blob = self.raw.get(f"{self.bucket}/{key}")
-        return None if blob is None else unpack(blob)
+        return None if blob is None else unpack(f"{self.bucket}/{key}", blob)

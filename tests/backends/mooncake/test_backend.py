@@ -100,14 +100,33 @@ def test_corrupt_object_is_a_miss(agent, raw):
     bytes."""
     reg = agent.register_objects("it", prefix="crc/")
     payload = random_bytes(5000, 1)
-    raw.put("it/crc/bad", pack(payload, crc=12345))
-    raw.put("it/crc/good", pack(payload))
+    raw.put("it/crc/bad", pack("it/crc/bad", payload, crc=12345))
+    raw.put("it/crc/good", pack("it/crc/good", payload))
     buf = HostBuffer(agent, 10_000)
     buf.write(0, b"\xff" * 10_000)
     with pytest.raises(ChecksumMismatch) as info:
         read(agent, buf, reg, ["crc/good", "crc/bad"], 5000).wait()
     assert info.value.index == 1 and "it/crc/bad" in str(info.value) and info.value.key == "crc/bad"
     assert buf.read(5000, 5000) == after_failure(agent, b"\xff" * 5000), "bytes that failed their checksum stayed"
+
+
+def test_object_under_another_key_is_a_miss(agent, raw):
+    """An intact object of key A found under key B (copied or misplaced) fails its check under B: the CRC32C
+    covers the key. Staged and zero-copy sizes both."""
+    reg = agent.register_objects("it", prefix="moved/")
+    for size in (5000, 2 * MiB):
+        payload = random_bytes(size, 7)
+        buf = HostBuffer(agent, size)
+        buf.write(0, payload)
+        write(agent, buf, reg, [f"moved/a{size}"], size)
+        raw.put(f"it/moved/b{size}", raw.get(f"it/moved/a{size}"))
+        buf.write(0, b"\xee" * size)
+        with pytest.raises(ChecksumMismatch) as info:
+            read(agent, buf, reg, [f"moved/b{size}"], size).wait()
+        assert f"it/moved/b{size}" in str(info.value)
+        assert buf.read(0, size) == after_failure(agent, b"\xee" * size), "another key's bytes were served"
+        read(agent, buf, reg, [f"moved/a{size}"], size).wait()
+        assert buf.read(0, size) == payload
 
 
 def test_foreign_objects_refused(agent, raw):
@@ -287,7 +306,7 @@ def test_sizes_from_the_store_are_bounded(mooncake_master, raw):
     """An object larger than max_object_bytes is refused before anything is allocated for it."""
     with mooncake_agent(mooncake_master, "bound", max_object_bytes=1 * MiB) as a:
         reg = a.register_objects("it", prefix="big/")
-        raw.put("it/big/x", pack(random_bytes(2 * MiB, 4)))
+        raw.put("it/big/x", pack("it/big/x", random_bytes(2 * MiB, 4)))
         buf = HostBuffer(a, 4096)
         src = DescList.objects(reg, [100], [10], keys=["big/x"])
         with pytest.raises(ObjectStoreError, match="max_object_bytes"):
@@ -300,7 +319,7 @@ def test_prefix_and_past_the_end(agent, raw):
     """A READ of fewer bytes than the object is its prefix (verified whole first); past the end is refused."""
     reg = agent.register_objects("it", prefix="pre/")
     data = random_bytes(9000, 5)
-    raw.put("it/pre/o", pack(data))
+    raw.put("it/pre/o", pack("it/pre/o", data))
     buf = HostBuffer(agent, 10_000)
     read(agent, buf, reg, ["pre/o"], 4000).wait()
     assert buf.read(0, 4000) == data[:4000]
@@ -321,7 +340,7 @@ def test_p2p_handshake_metadata():
         try:
             from .conftest import unpack
 
-            assert unpack(other.get("p2p/b")) == data[65536:131072]
+            assert unpack("p2p/b", other.get("p2p/b")) == data[65536:131072]
         finally:
             other.close()
 
