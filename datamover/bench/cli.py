@@ -16,8 +16,8 @@ DEFAULT_BLOCKS = "4K,64K,1M,16M,64M"
 DEFAULT_BATCHES = "1,64,4096"
 #: which backend carries each path of a model-shaped run
 MODEL_PATHS = {"offload (DRAM <-> FILE)": "posix", "PD (DRAM -> remote DRAM)": "ucx"}
-#: the ops a workload may time
-OPS = ("WRITE", "READ")
+#: the ops a workload may time (LOOKUP: the mooncake workload's pool existence checks)
+OPS = ("WRITE", "READ", "LOOKUP")
 
 
 def add_bench_parser(sub) -> None:
@@ -27,7 +27,9 @@ def add_bench_parser(sub) -> None:
         default="all",
         help="comma-separated backends, or 'all' for every usable one with a workload (default)",
     )
-    p.add_argument("--op", default=None, help="WRITE, READ or both (default: what each backend supports)")
+    p.add_argument(
+        "--op", default=None, help="comma-separated WRITE, READ, LOOKUP (default: what each backend supports)"
+    )
     p.add_argument("--block-sizes", default=DEFAULT_BLOCKS, help=f"comma-separated sizes (default {DEFAULT_BLOCKS})")
     p.add_argument("--batch-sizes", default=DEFAULT_BATCHES, help=f"comma-separated (default {DEFAULT_BATCHES})")
     p.add_argument("--max-bytes", default="256M", help="skip cases moving more than this per transfer")
@@ -180,7 +182,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     ops = [o.strip().upper() for o in args.op.split(",")] if args.op else None
     unknown_ops = [o for o in ops or () if o not in OPS]
     if unknown_ops:
-        print(f"datamover bench: unknown --op {', '.join(unknown_ops)}; ops are {' and '.join(OPS)}", file=sys.stderr)
+        print(f"datamover bench: unknown --op {', '.join(unknown_ops)}; ops are {', '.join(OPS)}", file=sys.stderr)
         return 2
     options: dict = {"posix": {"dir": args.dir}} if args.dir else {}
     for backend, key, value in (parse_param(text) for text in args.param):

@@ -132,7 +132,7 @@ def test_bad_posix_param_is_one_line_and_leaves_no_file(tmp_path, capsys, value)
 def test_unknown_op_is_refused(capsys) -> None:
     assert main(["bench", "--backend", "memcpy", "--op", "FOO", *TINY]) == 2
     out, err = capsys.readouterr()
-    assert err.strip() == "datamover bench: unknown --op FOO; ops are WRITE and READ"
+    assert err.strip() == "datamover bench: unknown --op FOO; ops are WRITE, READ, LOOKUP"
     assert "GB/s" not in out
 
 

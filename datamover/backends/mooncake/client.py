@@ -471,11 +471,15 @@ class Asker:
                 self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
                 self._thread.start()
             self._running += 1
-        job: list[Any] = [fn, threading.Event(), None, None]  # fn, done, result, exception
+        # a bare lock that the serving thread releases: an Event would wake the caller through its Condition's locks,
+        # more hand-offs between the two threads on every call
+        done = threading.Lock()
+        done.acquire()
+        job: list[Any] = [fn, done, None, None]  # fn, done, result, exception
         self._jobs.put(job)
-        if not job[1].wait(timeout):
+        if not done.acquire(True, max(timeout, 0.0)):
             with self._lock:
-                if not job[1].is_set():
+                if not done.acquire(False):
                     self._stuck = True
                     return False, None
         if job[3] is not None:
@@ -492,11 +496,11 @@ class Asker:
             except BaseException as exc:  # handed to the caller
                 job[3] = exc
             with self._lock:
-                job[1].set()
                 self._running -= 1
                 if not self._running:
                     self._stuck = False
                     self._idle.notify_all()
+                job[1].release()
 
     def stop(self, timeout: float | None) -> bool:
         """Wait (at most ``timeout``) for the calls asked to return, then let the thread end; False if one is stuck."""

@@ -11,8 +11,10 @@ import pytest
 
 from datamover import DescList, XferState
 from datamover.backends.mooncake import codes
+from datamover.backends.mooncake.client import Asker
 from datamover.errors import TransferTimeout
 from datamover.testing import HostBuffer, random_bytes
+from datamover.testing.waiting import BOUND_S
 
 from .test_backend import mooncake_agent, signal_get_returned, until
 
@@ -119,3 +121,56 @@ def test_close_does_not_wait_for_a_stuck_store_call(mooncake_master, monkeypatch
         closing.join(60)
         xfer.release()
         a.close()
+
+
+def test_asker_answers_raises_and_waits_no_longer_than_asked():
+    """The asking thread on its own (no store): an answer in time, an exception handed over, a call parked on an
+    Event answered "not in time" while it stays parked, no second call started meanwhile, a timeout of 0 or less
+    a check without a wait (not an error), and real answers again once the parked call returned."""
+    asker = Asker("test-asker")
+    go = threading.Event()
+    calls = []
+
+    def parked():
+        calls.append("parked")
+        assert go.wait(BOUND_S), "the test never let the call go"
+        return "late"
+
+    try:
+        assert asker.ask(lambda: 7, BOUND_S) == (True, 7)
+        with pytest.raises(ZeroDivisionError):
+            asker.ask(lambda: 1 / 0, BOUND_S)
+        assert asker.ask(parked, 0.05) == (False, None)
+        assert asker.ask(lambda: calls.append("second"), BOUND_S) == (False, None)  # at once: one is stuck
+        assert asker.ask(lambda: calls.append("third"), -1.0) == (False, None)
+        assert calls == ["parked"] and not go.is_set()
+        go.set()
+        until(lambda: asker.ask(lambda: 8, BOUND_S) == (True, 8), what="a real answer after the parked call")
+        assert asker.ask(lambda: 9, -0.5) in ((True, 9), (False, None))
+        until(lambda: asker.ask(lambda: 10, BOUND_S) == (True, 10), what="a real answer after a check without a wait")
+    finally:
+        go.set()
+        asker.stop(BOUND_S)
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_asker_stop_says_a_call_is_stuck_and_leaves_no_thread(stuck):
+    """stop with a call parked answers False without waiting for it, and the thread ends once the call returned;
+    with nothing in flight stop answers True and the thread ends."""
+    asker = Asker("test-asker-stop")
+    go, reached = threading.Event(), threading.Event()
+
+    def parked():
+        reached.set()
+        assert go.wait(BOUND_S), "the test never let the call go"
+
+    if stuck:
+        assert asker.ask(parked, 0.05) == (False, None)
+        assert reached.wait(BOUND_S)
+    else:
+        assert asker.ask(lambda: 1, BOUND_S) == (True, 1)
+    thread = asker._thread
+    assert asker.stop(0.05) is not stuck
+    go.set()
+    thread.join(BOUND_S)
+    assert not thread.is_alive()
