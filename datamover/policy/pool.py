@@ -77,14 +77,15 @@ class SharedPool:
         took = time.perf_counter() - t0
         self._lookup_s.append(took)
         self._check_budget()
-        if found and found[0] == -1:
+        if found and found[0] < 0:
             self._unanswered += 1
             now = time.monotonic()
             if now - self._warned_late_at >= WARN_EVERY_S:
+                why = f"within {self.bound_s:.3f} s" if found[0] == -1 else f"({codes.name(int(found[0]))})"
                 log.warning(
-                    "l4_pool: the pool did not answer an existence check within %.3f s (%d unanswered since the last"
-                    " warning; a stalled master?): those chunks count as misses",
-                    self.bound_s, self._unanswered,
+                    "l4_pool: the pool did not answer an existence check %s (%d unanswered since the last warning;"
+                    " a stalled or stopped master?): those chunks count as misses",
+                    why, self._unanswered,
                 )  # fmt: skip
                 self._warned_late_at, self._unanswered = now, 0
         return next((i for i, f in enumerate(found) if f != 1), len(keys))

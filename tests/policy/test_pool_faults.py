@@ -100,3 +100,18 @@ def test_a_clear_the_pool_cannot_take_still_empties_this_caches_tiers(mooncake_m
         m.start()
     finally:
         cache.close()
+
+
+def test_an_existence_check_the_master_refuses_is_a_miss_and_said(mooncake_master, monkeypatch, caplog):
+    """A refused existence check (RPC_FAIL: a master gone) serves misses and is logged with Mooncake's status,
+    as a late one is (it was a silent miss)."""
+    cache = TieredCache(pool_config(mooncake_master, "refused"))
+    try:
+        probe = chunk_keys(range(910, 912), "m", "t")
+        client = cache.pool.client
+        monkeypatch.setattr(client, "exists", lambda keys, timeout=None: [-900] * len(keys))
+        with caplog.at_level("WARNING", logger="datamover.kvcache"):
+            assert cache.lookup(probe) == (0, [])
+        assert "did not answer an existence check (RPC_FAIL" in caplog.text
+    finally:
+        cache.close()
