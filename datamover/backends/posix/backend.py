@@ -493,6 +493,7 @@ class PosixBackend(Backend):
             lo = off - off % A
             hi = -(-(off + piece) // A) * A
             span = bounce[: hi - lo]
+            at = lo  # the file offset the call under way starts at: a failure names the descriptor of its byte
             try:
                 if write:
                     with h.rmw_lock:
@@ -500,8 +501,10 @@ class PosixBackend(Backend):
                         if off != lo:
                             self._read_block(h, span[:A], lo)
                         if (off + piece) % A and (hi - A != lo or off == lo):
-                            self._read_block(h, span[-A:], hi - A)
+                            at = hi - A
+                            self._read_block(h, span[-A:], at)
                         span[off - lo : off - lo + piece] = user[done : done + piece]
+                        at = lo
                         self._vectored(h, [span], lo, True)
                         if hi > size:
                             os.ftruncate(h.fd, max(size, off + piece))
@@ -517,7 +520,8 @@ class PosixBackend(Backend):
             except OSError as exc:
                 if isinstance(exc, TransferIOError):
                     raise
-                raise self._error(req, row, h, exc, write, moved=done) from exc
+                failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
+                raise self._error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
             done += piece
 
     @staticmethod
@@ -526,7 +530,11 @@ class PosixBackend(Backend):
         got = 0
         mv = memoryview(span).cast("B")
         while got < span.shape[0]:
-            n = os.preadv(h.fd, [mv[got:]], offset + got)
+            try:
+                n = os.preadv(h.fd, [mv[got:]], offset + got)
+            except OSError as exc:
+                exc.moved = got  # type: ignore[attr-defined]  # what did move names the failing byte
+                raise
             if n == 0:
                 break
             got += n
