@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import MemType, aligned_empty
-from ...errors import TransferIOError
+from ...errors import InvalidParameter, TransferIOError
 from ...units import size_text
 from ..base import (
     Backend,
@@ -200,6 +200,7 @@ class PosixBackend(Backend):
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)
+        _check_params(self.params)
         self._pool = Workers(int(self.params["threads"]), "dm-posix")
         self._bounce = threading.local()
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
@@ -572,6 +573,22 @@ class PosixBackend(Backend):
         self._pool.shutdown(wait=True)
         for ctx in self._aio_all:
             ctx.close()
+
+
+def _check_params(p: Mapping[str, Any]) -> None:
+    """Refuse (``InvalidParameter``) what would fail later untyped, or spin: alignments that are not powers of two,
+    a bounce buffer with no room for a block between a row's two partial ones, an AIO context of no I/Os."""
+    for key in ("alignment", "mem_alignment"):
+        value = p[key]
+        if value < 1 or value & (value - 1):
+            raise InvalidParameter(f"{key} must be a power of two, got {value!r}", backend="posix")
+    if p["bounce_bytes"] < 3 * p["alignment"]:
+        raise InvalidParameter(
+            f"bounce_bytes must be at least 3 x alignment ({3 * p['alignment']}), got {p['bounce_bytes']!r}",
+            backend="posix",
+        )
+    if p["aio_depth"] < 1:
+        raise InvalidParameter(f"aio_depth must be at least 1, got {p['aio_depth']!r}", backend="posix")
 
 
 def _index_at(req, first: int, views: list, moved: int) -> int:

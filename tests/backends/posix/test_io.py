@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from datamover import Agent, DescList, aligned_empty
-from datamover.errors import TransferIOError
+from datamover.errors import InvalidParameter, TransferIOError
 
 SIZE = 5 * 4096 + 123  # not a multiple of the O_DIRECT block
 
@@ -140,3 +140,21 @@ def test_fsync_option_syncs_written_files(tmp_path, monkeypatch):
             assert bool(synced) == fsync
             if fsync:
                 assert synced == [reg.handles["posix"].fd]
+
+
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"bounce_bytes": 8192}, "bounce_bytes"),  # no room for a block between the two partial ones: post() spun
+        ({"bounce_bytes": 0}, "bounce_bytes"),
+        ({"alignment": 0}, "alignment"),  # ZeroDivisionError at make time
+        ({"alignment": 1000}, "alignment"),
+        ({"mem_alignment": 0}, "mem_alignment"),
+        ({"aio_depth": 0}, "aio_depth"),  # io_setup's EINVAL escaped post() untyped
+    ],
+)
+def test_parameters_out_of_range_are_refused_when_the_backend_starts(params, key):
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        with pytest.raises(InvalidParameter, match=key) as info:
+            agent.backend("posix")
+        assert info.value.backend == "posix"
