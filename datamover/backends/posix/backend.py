@@ -80,7 +80,11 @@ def probe_direct(directory: str) -> tuple[bool, str]:
 
 @dataclass
 class FileHandle:
-    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write."""
+    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write.
+
+    ``tail_fd`` is the same file opened buffered, on first need (``-1`` until then): an unaligned write whose
+    last block lies past the end of the file goes through it, so the file grows to the end of the caller's bytes
+    and not a byte further."""
 
     fd: int
     path: str
@@ -88,6 +92,7 @@ class FileHandle:
     size: int
     note: str = ""
     rmw_lock: threading.Lock = field(default_factory=threading.Lock)
+    tail_fd: int = -1
 
 
 _ONE_RANGE = ((0, 1),)
@@ -255,6 +260,8 @@ class PosixBackend(Backend):
     def deregister(self, reg, handle: FileHandle | None) -> None:
         if handle is not None:
             os.close(handle.fd)
+            if handle.tail_fd >= 0:
+                os.close(handle.tail_fd)
 
     def describe(self) -> dict[str, Any]:
         files = {}
@@ -430,7 +437,7 @@ class PosixBackend(Backend):
                 self._bounce_io(req, h, i, offs[i], views[i], write)
             return h.fd
         try:
-            self._vectored(h, views[s:e], offs[s], write)
+            self._vectored(h.fd, views[s:e], offs[s], write)
         except OSError as exc:
             if exc.errno == errno_mod.EINVAL and h.direct:
                 # the device wants stricter alignment than configured: take the bounce path
@@ -448,9 +455,9 @@ class PosixBackend(Backend):
         return h.fd
 
     @staticmethod
-    def _vectored(h: FileHandle, views: list[memoryview], offset: int, write: bool) -> None:
+    def _vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:
         """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
-        n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+        n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
         if n == sum(v.nbytes for v in views):
             return
         views, moved = list(views), 0
@@ -469,7 +476,7 @@ class PosixBackend(Backend):
             if n:
                 views[0] = views[0][n:]
             try:
-                n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+                n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
             except OSError as exc:
                 exc.moved = moved  # type: ignore[attr-defined]
                 raise
@@ -498,17 +505,21 @@ class PosixBackend(Backend):
             try:
                 if write:
                     with h.rmw_lock:
-                        size = os.fstat(h.fd).st_size
-                        if off != lo:
-                            self._read_block(h, span[:A], lo)
-                        if (off + piece) % A and (hi - A != lo or off == lo):
-                            at = hi - A
-                            self._read_block(h, span[-A:], at)
-                        span[off - lo : off - lo + piece] = user[done : done + piece]
-                        at = lo
-                        self._vectored(h, [span], lo, True)
-                        if hi > size:
-                            os.ftruncate(h.fd, max(size, off + piece))
+                        if (off + piece) % A and hi > os.fstat(h.fd).st_size:
+                            # the piece's last block reaches past the end of the file: a whole-block write would
+                            # grow it past the caller's bytes, and cutting it back could cut off a write that grew
+                            # it meanwhile; a buffered write grows it to the end of the caller's bytes at most
+                            at = off
+                            self._vectored(self._tail_fd(h), [memoryview(user[done : done + piece])], off, True)
+                        else:
+                            if off != lo:
+                                self._read_block(h, span[:A], lo)
+                            if (off + piece) % A and (hi - A != lo or off == lo):
+                                at = hi - A
+                                self._read_block(h, span[-A:], at)
+                            span[off - lo : off - lo + piece] = user[done : done + piece]
+                            at = lo
+                            self._vectored(h.fd, [span], lo, True)
                 else:
                     got = self._read_upto(h, span, lo)
                     if got < off - lo + piece:
@@ -524,6 +535,17 @@ class PosixBackend(Backend):
                 failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
                 raise self._error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
             done += piece
+
+    def _tail_fd(self, h: FileHandle) -> int:
+        """``h``'s file opened buffered (once; under ``h.rmw_lock``), checked to be the file ``h.fd`` is."""
+        if h.tail_fd < 0:
+            fd = os.open(h.path, os.O_RDWR)
+            now, then = os.fstat(fd), os.fstat(h.fd)
+            if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+                os.close(fd)
+                raise OSError(errno_mod.ESTALE, "the path no longer names the file registered there")
+            h.tail_fd = fd
+        return h.tail_fd
 
     @staticmethod
     def _read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
