@@ -210,6 +210,7 @@ class PosixBackend(Backend):
         self._bounce = threading.local()
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
         self._aio_all: list = []
+        self._aio_refused = False  # io_setup refused a context once (logged once)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -345,9 +346,13 @@ class PosixBackend(Backend):
 
         if p.aio is not None:
             return self._post_aio(req, p, write)
-        if p.inline:
+        return self._post_groups(req, p, write, p.ranges, p.inline)
+
+    def _post_groups(self, req, p, write: bool, ranges: list[tuple[int, int]], inline: bool) -> Completion:
+        """The synchronous path: ``ranges`` of groups, here (``inline``) or on the pool."""
+        if inline:
             # no thread hop: post() returns DONE or ERR
-            return run_inline(p.ranges, self._run_groups, req, p, write, backend=self.name)
+            return run_inline(ranges, self._run_groups, req, p, write, backend=self.name)
 
         def work(a: int, b: int, completion: Completion) -> None:
             self._run_groups(req, p, write, a, b, completion)
@@ -355,7 +360,7 @@ class PosixBackend(Backend):
         # a READ's preadv writes into the caller's memory, a WRITE's pwritev reads it (a buffer reused after ERR
         # must not reach the file under this transfer's name): once it is cancelled (timed out, released) its
         # fence waits for the syscalls in flight, and no later one starts
-        return run_parts(self._pool, p.ranges, work, backend=self.name, completion_type=ReadFence)
+        return run_parts(self._pool, ranges, work, backend=self.name, completion_type=ReadFence)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:
@@ -368,7 +373,15 @@ class PosixBackend(Backend):
         try:
             ctx = self._aio_free.get_nowait()
         except queue.Empty:
-            ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
+            try:
+                ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
+            except OSError as exc:
+                # AIO contexts come from a budget the whole machine shares (fs.aio-max-nr): with none to be had
+                # the batch takes the synchronous path
+                if not self._aio_refused:
+                    self._aio_refused = True
+                    log.warning("posix: no AIO context to be had (%s); such batches run synchronously", exc)
+                return self._post_groups(req, p, write, [(0, len(p.groups))], p.inline)
             self._aio_all.append(ctx)
         try:
             run = ctx.start(p.aio, rows=False)
