@@ -246,17 +246,21 @@ class PosixBackend(Backend):
                 fd = os.open(reg.path, os.O_RDWR | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno_mod.EINVAL:
-                    raise TransferIOError(
-                        f"cannot open {reg.path!r}: {exc.strerror}", errno=exc.errno, backend=self.name
-                    ) from exc
+                    raise self._open_error(reg.path, exc) from exc
                 note = f"buffered: the filesystem refuses O_DIRECT ({exc.strerror})"
-                dev = os.stat(reg.path).st_dev
-                if dev not in _warned_devices:
-                    _warned_devices.add(dev)
-                    log.warning("posix: %s refuses O_DIRECT; falling back to buffered I/O", reg.path)
         if fd < 0:
-            fd = os.open(reg.path, os.O_RDWR)
+            try:
+                fd = os.open(reg.path, os.O_RDWR)
+            except OSError as exc:
+                raise self._open_error(reg.path, exc) from exc
+            dev = os.fstat(fd).st_dev
+            if want_direct and dev not in _warned_devices:
+                _warned_devices.add(dev)
+                log.warning("posix: %s refuses O_DIRECT; falling back to buffered I/O", reg.path)
         return FileHandle(fd=fd, path=reg.path, direct=fd >= 0 and not note, size=reg.length, note=note or "O_DIRECT")
+
+    def _open_error(self, path: str, exc: OSError) -> TransferIOError:
+        return TransferIOError(f"cannot open {path!r}: {exc.strerror}", errno=exc.errno, backend=self.name)
 
     def deregister(self, reg, handle: FileHandle | None) -> None:
         if handle is not None:

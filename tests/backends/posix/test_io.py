@@ -194,3 +194,16 @@ def test_an_unaligned_write_past_the_end_keeps_a_concurrent_write_that_grew_the_
     assert len(data) == (512 << 10) + 4096, "the file lost the second WRITE's end"
     assert data[10:110] == b"\x11" * 100 and data[512 << 10 :] == b"\x22" * 4096
     assert not any(data[:10]) and not any(data[110 : 512 << 10])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_registered_file_gone_when_the_backend_starts_is_a_typed_error(tmp_path, direct):
+    """The backend opens registered files when it starts (lazily): one removed since is a TransferIOError naming
+    it, buffered as well as O_DIRECT (the buffered open let a bare FileNotFoundError out)."""
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        path = tmp_path / "gone.bin"
+        agent.register_file(path, size=4096, direct=direct)
+        path.unlink()
+        with pytest.raises(TransferIOError, match=r"gone\.bin") as info:
+            agent.backend("posix")
+        assert info.value.errno == errno.ENOENT and info.value.backend == "posix"
