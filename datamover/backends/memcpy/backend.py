@@ -25,6 +25,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...descriptors import DescList, MemType, Registration
+from ...errors import InvalidParameter
 from ...units import size_text
 from ..base import (
     Backend,
@@ -93,6 +94,8 @@ class MemcpyBackend(Backend):
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)
+        if self.params["threads"] < 1:
+            raise InvalidParameter(f"threads must be at least 1, got {self.params['threads']!r}", backend=self.name)
         self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-memcpy")
         self._views: dict[tuple[int, int, bool], np.ndarray] = {}  # (region id, block, writeable) -> strided view
 
