@@ -76,7 +76,10 @@ class StridedDescList:
 
     def select(self, indices: Any) -> DescList:
         """The blocks at flat ``indices`` as a DescList (vectorized; IndexError names the first bad index)."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = np.asarray(indices)
+        if idx.size and idx.dtype.kind not in "iu":
+            raise IndexError(f"block indices must be integers, got dtype {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
         n = len(self)
         bad = (idx < 0) | (idx >= n)
         if bad.any():
