@@ -149,11 +149,10 @@ class DescList:
     @classmethod
     def blocks(cls, buffer: Any, block_size: int) -> DescList:
         """A buffer cut into equal blocks of ``block_size`` bytes; the last may be shorter."""
-        if int(block_size) <= 0:
-            raise InvalidDescriptor(f"block_size must be positive, got {block_size}")
         info = buffer_info(buffer)
-        starts = np.arange(0, info.nbytes, int(block_size), dtype=np.int64)
-        lengths = np.minimum(int(block_size), info.nbytes - starts)
+        size = block_step(block_size, info.nbytes)
+        starts = np.arange(0, info.nbytes, size, dtype=np.int64)
+        lengths = np.minimum(size, info.nbytes - starts)
         rows = np.empty((starts.shape[0], 3), dtype=np.int64, order="F")
         rows[:, 0] = info.addr + starts
         rows[:, 1] = lengths
@@ -317,6 +316,15 @@ class DescList:
         rows = np.concatenate([p._rows for p in parts])
         owners = tuple(o for p in parts for o in p._owners)
         return DescList.wrap(np.asfortranarray(rows), self.mem_type, None, owners)
+
+
+def block_step(block_size: int, nbytes: int) -> int:
+    """``block_size`` checked (InvalidDescriptor unless positive) and cut to ``nbytes`` (numpy's arange takes no
+    step past int64): the step that cuts ``nbytes`` into blocks of ``block_size``."""
+    size = int(block_size)
+    if size <= 0:
+        raise InvalidDescriptor(f"block_size must be positive, got {block_size}")
+    return min(size, max(1, nbytes))
 
 
 def _one_value(col: np.ndarray) -> int | None:
