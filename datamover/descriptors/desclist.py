@@ -54,7 +54,10 @@ class DescList:
         owners: tuple = (),
     ) -> None:
         self.mem_type = MemType.parse(mem_type)
-        arr = np.asarray(rows)
+        try:
+            arr = np.asarray(rows)
+        except ValueError as exc:  # ragged rows
+            raise InvalidDescriptor(f"descriptor rows must have shape (N, 3) of (addr, length, dev): {exc}") from None
         if arr.size == 0:
             arr = np.zeros((0, 3), dtype=np.int64)
         if arr.ndim == 1 and arr.shape[0] == 3:

@@ -59,6 +59,10 @@ class StridedDescList:
         for k, c in enumerate(cols):
             if c.dtype.kind not in "iu":
                 raise InvalidDescriptor(f"strided column {k} must be integers, got dtype {c.dtype}")
+            if c.ndim != 1 or c.shape[0] not in (1, n):
+                raise InvalidDescriptor(f"strided column {k} of shape {c.shape} does not broadcast to {n} rows")
+            if c.dtype == np.uint64 and c.size and int(c.max()) > _INT64_MAX:
+                raise InvalidDescriptor(f"strided column {k} values exceed int64")
             rows[:, k] = np.broadcast_to(c.astype(np.int64), (n,))
         return cls(rows, mem_type)
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from datamover import DescList, MemType
-from datamover.descriptors import Registration
+from datamover.descriptors import Registration, StridedDescList
 from datamover.descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from datamover.errors import InvalidDescriptor
 
@@ -207,3 +207,17 @@ def test_blocks_larger_than_the_buffer_are_one_block_however_large():
     for size in (10_000, 1 << 40, 1 << 70):
         assert DescList.blocks(buf, size).rows.tolist() == [[buf.ctypes.data, 10_000, 0]]
         assert reg.blocks(size).rows.tolist() == [[1 << 20, 10_000, 0]]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: DescList([[1, 2, 3], [4, 5]], "DRAM"), "shape"),  # ragged rows: numpy's bare ValueError
+        (lambda: DescList([[1, 2, 3]], "NOPE"), "memory type"),
+        (lambda: StridedDescList.from_columns([1, 2], [3, 4, 5], 0, 0, 1), "broadcast"),
+        (lambda: StridedDescList.from_columns(np.array([2**63], np.uint64), 1, 0, 0, 1), "exceed int64"),
+    ],
+)
+def test_malformed_lists_are_invalid_descriptors(make, match):
+    with pytest.raises(InvalidDescriptor, match=match):
+        make()
