@@ -429,12 +429,12 @@ class PosixBackend(Backend):
             if fence is None:
                 if completion.cancelled:
                     return
-                touched.add(self._run_group(req, p, g, write))
+                touched.add(self._run_group(req, p, g, write, completion))
                 continue
             if not fence.enter():
                 return
             try:
-                touched.add(self._run_group(req, p, g, write))
+                touched.add(self._run_group(req, p, g, write, completion))
             finally:
                 fence.leave()
         if write and self.params["fsync"]:
@@ -444,14 +444,14 @@ class PosixBackend(Backend):
                 except OSError as exc:
                     raise self._sync_error(req, p, p.handles[fd], exc) from exc
 
-    def _run_group(self, req, p, g: int, write: bool) -> int:
+    def _run_group(self, req, p, g: int, write: bool, completion: Completion) -> int:
         """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
         fds, offs, views = p.fds, p.offs, p.views
         s, e, aligned = p.groups[g]
         h = p.handles[fds[s]]
         if h.direct and not aligned:
             for i in range(s, e):
-                self._bounce_io(req, h, i, offs[i], views[i], write)
+                self._bounce_io(req, h, i, offs[i], views[i], write, completion)
             return h.fd
         try:
             self._vectored(h.fd, views[s:e], offs[s], write)
@@ -459,7 +459,7 @@ class PosixBackend(Backend):
             if exc.errno == errno_mod.EINVAL and h.direct:
                 # the device wants stricter alignment than configured: take the bounce path
                 for i in range(s, e):
-                    self._bounce_io(req, h, i, offs[i], views[i], write)
+                    self._bounce_io(req, h, i, offs[i], views[i], write, completion)
                 return h.fd
             raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
         except EOFError as exc:
@@ -504,8 +504,11 @@ class PosixBackend(Backend):
             buf = self._bounce.buf = aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
         return buf
 
-    def _bounce_io(self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool) -> None:
-        """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time."""
+    def _bounce_io(
+        self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, completion: Completion
+    ) -> None:
+        """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time (none once the
+        transfer is cancelled)."""
         user = np.frombuffer(view, dtype=np.uint8)
         A = int(self.params["alignment"])
         bounce = self._bounce_buffer()
@@ -513,6 +516,8 @@ class PosixBackend(Backend):
         done = 0
         total = user.shape[0]
         while done < total:
+            if completion.cancelled:
+                return
             piece = min(step, total - done)
             off = offset + done
             lo = off - off % A
