@@ -561,7 +561,10 @@ class PosixBackend(Backend):
     def _tail_fd(self, h: FileHandle) -> int:
         """``h``'s file opened buffered (once; under ``h.rmw_lock``), checked to be the file ``h.fd`` is."""
         if h.tail_fd < 0:
-            fd = os.open(h.path, os.O_RDWR)
+            try:
+                fd = os.open(f"/proc/self/fd/{h.fd}", os.O_RDWR)  # the file itself, renamed or unlinked since
+            except OSError:
+                fd = os.open(h.path, os.O_RDWR)
             now, then = os.fstat(fd), os.fstat(h.fd)
             if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
                 os.close(fd)

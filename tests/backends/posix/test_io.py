@@ -207,3 +207,18 @@ def test_a_registered_file_gone_when_the_backend_starts_is_a_typed_error(tmp_pat
         with pytest.raises(TransferIOError, match=r"gone\.bin") as info:
             agent.backend("posix")
         assert info.value.errno == errno.ENOENT and info.value.backend == "posix"
+
+
+def test_an_unaligned_write_past_the_end_of_a_file_renamed_since_it_was_registered(tmp_path):
+    """The buffered write of a piece past the end goes to the registered file, renamed or not."""
+    path = tmp_path / "grown.bin"
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        mem = aligned_empty(4096)
+        mem[:] = 0x33
+        agent.register_memory(mem)
+        reg = agent.register_file(path, size=1 << 20, extend=False)
+        agent.backend("posix")
+        path.rename(tmp_path / "moved.bin")
+        local = DescList.from_columns(mem.ctypes.data + 1, 100)
+        assert agent.transfer("WRITE", local, DescList.file(reg, [10], [100])).wait() == XferState.DONE
+    assert (tmp_path / "moved.bin").read_bytes() == bytes(10) + b"\x33" * 100
