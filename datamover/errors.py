@@ -56,7 +56,8 @@ class LengthMismatch(InvalidDescriptor):
 
 
 class OverlappingDestination(InvalidDescriptor):
-    """Two destination descriptors of one transfer overlap."""
+    """Two destination descriptors of one transfer overlap (or, for memcpy, a destination and another row's
+    source)."""
 
 
 class InvalidMetadata(DatamoverError, ValueError):

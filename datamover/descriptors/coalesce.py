@@ -114,6 +114,39 @@ def first_overlap(descs: DescList) -> tuple[int, int] | None:
     return None
 
 
+def first_cross_overlap(src: DescList, dst: DescList) -> tuple[int, int] | None:
+    """Indices (source row, destination row) of a non-empty row of ``src`` and one of ``dst`` whose byte ranges
+    overlap, or None; the first such source row. Devices are not compared (host addresses). O(N log N)."""
+    block = src.block
+    if block and block == dst.block:
+        # equal blocks (the usual case): a pair overlaps only where a source starts under a block from the
+        # nearest destination start on either side; the sorted starts are facts of the lists
+        d, s = dst.sorted_addr, src.sorted_addr
+        m = d.shape[0]
+        nxt = np.searchsorted(d, s, side="right")
+        before = (nxt > 0) & (d[np.maximum(nxt - 1, 0)] + block > s)
+        after = (nxt < m) & (d[np.minimum(nxt, m - 1)] < s + block)
+        if not (before | after).any():
+            return None
+    s_keep, d_keep = np.flatnonzero(src.length > 0), np.flatnonzero(dst.length > 0)
+    if not s_keep.shape[0] or not d_keep.shape[0]:
+        return None
+    order = d_keep[np.argsort(dst.addr[d_keep], kind="stable")]
+    d_start = dst.addr[order]
+    d_end = d_start + dst.length[order]
+    reach = np.maximum.accumulate(d_end)
+    s_start = src.addr[s_keep]
+    s_end = s_start + src.length[s_keep]
+    last = np.searchsorted(d_start, s_end, side="left") - 1  # the last destination starting before each source ends
+    hit = (last >= 0) & (reach[np.maximum(last, 0)] > s_start)
+    if not hit.any():
+        return None
+    i = int(s_keep[int(np.flatnonzero(hit)[0])])
+    a, e = int(src.addr[i]), int(src.addr[i]) + int(src.length[i])
+    j = int(order[int(np.flatnonzero((d_start < e) & (d_end > a))[0])])
+    return i, j
+
+
 _ARANGES: dict[int, np.ndarray] = {}
 
 

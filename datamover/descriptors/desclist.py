@@ -54,7 +54,10 @@ class DescList:
         owners: tuple = (),
     ) -> None:
         self.mem_type = MemType.parse(mem_type)
-        arr = np.asarray(rows)
+        try:
+            arr = np.asarray(rows)
+        except ValueError as exc:  # ragged rows
+            raise InvalidDescriptor(f"descriptor rows must have shape (N, 3) of (addr, length, dev): {exc}") from None
         if arr.size == 0:
             arr = np.zeros((0, 3), dtype=np.int64)
         if arr.ndim == 1 and arr.shape[0] == 3:
@@ -149,11 +152,10 @@ class DescList:
     @classmethod
     def blocks(cls, buffer: Any, block_size: int) -> DescList:
         """A buffer cut into equal blocks of ``block_size`` bytes; the last may be shorter."""
-        if int(block_size) <= 0:
-            raise InvalidDescriptor(f"block_size must be positive, got {block_size}")
         info = buffer_info(buffer)
-        starts = np.arange(0, info.nbytes, int(block_size), dtype=np.int64)
-        lengths = np.minimum(int(block_size), info.nbytes - starts)
+        size = block_step(block_size, info.nbytes)
+        starts = np.arange(0, info.nbytes, size, dtype=np.int64)
+        lengths = np.minimum(size, info.nbytes - starts)
         rows = np.empty((starts.shape[0], 3), dtype=np.int64, order="F")
         rows[:, 0] = info.addr + starts
         rows[:, 1] = lengths
@@ -317,6 +319,15 @@ class DescList:
         rows = np.concatenate([p._rows for p in parts])
         owners = tuple(o for p in parts for o in p._owners)
         return DescList.wrap(np.asfortranarray(rows), self.mem_type, None, owners)
+
+
+def block_step(block_size: int, nbytes: int) -> int:
+    """``block_size`` checked (InvalidDescriptor unless positive) and cut to ``nbytes`` (numpy's arange takes no
+    step past int64): the step that cuts ``nbytes`` into blocks of ``block_size``."""
+    size = int(block_size)
+    if size <= 0:
+        raise InvalidDescriptor(f"block_size must be positive, got {block_size}")
+    return min(size, max(1, nbytes))
 
 
 def _one_value(col: np.ndarray) -> int | None:

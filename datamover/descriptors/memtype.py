@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from ..errors import InvalidDescriptor
+
 
 class MemType(str, Enum):
     """The four kinds of memory a descriptor can name.
@@ -30,7 +32,7 @@ class MemType(str, Enum):
             return cls(key)
         except ValueError:
             names = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown memory type {value!r}; expected one of {names}") from None
+            raise InvalidDescriptor(f"unknown memory type {value!r}; expected one of {names}") from None
 
     def __str__(self) -> str:
         return self.value

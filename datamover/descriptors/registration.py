@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from .buffers import host_view
-from .desclist import DescList
+from .desclist import DescList, block_step
 from .memtype import MemType
 
 
@@ -53,10 +53,11 @@ class Registration:
 
     def blocks(self, block_size: int) -> DescList:
         """The region cut into ``block_size`` blocks (last one shorter if it must be)."""
-        starts = np.arange(0, self.length, int(block_size), dtype=np.int64)
+        size = block_step(block_size, self.length)
+        starts = np.arange(0, self.length, size, dtype=np.int64)
         return DescList.from_columns(
             self.addr + starts,
-            np.minimum(block_size, self.length - starts),
+            np.minimum(size, self.length - starts),
             self.dev,
             self.mem_type,
             owners=(self.owner,),

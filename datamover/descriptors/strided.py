@@ -59,6 +59,10 @@ class StridedDescList:
         for k, c in enumerate(cols):
             if c.dtype.kind not in "iu":
                 raise InvalidDescriptor(f"strided column {k} must be integers, got dtype {c.dtype}")
+            if c.ndim != 1 or c.shape[0] not in (1, n):
+                raise InvalidDescriptor(f"strided column {k} of shape {c.shape} does not broadcast to {n} rows")
+            if c.dtype == np.uint64 and c.size and int(c.max()) > _INT64_MAX:
+                raise InvalidDescriptor(f"strided column {k} values exceed int64")
             rows[:, k] = np.broadcast_to(c.astype(np.int64), (n,))
         return cls(rows, mem_type)
 
@@ -76,7 +80,10 @@ class StridedDescList:
 
     def select(self, indices: Any) -> DescList:
         """The blocks at flat ``indices`` as a DescList (vectorized; IndexError names the first bad index)."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = np.asarray(indices)
+        if idx.size and idx.dtype.kind not in "iu":
+            raise IndexError(f"block indices must be integers, got dtype {idx.dtype}")
+        idx = idx.astype(np.int64, copy=False).reshape(-1)
         n = len(self)
         bad = (idx < 0) | (idx >= n)
         if bad.any():

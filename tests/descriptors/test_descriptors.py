@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from datamover import DescList, MemType
+from datamover.descriptors import Registration, StridedDescList
 from datamover.descriptors.coalesce import coalesce_runs, first_overlap, take_runs
 from datamover.errors import InvalidDescriptor
 
@@ -188,3 +189,35 @@ def test_aligned_empty_starts_large_buffers_on_a_huge_page(monkeypatch, huge):
         buf = buffers.aligned_empty(nbytes)
         assert buf.nbytes == nbytes and buf.ctypes.data % want == 0 and not buf.any()
     assert buffers.aligned_empty(2 << 20, 8192).ctypes.data % max(huge, 8192) == 0
+
+
+@pytest.mark.parametrize("size", [0, -4096])
+def test_registration_blocks_of_a_size_not_positive_are_refused(size):
+    """DescList.blocks refused these; Registration.blocks divided by zero, or cut a negative size into no blocks
+    at all (a transfer of them moved nothing and was DONE)."""
+    reg = Registration(1, MemType.DRAM, 1 << 20, 10_000, 0)
+    with pytest.raises(InvalidDescriptor, match="block_size"):
+        reg.blocks(size)
+
+
+def test_blocks_larger_than_the_buffer_are_one_block_however_large():
+    """A block size past int64 overflowed numpy's arange (OverflowError); it is one block of the whole buffer."""
+    buf = np.zeros(10_000, dtype=np.uint8)
+    reg = Registration(1, MemType.DRAM, 1 << 20, 10_000, 0)
+    for size in (10_000, 1 << 40, 1 << 70):
+        assert DescList.blocks(buf, size).rows.tolist() == [[buf.ctypes.data, 10_000, 0]]
+        assert reg.blocks(size).rows.tolist() == [[1 << 20, 10_000, 0]]
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: DescList([[1, 2, 3], [4, 5]], "DRAM"), "shape"),  # ragged rows: numpy's bare ValueError
+        (lambda: DescList([[1, 2, 3]], "NOPE"), "memory type"),
+        (lambda: StridedDescList.from_columns([1, 2], [3, 4, 5], 0, 0, 1), "broadcast"),
+        (lambda: StridedDescList.from_columns(np.array([2**63], np.uint64), 1, 0, 0, 1), "exceed int64"),
+    ],
+)
+def test_malformed_lists_are_invalid_descriptors(make, match):
+    with pytest.raises(InvalidDescriptor, match=match):
+        make()

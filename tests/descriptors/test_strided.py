@@ -77,3 +77,11 @@ def test_select_matches_the_naive_expansion(runs, data):
         return
     idx = data.draw(st.lists(st.integers(0, len(flat) - 1), max_size=20))
     assert [tuple(r) for r in s.select(idx).rows.tolist()] == [flat[i] for i in idx]
+
+
+@pytest.mark.parametrize("indices", [np.array([False, True, False]), [1.7], np.array([0.0, 2.0])])
+def test_select_refuses_indices_that_are_not_integers(indices):
+    """A boolean mask was taken as the indices 0 and 1, and 1.7 as 1: the wrong blocks, silently."""
+    s = StridedDescList.from_columns(100, 10, 0, 20, 3, MemType.DRAM)
+    with pytest.raises(IndexError, match="integers"):
+        s.select(indices)

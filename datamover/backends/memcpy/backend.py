@@ -25,6 +25,8 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...descriptors import DescList, MemType, Registration
+from ...descriptors.coalesce import first_cross_overlap
+from ...errors import InvalidParameter, OverlappingDestination
 from ...units import size_text
 from ..base import (
     Backend,
@@ -93,6 +95,8 @@ class MemcpyBackend(Backend):
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)
+        if self.params["threads"] < 1:
+            raise InvalidParameter(f"threads must be at least 1, got {self.params['threads']!r}", backend=self.name)
         self._pool = ThreadPoolExecutor(int(self.params["threads"]), thread_name_prefix="dm-memcpy")
         self._views: dict[tuple[int, int, bool], np.ndarray] = {}  # (region id, block, writeable) -> strided view
 
@@ -109,6 +113,7 @@ class MemcpyBackend(Backend):
         }
 
     def plan(self, req: TransferRequest) -> MemcpyPlan:
+        _refuse_crossed_rows(req, self.name)
         if req.one_region:
             p = self._plan_one_region(req)
             if p is not None:
@@ -293,6 +298,28 @@ def _gate(completion: Completion) -> tuple[Callable[[], bool], Callable[[], None
     if type(completion) is ReadFence:
         return completion.enter, completion.leave
     return (lambda: not completion.cancelled), _nothing
+
+
+def _refuse_crossed_rows(req: TransferRequest, backend: str) -> None:
+    """Refuse rows whose sources overlap destinations: one run is copied as memmove copies, but several are
+    copied in no set order (across threads, in blocks, or all gathered first), so what would land depends on it."""
+    src, dst = req.src, req.dst
+    if len(src) < 2:
+        return
+    sb, db = src.bounds, dst.bounds
+    if sb is None or db is None or sb[0] >= db[1] or db[0] >= sb[1]:
+        return
+    pair = first_cross_overlap(src, dst)
+    if pair is None:
+        return
+    i, j = pair
+    first = max(int(src.addr[i]), int(dst.addr[j]))  # the first byte both rows name
+    raise OverlappingDestination(
+        f"destination overlaps source descriptor {req.caller_index(i, first - int(src.addr[i]))}: the rows of a"
+        " copy of more than one run are copied in no set order, so what would land there depends on it",
+        index=req.caller_index(j, first - int(dst.addr[j])),
+        backend=backend,
+    )
 
 
 def _is_run(descs: DescList) -> bool:

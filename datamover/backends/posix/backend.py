@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import MemType, aligned_empty
-from ...errors import TransferIOError
+from ...errors import InvalidParameter, TransferIOError
 from ...units import size_text
 from ..base import (
     Backend,
@@ -80,7 +80,11 @@ def probe_direct(directory: str) -> tuple[bool, str]:
 
 @dataclass
 class FileHandle:
-    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write."""
+    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write.
+
+    ``tail_fd`` is the same file opened buffered, on first need (``-1`` until then): an unaligned write whose
+    last block lies past the end of the file goes through it, so the file grows to the end of the caller's bytes
+    and not a byte further."""
 
     fd: int
     path: str
@@ -88,6 +92,7 @@ class FileHandle:
     size: int
     note: str = ""
     rmw_lock: threading.Lock = field(default_factory=threading.Lock)
+    tail_fd: int = -1
 
 
 _ONE_RANGE = ((0, 1),)
@@ -200,10 +205,12 @@ class PosixBackend(Backend):
 
     def __init__(self, host: BackendHost, params: Mapping[str, Any] | None = None) -> None:
         super().__init__(host, params)
+        _check_params(self.params)
         self._pool = Workers(int(self.params["threads"]), "dm-posix")
         self._bounce = threading.local()
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
         self._aio_all: list = []
+        self._aio_refused = False  # io_setup refused a context once (logged once)
 
     @classmethod
     def available(cls) -> tuple[bool, str]:
@@ -239,21 +246,27 @@ class PosixBackend(Backend):
                 fd = os.open(reg.path, os.O_RDWR | os.O_DIRECT)
             except OSError as exc:
                 if exc.errno != errno_mod.EINVAL:
-                    raise TransferIOError(
-                        f"cannot open {reg.path!r}: {exc.strerror}", errno=exc.errno, backend=self.name
-                    ) from exc
+                    raise self._open_error(reg.path, exc) from exc
                 note = f"buffered: the filesystem refuses O_DIRECT ({exc.strerror})"
-                dev = os.stat(reg.path).st_dev
-                if dev not in _warned_devices:
-                    _warned_devices.add(dev)
-                    log.warning("posix: %s refuses O_DIRECT; falling back to buffered I/O", reg.path)
         if fd < 0:
-            fd = os.open(reg.path, os.O_RDWR)
+            try:
+                fd = os.open(reg.path, os.O_RDWR)
+            except OSError as exc:
+                raise self._open_error(reg.path, exc) from exc
+            dev = os.fstat(fd).st_dev
+            if want_direct and dev not in _warned_devices:
+                _warned_devices.add(dev)
+                log.warning("posix: %s refuses O_DIRECT; falling back to buffered I/O", reg.path)
         return FileHandle(fd=fd, path=reg.path, direct=fd >= 0 and not note, size=reg.length, note=note or "O_DIRECT")
+
+    def _open_error(self, path: str, exc: OSError) -> TransferIOError:
+        return TransferIOError(f"cannot open {path!r}: {exc.strerror}", errno=exc.errno, backend=self.name)
 
     def deregister(self, reg, handle: FileHandle | None) -> None:
         if handle is not None:
             os.close(handle.fd)
+            if handle.tail_fd >= 0:
+                os.close(handle.tail_fd)
 
     def describe(self) -> dict[str, Any]:
         files = {}
@@ -337,9 +350,13 @@ class PosixBackend(Backend):
 
         if p.aio is not None:
             return self._post_aio(req, p, write)
-        if p.inline:
+        return self._post_groups(req, p, write, p.ranges, p.inline)
+
+    def _post_groups(self, req, p, write: bool, ranges: list[tuple[int, int]], inline: bool) -> Completion:
+        """The synchronous path: ``ranges`` of groups, here (``inline``) or on the pool."""
+        if inline:
             # no thread hop: post() returns DONE or ERR
-            return run_inline(p.ranges, self._run_groups, req, p, write, backend=self.name)
+            return run_inline(ranges, self._run_groups, req, p, write, backend=self.name)
 
         def work(a: int, b: int, completion: Completion) -> None:
             self._run_groups(req, p, write, a, b, completion)
@@ -347,7 +364,7 @@ class PosixBackend(Backend):
         # a READ's preadv writes into the caller's memory, a WRITE's pwritev reads it (a buffer reused after ERR
         # must not reach the file under this transfer's name): once it is cancelled (timed out, released) its
         # fence waits for the syscalls in flight, and no later one starts
-        return run_parts(self._pool, p.ranges, work, backend=self.name, completion_type=ReadFence)
+        return run_parts(self._pool, ranges, work, backend=self.name, completion_type=ReadFence)
 
     # -- native AIO ----------------------------------------------------------
     def _post_aio(self, req, p, write: bool) -> Completion:
@@ -360,7 +377,15 @@ class PosixBackend(Backend):
         try:
             ctx = self._aio_free.get_nowait()
         except queue.Empty:
-            ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
+            try:
+                ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
+            except OSError as exc:
+                # AIO contexts come from a budget the whole machine shares (fs.aio-max-nr): with none to be had
+                # the batch takes the synchronous path
+                if not self._aio_refused:
+                    self._aio_refused = True
+                    log.warning("posix: no AIO context to be had (%s); such batches run synchronously", exc)
+                return self._post_groups(req, p, write, [(0, len(p.groups))], p.inline)
             self._aio_all.append(ctx)
         try:
             run = ctx.start(p.aio, rows=False)
@@ -404,12 +429,12 @@ class PosixBackend(Backend):
             if fence is None:
                 if completion.cancelled:
                     return
-                touched.add(self._run_group(req, p, g, write))
+                touched.add(self._run_group(req, p, g, write, completion))
                 continue
             if not fence.enter():
                 return
             try:
-                touched.add(self._run_group(req, p, g, write))
+                touched.add(self._run_group(req, p, g, write, completion))
             finally:
                 fence.leave()
         if write and self.params["fsync"]:
@@ -419,22 +444,22 @@ class PosixBackend(Backend):
                 except OSError as exc:
                     raise self._sync_error(req, p, p.handles[fd], exc) from exc
 
-    def _run_group(self, req, p, g: int, write: bool) -> int:
+    def _run_group(self, req, p, g: int, write: bool, completion: Completion) -> int:
         """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
         fds, offs, views = p.fds, p.offs, p.views
         s, e, aligned = p.groups[g]
         h = p.handles[fds[s]]
         if h.direct and not aligned:
             for i in range(s, e):
-                self._bounce_io(req, h, i, offs[i], views[i], write)
+                self._bounce_io(req, h, i, offs[i], views[i], write, completion)
             return h.fd
         try:
-            self._vectored(h, views[s:e], offs[s], write)
+            self._vectored(h.fd, views[s:e], offs[s], write)
         except OSError as exc:
             if exc.errno == errno_mod.EINVAL and h.direct:
                 # the device wants stricter alignment than configured: take the bounce path
                 for i in range(s, e):
-                    self._bounce_io(req, h, i, offs[i], views[i], write)
+                    self._bounce_io(req, h, i, offs[i], views[i], write, completion)
                 return h.fd
             raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
         except EOFError as exc:
@@ -447,9 +472,9 @@ class PosixBackend(Backend):
         return h.fd
 
     @staticmethod
-    def _vectored(h: FileHandle, views: list[memoryview], offset: int, write: bool) -> None:
+    def _vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:
         """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
-        n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+        n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
         if n == sum(v.nbytes for v in views):
             return
         views, moved = list(views), 0
@@ -468,7 +493,7 @@ class PosixBackend(Backend):
             if n:
                 views[0] = views[0][n:]
             try:
-                n = os.pwritev(h.fd, views, offset) if write else os.preadv(h.fd, views, offset)
+                n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
             except OSError as exc:
                 exc.moved = moved  # type: ignore[attr-defined]
                 raise
@@ -479,8 +504,11 @@ class PosixBackend(Backend):
             buf = self._bounce.buf = aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
         return buf
 
-    def _bounce_io(self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool) -> None:
-        """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time."""
+    def _bounce_io(
+        self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, completion: Completion
+    ) -> None:
+        """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time (none once the
+        transfer is cancelled)."""
         user = np.frombuffer(view, dtype=np.uint8)
         A = int(self.params["alignment"])
         bounce = self._bounce_buffer()
@@ -488,23 +516,32 @@ class PosixBackend(Backend):
         done = 0
         total = user.shape[0]
         while done < total:
+            if completion.cancelled:
+                return
             piece = min(step, total - done)
             off = offset + done
             lo = off - off % A
             hi = -(-(off + piece) // A) * A
             span = bounce[: hi - lo]
+            at = lo  # the file offset the call under way starts at: a failure names the descriptor of its byte
             try:
                 if write:
                     with h.rmw_lock:
-                        size = os.fstat(h.fd).st_size
-                        if off != lo:
-                            self._read_block(h, span[:A], lo)
-                        if (off + piece) % A and (hi - A != lo or off == lo):
-                            self._read_block(h, span[-A:], hi - A)
-                        span[off - lo : off - lo + piece] = user[done : done + piece]
-                        self._vectored(h, [span], lo, True)
-                        if hi > size:
-                            os.ftruncate(h.fd, max(size, off + piece))
+                        if (off + piece) % A and hi > os.fstat(h.fd).st_size:
+                            # the piece's last block reaches past the end of the file: a whole-block write would
+                            # grow it past the caller's bytes, and cutting it back could cut off a write that grew
+                            # it meanwhile; a buffered write grows it to the end of the caller's bytes at most
+                            at = off
+                            self._vectored(self._tail_fd(h), [memoryview(user[done : done + piece])], off, True)
+                        else:
+                            if off != lo:
+                                self._read_block(h, span[:A], lo)
+                            if (off + piece) % A and (hi - A != lo or off == lo):
+                                at = hi - A
+                                self._read_block(h, span[-A:], at)
+                            span[off - lo : off - lo + piece] = user[done : done + piece]
+                            at = lo
+                            self._vectored(h.fd, [span], lo, True)
                 else:
                     got = self._read_upto(h, span, lo)
                     if got < off - lo + piece:
@@ -517,8 +554,23 @@ class PosixBackend(Backend):
             except OSError as exc:
                 if isinstance(exc, TransferIOError):
                     raise
-                raise self._error(req, row, h, exc, write, moved=done) from exc
+                failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
+                raise self._error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
             done += piece
+
+    def _tail_fd(self, h: FileHandle) -> int:
+        """``h``'s file opened buffered (once; under ``h.rmw_lock``), checked to be the file ``h.fd`` is."""
+        if h.tail_fd < 0:
+            try:
+                fd = os.open(f"/proc/self/fd/{h.fd}", os.O_RDWR)  # the file itself, renamed or unlinked since
+            except OSError:
+                fd = os.open(h.path, os.O_RDWR)
+            now, then = os.fstat(fd), os.fstat(h.fd)
+            if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+                os.close(fd)
+                raise OSError(errno_mod.ESTALE, "the path no longer names the file registered there")
+            h.tail_fd = fd
+        return h.tail_fd
 
     @staticmethod
     def _read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
@@ -526,7 +578,11 @@ class PosixBackend(Backend):
         got = 0
         mv = memoryview(span).cast("B")
         while got < span.shape[0]:
-            n = os.preadv(h.fd, [mv[got:]], offset + got)
+            try:
+                n = os.preadv(h.fd, [mv[got:]], offset + got)
+            except OSError as exc:
+                exc.moved = got  # type: ignore[attr-defined]  # what did move names the failing byte
+                raise
             if n == 0:
                 break
             got += n
@@ -564,6 +620,22 @@ class PosixBackend(Backend):
         self._pool.shutdown(wait=True)
         for ctx in self._aio_all:
             ctx.close()
+
+
+def _check_params(p: Mapping[str, Any]) -> None:
+    """Refuse (``InvalidParameter``) what would fail later untyped, or spin: alignments that are not powers of two,
+    a bounce buffer with no room for a block between a row's two partial ones, an AIO context of no I/Os."""
+    for key in ("alignment", "mem_alignment"):
+        value = p[key]
+        if value < 1 or value & (value - 1):
+            raise InvalidParameter(f"{key} must be a power of two, got {value!r}", backend="posix")
+    if p["bounce_bytes"] < 3 * p["alignment"]:
+        raise InvalidParameter(
+            f"bounce_bytes must be at least 3 x alignment ({3 * p['alignment']}), got {p['bounce_bytes']!r}",
+            backend="posix",
+        )
+    if p["aio_depth"] < 1:
+        raise InvalidParameter(f"aio_depth must be at least 1, got {p['aio_depth']!r}", backend="posix")
 
 
 def _index_at(req, first: int, views: list, moved: int) -> int:

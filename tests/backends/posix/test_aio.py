@@ -326,3 +326,37 @@ def test_a_bounded_finish_returns_with_what_never_completed_still_in_flight(dire
     finally:
         monkeypatch.undo()
         ctx.close()  # io_destroy waits for the two reads
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["inline", "pool"])
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_no_aio_context_to_be_had_runs_the_batch_synchronously(tmp_path, monkeypatch, caplog, inline, op) -> None:
+    """io_setup refuses a new context (EAGAIN: the machine's fs.aio-max-nr is used up by other processes): the
+    batch runs on the synchronous path, DONE with every byte right, instead of an OSError out of post()."""
+    params = {} if inline else {"inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        n = 16
+        mem = aligned_empty(n * B)
+        agent.register_memory(mem)
+        path = tmp_path / "f.bin"
+        data = _random(2 * n * B, 5)
+        path.write_bytes(data.tobytes())
+        reg = agent.register_file(path, size=2 * n * B)
+        real = aio._syscall
+
+        def no_context(name, *args):
+            if name == "io_setup":
+                raise OSError(errno.EAGAIN, f"{name}: {os.strerror(errno.EAGAIN)}")
+            return real(name, *args)
+
+        monkeypatch.setattr(aio, "_syscall", no_context)
+        mem[:] = _random(n * B, 6)
+        want = mem.copy() if op == "WRITE" else data.reshape(2 * n, B)[::2].reshape(-1).copy()
+        xfer = agent.transfer(op, DescList.blocks(mem, B), DescList.file(reg, np.arange(n) * 2 * B, B))
+        assert xfer.request.plan.aio is not None
+        assert xfer.wait() == "DONE"
+        if op == "READ":
+            assert np.array_equal(mem, want)
+        else:
+            assert np.array_equal(np.frombuffer(path.read_bytes(), np.uint8).reshape(2 * n, B)[::2].reshape(-1), want)
+        assert "io_setup" in caplog.text, "the fallback is logged"

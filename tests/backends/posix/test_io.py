@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from datamover import Agent, DescList, aligned_empty
-from datamover.errors import TransferIOError
+from datamover import Agent, DescList, XferState, aligned_empty
+from datamover.errors import InvalidParameter, TransferIOError
+from datamover.testing.waiting import HeldOnce
 
 SIZE = 5 * 4096 + 123  # not a multiple of the O_DIRECT block
 
@@ -140,3 +141,84 @@ def test_fsync_option_syncs_written_files(tmp_path, monkeypatch):
             assert bool(synced) == fsync
             if fsync:
                 assert synced == [reg.handles["posix"].fd]
+
+
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"bounce_bytes": 8192}, "bounce_bytes"),  # no room for a block between the two partial ones: post() spun
+        ({"bounce_bytes": 0}, "bounce_bytes"),
+        ({"alignment": 0}, "alignment"),  # ZeroDivisionError at make time
+        ({"alignment": 1000}, "alignment"),
+        ({"mem_alignment": 0}, "mem_alignment"),
+        ({"aio_depth": 0}, "aio_depth"),  # io_setup's EINVAL escaped post() untyped
+    ],
+)
+def test_parameters_out_of_range_are_refused_when_the_backend_starts(params, key):
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        with pytest.raises(InvalidParameter, match=key) as info:
+            agent.backend("posix")
+        assert info.value.backend == "posix"
+
+
+def test_an_unaligned_write_past_the_end_keeps_a_concurrent_write_that_grew_the_file(tmp_path, monkeypatch):
+    """A file that writes grow (``extend=False``, as NIXL registers it): an unaligned WRITE at its start is held
+    at its write while a second WRITE grows the file to 516 KiB and is DONE; the first then completes. Both are
+    DONE, so both must be in the file (the bounce path used to write a whole block past the end and cut the file
+    back to the end of its own bytes, the second WRITE's with it)."""
+    path = tmp_path / "grown.bin"
+    params = {"aio": False, "inline_bytes": 0, "inline_batch_bytes": 0}
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(2 * 4096)
+        mem[:4096], mem[4096:] = 0x11, 0x22
+        agent.register_memory(mem)
+        reg = agent.register_file(path, size=1 << 20, extend=False)
+        agent.backend("posix")
+        assert reg.handles["posix"].direct and os.path.getsize(path) == 0
+        held = HeldOnce("the unaligned WRITE's write")
+        real = os.pwritev
+        monkeypatch.setattr(
+            os, "pwritev", lambda fd, views, off: (held.wrap(real) if off < 4096 else real)(fd, views, off)
+        )
+        first = agent.transfer(
+            "WRITE", DescList.from_columns(mem.ctypes.data + 1, 100), DescList.file(reg, [10], [100])
+        )
+        assert held.reached.wait(60), "the unaligned WRITE never reached its write"
+        second = agent.transfer(
+            "WRITE", DescList.from_columns(mem.ctypes.data + 4096, 4096), DescList.file(reg, [512 << 10], [4096])
+        )
+        assert second.wait() == XferState.DONE
+        held.go.set()
+        assert first.wait() == XferState.DONE
+    data = path.read_bytes()
+    assert len(data) == (512 << 10) + 4096, "the file lost the second WRITE's end"
+    assert data[10:110] == b"\x11" * 100 and data[512 << 10 :] == b"\x22" * 4096
+    assert not any(data[:10]) and not any(data[110 : 512 << 10])
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_registered_file_gone_when_the_backend_starts_is_a_typed_error(tmp_path, direct):
+    """The backend opens registered files when it starts (lazily): one removed since is a TransferIOError naming
+    it, buffered as well as O_DIRECT (the buffered open let a bare FileNotFoundError out)."""
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        path = tmp_path / "gone.bin"
+        agent.register_file(path, size=4096, direct=direct)
+        path.unlink()
+        with pytest.raises(TransferIOError, match=r"gone\.bin") as info:
+            agent.backend("posix")
+        assert info.value.errno == errno.ENOENT and info.value.backend == "posix"
+
+
+def test_an_unaligned_write_past_the_end_of_a_file_renamed_since_it_was_registered(tmp_path):
+    """The buffered write of a piece past the end goes to the registered file, renamed or not."""
+    path = tmp_path / "grown.bin"
+    with Agent("p", {"backends": {"posix": {}}}) as agent:
+        mem = aligned_empty(4096)
+        mem[:] = 0x33
+        agent.register_memory(mem)
+        reg = agent.register_file(path, size=1 << 20, extend=False)
+        agent.backend("posix")
+        path.rename(tmp_path / "moved.bin")
+        local = DescList.from_columns(mem.ctypes.data + 1, 100)
+        assert agent.transfer("WRITE", local, DescList.file(reg, [10], [100])).wait() == XferState.DONE
+    assert (tmp_path / "moved.bin").read_bytes() == bytes(10) + b"\x33" * 100

@@ -274,3 +274,43 @@ def test_a_write_cut_short_writes_nothing_after_err(tmp_path, monkeypatch, end, 
         src[:] = data
         assert agent.transfer("WRITE", DescList.blocks(src, B), slots).wait() == XferState.DONE
         assert np.frombuffer(path.read_bytes(), np.uint8).reshape(N, 2, B)[:, 0].tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("end", ["timeout", "release"])
+@pytest.mark.parametrize("op", ["READ", "WRITE"])
+def test_a_bounce_row_cut_short_starts_no_piece_after_the_cancel(tmp_path, monkeypatch, end, op):
+    """An unaligned row of three bounce-buffer pieces (one syscall each) is cut short while its second piece's
+    syscall is held: the fence waits for that syscall, and the third piece's never starts (it used to: the
+    row ran to its end, past ERR or ``release``, however long that took)."""
+    params = {"aio": False, "inline_bytes": 0, "inline_batch_bytes": 0, "bounce_bytes": 3 * B}  # a block a piece
+    with Agent("p", {"backends": {"posix": params}}) as agent:
+        mem = aligned_empty(3 * B + 1)
+        agent.register_memory(mem)
+        path = tmp_path / "f.bin"
+        data = np.random.default_rng(6).integers(0, 256, 3 * B, dtype=np.uint8)
+        path.write_bytes(data.tobytes())
+        reg = agent.register_file(path, size=3 * B)
+        agent.backend("posix")
+        assert reg.handles["posix"].direct
+        mem[:] = 0xAA
+        name = "preadv" if op == "READ" else "pwritev"
+        real, calls, held = getattr(os, name), [], HeldOnce(f"the second piece's {name}")
+
+        def counted(fd, views, offset):
+            calls.append(offset)
+            return (held.wrap(real) if offset == B else real)(fd, views, offset)
+
+        monkeypatch.setattr(os, name, counted)
+        local = DescList.from_columns(mem.ctypes.data + 1, 3 * B)  # one byte off: never aligned
+        xfer = agent.transfer(op, local, DescList.file(reg, [0], [3 * B]), timeout=0.5)
+        assert held.reached.wait(60), f"the row never reached its second {name}"
+        changed = cut_short(xfer, xfer._completion, end, mem.tobytes, held)
+        assert changed == 0, f"{changed} bytes reached the caller after ERR"
+        assert calls == [0, B], f"{name} calls at {calls}: a piece started after the cancel"
+        monkeypatch.undo()
+        mem[:] = 0
+        assert agent.transfer("READ", local, DescList.file(reg, [0], [3 * B])).wait() == XferState.DONE
+        if op == "READ":
+            assert np.array_equal(mem[1:], data)
+        else:  # the first two pieces were written, the third not
+            assert not np.any(mem[1 : 2 * B + 1] != 0xAA) and np.array_equal(mem[2 * B + 1 :], data[2 * B :])

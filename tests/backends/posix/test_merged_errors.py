@@ -62,3 +62,30 @@ def test_a_full_disk_names_the_descriptor_being_written(tmp_path, monkeypatch):
         with pytest.raises(TransferIOError, match="space") as info:
             agent.transfer("WRITE", DescList.blocks(mem, B), DescList.file(reg, np.arange(4) * B, B)).wait()
         assert info.value.index == 1 and info.value.errno == errno.ENOSPC, str(info.value)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_bounce_row_failing_part_way_names_the_descriptor_of_the_failing_byte(tmp_path, monkeypatch, op):
+    """Unaligned memory sends the merged row through the O_DIRECT bounce buffer: the disk takes (or gives) its
+    first three blocks, then fails (ENOSPC on WRITE, EIO on READ); descriptor 3 holds the failing byte."""
+    with Agent("p", {"backends": {"posix": {"aio": False}}}) as agent:
+        mem = aligned_empty(8 * B + 1)
+        agent.register_memory(mem)
+        reg = agent.register_file(tmp_path / "g.bin", size=8 * B)
+        agent.backend("posix")
+        assert reg.handles["posix"].direct
+        name, code = ("pwritev", errno.ENOSPC) if op == "WRITE" else ("preadv", errno.EIO)
+        real = getattr(os, name)
+
+        def fail_after_three_blocks(fd, views, offset):
+            if offset == 0:
+                return real(fd, [memoryview(views[0])[: 3 * B]], offset)
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(os, name, fail_after_three_blocks)
+        local = DescList.from_columns(mem.ctypes.data + 1 + np.arange(8) * B, B)  # 1 byte off: never aligned
+        xfer = agent.transfer(op, local, DescList.file(reg, np.arange(8) * B, B))
+        assert len(xfer.request.local) == 1, "the agent merged the descriptors into one row"
+        with pytest.raises(TransferIOError) as info:
+            xfer.wait()
+        assert info.value.index == 3 and info.value.errno == code, str(info.value)
