@@ -453,6 +453,9 @@ def run_inline(ranges: Sequence[tuple[int, int]], work: Callable[..., None], *ar
             work(*args, start, stop, c)
     except BaseException as exc:
         c.error = typed_error(exc, backend)
+        if not isinstance(exc, Exception):  # Ctrl-C or exit on the caller's thread: finished ERR, then raised on
+            c.finished_at = clock()
+            raise
     c.finished_at = clock()
     return c
 
@@ -498,6 +501,9 @@ def run_parts(
                 work(start, stop, completion)
         except BaseException as exc:
             err = typed_error(exc, backend)
+            if not isinstance(exc, Exception):  # Ctrl-C in a caller running a part (assist): the part ends ERR
+                completion.finish_part(err)
+                raise
         completion.finish_part(err)
 
     claims = [_thread.allocate_lock() for _ in ranges]

@@ -11,7 +11,7 @@ import pytest
 from datamover import Agent, DescList, aligned_empty
 from datamover.agents import transfer as transfer_mod
 from datamover.agents.transfer import XferState
-from datamover.backends.base import run_inline
+from datamover.backends.base import run_inline, run_parts
 from datamover.errors import DatamoverError, TransferIOError, TransferStateError
 
 MiB = 1 << 20
@@ -285,6 +285,26 @@ def test_run_inline_stops_at_the_first_error_and_types_it():
 def test_run_inline_without_error_is_done():
     c = run_inline([(0, 4)], lambda a, b, completion: None, backend="mine")
     assert c.done() and c.error is None and not c.cancelled
+
+
+def test_ctrl_c_in_a_part_on_the_callers_thread_is_raised_and_the_part_ends_err():
+    """KeyboardInterrupt in inline work, or in a part a waiting caller runs (assist), reaches the caller; the
+    completion is finished with an error, never left in flight (it was swallowed into an ERR, the interrupt lost)."""
+
+    def interrupted(a, b, completion):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_inline([(0, 1)], interrupted, backend="mine")
+
+    class NoThreads:  # the parts wait here: only the caller's assist runs them
+        def submit(self, fn, *args):
+            pass
+
+    c = run_parts(NoThreads(), [(0, 1)], interrupted, backend="mine")
+    with pytest.raises(KeyboardInterrupt):
+        c.wait(1.0, assist=True)
+    assert c.done() and isinstance(c.error, DatamoverError)
 
 
 def test_posix_inline_syscall_error_is_typed_with_its_errno(file_agent, monkeypatch):
