@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -59,11 +60,16 @@ class BackendSet:
             cls = get_backend_class(name)
             params = (self._config.backends or {}).get(name, {})
             inst = cls(self._host, params)
+            done = []
             try:
                 for reg in self._host.regions.values():
                     if reg.mem_type in cls.mem_types():
                         reg.handles[name] = inst.register(reg)
+                        done.append(reg)
             except BaseException:
+                for reg in done:  # what this start registered (a posix file's descriptors) goes with it
+                    with contextlib.suppress(Exception):
+                        inst.deregister(reg, reg.handles.pop(name))
                 inst.close()
                 raise
             self.running[name] = inst

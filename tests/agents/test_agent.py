@@ -1,5 +1,6 @@
 """Agent: registration, validation, backend choice, lifecycle, notifications, metadata and config."""
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -312,3 +313,27 @@ def test_config_extra_sections_take_only_their_own_names(extra, said):
     """A misspelt limit was ignored (or, with listen_port, a TypeError from deep inside the side channel)."""
     with pytest.raises(InvalidParameter, match=re.escape(said)):
         Agent("me", {"backends": {"memcpy": {}}, "listen_port": 0, "extra": extra})
+
+
+def test_a_backend_that_fails_to_start_keeps_no_file_open(tmp_path):
+    """A backend started after files were registered, failing on one of them, closes what it opened for the
+    others and leaves them no handle (their descriptors stayed open, a stale handle in the region)."""
+    import os
+
+    with Agent("x", {"backends": {"posix": {}}}) as agent:
+        first = agent.register_file(tmp_path / "first.bin", size=4096)
+        agent.register_file(tmp_path / "second.bin", size=4096)
+        os.unlink(tmp_path / "second.bin")
+
+        def open_fds() -> list[str]:
+            out = []
+            for fd in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor, gone already
+                    out.append(os.readlink(f"/proc/self/fd/{fd}"))
+            return out
+
+        before = [p for p in open_fds() if p.endswith("first.bin")]
+        with pytest.raises(TransferIOError):
+            agent.backend("posix")
+        assert [p for p in open_fds() if p.endswith("first.bin")] == before
+        assert "posix" not in first.handles
