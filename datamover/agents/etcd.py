@@ -3,12 +3,17 @@
 An agent's blob lives at ``/<namespace>/agents/<name>``, attached to a lease
 with a short TTL that a thread refreshes. When the agent dies the refreshes
 stop, the lease expires, etcd deletes the key, and peers watching it drop
-the agent. Uses etcd3gw (etcd's v3 JSON gateway), imported lazily.
+the agent. Uses etcd3gw (etcd's v3 JSON gateway), imported lazily; reads of
+keys and watches speak the gateway directly. Every answer is read within a
+bound (``MAX_WATCH_LINE``) and parsed before use: a gateway answering too
+much or garbage is InvalidMetadata naming the key, never an allocation of
+whatever size it sends.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import os
@@ -46,6 +51,7 @@ def connect(endpoints: str | Sequence[str], timeout: float = 5.0) -> Any:
     for ep in eps:
         url = urlparse(ep if "://" in ep else f"http://{ep}")
         client = etcd3gw.Etcd3Client(host=url.hostname or "127.0.0.1", port=url.port or 2379, timeout=timeout)
+        client.session.hooks["response"].append(_read_within_bound)
         try:
             client.status()
             return client
@@ -128,33 +134,216 @@ class EtcdPublisher:
 
 
 def fetch(client: Any, namespace: str, name: str, timeout: float = 10.0) -> bytes:
-    """The blob at the agent's key, waiting up to ``timeout`` s (with a watch) for it to appear."""
+    """The blob at the agent's key, waiting up to ``timeout`` s (with a watch) for it to appear.
+
+    Reads the key, then watches it from the revision after that read (a put in between is in the watch). A watch
+    stream that ends early (etcd restarting) is opened again the same way. InvalidMetadata for an answer over its
+    bound, one that is not what the gateway sends, or a value over MAX_BLOB_BYTES; RemoteDisconnected when the key
+    did not appear in time.
+    """
     key = agent_key(namespace, name)
     deadline = time.monotonic() + timeout
-    got = client.get(key)
-    if got:
-        return _check(got[0], key)
-    events, cancel = client.watch(key)
-    box: list[bytes] = []
-
-    def pump() -> None:
-        for ev in events:
-            if ev.get("type", "PUT") == "PUT" and "value" in ev.get("kv", {}):
-                box.append(ev["kv"]["value"])
-                return
-
-    t = threading.Thread(target=pump, daemon=True)
+    value, revision = read_key(client, key)
+    if value is not None:
+        return value
+    waiter = _PutWaiter(client, key, revision + 1, deadline)
+    t = threading.Thread(target=waiter.run, name=f"dm-etcd-fetch-{name}", daemon=True)
     t.start()
+    t.join(max(0.0, deadline - time.monotonic()))
+    waiter.stop()
+    if waiter.value is not None:
+        return waiter.value
+    if isinstance(waiter.error, InvalidMetadata):
+        raise waiter.error
+    why = f" (last: {type(waiter.error).__name__}: {waiter.error})" if waiter.error is not None else ""
+    raise RemoteDisconnected(f"agent {name!r} did not appear in etcd at {key} within {timeout:g} s{why}")
+
+
+class _PutWaiter:
+    """Watches ``key`` from ``start`` until a PUT brings its value, the deadline, or ``stop()``; a stream that ends
+    is opened again from a fresh read of the key."""
+
+    def __init__(self, client: Any, key: str, start: int, deadline: float) -> None:
+        self.client, self.key, self.start, self.deadline = client, key, start, deadline
+        self.value: bytes | None = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._resp: Any = None
+
+    def run(self) -> None:
+        backoff = 0.1
+        while not self._stopped.is_set():
+            try:
+                self._watch()
+                return
+            except InvalidMetadata as exc:
+                self.error = exc
+                return
+            except Exception as exc:  # the stream ended or failed (etcd restarting): read again, watch again
+                if self._stopped.is_set():  # stop() shut the stream down
+                    return
+                self.error = exc
+                if self._stopped.wait(backoff):
+                    return
+                backoff = min(backoff * 2, 1.0)
+                try:
+                    value, revision = read_key(self.client, self.key)
+                except InvalidMetadata as exc2:
+                    self.error = exc2
+                    return
+                except Exception as exc2:
+                    self.error = exc2
+                    continue
+                if value is not None:
+                    self.value = value
+                    return
+                self.start = revision + 1
+
+    def _watch(self) -> None:
+        body = {"create_request": {"key": _b64(self.key), "start_revision": self.start}}
+        left = max(0.1, self.deadline - time.monotonic())
+        resp = self.client.session.post(
+            self.client.get_url("/watch"), json=body, stream=True, timeout=(self.client.timeout, left)
+        )
+        with self._lock:
+            if self._stopped.is_set():
+                resp.close()
+                return
+            self._resp = resp
+        try:
+            resp.raise_for_status()
+            what = f"etcd watch of {self.key}"
+            for line in split_lines(resp.iter_content(chunk_size=1 << 20), MAX_WATCH_LINE, what):
+                for kind, kv in watch_events(line, self.key):
+                    if kind == "PUT" and "value" in kv:  # an empty value is no blob: wait for the next
+                        self.value = kv_value(kv, self.key)
+                        return
+            raise ConnectionError("the watch stream ended")
+        finally:
+            with self._lock:
+                self._resp = None
+            resp.close()
+
+    def stop(self) -> None:
+        """End the wait: a read blocked on the watch stream is woken (its socket shut down under it)."""
+        with self._lock:
+            self._stopped.set()
+            resp = self._resp
+        if resp is not None:
+            _shutdown(resp)
+
+
+def read_key(client: Any, key: str) -> tuple[bytes | None, int]:
+    """The value at ``key`` (None: absent) and the store's revision when it was read; see ``read_range``."""
+    kv, revision = read_range(client, key)
+    return (None if kv is None else kv_value(kv, key)), revision
+
+
+def read_range(client: Any, key: str) -> tuple[dict | None, int]:
+    """The key-value of ``key`` as the gateway sent it (None: absent) and the revision of the read: the answer read
+    within MAX_WATCH_LINE bytes and checked (InvalidMetadata otherwise)."""
+    import requests  # etcd3gw's, as is the client
+
+    what = f"etcd range of {key}"
     try:
-        got = client.get(key)  # it may have appeared between the get and the watch
-        if got:
-            return _check(got[0], key)
-        t.join(max(0.0, deadline - time.monotonic()))
+        resp = client.session.post(
+            client.get_url("/kv/range"), json={"key": _b64(key)}, stream=True, timeout=client.timeout
+        )
+    except requests.RequestException as exc:
+        raise RemoteDisconnected(f"{what}: {type(exc).__name__}: {exc}") from exc
+    try:
+        if resp.status_code != 200:
+            raise RemoteDisconnected(f"{what}: the gateway answered HTTP {resp.status_code} {resp.reason}")
+        body = _read_body(resp, MAX_WATCH_LINE, what)
     finally:
-        cancel()
-    if not box:
-        raise RemoteDisconnected(f"agent {name!r} did not appear in etcd at {key} within {timeout:g} s")
-    return _check(box[0], key)
+        resp.close()
+    return parse_range(body, key)
+
+
+def parse_range(body: bytes, key: str) -> tuple[dict | None, int]:
+    """A range answer for ``key``: its key-value (None: absent) and revision; InvalidMetadata if it is not one."""
+    what = f"etcd range of {key}"
+    doc = _json_object(body, what)
+    revision = _revision(_field(doc, "header", dict, what, {}).get("revision"), f"{what}: header.revision")
+    kvs = _field(doc, "kvs", list, what, [])
+    if len(kvs) > 1:
+        raise InvalidMetadata(f"{what}: {len(kvs)} key-values for one key")
+    if not kvs:
+        return None, revision
+    return _kv(kvs[0], key, what), revision
+
+
+def watch_events(line: bytes, key: str) -> list[tuple[str, dict]]:
+    """The (PUT or DELETE, key-value) events of one watch-stream line for ``key``; ConnectionError when etcd
+    cancelled the watch, InvalidMetadata for a line that is not what the gateway sends."""
+    if not line.strip():  # the gateway may send an empty line
+        return []
+    what = f"etcd watch of {key}"
+    result = _field(_json_object(line, what), "result", dict, what, {})
+    if result.get("canceled"):
+        raise ConnectionError(f"etcd cancelled the watch: {result.get('cancel_reason') or 'compacted'}")
+    out = []
+    for ev in _field(result, "events", list, what, []):
+        if not isinstance(ev, dict):
+            raise InvalidMetadata(f"{what}: an event that is not a JSON object")
+        kind = ev.get("type", "PUT")
+        if kind not in ("PUT", "DELETE"):
+            raise InvalidMetadata(f"{what}: an event of type {str(kind)[:32]!r}")
+        kv = _kv(_field(ev, "kv", dict, what, {}), key, what, with_key=kind == "PUT")
+        out.append((kind, kv))
+    return out
+
+
+def kv_value(kv: dict, key: str) -> bytes:
+    """The value of a checked key-value (see ``parse_range``), decoded: base64 within the bound of a blob."""
+    encoded = kv.get("value", "")
+    if len(encoded) > 4 * -(-MAX_BLOB_BYTES // 3):
+        raise InvalidMetadata(f"etcd value at {key}: over {MAX_BLOB_BYTES} bytes; not a metadata blob")
+    try:
+        value = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidMetadata(f"etcd value at {key}: not base64") from None
+    return _check(value, key)
+
+
+def _kv(kv: Any, key: str, what: str, with_key: bool = True) -> dict:
+    """``kv`` checked: a JSON object for ``key`` whose value (if any) is a string and revisions are revisions."""
+    if not isinstance(kv, dict):
+        raise InvalidMetadata(f"{what}: a key-value that is not a JSON object")
+    if (with_key or "key" in kv) and kv.get("key") != _b64(key):
+        raise InvalidMetadata(f"{what}: a key-value of another key")
+    _field(kv, "value", str, what, "")
+    for name in ("mod_revision", "create_revision", "version"):
+        if name in kv:
+            _revision(kv[name], f"{what}: {name}")
+    return kv
+
+
+def _json_object(data: bytes, what: str) -> dict:
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError; nested too deep
+        raise InvalidMetadata(f"{what}: not JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+    if not isinstance(doc, dict):
+        raise InvalidMetadata(f"{what}: {type(doc).__name__}, not a JSON object")
+    return doc
+
+
+def _field(doc: dict, name: str, kind: type, what: str, default: Any) -> Any:
+    value = doc.get(name, default)
+    if not isinstance(value, kind):
+        raise InvalidMetadata(f"{what}: {name} is a {type(value).__name__}, not a {kind.__name__}")
+    return value
+
+
+def _revision(value: Any, what: str) -> int:
+    """An int64 of the gateway (a decimal string, or a number): >= 0."""
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 19:
+        return int(value)
+    if type(value) is int and 0 <= value < 1 << 63:
+        return value
+    raise InvalidMetadata(f"{what}: {str(value)[:32]!r} is not a revision")
 
 
 def _check(value: Any, key: str) -> bytes:
@@ -163,6 +352,32 @@ def _check(value: Any, key: str) -> bytes:
     if not isinstance(value, (bytes, bytearray)) or len(value) > MAX_BLOB_BYTES:
         raise InvalidMetadata(f"etcd value at {key} is not a metadata blob")
     return bytes(value)
+
+
+def _read_within_bound(resp: Any, *, stream: bool = False, **_: Any) -> None:
+    """A requests response hook: the body of an answer not streamed is read here, refused past MAX_WATCH_LINE bytes
+    (requests would read whatever size the gateway sends, before etcd3gw parses it)."""
+    if stream:
+        return
+    try:
+        body = _read_body(resp, MAX_WATCH_LINE, f"etcd answer from {resp.url}")
+    except BaseException:
+        resp.close()
+        raise
+    resp._content = body  # what requests' Response.content returns from now on
+
+
+def _read_body(resp: Any, most: int, what: str) -> bytes:
+    """The body of a requests response, refused (InvalidMetadata) once past ``most`` bytes, or at once when its
+    Content-Length says it will be."""
+    declared = resp.headers.get("Content-Length", "")
+    if declared.isdigit():
+        _refuse_over(int(declared), most, what, "an answer")
+    body = bytearray()
+    for chunk in resp.iter_content(chunk_size=1 << 20):
+        body += chunk
+        _refuse_over(len(body), most, what, "an answer")
+    return bytes(body)
 
 
 class EtcdWatch:
@@ -223,22 +438,12 @@ class EtcdWatch:
 
     def _sync(self) -> int:
         """Read the key, deliver what changed since the last event; the revision to watch from."""
-        resp = self._post("/kv/range", {"key": _b64(self.key)}, stream=True, timeout=self._client.timeout)
-        try:
-            resp.raise_for_status()
-            body = bytearray()
-            for chunk in resp.iter_content(chunk_size=1 << 20):
-                body += chunk
-                _refuse_over(len(body), MAX_WATCH_LINE, f"etcd range of {self.key}")
-        finally:
-            resp.close()
-        doc = json.loads(body)
-        kvs = doc.get("kvs") or []
-        if kvs:
-            self._deliver("PUT", kvs[0])
+        kv, revision = read_range(self._client, self.key)
+        if kv is not None:
+            self._deliver("PUT", kv)
         elif self._present:
             self._deliver("DELETE", {})
-        return int(doc["header"]["revision"]) + 1
+        return revision + 1
 
     def _stream(self, start: int) -> None:
         body = {"create_request": {"key": _b64(self.key), "start_revision": start}}
@@ -250,11 +455,8 @@ class EtcdWatch:
                     return
                 if not line.strip():
                     continue
-                result = json.loads(line).get("result") or {}
-                if result.get("canceled"):
-                    raise ConnectionError(f"etcd cancelled the watch: {result.get('cancel_reason', 'compacted')}")
-                for ev in result.get("events") or ():
-                    self._deliver(ev.get("type", "PUT"), ev.get("kv") or {})
+                for kind, kv in watch_events(line, self.key):
+                    self._deliver(kind, kv)
             raise ConnectionError("the watch stream ended")
         finally:
             self._resp = None
@@ -272,7 +474,7 @@ class EtcdWatch:
                 return  # seen already (a re-read after reconnecting)
             self._present, self._mod_revision = True, rev
             if "value" in kv:
-                self._on_change(_check(base64.b64decode(kv["value"]), self.key))
+                self._on_change(kv_value(kv, self.key))
         except Exception as exc:  # a bad update must not end the watch
             log.warning("etcd watch of %s: %s", self.key, exc)
 
@@ -301,9 +503,9 @@ def split_lines(chunks: Iterable[bytes], most: int, what: str = "the etcd watch"
         yield bytes(buf)
 
 
-def _refuse_over(n: int, most: int, what: str) -> None:
+def _refuse_over(n: int, most: int, what: str, unit: str = "a watch stream line") -> None:
     if n > most:
-        raise InvalidMetadata(f"{what}: a watch stream line of over {most} bytes; at most {most} accepted")
+        raise InvalidMetadata(f"{what}: {unit} of over {most} bytes; at most {most} accepted")
 
 
 def _b64(key: str) -> str:

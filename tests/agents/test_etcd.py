@@ -64,21 +64,19 @@ def test_publish_fetch_transfer_and_incremental_update(etcd, ns):
 
 
 def test_fetch_waits_for_the_peer_to_appear(etcd, ns, monkeypatch):
-    import etcd3gw
+    import json
 
-    from datamover.agents.etcd import agent_key
+    import datamover.agents.etcd as etcd_mod
 
-    waiting, gets, real_get = threading.Event(), [], etcd3gw.Etcd3Client.get
+    waiting, real_events = threading.Event(), etcd_mod.watch_events
 
-    def get(self, key, *args, **kwargs):
-        out = real_get(self, key, *args, **kwargs)
-        if key == agent_key(ns, "late"):
-            gets.append(out)
-            if len(gets) == 2 and not out:  # the read after its watch opened found nothing: it waits now
-                waiting.set()
+    def watch_events(line, key):
+        out = real_events(line, key)
+        if key == etcd_mod.agent_key(ns, "late") and line.strip() and json.loads(line)["result"].get("created"):
+            waiting.set()  # etcd opened the fetch's watch (from the revision after its read found nothing)
         return out
 
-    monkeypatch.setattr(etcd3gw.Etcd3Client, "get", get)
+    monkeypatch.setattr(etcd_mod, "watch_events", watch_events)
     with Agent("late-init", UCX) as agent:
         got = {}
 
@@ -90,7 +88,7 @@ def test_fetch_waits_for_the_peer_to_appear(etcd, ns, monkeypatch):
 
         t = threading.Thread(target=fetch)
         t.start()
-        assert waiting.wait(30), (gets, got)  # known point: the fetch is waiting on its watch
+        assert waiting.wait(30), got  # known point: the fetch is waiting on its watch
         assert t.is_alive(), got
         with Agent("late", UCX) as late:
             late.publish(etcd, ns, ttl=3)
@@ -243,3 +241,33 @@ def test_a_watch_reads_the_key_within_a_bound_too(etcd, ns, monkeypatch, caplog)
         assert changes == []
     finally:
         watch.close()
+
+
+def test_fetch_reads_a_present_key_and_waits_on_its_watch_for_an_absent_one(etcd, ns, monkeypatch):
+    """The normal path of fetch against a real etcd, through its own bounded reads: a present value as it was put
+    (every byte value, 1 MiB), and one put while the fetch waits on its watch (opened from the revision after its
+    read found nothing)."""
+    import json
+
+    import datamover.agents.etcd as etcd_mod
+
+    client = etcd_mod.connect(etcd)
+    value = bytes(range(256)) * 4096
+    client.put(etcd_mod.agent_key(ns, "here"), value)
+    assert etcd_mod.fetch(client, ns, "here", timeout=5) == value
+
+    opened, real_events = threading.Event(), etcd_mod.watch_events
+
+    def watch_events(line, key):
+        if line.strip() and json.loads(line)["result"].get("created"):
+            opened.set()
+        return real_events(line, key)
+
+    monkeypatch.setattr(etcd_mod, "watch_events", watch_events)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(value=etcd_mod.fetch(client, ns, "later", timeout=30)))
+    t.start()
+    assert opened.wait(30), "the fetch never opened its watch"
+    client.put(etcd_mod.agent_key(ns, "later"), b"later-blob")
+    t.join(30)
+    assert got == {"value": b"later-blob"}

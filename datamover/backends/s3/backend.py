@@ -16,7 +16,8 @@ Semantics of an OBJ descriptor (offset, length) naming key k of a registered buc
   "untouched" (never started) or "unknown" (no answer and the server could
   not be asked), for every descriptor of the WRITE; from ERR on, rows still
   in flight are "unknown" until settled. botocore retries nothing for a
-  transfer cancelled or past its deadline (retry modes standard, adaptive).
+  transfer cancelled or past its deadline, nor one whose backoff would end
+  past it (every retry mode: legacy, standard, adaptive).
   A CreateMultipartUpload is retried by us: one whose answer was lost may
   have started an upload, which is found (the key's uploads started since)
   and aborted.
@@ -97,6 +98,10 @@ _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 _CLOCK_SLACK_S = 2.0
 #: S3 checksums botocore verifies itself while a body is read to its end (CRC32C needs awscrt there: we do it)
 _BOTOCORE_CHECKED = ("ChecksumCRC32", "ChecksumSHA1", "ChecksumSHA256")
+#: botocore's retry modes (each is bounded by the transfer's deadline: _bound_retries)
+_RETRY_MODES = ("legacy", "standard", "adaptive")
+#: how often a retry's backoff looks whether its transfer was cancelled meanwhile
+_BACKOFF_POLL_S = 0.05
 #: what botocore accepts as a region name
 _REGION = re.compile(r"[a-zA-Z0-9](?:[a-zA-Z0-9\-]{0,61}[a-zA-Z0-9])?")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
@@ -200,7 +205,8 @@ class S3Backend(Backend):
         _check_params(p)
         self._native = p["native_checksum"]
         self._stage = threading.local()
-        self._calling = threading.local()  # .stop: whether the transfer of this thread's call may no longer retry
+        # .stop: whether the transfer of this thread's call may no longer retry; .deadline: that transfer's (clock())
+        self._calling = threading.local()
         self._settler: Any = None
         self._settler_lock = threading.Lock()
         self._client = self._make_client()
@@ -248,7 +254,15 @@ class S3Backend(Backend):
         except botocore.exceptions.BotoCoreError as exc:
             raise InvalidParameter(f"{exc}", backend="s3") from exc
         mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
-        attempts = int(p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5)
+        if mode not in _RETRY_MODES:  # the environment's or a profile's: _check_params saw only ours
+            raise InvalidParameter(f"retry_mode must be one of {', '.join(_RETRY_MODES)}, got {mode!r}", backend="s3")
+        given = p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5
+        try:
+            attempts = int(given)
+        except (TypeError, ValueError):
+            attempts = 0
+        if attempts < 1:
+            raise InvalidParameter(f"max_attempts must be an integer >= 1, got {given!r}", backend="s3")
         retries = {"mode": mode, "total_max_attempts": attempts}
         if not overrides:
             self.retries = retries
@@ -272,14 +286,29 @@ class S3Backend(Backend):
             )
         except (ValueError, botocore.exceptions.BotoCoreError) as exc:  # a region or endpoint from the environment
             raise InvalidParameter(f"cannot make an S3 client: {exc}", backend="s3") from exc
-        if mode in ("standard", "adaptive"):
-            _unbounded_retry_quota(client, attempts, self._stopped)
+        _bound_retries(client, mode, attempts, session._session, self._botocore_may_retry, self._stopped_transfer)
         return client
 
-    def _stopped(self) -> bool:
-        """Whether this thread's call may not be retried: its transfer was cancelled or is past its deadline, or
-        the call is retried by us (``_Run.create_upload``)."""
-        return getattr(self._calling, "once", False) or self._stopped_transfer()
+    def _botocore_may_retry(self, delay: float) -> bool:
+        """Whether botocore may retry this thread's call after waiting ``delay`` s (waited here): not a call we
+        retry ourselves (``_Run.create_upload``), else as ``_wait_to_retry``."""
+        return not getattr(self._calling, "once", False) and self._wait_to_retry(delay)
+
+    def _wait_to_retry(self, delay: float) -> bool:
+        """Wait ``delay`` s before a retry of this thread's call; False, without waiting it out, where its transfer
+        was cancelled (before or meanwhile) or the retry would start past its deadline: a retry sent then could commit
+        an object after the transfer ended ERR and ``release()`` returned."""
+        if self._stopped_transfer():
+            return False
+        deadline = getattr(self._calling, "deadline", None)
+        end = clock() + delay
+        if deadline is not None and end >= deadline:
+            return False
+        while (left := end - clock()) > 0:
+            time.sleep(min(left, _BACKOFF_POLL_S))
+            if self._stopped_transfer():
+                return False
+        return True
 
     def _stopped_transfer(self) -> bool:
         """Whether the transfer this thread calls for was cancelled or is past its deadline."""
@@ -647,6 +676,7 @@ class _Run:
         c = self.completion
         deadline = self.req.deadline
         self.b._calling.stop = lambda: c.cancelled or clock() >= deadline
+        self.b._calling.deadline = deadline
         try:
             while not c.cancelled:
                 i = next(self.next)
@@ -659,7 +689,7 @@ class _Run:
                     # stops the other runners; Completion's cancel, as a fence's would wait for this runner itself
                     Completion.cancel(c, typed_error(exc, "s3", self.req.caller_index(row)))
         finally:
-            self.b._calling.stop = None
+            self.b._calling.stop = self.b._calling.deadline = None
             with self.lock:
                 self.active -= 1
                 last = self.active == 0
@@ -778,9 +808,9 @@ class _Run:
                         lost_since = lost_since or sent
                     elif exc.status not in _RETRY_STATUS:
                         raise
-                    if attempt >= tries or b._stopped_transfer():
+                    # botocore's jittered backoff, shorter
+                    if attempt >= tries or not b._wait_to_retry(random.uniform(0, min(1.0, 0.05 * 2**attempt))):
                         raise
-                time.sleep(random.uniform(0, min(1.0, 0.05 * 2**attempt)))  # botocore's jittered backoff, shorter
         finally:
             b._calling.once = False
             if lost_since is not None:
@@ -1080,34 +1110,70 @@ def _retry_attempts(exc: BaseException) -> int | None:
     return None
 
 
-def _unbounded_retry_quota(client: Any, attempts: int, stopped: Callable[[], bool] = lambda: False) -> None:
-    """Give botocore's standard retries a quota that never runs out, and none once ``stopped()``.
+class RetryNotSent(Exception):
+    """A retry botocore was about to send for a transfer cancelled or past its deadline (it was not sent)."""
 
-    botocore spends a shared quota of 500 on retries (14 per connection error), refilled only by calls that
-    succeed: after an outage of a few dozen failed calls, one dropped connection fails a transfer at once. The
-    attempts per call stay bounded by ``max_attempts``; only the client-wide cap goes. A call of a transfer
-    cancelled or past its deadline is not retried: a retry sent then could commit an object after ``release()``.
+
+def _bound_retries(
+    client: Any,
+    mode: str,
+    attempts: int,
+    session: Any,
+    may_retry: Callable[[float], bool],
+    stopped: Callable[[], bool],
+) -> None:
+    """Put botocore's retry handler of ``mode`` behind ``may_retry(delay)``, and send no retry once ``stopped()``.
+
+    ``may_retry`` waits out the backoff itself, or refuses the retry (a transfer cancelled, or one whose deadline
+    comes first). Every attempt after the first is checked again just before it is sent, after adaptive mode's rate
+    limiter, which may hold it: a retry found ``stopped()`` there is not sent and fails the call with RetryNotSent.
+    Standard and adaptive retries get a quota that never runs out: botocore spends a shared quota of 500 on retries
+    (14 per connection error), refilled only by calls that succeed, so after an outage of a few dozen failed calls one
+    dropped connection would fail a transfer at once. The attempts per call stay bounded by ``attempts``.
     """
     import sys
 
+    from botocore import retryhandler, translate
     from botocore.retries import quota, standard
 
     svc = client.meta.service_model.service_id.hyphenize()
-    adapter = standard.RetryEventAdapter()
-    detector = standard.ThrottlingErrorDetector(adapter)
-    handler = standard.RetryHandler(
-        retry_policy=standard.RetryPolicy(
-            retry_checker=standard.StandardRetryConditions(max_attempts=attempts),
-            retry_backoff=standard.ExponentialBackoff(service_name=svc, throttling_detector=detector),
-        ),
-        retry_event_adapter=adapter,
-        retry_quota=standard.RetryQuotaChecker(quota.RetryQuota(sys.maxsize), detector),
-        service_name=svc,
-    )
+    handler: Callable[..., float | None]
+    if mode == "legacy":  # as botocore's ClientCreator._register_legacy_retries builds it
+        prefix = client.meta.service_model.endpoint_prefix
+        model = session.get_component("data_loader").load_data("_retry")
+        config = translate.build_retry_config(
+            prefix, model.get("retry", {}), model.get("definitions", {}), {"max_attempts": attempts - 1}
+        )
+        handler = retryhandler.create_retry_handler(config, prefix)
+    else:
+        adapter = standard.RetryEventAdapter()
+        detector = standard.ThrottlingErrorDetector(adapter)
+        handler = standard.RetryHandler(
+            retry_policy=standard.RetryPolicy(
+                retry_checker=standard.StandardRetryConditions(max_attempts=attempts),
+                retry_backoff=standard.ExponentialBackoff(service_name=svc, throttling_detector=detector),
+            ),
+            retry_event_adapter=adapter,
+            retry_quota=standard.RetryQuotaChecker(quota.RetryQuota(sys.maxsize), detector),
+            service_name=svc,
+        ).needs_retry
     unique_id = f"retry-config-{svc}"
     client.meta.events.unregister(f"needs-retry.{svc}", unique_id=unique_id)
 
     def needs_retry(**kwargs: Any) -> float | None:
-        return None if stopped() else handler.needs_retry(**kwargs)
+        if stopped():
+            return None
+        delay = handler(**kwargs)
+        # 0: botocore sleeps no more (may_retry waited); None: botocore raises this attempt's error
+        return 0 if delay is not None and delay is not False and may_retry(delay) else None
+
+    def before_send(request: Any, **_: Any) -> None:
+        retries = (getattr(request, "context", None) or {}).get("retries") or {}
+        if retries.get("attempt", 1) > 1 and stopped():
+            raise RetryNotSent(
+                f"retry {retries['attempt'] - 1} not sent: the transfer was cancelled or is past its deadline"
+            )
 
     client.meta.events.register(f"needs-retry.{svc}", needs_retry, unique_id=unique_id)
+    # the generic event, last: after adaptive mode's rate limiter (also on "before-send"), which may hold a retry
+    client.meta.events.register_last("before-send", before_send, unique_id=f"dm-retry-guard-{svc}")

@@ -439,16 +439,16 @@ class nixl_agent:
     # -- descriptor lists ----------------------------------------------------------
     def get_xfer_descs(self, descs: Any, mem_type: str | None = None) -> Any:
         """A nixlXferDList from (addr, len, devId) tuples or an Nx3 array with ``mem_type``, a contiguous
-        tensor or list of them, or a nixlXferDList; None (logged) for anything else, as NIXL."""
-        return build(nixlBind.nixlXferDList, descs, mem_type, 3)
+        tensor or list of them, or a nixlXferDList; None (logged) or an error where NIXL gives one (see _descs)."""
+        return build(nixlBind.nixlXferDList, descs, mem_type, 3, self.nixl_mems)
 
     def get_reg_descs(self, descs: Any, mem_type: str | None = None) -> Any:
         """A nixlRegDList from (addr, len, devId, metaInfo) tuples or an Nx3 array with ``mem_type``, a contiguous
-        tensor or list of them, or a nixlRegDList; None (logged) for anything else, as NIXL."""
-        return build(nixlBind.nixlRegDList, descs, mem_type, 4)
+        tensor or list of them, or a nixlRegDList; None (logged) or an error where NIXL gives one (see _descs)."""
+        return build(nixlBind.nixlRegDList, descs, mem_type, 4, self.nixl_mems)
 
     def get_remote_descs(self, descs: Any, mem_type: str | None = None) -> Any:
-        return build_remote(descs, mem_type)
+        return build_remote(descs, mem_type, self.nixl_mems)
 
     def get_serialized_descs(self, descs: Any) -> bytes:
         """Pickle a descriptor list, as NIXL does."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -10,22 +11,103 @@ import numpy as np
 from ...descriptors import DescList
 from ...errors import InvalidDescriptor
 from ._errors import nixlInvalidParamError, nixlNotFoundError, translate
-from ._types import as_bytes, mem_of, nixl_mem_t, seg_of
+from ._types import as_bytes, as_name, mem_of, nixl_mem_t, seg_of
+
+#: the dtypes NIXL's bindings take an Nx3 array in (native byte order)
+_ARRAY_DTYPES = (np.dtype(np.int64), np.dtype(np.uint64))
+_FIELDS = ("addr", "len", "devId")
+
+
+class DescriptorInputError(nixlInvalidParamError):
+    """Descriptors NIXL refuses, raised as a nixlInvalidParamError that is also the built-in exception NIXL's API or
+    bindings raise for them (its subclasses); ``index`` is the offending descriptor's (None: the input as a whole)."""
+
+    def __init__(self, reason: str, index: int | None = None) -> None:
+        self.reason, self.index = reason, index
+        super().__init__(reason if index is None else f"descriptor {index}: {reason}")
+
+
+class DescriptorTypeError(DescriptorInputError, TypeError):
+    """Not descriptors at all, or a descriptor that is not a tuple (NIXL: TypeError)."""
+
+
+class DescriptorValueError(DescriptorInputError, ValueError):
+    """A tuple of the wrong width, or an array not Nx3, int64/uint64 and C-contiguous (NIXL: ValueError)."""
+
+
+class DescriptorFieldError(DescriptorInputError, RuntimeError):
+    """A field NIXL's bindings cannot cast: addr/len/devId not an unsigned integer, metaInfo or agent name not str
+    or bytes (NIXL: RuntimeError)."""
+
+
+class NoDescriptorsError(DescriptorInputError, IndexError):
+    """An empty list, array or tensor where NIXL reads the first descriptor (NIXL: IndexError)."""
 
 
 def tuple_rows(descs: Sequence, width: int) -> np.ndarray:
-    """(N, 3) int64 rows from tuples of ``width`` fields (the first three are addr, len, devId)."""
+    """(N, 3) int64 rows from tuples of ``width`` fields (addr, len, devId, then metaInfo or an agent name), refused
+    as NIXL's bindings refuse them, at the first bad descriptor: a non-tuple (TypeError), another width
+    (ValueError), a field that does not cast (RuntimeError). Fields at or over 2**63 are refused too (datamover keeps
+    them as int64; NIXL takes them up to 2**64-1)."""
     if not descs:
         return np.zeros((0, 3), dtype=np.int64)
-    if not all(isinstance(d, tuple) for d in descs):
-        raise nixlInvalidParamError("each descriptor must be a tuple when provided as a list")
-    widths = {len(d) for d in descs}
-    if widths != {width}:
-        raise ValueError(f"Each descriptor tuple must have exactly {width} elements, got {sorted(widths)}")
+    fast = all(type(d) is tuple and len(d) == width for d in descs) and all(
+        type(v) is int for d in descs for v in d[:3]
+    )
+    if fast:
+        try:
+            rows = np.array([d[:3] for d in descs], dtype=np.int64).reshape(-1, 3)
+        except OverflowError:
+            rows = None
+        if rows is not None and (rows >= 0).all():
+            if width == 4:
+                for i, d in enumerate(descs):
+                    _check_text(d[3], i)
+            return rows
+    return _checked_rows(descs, width)
+
+
+def _checked_rows(descs: Sequence, width: int) -> np.ndarray:
+    rows = np.zeros((len(descs), 3), dtype=np.int64)
+    for i, d in enumerate(descs):
+        if not isinstance(d, tuple):
+            raise DescriptorTypeError(f"a {type(d).__name__}, not a tuple: each descriptor must be a tuple", i)
+        if len(d) != width:
+            raise DescriptorValueError(f"{len(d)} fields: each descriptor tuple must have exactly {width}", i)
+        rows[i] = [_field(v, i, name) for v, name in zip(d[:3], _FIELDS)]
+        if width == 4:
+            _check_text(d[3], i)
+    return rows
+
+
+def _field(value: Any, i: int, name: str) -> int:
+    if isinstance(value, (float, np.floating)):
+        raise DescriptorFieldError(f"{name} {value!r} is not an integer", i)
     try:
-        return np.array([d[:3] for d in descs], dtype=np.int64).reshape(-1, 3)
-    except (OverflowError, ValueError, TypeError) as exc:
-        raise nixlInvalidParamError(f"descriptor fields must be integers in 0..2**63-1: {exc}") from None
+        n = operator.index(value)
+    except TypeError:
+        raise DescriptorFieldError(f"{name} of type {type(value).__name__} is not an integer", i) from None
+    if not 0 <= n < 1 << 64:
+        raise DescriptorFieldError(f"{name} {n} is not an unsigned 64-bit integer", i)
+    if n >= 1 << 63:
+        raise DescriptorFieldError(f"{name} {n} is at or over 2**63, which datamover does not take", i)
+    return n
+
+
+def _check_text(value: Any, i: int) -> None:
+    if not isinstance(value, (str, bytes, bytearray)):
+        raise DescriptorFieldError(f"a {type(value).__name__} as metaInfo or agent name, not str or bytes", i)
+
+
+def _array_rows(descs: np.ndarray) -> np.ndarray:
+    """An Nx3 array as NIXL's bindings take it: int64 or uint64 in native order, C-contiguous (else ValueError)."""
+    if descs.ndim != 2 or descs.shape[1] != 3:
+        raise DescriptorValueError(f"an Nx3 array is needed for a descriptor list, got shape {descs.shape}")
+    if descs.dtype not in _ARRAY_DTYPES:
+        raise DescriptorValueError(f"an Nx3 array of int64 or uint64 is needed, got {descs.dtype}")
+    if not descs.flags.c_contiguous:
+        raise DescriptorValueError("a C-contiguous Nx3 array is needed (np.ascontiguousarray)")
+    return np.asarray(descs)
 
 
 def _desclist(rows: Any, mem: Any) -> DescList:
@@ -47,13 +129,14 @@ class _DList:
         if isinstance(descs, (int, np.integer)) and not isinstance(descs, bool):
             rows: Any = np.zeros((int(descs), 3), dtype=np.int64)  # NIXL's init_size: that many zero descriptors
         elif isinstance(descs, np.ndarray):
-            if descs.ndim != 2 or descs.shape[1] != 3:
-                raise nixlInvalidParamError(f"an Nx3 array is needed for a descriptor list, got shape {descs.shape}")
-            rows = descs
-        else:
-            descs = list(descs)
+            rows = _array_rows(descs)
+        elif isinstance(descs, list):
             rows = tuple_rows(descs, self._width)
             self._extra = self._extras(descs)
+        else:
+            # (``type`` is the memory-type argument here, not the builtin)
+            what = f"{self.__class__.__name__} takes a list of tuples, an Nx3 array or a count"
+            raise DescriptorTypeError(f"{what}, not a {descs.__class__.__name__}")
         self._descs = _desclist(rows, mem)
         if len(self._extra) != len(self._descs):
             self._extra = self._default_extra(len(self._descs))
@@ -202,13 +285,13 @@ class nixlRemoteDList(_DList):
     _width = 4
 
     def _extras(self, descs: list) -> tuple:
-        return tuple(str(d[3]) for d in descs)
+        return tuple(as_name(d[3]) for d in descs)
 
     def _default_extra(self, n: int) -> tuple:
         return ("",) * n
 
     def _extra_of(self, desc: tuple) -> Any:
-        return str(desc[3])
+        return as_name(desc[3])
 
     @property
     def agents(self) -> tuple[str, ...]:

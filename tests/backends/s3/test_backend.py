@@ -422,6 +422,18 @@ def test_bad_params_refused_naming_the_parameter(name, value):
     assert info.value.backend == "s3"
 
 
+@pytest.mark.parametrize(
+    "name, env, value", [("retry_mode", "AWS_RETRY_MODE", "bogus"), ("max_attempts", "AWS_MAX_ATTEMPTS", "many")]
+)
+def test_bad_retry_settings_from_the_environment_refused(monkeypatch, name, env, value):
+    """Before, botocore's InvalidRetryModeError (or int()'s ValueError) escaped when the backend started."""
+    monkeypatch.setenv(env, value)
+    params = {"endpoint_url": "http://127.0.0.1:1", "access_key_id": "a", "secret_access_key": "b"}
+    with pytest.raises(InvalidParameter, match=f"{name} .*{value}") as info:
+        Agent("s3-bad", {"backends": {"s3": params}}).backend("s3")
+    assert info.value.backend == "s3"
+
+
 # -- concurrency -----------------------------------------------------------------
 def test_bounded_concurrency(server):
     """Many small objects run concurrently, never more at once than ``concurrency``."""

@@ -7,6 +7,7 @@ pause the test holds stands for a slow server: nothing is raced against a sleep.
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 
@@ -17,6 +18,7 @@ from datamover.testing.s3server import S3Server
 
 MiB = 1 << 20
 P = 5 * MiB
+MODES = ["standard", "adaptive", "legacy"]  # botocore's retry modes
 
 
 @pytest.fixture(scope="module")
@@ -237,15 +239,17 @@ def test_a_put_refused_after_a_lost_answer_is_unknown_not_aborted(server, monkey
     assert _body(server, key) == data
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("end", ["release", "timeout"])
-def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch, end):
+def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch, end, mode):
     """Attempt 1 of a PUT is held (a stalled store) until the transfer is ERR (or ``release`` returned), then gets
     no answer. Before, botocore sent attempt 2 after that, committing the object behind the caller's back, and
-    ``release`` returned with no outcomes; now no retry is sent and the row is "unknown" from ERR on."""
+    ``release`` returned with no outcomes; now no retry is sent and the row is "unknown" from ERR on. Legacy mode
+    was still retried so."""
     from botocore import httpsession
     from botocore.exceptions import ReadTimeoutError
 
-    key = f"out/no-retry-after-{end}"
+    key = f"out/no-retry-after-{end}-{mode}"
     real_send = httpsession.URLLib3Session.send
     reached, ended = threading.Event(), threading.Event()
     attempts: list[bool] = []  # whether each attempt was sent after ERR
@@ -260,7 +264,7 @@ def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch
         return real_send(self, request)
 
     monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
-    with _agent(server, max_attempts=3) as agent:
+    with _agent(server, max_attempts=3, retry_mode=mode) as agent:
         buf = HostBuffer(agent, 4096)
         buf.write(0, random_bytes(4096, 6))
         reg = agent.register_objects(server.bucket, keys=[key])
@@ -282,17 +286,18 @@ def test_no_retry_is_sent_after_err_and_release_says_unknown(server, monkeypatch
     assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0
 
 
-def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeypatch):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeypatch, mode):
     """The first CreateMultipartUpload reaches the store and its answer is lost. Before, botocore sent it again and
-    the upload the first one started stayed pending forever; now it is aborted, and an older upload of the same key
-    (another writer's, started before this transfer) is left alone. moto stamps every upload 2010-11-10, so the
-    listing is given real start times: now for uploads started by this transfer."""
+    the upload the first one started stayed pending forever (legacy mode still did); now it is aborted, and an older
+    upload of the same key (another writer's, started before this transfer) is left alone. moto stamps every upload
+    2010-11-10, so the listing is given real start times: now for uploads started by this transfer."""
     from datetime import datetime, timezone
 
     from botocore import httpsession
     from botocore.exceptions import ReadTimeoutError
 
-    key = "out/lost-create"
+    key = f"out/lost-create-{mode}"
     other = server.client().create_multipart_upload(Bucket=server.bucket, Key=key)["UploadId"]
     real_send = httpsession.URLLib3Session.send
     creates: list[str] = []
@@ -311,7 +316,7 @@ def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeyp
                 upload["Initiated"] = datetime.now(timezone.utc)
 
     monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
-    with _agent(server, part_size=P, multipart_threshold=P, max_attempts=3) as agent:
+    with _agent(server, part_size=P, multipart_threshold=P, max_attempts=3, retry_mode=mode) as agent:
         agent.backend("s3").settle_client().meta.events.register("after-call.s3.ListMultipartUploads", real_start_times)
         xfer, data = _multipart(agent, server, key, 7)
         assert xfer.wait() == XferState.DONE
@@ -320,3 +325,94 @@ def test_a_create_whose_answer_was_lost_leaves_no_pending_upload(server, monkeyp
     assert _body(server, key) == data
     assert [u["UploadId"] for u in _pending(server, key)] == [other]
     server.client().abort_multipart_upload(Bucket=server.bucket, Key=key, UploadId=other)
+
+
+class _Refusal:
+    """The body of an S3 error answer (botocore's raw response)."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+
+    def stream(self, **_):
+        yield f"<Error><Code>{self.code}</Code><Message>refused</Message></Error>".encode()
+
+
+def _refuse_first_put(monkeypatch, key: str, status: int, headers: dict[str, str]) -> list[float]:
+    """Answer the first PUT of ``key`` with ``status`` (nothing stored), send the others; returns their send times."""
+    from botocore import httpsession
+    from botocore.awsrequest import AWSResponse
+
+    from datamover.backends.base import clock
+
+    real_send = httpsession.URLLib3Session.send
+    sent: list[float] = []
+
+    def send(self, request):
+        if request.method == "PUT" and request.url.endswith(f"/{key}"):
+            sent.append(clock())
+            if len(sent) == 1:
+                code = "SlowDown" if status == 503 else "InternalError"
+                return AWSResponse(request.url, status, {"Content-Type": "application/xml", **headers}, _Refusal(code))
+        return real_send(self, request)
+
+    monkeypatch.setattr(httpsession.URLLib3Session, "send", send)
+    return sent
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_retry_whose_backoff_ends_past_the_deadline(server, monkeypatch, mode):
+    """Attempt 1 of a PUT is refused with a 503 whose backoff (botocore's: at least 5 s) ends past the transfer's
+    3 s deadline. Before, botocore slept it out and sent the retry after the transfer was ERR, committing the object
+    behind the caller's back (every mode); now the store's refusal fails the transfer at once and nothing is stored."""
+    from botocore import retryhandler
+
+    monkeypatch.setattr(retryhandler, "random", types.SimpleNamespace(random=lambda: 10.0))  # legacy: 10 s
+    key = f"out/backoff-past-deadline-{mode}"
+    sent = _refuse_first_put(monkeypatch, key, 503, {"x-amz-retry-after": "10000"})  # standard, adaptive: >= 5 s
+    with _agent(server, max_attempts=3, retry_mode=mode) as agent:
+        buf = HostBuffer(agent, 4096)
+        buf.write(0, random_bytes(4096, 8))
+        reg = agent.register_objects(server.bucket, keys=[key])
+        xfer = agent.transfer(
+            "WRITE", buf.descs([0], [4096]), DescList.objects(reg, [4096], 0, keys=[key]), backends="s3", timeout=3.0
+        )
+        with pytest.raises(ObjectStoreError) as info:
+            xfer.wait()
+        deadline = xfer.request.deadline
+        assert info.value.status == 503 and xfer.outcomes == {0: "aborted"}
+        xfer.release()
+    assert [t >= deadline for t in sent] == [False], "a retry was sent past the deadline"
+    assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0
+
+
+def test_a_retry_held_past_the_deadline_is_not_sent(server, monkeypatch):
+    """Attempt 1 of a PUT is refused with a 500; its retry is then held just before it is sent (as adaptive mode's
+    rate limiter holds one) until the transfer is ERR. Before, it was sent then, committing the object after ERR;
+    now it is not sent and the row is "unknown" (attempt 1 was sent)."""
+    key = "out/retry-held"
+    sent = _refuse_first_put(monkeypatch, key, 500, {})
+    reached, ended = threading.Event(), threading.Event()
+
+    def hold(request, **_):
+        if request.url.endswith(f"/{key}") and request.context["retries"]["attempt"] == 2:
+            reached.set()
+            assert ended.wait(60)
+
+    with _agent(server, max_attempts=3, retry_mode="adaptive") as agent:
+        # on the operation's own event: before the backend's check, which is on "before-send", last
+        agent.backend("s3").client.meta.events.register("before-send.s3.PutObject", hold)
+        buf = HostBuffer(agent, 4096)
+        buf.write(0, random_bytes(4096, 9))
+        reg = agent.register_objects(server.bucket, keys=[key])
+        xfer = agent.transfer(
+            "WRITE", buf.descs([0], [4096]), DescList.objects(reg, [4096], 0, keys=[key]), backends="s3", timeout=2.0
+        )
+        assert reached.wait(60), "the retry was never made"
+        with pytest.raises(TransferTimeout):
+            xfer.wait()
+        ended.set()
+        assert xfer._completion.wait(60), "the WRITE's worker never stopped"
+        assert xfer.outcomes == {0: "unknown"}
+        xfer.release()
+    assert len(sent) == 1, f"retries sent after ERR: {len(sent) - 1}"
+    assert server.client().list_objects_v2(Bucket=server.bucket, Prefix=key).get("KeyCount") == 0

@@ -1,0 +1,268 @@
+"""etcd fetch against a hostile or broken v3 JSON gateway: an in-process HTTP server answers what each test says.
+
+Every answer is read within a bound and parsed before use (InvalidMetadata naming the key), never read whole.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("etcd3gw")
+
+import datamover.agents.etcd as etcd_mod
+from datamover.errors import InvalidMetadata, RemoteDisconnected
+
+KEY = etcd_mod.agent_key("ns", "peer")
+B64KEY = base64.b64encode(KEY.encode()).decode()
+#: what the gateway may send in all, in the tests of answers over the bound: twice the bound we set, and more
+SENT = 128 << 20
+BOUND = 64 << 10
+
+Answer = Callable[["_Handler", dict], None]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    gateway: Gateway
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # etcd3gw's API discovery
+        self.send(b'{"etcdserver":"3.5.0","etcdcluster":"3.5.0"}')
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        path = self.path.removeprefix("/v3/")
+        self.gateway.requests.append((path, body))
+        answer = self.gateway.answers.get(path)
+        if answer is None:
+            self.send(b'{"header":{"revision":"5"}}')
+        else:
+            answer(self, body)
+
+    def send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def stream(self, pieces: Iterator[bytes], length: int | None = None) -> None:
+        """Send ``pieces`` (chunked, or as a body of ``length``), counting what the client took, until it hangs up."""
+        self.send_response(200)
+        if length is None:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Content-Length", str(length))
+        self.end_headers()
+        try:
+            for piece in filter(None, pieces):  # (an empty chunk would end a chunked body)
+                self.wfile.write(piece if length is not None else b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+                self.gateway.sent += len(piece)
+        except OSError:  # the client hung up: what it refused stops here
+            pass
+        self.close_connection = True
+
+
+class Gateway:
+    """A fake etcd gateway on loopback: ``answers`` maps a v3 path ("kv/range", "watch", ...) to how it answers."""
+
+    def __init__(self, answers: dict[str, Answer]) -> None:
+        self.answers = answers
+        self.requests: list[tuple[str, dict]] = []
+        self.sent = 0
+        handler = type("Handler", (_Handler,), {"gateway": self})
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def gateway():
+    made: list[Gateway] = []
+
+    def make(**answers: Answer) -> Gateway:
+        g = Gateway({k.replace("_", "/"): v for k, v in answers.items()})
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+def _blocks(total: int, head: bytes = b"") -> Iterator[bytes]:
+    yield head
+    for _ in range(total >> 20):
+        yield b"A" * (1 << 20)
+
+
+def _absent(handler: _Handler, _: dict) -> None:
+    handler.send(b'{"header":{"revision":"5"}}')
+
+
+def _range_of(value: bytes, key: str = B64KEY) -> bytes:
+    kv = {"key": key, "value": base64.b64encode(value).decode(), "mod_revision": "4"}
+    return json.dumps({"header": {"revision": "5"}, "kvs": [kv]}).encode()
+
+
+def _event_line(value: bytes) -> bytes:
+    kv = {"key": B64KEY, "value": base64.b64encode(value).decode(), "mod_revision": "6"}
+    return json.dumps({"result": {"header": {"revision": "6"}, "events": [{"kv": kv}]}}).encode() + b"\n"
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+def test_a_range_answer_over_the_bound_is_refused_before_it_is_read(gateway, monkeypatch, declared):
+    """Before, etcd3gw read the whole answer (a 400 MiB value: 1.6 GiB of peak memory) and only then was the value
+    refused; now an answer declared longer than the bound is refused unread, and a chunked one once past it."""
+    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    head = b'{"header":{"revision":"5"},"kvs":[{"key":"' + B64KEY.encode() + b'","value":"'
+    g = gateway(kv_range=lambda h, _: h.stream(_blocks(SENT, head), len(head) + SENT if declared else None))
+    client = etcd_mod.connect(g.endpoint)
+    with pytest.raises(InvalidMetadata, match=f"etcd range of {KEY}: an answer of over {BOUND} bytes"):
+        etcd_mod.fetch(client, "ns", "peer", timeout=5)
+    assert g.sent < SENT // 4, f"the client took {g.sent >> 20} MiB of a {SENT >> 20} MiB answer"
+
+
+def test_a_plain_answer_over_the_bound_is_refused_when_connecting(gateway, monkeypatch):
+    """etcd3gw's own calls (status here) are read within the bound too (a response hook on its session)."""
+    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    g = gateway(maintenance_status=lambda h, _: h.stream(_blocks(SENT)))
+    with pytest.raises(RemoteDisconnected, match=f"InvalidMetadata: etcd answer from .* over {BOUND} bytes"):
+        etcd_mod.connect(g.endpoint)
+    assert g.sent < SENT // 4, f"the client took {g.sent >> 20} MiB of a {SENT >> 20} MiB answer"
+
+
+_BAD_RANGES = {
+    "not JSON": b'{"header": {"revision": "5"}, "kvs": [',
+    "not an object": b"[1, 2]",
+    "kvs not a list": b'{"header": {"revision": "5"}, "kvs": "nope"}',
+    "kv not an object": b'{"header": {"revision": "5"}, "kvs": [7]}',
+    "no revision": b'{"kvs": []}',
+    "bad revision": b'{"header": {"revision": "-1"}}',
+    "two kvs": _range_of(b"x").replace(b'"kvs": [', b'"kvs": [{"key": "' + B64KEY.encode() + b'"}, '),
+    "another key": _range_of(b"blob", key=base64.b64encode(b"/ns/agents/other").decode()),
+    "value not a string": _range_of(b"x").replace(b'"eA=="', b"12"),
+    "value not base64": _range_of(b"x").replace(b'"eA=="', b'"!!not base64!!"'),
+    "nested too deep": b"[" * 100_000,
+    "not UTF-8": b'{"header": {"revision": "5\xff"}}',
+}
+
+
+@pytest.mark.parametrize("body", _BAD_RANGES.values(), ids=_BAD_RANGES.keys())
+def test_a_garbled_range_answer_is_invalid_metadata_naming_the_key(gateway, body):
+    """Before: requests' JSONDecodeError, AttributeError, binascii.Error, RecursionError, or another key's value
+    taken as this one's."""
+    g = gateway(kv_range=lambda h, _: h.send(body))
+    client = etcd_mod.connect(g.endpoint)
+    with pytest.raises(InvalidMetadata, match=f"etcd (range|value) (of|at) {KEY}"):
+        etcd_mod.fetch(client, "ns", "peer", timeout=5)
+
+
+def test_a_value_over_the_blob_bound_is_refused_before_it_is_decoded(gateway, monkeypatch):
+    monkeypatch.setattr(etcd_mod, "MAX_BLOB_BYTES", 3000)
+    g = gateway(kv_range=lambda h, _: h.send(_range_of(b"v" * 3003)))
+    with pytest.raises(InvalidMetadata, match=f"etcd value at {KEY}: over 3000 bytes"):
+        etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=5)
+
+
+def test_the_watch_of_an_absent_key_starts_after_the_read_and_delivers_the_put(gateway):
+    g = gateway(
+        kv_range=_absent, watch=lambda h, _: h.stream(iter([b'{"result":{"created":true}}\n', _event_line(b"blob")]))
+    )
+    assert etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=5) == b"blob"
+    watches = [body for path, body in g.requests if path == "watch"]
+    assert watches == [{"create_request": {"key": B64KEY, "start_revision": 6}}]
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        pytest.param(lambda: _blocks(SENT), id="a line that never ends"),
+        pytest.param(lambda: iter([b'{"result": {"events": [{"kv": 3}]}}\n']), id="a garbled event"),
+        pytest.param(lambda: iter([b"<html>busy</html>\n"]), id="not JSON"),
+    ],
+)
+def test_a_watch_stream_over_the_bound_or_garbled_fails_the_fetch_at_once(gateway, monkeypatch, stream):
+    """Before, etcd3gw's watch read each chunk whole and died on a bad line in its own thread: the fetch waited its
+    whole timeout, then said the agent did not appear."""
+    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    g = gateway(kv_range=_absent, watch=lambda h, _: h.stream(stream()))
+    with pytest.raises(InvalidMetadata, match=f"etcd watch of {KEY}"):
+        etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=60)
+    assert g.sent < SENT // 4
+
+
+def test_a_watch_stream_that_ends_is_opened_again_after_a_fresh_read(gateway):
+    reads = []
+
+    def kv_range(h: _Handler, _: dict) -> None:
+        reads.append(1)
+        h.send(_range_of(b"late") if len(reads) == 2 else b'{"header":{"revision":"5"}}')
+
+    g = gateway(kv_range=kv_range, watch=lambda h, _: h.stream(iter([b'{"result":{"created":true}}\n'])))
+    assert etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=30) == b"late"
+    assert len(reads) == 2
+
+
+def test_a_fetch_of_a_key_that_never_appears_times_out(gateway):
+    stalled = threading.Event()
+
+    def watch(h: _Handler, _: dict) -> None:
+        h.stream(iter([b'{"result":{"created":true}}\n']))
+        stalled.wait(30)  # an open stream with nothing on it
+
+    g = gateway(kv_range=_absent, watch=watch)
+    try:
+        with pytest.raises(RemoteDisconnected, match="did not appear"):
+            etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=0.5)
+    finally:
+        stalled.set()
+
+
+# -- parsing (no gateway) -------------------------------------------------------------
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
+    max_leaves=20,
+)
+_fields = st.sampled_from(["header", "revision", "kvs", "key", "value", "mod_revision", "result", "events", "kv"])
+_docs = st.recursive(
+    _json,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_fields | st.just(B64KEY), inner, max_size=5),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_docs)
+def test_any_json_answer_parses_or_is_invalid_metadata(doc):
+    body = json.dumps(doc).encode()
+    for parse in (lambda: etcd_mod.parse_range(body, KEY), lambda: etcd_mod.watch_events(body, KEY)):
+        try:
+            parse()
+        except (InvalidMetadata, ConnectionError):  # ConnectionError: a watch etcd cancelled
+            pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, (1 << 63) - 1), st.sampled_from([str, int]))
+def test_a_well_formed_range_answer_gives_its_value_and_revision(value, revision, spelled):
+    kv = {"key": B64KEY, "value": base64.b64encode(value).decode(), "mod_revision": "3", "version": "1"}
+    body = json.dumps({"header": {"revision": spelled(revision)}, "kvs": [kv]}).encode()
+    got, rev = etcd_mod.parse_range(body, KEY)
+    assert rev == revision and etcd_mod.kv_value(got, KEY) == value
