@@ -116,10 +116,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report = run_replay(
             args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part
         )
-    except ValueError as exc:  # a malformed trace (its file and line named)
+        head = load_trace(args.trace, args.requests) if args.with_data else None
+    except ValueError as exc:  # a malformed or empty trace (its file and line named)
         print(f"datamover replay: {exc}", file=sys.stderr)
         return 2
-    data = run_with_data(args.trace, config, args.requests) if args.with_data else None
+    data = run_with_data(head, config, args.requests) if head is not None else None
     if args.json:
         out = report_dict(report)
         if data is not None:

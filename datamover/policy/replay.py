@@ -53,7 +53,8 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
     ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
-    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line."""
+    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line, and
+    so is a trace with no chunk reference to replay (an empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
     with open(path) as f:
@@ -79,6 +80,7 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
             except OverflowError:
                 keys.append(np.asarray([i & _MASK64 for i in ids], dtype=np.uint64).view(np.int64))
             stamps.append(float(stamp) / 1000.0)
+    read = len(stamps)
     if part is not None:
         if part not in ("first", "second"):
             raise ValueError(f"part {part!r} is not 'first' or 'second'")
@@ -87,9 +89,24 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
         keys = [k for k, y in zip(keys, keep, strict=True) if y]
         stamps = [t for t, y in zip(stamps, keep, strict=True) if y]
     counts = np.asarray([len(k) for k in keys], dtype=np.int64)
+    if not counts.sum():
+        raise ValueError(f"trace {path}: {_nothing_to_replay(read, len(stamps), limit, part)}")
     request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     flat = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
     return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
+
+
+def _nothing_to_replay(read: int, kept: int, limit: int | None, part: str | None) -> str:
+    """Why a trace holds no chunk reference to replay (a replay of none has no hit rate)."""
+    if not read:
+        return "no request to replay" + (f" (limit {limit})" if limit is not None else " (an empty file)")
+    if part is not None and not kept:
+        return (
+            f"the {part} half by time holds no request: {read} request{'s' if read > 1 else ''}, all in the "
+            "other half (one request, or every timestamp the same)"
+        )
+    where = "" if part is None else f" in the {part} half by time"
+    return f"no chunk reference to replay: the {kept} requests{where} all have empty hash_ids"
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,43 @@ def test_the_replay_command_names_a_malformed_trace_line(tmp_path, capsys):
     path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
     assert replay_main([str(path), "--policy", "lru"]) == 2
     assert "bad.jsonl, line 2: no 'hash_ids'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("lines", "kwargs", "said"),
+    [
+        ([], {}, "no request to replay (an empty file)"),
+        (["", "   "], {}, "no request to replay (an empty file)"),
+        (['{"timestamp": 0, "hash_ids": [1]}'], {"limit": 0}, "no request to replay (limit 0)"),
+        (['{"timestamp": 0, "hash_ids": []}'] * 2, {}, "the 2 requests all have empty hash_ids"),
+        (['{"timestamp": 5, "hash_ids": [1, 2]}'], {"part": "first"}, "the first half by time holds no request"),
+        (['{"timestamp": 5, "hash_ids": [1]}'] * 3, {"part": "first"}, "3 requests, all in the other half"),
+        (
+            ['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 9, "hash_ids": []}'],
+            {"part": "second"},
+            "the 1 requests in the second half by time all have empty hash_ids",
+        ),
+    ],
+)
+def test_a_trace_with_nothing_to_replay_is_named(tmp_path, lines, kwargs, said):
+    """Was a ZeroDivisionError from the report (hit rate over no reference)."""
+    path = tmp_path / "none.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(ValueError, match=rf"^trace .*none.jsonl: .*{re.escape(said)}"):
+        load_trace(path, **kwargs)
+
+
+def test_one_request_splits_into_an_empty_first_half_and_a_whole_second(tmp_path, capsys):
+    path = write_trace(tmp_path / "one.jsonl", [[1, 2, 3]])
+    assert load_trace(path, part="second").keys.tolist() == [1, 2, 3]
+    assert replay_main([str(path), "--policy", "lru", "--part", "first"]) == 2
+    assert "one.jsonl: the first half by time holds no request" in capsys.readouterr().err
+    assert replay_main([str(path), "--policy", "lru", "--part", "second"]) == 0
+
+
+def test_with_data_over_requests_without_references_is_named(tmp_path, capsys):
+    """The replayed head of the trace has no reference (was a ValueError traceback from the cost model)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": []}\n{"timestamp": 1, "hash_ids": [1, 2]}\n')
+    assert replay_main([str(path), "--policy", "lru", "--with-data", "--requests", "1"]) == 2
+    assert "the 1 requests all have empty hash_ids" in capsys.readouterr().err
