@@ -21,6 +21,7 @@ from .replay import (
     single_tier,
     with_l1_capacity,
 )
+from .tracegen import positive
 
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--l1-capacity", help="override L1 capacity: chunks, or a share of distinct chunks like 1%%")
     p.add_argument("--single-tier", action="store_true", help="replay L1 alone (other tiers disabled)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive(int), help="replay only the first N requests (N > 0)")
     p.add_argument(
         "--part", choices=("first", "second"), help="replay only the first or second half of the trace, by time"
     )
@@ -55,7 +56,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
         help="also move real bytes: the first --requests requests "
         "through a TieredCache on the configured tiers (4 KiB chunks), checking every hit's content",
     )
-    p.add_argument("--requests", type=int, default=1000, help="requests replayed by --with-data (default 1000)")
+    p.add_argument(
+        "--requests", type=positive(int), default=1000, help="requests replayed by --with-data (> 0, default 1000)"
+    )
     p.set_defaults(func=cmd_replay)
 
 

@@ -182,7 +182,12 @@ def request_bounds(request: np.ndarray) -> np.ndarray:
 def parse_capacity(text: str, distinct: int) -> int:
     """A capacity in chunks from "1000" or a share of the trace's distinct chunks like "1%"."""
     value = text.strip()
-    chunks = int(distinct * float(value[:-1]) / 100.0) if value.endswith("%") else int(value)
+    try:
+        chunks = int(distinct * float(value[:-1]) / 100.0) if value.endswith("%") else int(value)
+    except (ValueError, OverflowError):  # "abc", "nan%", "inf%", "1e400%"
+        raise ValueError(
+            f"capacity {text!r} is not a number of chunks like 1000 or a finite share of distinct chunks like 1%"
+        ) from None
     if chunks < 1:
         raise ValueError(f"capacity {text!r} is less than one chunk")
     return chunks

@@ -287,3 +287,30 @@ def test_with_data_over_requests_without_references_is_named(tmp_path, capsys):
     path.write_text('{"timestamp": 0, "hash_ids": []}\n{"timestamp": 1, "hash_ids": [1, 2]}\n')
     assert replay_main([str(path), "--policy", "lru", "--with-data", "--requests", "1"]) == 2
     assert "the 1 requests all have empty hash_ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["inf%", "1e400%", "nan%", "-inf%", "1e400", "abc", "%", ""])
+def test_a_capacity_that_is_no_number_is_named(text):
+    """inf% was an OverflowError, nan% said only 'cannot convert float NaN to integer'."""
+    with pytest.raises(ValueError, match=rf"^capacity {re.escape(repr(text))} is not a number of chunks"):
+        parse_capacity(text, 1000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--l1-capacity", "inf%"], "datamover replay: capacity 'inf%' is not a number of chunks"),
+        (["--limit", "0"], "argument --limit: must be a finite number above 0, got 0"),
+        (["--limit", "-1"], "argument --limit: must be a finite number above 0, got -1"),
+        (["--with-data", "--requests", "-5"], "argument --requests: must be a finite number above 0, got -5"),
+    ],
+)
+def test_bad_replay_arguments_are_one_line(tmp_path, capsys, argv, said):
+    """Each was a traceback: OverflowError, ZeroDivisionError (an empty replay), the cost model's ValueError."""
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 3]])
+    try:
+        code = replay_main([str(path), "--policy", "lru", *argv])
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and said in err.strip().splitlines()[-1]
