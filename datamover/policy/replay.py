@@ -57,14 +57,14 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     so is a trace with no chunk reference to replay (an empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
-    with open(path) as f:
+    with open(path, "rb") as f:
         for number, line in enumerate(f, 1):
             if limit is not None and len(stamps) >= limit:
                 break
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode())
                 if not isinstance(row, dict):
                     raise ValueError("not a JSON object")
                 ids, stamp = row["hash_ids"], row["timestamp"]
@@ -72,6 +72,10 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
                     raise ValueError("hash_ids is not a list of integers")
                 if type(stamp) not in (int, float) or not math.isfinite(stamp):
                     raise ValueError(f"timestamp {stamp!r:.40} is not a number of ms")
+            except RecursionError:
+                raise ValueError(f"trace {path}, line {number}: JSON nested too deeply") from None
+            except OverflowError:  # an integer timestamp past the largest float
+                raise ValueError(f"trace {path}, line {number}: timestamp is too large a number of ms") from None
             except (ValueError, KeyError, TypeError) as exc:
                 reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ValueError(f"trace {path}, line {number}: {reason[:200]}") from None

@@ -314,3 +314,21 @@ def test_bad_replay_arguments_are_one_line(tmp_path, capsys, argv, said):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and said in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"timestamp": 0, "hash_ids": [1]}\xff\n', "'utf-8' codec can't decode byte 0xff"),
+        (b"\x80\x81\n", "'utf-8' codec can't decode byte 0x80"),
+        (b'{"timestamp": 0, "hash_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "JSON nested too deeply"),
+        (b"[" * 100_000 + b"\n", "JSON nested too deeply"),
+        (b'{"timestamp": 1' + b"0" * 400 + b', "hash_ids": [1]}\n', "timestamp is too large a number of ms"),
+    ],
+)
+def test_undecodable_deep_or_huge_lines_are_named(tmp_path, raw, reason):
+    """Were a UnicodeDecodeError without file or line, a RecursionError and an OverflowError traceback."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "hash_ids": [1, 2]}\n' + raw)
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: {re.escape(reason)}"):
+        load_trace(path)
