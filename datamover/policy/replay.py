@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ from .engine import PREFILL, TierSpec, TierStack, tier_specs
 from .policies import BASELINES, BeladyPolicy, Policy, PolicySettings, make_policy, next_use
 
 MOONCAKE_BLOCK_TOKENS = 512
+#: the longest trace line read (about 800,000 hash_ids of 64-bit hashes): a longer one is refused unparsed
+MAX_LINE_BYTES = 16 << 20
 _MASK64 = (1 << 64) - 1
 DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -53,14 +56,17 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
     ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
-    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line, and
-    so is a trace with no chunk reference to replay (an empty file or half, only empty hash_ids), saying why."""
+    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line (one
+    longer than MAX_LINE_BYTES is refused unread), and so is a trace with no chunk reference to replay (an
+    empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(partial(f.readline, MAX_LINE_BYTES + 1), b""), 1):
             if limit is not None and len(stamps) >= limit:
                 break
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                raise ValueError(f"trace {path}, line {number}: longer than {MAX_LINE_BYTES:,} bytes, read no further")
             if not line.strip():
                 continue
             try:

@@ -316,6 +316,30 @@ def test_bad_replay_arguments_are_one_line(tmp_path, capsys, argv, said):
     assert code == 2 and said in err.strip().splitlines()[-1]
 
 
+def test_a_line_past_the_longest_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """A 2 GB line was read whole and parsed (gigabytes); now reading stops at MAX_LINE_BYTES."""
+    import tracemalloc
+
+    import datamover.policy.replay as replay
+
+    monkeypatch.setattr(replay, "MAX_LINE_BYTES", 64 << 10, raising=False)
+    path = tmp_path / "long.jsonl"
+    ids = ", ".join(["12345678901234567890"] * 200_000)  # 4.4 MB
+    path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": [' + ids + "]}\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"long.jsonl, line 2: longer than 65,536 bytes"):
+            load_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    exact = tmp_path / "exact.jsonl"  # a line of exactly MAX_LINE_BYTES (its newline aside) is read
+    row = '{"timestamp": 0, "hash_ids": [1]}'
+    exact.write_text(row + " " * ((64 << 10) - len(row)) + "\n")
+    assert load_trace(exact).keys.tolist() == [1]
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
