@@ -86,6 +86,7 @@ def report_dict(report: ReplayReport) -> dict:
     return {
         "trace": report.trace,
         "requests": report.requests,
+        "requests_without_hash_ids": report.skipped,
         "refs": report.refs,
         "distinct": report.distinct,
         "page_bytes": report.page_bytes,

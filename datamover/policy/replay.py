@@ -34,12 +34,13 @@ DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 @dataclass(frozen=True)
 class Trace:
     """A request trace as flat chunk references: `keys[i]` was read at `times[i]` seconds by request
-    `request[i]`."""
+    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number)."""
 
     keys: np.ndarray
     times: np.ndarray
     request: np.ndarray
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    skipped: int = 0
 
     @property
     def distinct(self) -> int:
@@ -56,7 +57,8 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
     ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
-    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line (one
+    of the trace's time span (a split by time). A request with empty hash_ids is skipped (counted in
+    `Trace.skipped`). A malformed line is a ValueError naming the file and line (one
     longer than MAX_LINE_BYTES is refused unread), and so is a trace with no chunk reference to replay (an
     empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
@@ -101,9 +103,12 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     counts = np.asarray([len(k) for k in keys], dtype=np.int64)
     if not counts.sum():
         raise ValueError(f"trace {path}: {_nothing_to_replay(read, len(stamps), limit, part)}")
+    used = counts > 0  # a request without hash_ids references nothing: skipped, and counted
+    counts = counts[used]
     request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    flat = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
-    return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
+    flat = np.concatenate(keys)
+    times = np.asarray(stamps)[used][request]
+    return Trace(flat, times, request, skipped=int(len(used) - len(counts)))
 
 
 def _nothing_to_replay(read: int, kept: int, limit: int | None, part: str | None) -> str:
@@ -228,6 +233,7 @@ class ReplayReport:
     results: list[ReplayResult]
     sweep: list[ReplayResult] = field(default_factory=list)
     plot: str | None = None
+    skipped: int = 0  # requests without hash_ids (Trace.skipped)
 
 
 def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
@@ -261,6 +267,7 @@ def run_replay(
         config.l1_hbm.page_size_bytes,
         CostModel.from_config(config),
         results,
+        skipped=trace.skipped,
     )
     if sweep:
         for fraction in sweep_fractions:
@@ -336,7 +343,8 @@ def format_report(report: ReplayReport) -> str:
     c = report.cost
     lines = [
         f"trace {report.trace}: {report.requests:,} requests, {report.refs:,} chunk references, "
-        f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})",
+        f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})"
+        + (f"; {report.skipped:,} requests without hash_ids skipped" if report.skipped else ""),
         f"tiers: {tiers}; chunk {report.page_bytes:,} bytes, {report.block_tokens} tokens",
         "cost per access: "
         + ", ".join(f"{n} {_fmt_ns(v)}" for n, v in zip(TIER_NAMES, c.tier_ns, strict=True))

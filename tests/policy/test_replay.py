@@ -356,3 +356,24 @@ def test_undecodable_deep_or_huge_lines_are_named(tmp_path, raw, reason):
     path.write_bytes(b'{"timestamp": 0, "hash_ids": [1, 2]}\n' + raw)
     with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: {re.escape(reason)}"):
         load_trace(path)
+
+
+def test_requests_without_hash_ids_are_skipped_and_counted(tmp_path, capsys):
+    """They counted as requests before the last one with ids and not after it (2 or 1 for the same rows)."""
+    rows = [
+        '{"timestamp": 0, "hash_ids": []}',
+        '{"timestamp": 1, "hash_ids": [1, 2]}',
+        '{"timestamp": 2, "hash_ids": [1]}',
+    ]
+    for order in (rows, rows[::-1], [rows[1], rows[0], rows[2]]):
+        path = tmp_path / "t.jsonl"
+        path.write_text("".join(r + "\n" for r in order))
+        trace = load_trace(path)
+        assert (trace.requests, trace.skipped, len(trace.keys)) == (2, 1, 3)
+        assert trace.request.tolist() in ([0, 0, 1], [0, 1, 1])
+    assert replay_main([str(path), "--policy", "lru"]) == 0
+    assert "2 requests, 3 chunk references, 2 distinct" in (out := capsys.readouterr().out)
+    assert "1 requests without hash_ids skipped" in out.split("\n")[0]
+    assert replay_main([str(path), "--policy", "lru", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["requests"], report["requests_without_hash_ids"]) == (2, 1)
