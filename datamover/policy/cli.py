@@ -87,6 +87,7 @@ def report_dict(report: ReplayReport) -> dict:
         "trace": report.trace,
         "requests": report.requests,
         "requests_without_hash_ids": report.skipped,
+        "requests_out_of_time_order": report.out_of_order,
         "refs": report.refs,
         "distinct": report.distinct,
         "page_bytes": report.page_bytes,

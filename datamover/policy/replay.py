@@ -34,13 +34,15 @@ DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 @dataclass(frozen=True)
 class Trace:
     """A request trace as flat chunk references: `keys[i]` was read at `times[i]` seconds by request
-    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number)."""
+    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number), and
+    `out_of_order` requests have an earlier timestamp than the request before them (replayed in file order)."""
 
     keys: np.ndarray
     times: np.ndarray
     request: np.ndarray
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     skipped: int = 0
+    out_of_order: int = 0
 
     @property
     def distinct(self) -> int:
@@ -57,8 +59,9 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
     ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
-    of the trace's time span (a split by time). A request with empty hash_ids is skipped (counted in
-    `Trace.skipped`). A malformed line is a ValueError naming the file and line (one
+    of the trace's time span (a split by time). Requests are replayed in file order, their timestamps sorted or
+    not (those out of order are counted in `Trace.out_of_order`); a request with empty hash_ids is skipped
+    (counted in `Trace.skipped`). A malformed line is a ValueError naming the file and line (one
     longer than MAX_LINE_BYTES is refused unread), and so is a trace with no chunk reference to replay (an
     empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
@@ -107,8 +110,9 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     counts = counts[used]
     request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     flat = np.concatenate(keys)
-    times = np.asarray(stamps)[used][request]
-    return Trace(flat, times, request, skipped=int(len(used) - len(counts)))
+    starts = np.asarray(stamps)[used]
+    late = int(np.count_nonzero(starts[1:] < starts[:-1]))
+    return Trace(flat, starts[request], request, skipped=int(len(used) - len(counts)), out_of_order=late)
 
 
 def _nothing_to_replay(read: int, kept: int, limit: int | None, part: str | None) -> str:
@@ -234,6 +238,7 @@ class ReplayReport:
     sweep: list[ReplayResult] = field(default_factory=list)
     plot: str | None = None
     skipped: int = 0  # requests without hash_ids (Trace.skipped)
+    out_of_order: int = 0  # requests timed before the request above them (Trace.out_of_order)
 
 
 def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
@@ -268,6 +273,7 @@ def run_replay(
         CostModel.from_config(config),
         results,
         skipped=trace.skipped,
+        out_of_order=trace.out_of_order,
     )
     if sweep:
         for fraction in sweep_fractions:
@@ -344,7 +350,12 @@ def format_report(report: ReplayReport) -> str:
     lines = [
         f"trace {report.trace}: {report.requests:,} requests, {report.refs:,} chunk references, "
         f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})"
-        + (f"; {report.skipped:,} requests without hash_ids skipped" if report.skipped else ""),
+        + (f"; {report.skipped:,} requests without hash_ids skipped" if report.skipped else "")
+        + (
+            f"; {report.out_of_order:,} requests timed before the request above them (replayed in file order)"
+            if report.out_of_order
+            else ""
+        ),
         f"tiers: {tiers}; chunk {report.page_bytes:,} bytes, {report.block_tokens} tokens",
         "cost per access: "
         + ", ".join(f"{n} {_fmt_ns(v)}" for n, v in zip(TIER_NAMES, c.tier_ns, strict=True))
