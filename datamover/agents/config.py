@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import InvalidParameter, UnknownBackend
+from ..errors import InvalidParameter, UnknownBackend, shown
 
 #: the longest transfer timeout taken (a year): past it, waits on a lock overflow the platform's timeout
 MAX_TIMEOUT_S = 365 * 86400.0
@@ -98,4 +98,4 @@ def _check_extra(extra: Any) -> None:
         values = extra.get(name, {})
         known = [f.name for f in fields(cls) if f.init]
         if not isinstance(values, Mapping) or set(values) - set(known):
-            raise InvalidParameter(f"config extra '{name}' takes {', '.join(known)}, got {values!r:.200}")
+            raise InvalidParameter(f"config extra '{name}' takes {', '.join(known)}, got {shown(values)}")

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from ..telemetry.config import (
     SPAN_FIELDS,
     AlertRule,
@@ -175,7 +175,7 @@ def _check_l4(obj: L4Config, path: str) -> None:
                 raise ConfigError(f"{path}.{name}", "only the mooncake backend uses it (l4_pool.backend is s3)")
         if not re.fullmatch(r"[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/", obj.prefix) or len(obj.prefix) > 512:
             raise ConfigError(
-                f"{path}.prefix", f"{obj.prefix!r:.80} is not a key prefix: S3-safe names joined by '/', ending in '/'"
+                f"{path}.prefix", f"{shown(obj.prefix)} is not a key prefix: S3-safe names joined by '/', ending in '/'"
             )
         return
     if obj.prefix != "kv/":
@@ -314,17 +314,17 @@ def _check_scalar(tp: Any, value: Any, path: str) -> Any:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
         if ok and not math.isfinite(value):
-            raise ConfigError(path, f"expected a finite number, got {value!r}")
+            raise ConfigError(path, f"expected a finite number, got {shown(value)}")
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
     return value
 
 
 def _check_limits(meta: typing.Mapping[str, Any], value: Any, path: str) -> None:
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(path, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+        raise ConfigError(path, f"{shown(value)} is not one of {', '.join(map(str, meta['choices']))}")
     for key, bad, words in (
         ("gt", lambda v, b: v <= b, "greater than"),
         ("ge", lambda v, b: v < b, "at least"),
@@ -339,7 +339,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {shown(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     for key in data:

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 SPAN_FIELDS = (
     "layer_id",
@@ -73,7 +73,7 @@ class ObservabilityConfig:
 def parse_duration(value: Any, path: str) -> str:
     """A Prometheus duration like 5m, 1h, 30s (ConfigError at `path` otherwise)."""
     if not isinstance(value, str) or not _DURATION.match(value):
-        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {value!r}")
+        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {shown(value)}")
     return value
 
 
@@ -87,7 +87,7 @@ def parse_alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]
     for i, item in enumerate(value):
         where = f"{path}[{i}]"
         if not isinstance(item, dict):
-            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {item!r}")
+            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {shown(item)}")
         for key in item:
             if key != "window" and key not in allowed:
                 raise ConfigError(f"{where}.{key}", f"unknown key (expected window and one of {', '.join(allowed)})")
@@ -101,7 +101,9 @@ def parse_alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]
         elif match and (unit_ms or match.group(2) is None):
             number = float(match.group(1)) * (1000.0 if match.group(2) == "s" else 1.0)
         else:
-            raise ConfigError(f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {raw!r}")
+            raise ConfigError(
+                f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {shown(raw)}"
+            )
         rules.append(AlertRule(parse_duration(item["window"], f"{where}.window"), number))
     return tuple(rules)
 
@@ -114,7 +116,7 @@ def parse_span_fields(value: Any, path: str) -> tuple[str, ...]:
     for i, name in enumerate(value):
         name = SPAN_FIELD_ALIASES.get(name, name)
         if name not in SPAN_FIELDS:
-            raise ConfigError(f"{path}[{i}]", f"unknown span field {name!r} (known: {', '.join(SPAN_FIELDS)})")
+            raise ConfigError(f"{path}[{i}]", f"unknown span field {shown(name)} (known: {', '.join(SPAN_FIELDS)})")
         out.append(name)
     return tuple(out)
 

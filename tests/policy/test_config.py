@@ -239,3 +239,37 @@ def test_the_cache_takes_a_mapping():
         assert cache.config.l1_hbm.block_pool_size == 8
     finally:
         cache.close()
+
+
+def alias_bomb(depth: int) -> str:
+    """A YAML flow sequence of 9**depth items in a few hundred bytes: each level is nine aliases of the last."""
+    text = "&a0 [" + ", ".join(["x"] * 9) + "]"
+    for d in range(1, depth):
+        text = f"&a{d} [{text}, " + ", ".join([f"*a{d - 1}"] * 8) + "]"
+    return text
+
+
+BOMB = alias_bomb(6)  # nine deep took 38 s and a MemoryError; six (531,441 items) keeps the test quick either way
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        ("l1_hbm: {}", "l1_hbm"),
+        ("l1_hbm: {block_pool_size: %s}", "l1_hbm.block_pool_size"),
+        ("observability: {span_exporter: %s}", "observability.span_exporter"),
+        ("observability: {burn_rate_alerts: {hit_rate_hbm: [%s]}}", "observability.burn_rate_alerts.hit_rate_hbm[0]"),
+        (
+            "observability: {burn_rate_alerts: {hit_rate_hbm: [{window: %s, threshold: 1}]}}",
+            "observability.burn_rate_alerts.hit_rate_hbm[0].window",
+        ),
+    ],
+)
+def test_a_huge_value_is_quoted_short(tmp_path, where, path):
+    """A value YAML aliases blow up was quoted whole in the error: gigabytes, nine aliases deep."""
+    file = tmp_path / "bomb.yaml"
+    file.write_text("kv_cache_tiered:\n  " + (where % BOMB if "%s" in where else where.replace("{}", BOMB)) + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(file)
+    assert err.value.path == f"kv_cache_tiered.{path}"
+    assert len(str(err.value)) < 400
