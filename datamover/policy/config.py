@@ -402,16 +402,22 @@ def parse_config(data: Any, source: str = "<config>") -> TierConfig:
 
 def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
     """Read and validate a tier config file; None gives the documented defaults. YAML syntax errors become
-    ConfigError with the line and column."""
+    ConfigError with the line and column; a file that is not UTF-8, nests too deeply or holds a value YAML
+    cannot build (a 5,000-digit integer, February 30th) is a ConfigError naming the file."""
     if path is None:
         return TierConfig()
-    text = Path(path).read_text()
     try:
-        data = yaml.safe_load(text)
+        data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"not UTF-8 text: byte {exc.object[exc.start]:#x} at offset {exc.start}") from None
+    except RecursionError:
+        raise ConfigError(str(path), "not a tier config: YAML nested too deeply") from None
+    except ValueError as exc:  # what YAML's int and timestamp constructors raise
+        raise ConfigError(str(path), f"a value YAML cannot build: {exc}") from None
     return parse_config(data, str(path))
 
 

@@ -273,3 +273,21 @@ def test_a_huge_value_is_quoted_short(tmp_path, where, path):
         load_config(file)
     assert err.value.path == f"kv_cache_tiered.{path}"
     assert len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"kv_cache_tiered:\n  l1_hbm: {block_pool_size: \xff}\n", "not UTF-8 text: byte 0xff at offset 45"),
+        (b"kv_cache_tiered: " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "YAML nested too deeply"),
+        (b"kv_cache_tiered:\n  l1_hbm: {block_pool_size: 1" + b"0" * 5000 + b"}\n", "a value YAML cannot build"),
+        (b"kv_cache_tiered:\n  observability: {span_path: 2001-02-30}\n", "a value YAML cannot build: day is out"),
+    ],
+)
+def test_a_file_yaml_cannot_build_is_named(tmp_path, text, said):
+    """Were a UnicodeDecodeError, a RecursionError and ValueErrors from YAML's constructors, file unnamed."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.path == str(path) and said in str(err.value)
