@@ -30,6 +30,8 @@ from ..telemetry.config import (
 )
 
 GIB = 1 << 30
+#: the largest size in GiB a config takes: 2**64 bytes (a larger one overflowed to a float infinity in bytes)
+MAX_GB = float(1 << 34)
 ROOT = "kv_cache_tiered"
 TIER_NAMES = ("l1_hbm", "l2_dram", "l3_nvme", "l4_pool")
 
@@ -64,7 +66,7 @@ class L2Config:
     """L2: pinned host DRAM."""
 
     enabled: bool = _f(True, "keep an L2 tier")
-    pinned_pool_gb: float = _f(1.0, "L2 capacity in GiB (the pinned host pool)", gt=0.0)
+    pinned_pool_gb: float = _f(1.0, "L2 capacity in GiB (the pinned host pool)", gt=0.0, le=MAX_GB)
     swap_threshold_pages: int = _f(512, "most chunks demoted from L1 to L2 in one transfer", gt=0)
     hysteresis_cooldown_s: float = _f(
         5.0, "a chunk used or placed less than this ago is demoted only as a last resort (every tier)", ge=0.0
@@ -81,7 +83,7 @@ class L3Config:
 
     enabled: bool = _f(False, "keep an L3 tier")
     path: str = _f("/var/tmp/datamover/l3", "directory holding the chunk files and the index")
-    capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0)
+    capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0, le=MAX_GB)
     fsync_mode: str = _f("fdatasync", "durability of each chunk write", choices=("none", "fsync", "fdatasync"))
     crc32c_check: bool = _f(
         True, "store a CRC32C per chunk and check it on every read from L3 or L4 (a mismatch is a miss)"
@@ -115,7 +117,10 @@ class L4Config:
         1, "copies of each chunk written (s3: one object each; mooncake: memory replicas on distinct clients)", ge=1
     )
     capacity_gb: float = _f(
-        1024.0, "L4 capacity in GiB (mooncake: chunks this instance indexes; the pool evicts by itself)", gt=0.0
+        1024.0,
+        "L4 capacity in GiB (mooncake: chunks this instance indexes; the pool evicts by itself)",
+        gt=0.0,
+        le=MAX_GB,
     )
     metadata_service_url: str = _f(
         "",
@@ -131,7 +136,10 @@ class L4Config:
         "only by this instance; empty: drain covers the chunks this instance knows; refused for s3",
     )
     segment_gb: float = _f(
-        0.0, "mooncake: memory this instance lends to the pool, GiB (0: lends none); refused for s3", ge=0.0
+        0.0,
+        "mooncake: memory this instance lends to the pool, GiB (0: lends none); refused for s3",
+        ge=0.0,
+        le=MAX_GB,
     )
     placement_locality: bool = _f(
         False, "mooncake: the first replica of a chunk goes to this instance's own memory; refused for s3"

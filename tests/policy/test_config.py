@@ -291,3 +291,17 @@ def test_a_file_yaml_cannot_build_is_named(tmp_path, text, said):
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert err.value.path == str(path) and said in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "name"),
+    [("l2_dram", "pinned_pool_gb"), ("l3_nvme", "capacity_gb"), ("l4_pool", "capacity_gb"), ("l4_pool", "segment_gb")],
+)
+@pytest.mark.parametrize("gb", [1e308, 1e300, 2.0**34 + 1])
+def test_a_size_past_2_to_the_64_bytes_is_named(section, name, gb):
+    """1e308 GiB was an OverflowError (bytes as float: infinity) while the config was checked, enabled or not."""
+    values = {name: gb, **({"backend": "mooncake"} if name == "segment_gb" else {})}
+    with pytest.raises(ConfigError, match="must be at most") as err:
+        parse_config(doc(section, values))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+    assert parse_config(doc(section, {**values, name: 2.0**34})).tier(section) is not None
