@@ -114,7 +114,7 @@ def parse_span_fields(value: Any, path: str) -> tuple[str, ...]:
         raise ConfigError(path, f"expected a list of field names, got {type(value).__name__}")
     out = []
     for i, name in enumerate(value):
-        name = SPAN_FIELD_ALIASES.get(name, name)
+        name = SPAN_FIELD_ALIASES.get(name, name) if isinstance(name, str) else name
         if name not in SPAN_FIELDS:
             raise ConfigError(f"{path}[{i}]", f"unknown span field {shown(name)} (known: {', '.join(SPAN_FIELDS)})")
         out.append(name)

@@ -305,3 +305,11 @@ def test_a_size_past_2_to_the_64_bytes_is_named(section, name, gb):
         parse_config(doc(section, values))
     assert err.value.path == f"kv_cache_tiered.{section}.{name}"
     assert parse_config(doc(section, {**values, name: 2.0**34})).tier(section) is not None
+
+
+@pytest.mark.parametrize("item", [["layer_id"], {"layer_id": 1}, 7, None])
+def test_a_span_field_that_is_not_a_name_is_named(item):
+    """A list or mapping was a TypeError (unhashable type) from the alias lookup."""
+    with pytest.raises(ConfigError, match="unknown span field") as err:
+        parse_config(doc("observability", {"span_fields": ["head_id", item]}))
+    assert err.value.path == "kv_cache_tiered.observability.span_fields[1]"
