@@ -6,6 +6,7 @@ the tier config (`datamover.policy.config`) embeds `ObservabilityConfig` and val
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +73,9 @@ class ObservabilityConfig:
 
 def parse_duration(value: Any, path: str) -> str:
     """A Prometheus duration like 5m, 1h, 30s (ConfigError at `path` otherwise)."""
-    if not isinstance(value, str) or not _DURATION.match(value):
-        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {shown(value)}")
+    match = _DURATION.match(value) if isinstance(value, str) else None
+    if not match or not int(match.group(1)):  # Prometheus refuses an empty range, [0m]
+        raise ConfigError(path, f"expected a Prometheus duration above 0 like 5m, 1h, 30s, got {shown(value)}")
     return value
 
 
@@ -96,14 +98,15 @@ def parse_alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]
             raise ConfigError(where, f"needs a window and exactly one of {', '.join(allowed)}")
         raw = item[limits[0]]
         match = _MILLIS.match(raw.strip()) if isinstance(raw, str) else None
+        number = math.nan
         if isinstance(raw, int | float) and not isinstance(raw, bool):
-            number = float(raw)
+            number = float(raw) if abs(raw) < 1e308 else math.inf  # float() of a 400-digit int overflows
         elif match and (unit_ms or match.group(2) is None):
             number = float(match.group(1)) * (1000.0 if match.group(2) == "s" else 1.0)
-        else:
-            raise ConfigError(
-                f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {shown(raw)}"
-            )
+        top = 1.0 if name == "hit_rate_hbm" else math.inf  # a rate above 1 always fires, a negative never or always
+        if not 0.0 <= number <= top or math.isinf(number):
+            bounds = "from 0 to 1" if top == 1.0 else "a finite number of 0 or more" + (" (ms)" if unit_ms else "")
+            raise ConfigError(f"{where}.{limits[0]}", f"expected {bounds}, got {shown(raw)}")
         rules.append(AlertRule(parse_duration(item["window"], f"{where}.window"), number))
     return tuple(rules)
 

@@ -313,3 +313,36 @@ def test_a_span_field_that_is_not_a_name_is_named(item):
     with pytest.raises(ConfigError, match="unknown span field") as err:
         parse_config(doc("observability", {"span_fields": ["head_id", item]}))
     assert err.value.path == "kv_cache_tiered.observability.span_fields[1]"
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "path"),
+    [
+        ("p99_latency_ms", {"window": "5m", "threshold": float("nan")}, "threshold"),  # never fires
+        ("p99_latency_ms", {"window": "5m", "threshold": float("inf")}, "threshold"),
+        ("p99_latency_ms", {"window": "5m", "threshold": "9" * 400 + "s"}, "threshold"),  # inf ms
+        ("p99_latency_ms", {"window": "5m", "threshold": 10**400}, "threshold"),  # was an OverflowError
+        ("p99_latency_ms", {"window": "5m", "threshold": -1}, "threshold"),  # always fires
+        ("hit_rate_hbm", {"window": "30m", "below": 1.5}, "below"),  # always fires
+        ("hit_rate_hbm", {"window": "30m", "threshold": -0.1}, "threshold"),  # never fires
+        ("swap_eviction_rate_per_sec", {"window": "15m", "above": -5}, "above"),
+        ("hit_rate_hbm", {"window": "0m", "below": 0.5}, "window"),  # Prometheus refuses rate(x[0m])
+        ("p99_latency_ms", {"window": "00s", "threshold": 1}, "window"),
+    ],
+)
+def test_alert_thresholds_that_never_or_always_fire_are_named(name, rule, path):
+    """Each was taken, and written into a rule that never fires, always fires or Prometheus refuses."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc("observability", {"burn_rate_alerts": {name: [rule]}}))
+    assert err.value.path == f"kv_cache_tiered.observability.burn_rate_alerts.{name}[0].{path}"
+
+
+def test_alert_thresholds_at_their_bounds_are_kept():
+    rules = {
+        "p99_latency_ms": [{"window": "1s", "threshold": 0}],
+        "hit_rate_hbm": [{"window": "1m", "below": 1}, {"window": "2m", "threshold": 0.0}],
+        "swap_eviction_rate_per_sec": [{"window": "1d", "above": 1e12}],
+    }
+    alerts = parse_config(doc("observability", {"burn_rate_alerts": rules})).observability.burn_rate_alerts
+    assert [r.threshold for r in alerts.hit_rate_hbm] == [1.0, 0.0]
+    assert alerts.p99_latency_ms[0].threshold == 0.0 and alerts.swap_eviction_rate_per_sec[0].threshold == 1e12
