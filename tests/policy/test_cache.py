@@ -672,3 +672,12 @@ def test_chunks_written_without_checksums_are_not_served_once_checking_is_on(tmp
         cache.put(keys, chunks(keys))
         assert check_get(cache, keys) == 4
     assert "CRC32C mismatch" not in caplog.text
+
+
+@pytest.mark.parametrize("where", ["missing/dir/spans.jsonl", "."])
+def test_a_span_file_that_cannot_be_opened_is_named(tmp_path, where):
+    """Was a bare FileNotFoundError / IsADirectoryError from the exporter's open()."""
+    span_path = str(tmp_path / where)
+    with pytest.raises(ConfigError, match="cannot append spans to") as err:
+        TieredCache(tiers(tmp_path, l3=None, observability={"spans": True, "span_path": span_path}))
+    assert err.value.path == "kv_cache_tiered.observability.span_path"
