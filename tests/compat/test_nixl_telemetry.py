@@ -149,3 +149,30 @@ def test_a_bad_telemetry_variable_is_named(no_telemetry_env, tmp_path, env, var,
     with pytest.raises(ConfigError, match=said) as err:
         nixl_agent("bad-env", nixl_agent_config(backends=[]))
     assert err.value.path == var
+
+
+def test_the_prometheus_endpoint_bounds_its_clients(no_telemetry_env):
+    """It binds 0.0.0.0 by default, and gave every connection a thread for ever (40 silent clients, 39 threads)."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in (("ENABLE", "y"), ("EXPORTER", "prometheus"), ("PROMETHEUS_PORT", str(port))):
+        no_telemetry_env.setenv(f"NIXL_TELEMETRY_{name}", value)
+    no_telemetry_env.setenv("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "y")
+    with nixl_agent("prom-http", nixl_agent_config(backends=[])):
+        before = threading.active_count()
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 16
+        for sock in socks:
+            sock.close()
+        time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            assert b"agent_tx_bytes_total" in answer.read()
+    with socket.socket() as again:  # closing the agent released the port
+        again.bind(("127.0.0.1", port))

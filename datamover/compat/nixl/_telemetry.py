@@ -6,7 +6,7 @@ in-process counters always, to NIXL's shared-memory ring buffer file at
 ``$NIXL_TELEMETRY_DIR/<agent name>`` (what NIXL's telemetry readers open) when
 that is set, and to a Prometheus endpoint with NIXL's metric names
 (``agent_tx_bytes_total``, ``agent_xfer_time_us``, ``agent_errors_total``, ...)
-when ``NIXL_TELEMETRY_EXPORTER=prometheus``.
+when ``NIXL_TELEMETRY_EXPORTER=prometheus`` (bounded in connections and time: ``datamover.telemetry.http``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, shown
+from ...telemetry.http import serve_metrics
 from ._types import nixl_status_t
 
 log = logging.getLogger("datamover.compat.nixl")
@@ -212,14 +213,14 @@ class NixlEvents:
         return _Collector(self)
 
     def _serve_prometheus(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
         port = _env_int("NIXL_TELEMETRY_PROMETHEUS_PORT", 9090, 65535)
         local = os.environ.get("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "").strip().lower() in _TRUE
         registry = CollectorRegistry()
         registry.register(self.collector())
         try:
-            self.http = start_http_server(port, addr="127.0.0.1" if local else "0.0.0.0", registry=registry)
+            self.http = serve_metrics(registry, port, "127.0.0.1" if local else "0.0.0.0")
         except OSError as exc:  # another rank holds the port: NIXL runs on without a sink, and so do we
             log.warning("telemetry: cannot serve Prometheus on port %d (%s); running without a sink", port, exc)
 
@@ -229,7 +230,7 @@ class NixlEvents:
             self.ring = None
         if self.http is not None:
             try:
-                self.http[0].shutdown()
+                self.http.close()
             except Exception as exc:
                 log.debug("stopping the Prometheus endpoint: %s", exc)
             self.http = None
