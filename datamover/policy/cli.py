@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from .config import ConfigError, load_config
 from .data_replay import run_with_data
-from .policies import policy_names
+from .policies import check_policy_name, policy_names
 from .replay import (
     DEFAULT_SWEEP,
     ReplayReport,
@@ -102,6 +102,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Run the replay the arguments describe and print the report."""
     try:
         config = load_config(args.config)
+        if not args.policy:  # the configured policy runs
+            check_policy_name(config)
         for name in args.policy or []:
             if name != "belady" and name not in policy_names():
                 raise SystemExit(
