@@ -375,7 +375,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 
 def _check_section(obj: Any, path: str) -> None:
-    """Checks across fields of one section: watermarks in order, capacities that hold at least one chunk."""
+    """Checks across fields of one section: file paths, watermarks in order, capacities that hold a chunk."""
+    for name in ("path", "span_path"):
+        value = getattr(obj, name, None)
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            # an empty path was the working directory (L3 wrote its chunks there); a NUL, os's ValueError
+            raise ConfigError(f"{path}.{name}", f"{shown(value)} is not a file path")
     if hasattr(obj, "low_watermark") and obj.low_watermark > obj.high_watermark:
         raise ConfigError(f"{path}.low_watermark", f"{obj.low_watermark} is above high_watermark {obj.high_watermark}")
     if isinstance(obj, L1Config) and obj.page_size_bytes % 4096:

@@ -346,3 +346,12 @@ def test_alert_thresholds_at_their_bounds_are_kept():
     alerts = parse_config(doc("observability", {"burn_rate_alerts": rules})).observability.burn_rate_alerts
     assert [r.threshold for r in alerts.hit_rate_hbm] == [1.0, 0.0]
     assert alerts.p99_latency_ms[0].threshold == 0.0 and alerts.swap_eviction_rate_per_sec[0].threshold == 1e12
+
+
+@pytest.mark.parametrize("value", ["", "  ", "/var/tmp/a\0b"])
+@pytest.mark.parametrize(("section", "name"), [("l3_nvme", "path"), ("observability", "span_path")])
+def test_a_path_that_is_no_path_is_named(section, name, value):
+    """An empty l3_nvme.path put L3's chunk file in the working directory; a NUL was os's bare ValueError."""
+    with pytest.raises(ConfigError, match="is not a file path") as err:
+        parse_config(doc(section, {name: value}))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
