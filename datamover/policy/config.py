@@ -413,6 +413,27 @@ def parse_config(data: Any, source: str = "<config>") -> TierConfig:
     return _build(TierConfig, data.get(ROOT), ROOT)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *base, whose keys the mapping may override
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                twice = key in seen
+            except TypeError:  # unhashable: the base class says so
+                break
+            if twice:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{shown(key)} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
     """Read and validate a tier config file; None gives the documented defaults. YAML syntax errors become
     ConfigError with the line and column; a file that is not UTF-8, nests too deeply or holds a value YAML
@@ -420,7 +441,7 @@ def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
     if path is None:
         return TierConfig()
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.load(Path(path).read_text(), Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

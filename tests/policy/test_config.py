@@ -355,3 +355,22 @@ def test_a_path_that_is_no_path_is_named(section, name, value):
     with pytest.raises(ConfigError, match="is not a file path") as err:
         parse_config(doc(section, {name: value}))
     assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+
+
+def test_a_key_given_twice_is_named_with_its_line(tmp_path):
+    """YAML kept the last of the two silently: an edit of the first did nothing."""
+    path = tmp_path / "tiers.yaml"
+    path.write_text("kv_cache_tiered:\n  l1_hbm:\n    block_pool_size: 100\n    block_pool_size: 200\n")
+    with pytest.raises(ConfigError, match="'block_pool_size' is given twice in one mapping") as err:
+        load_config(path)
+    assert err.value.path == f"{path}:4:5"
+    path.write_text("kv_cache_tiered:\n  l2_dram: {}\n  l2_dram: {enabled: false}\n")
+    with pytest.raises(ConfigError, match="'l2_dram' is given twice"):
+        load_config(path)
+    # a merge key is no repeat, and the keys beside it override what it merges
+    path.write_text(
+        "kv_cache_tiered:\n  l2_dram: &marks {high_watermark: 0.9, low_watermark: 0.5}\n"
+        "  l3_nvme: {<<: *marks, low_watermark: 0.7, enabled: false}\n"
+    )
+    config = load_config(path)
+    assert (config.l3_nvme.high_watermark, config.l3_nvme.low_watermark) == (0.9, 0.7)
