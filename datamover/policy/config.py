@@ -434,14 +434,12 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
-    """Read and validate a tier config file; None gives the documented defaults. YAML syntax errors become
-    ConfigError with the line and column; a file that is not UTF-8, nests too deeply or holds a value YAML
-    cannot build (a 5,000-digit integer, February 30th) is a ConfigError naming the file."""
-    if path is None:
-        return TierConfig()
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """The document of a YAML config file. Syntax errors and keys given twice are ConfigErrors with the line and
+    column; a file that is not UTF-8, nests too deeply or holds a value YAML cannot build (a 5,000-digit integer,
+    February 30th) is a ConfigError naming the file."""
     try:
-        data = yaml.load(Path(path).read_text(), Loader=_Loader)  # _Loader is a SafeLoader
+        return yaml.load(Path(path).read_text(), Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -452,7 +450,14 @@ def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
         raise ConfigError(str(path), "not a tier config: YAML nested too deeply") from None
     except ValueError as exc:  # what YAML's int and timestamp constructors raise
         raise ConfigError(str(path), f"a value YAML cannot build: {exc}") from None
-    return parse_config(data, str(path))
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
+    """Read and validate a tier config file (errors as `read_yaml` and `parse_config` say); None gives the
+    documented defaults."""
+    if path is None:
+        return TierConfig()
+    return parse_config(read_yaml(path), str(path))
 
 
 def _yaml_value(value: Any) -> str:
@@ -539,5 +544,6 @@ __all__ = [
     "default_config_yaml",
     "load_config",
     "parse_config",
+    "read_yaml",
     "with_overrides",
 ]
