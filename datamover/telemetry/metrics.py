@@ -8,9 +8,10 @@ are plain constants: `datamover alerts` uses them without prometheus_client (the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .http import MetricsServer, serve_metrics
+if TYPE_CHECKING:
+    from .http import MetricsServer
 
 PREFIX = "datamover"
 
@@ -75,4 +76,6 @@ class CacheMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1", **limits: Any) -> MetricsServer:
         """Expose the metrics at http://addr:port/metrics from a daemon thread, bounded in connections and in
         time per connection (`limits`: max_connections, deadline_s; see `datamover.telemetry.http`)."""
+        from .http import serve_metrics  # http.server and wsgiref: only where metrics are served
+
         return serve_metrics(self.registry, port, addr, **limits)

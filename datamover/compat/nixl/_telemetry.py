@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ConfigError, shown
-from ...telemetry.http import serve_metrics
 from ._types import nixl_status_t
 
 log = logging.getLogger("datamover.compat.nixl")
@@ -214,6 +213,8 @@ class NixlEvents:
 
     def _serve_prometheus(self) -> None:
         from prometheus_client import CollectorRegistry
+
+        from ...telemetry.http import serve_metrics
 
         port = _env_int("NIXL_TELEMETRY_PROMETHEUS_PORT", 9090, 65535)
         local = os.environ.get("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "").strip().lower() in _TRUE
