@@ -174,5 +174,5 @@ def test_the_prometheus_endpoint_bounds_its_clients(no_telemetry_env):
         time.sleep(0.2)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
             assert b"agent_tx_bytes_total" in answer.read()
-    with socket.socket() as again:  # closing the agent released the port
-        again.bind(("127.0.0.1", port))
+    with pytest.raises(ConnectionRefusedError):  # closing the agent closed the endpoint's socket
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
