@@ -88,6 +88,7 @@ def report_dict(report: ReplayReport) -> dict:
         "requests": report.requests,
         "requests_without_hash_ids": report.skipped,
         "requests_out_of_time_order": report.out_of_order,
+        "requests_repeating_a_hash_id": report.repeating,
         "refs": report.refs,
         "distinct": report.distinct,
         "page_bytes": report.page_bytes,

@@ -34,8 +34,9 @@ DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 @dataclass(frozen=True)
 class Trace:
     """A request trace as flat chunk references: `keys[i]` was read at `times[i]` seconds by request
-    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number), and
-    `out_of_order` requests have an earlier timestamp than the request before them (replayed in file order)."""
+    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number),
+    `out_of_order` requests have an earlier timestamp than the request before them (replayed in file order), and
+    `repeating` requests name a hash_id twice (each is a reference: the second finds the chunk the first used)."""
 
     keys: np.ndarray
     times: np.ndarray
@@ -43,6 +44,7 @@ class Trace:
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     skipped: int = 0
     out_of_order: int = 0
+    repeating: int = 0
 
     @property
     def distinct(self) -> int:
@@ -61,7 +63,8 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
     of the trace's time span (a split by time). Requests are replayed in file order, their timestamps sorted or
     not (those out of order are counted in `Trace.out_of_order`); a request with empty hash_ids is skipped
-    (counted in `Trace.skipped`). A malformed line is a ValueError naming the file and line (one
+    (counted in `Trace.skipped`), and a hash_id given twice in one request is two references to the chunk
+    (such requests are counted in `Trace.repeating`). A malformed line is a ValueError naming the file and line (one
     longer than MAX_LINE_BYTES is refused unread), and so is a trace with no chunk reference to replay (an
     empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
@@ -112,7 +115,11 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     flat = np.concatenate(keys)
     starts = np.asarray(stamps)[used]
     late = int(np.count_nonzero(starts[1:] < starts[:-1]))
-    return Trace(flat, starts[request], request, skipped=int(len(used) - len(counts)), out_of_order=late)
+    by_key = np.lexsort((flat, request))  # each request's ids sorted: a repeat sits next to itself
+    twice = (flat[by_key][1:] == flat[by_key][:-1]) & (request[by_key][1:] == request[by_key][:-1])
+    repeating = len(np.unique(request[by_key][1:][twice]))
+    skipped = int(len(used) - len(counts))
+    return Trace(flat, starts[request], request, skipped=skipped, out_of_order=late, repeating=repeating)
 
 
 def _nothing_to_replay(read: int, kept: int, limit: int | None, part: str | None) -> str:
@@ -239,6 +246,7 @@ class ReplayReport:
     plot: str | None = None
     skipped: int = 0  # requests without hash_ids (Trace.skipped)
     out_of_order: int = 0  # requests timed before the request above them (Trace.out_of_order)
+    repeating: int = 0  # requests naming a hash_id twice (Trace.repeating)
 
 
 def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
@@ -274,6 +282,7 @@ def run_replay(
         results,
         skipped=trace.skipped,
         out_of_order=trace.out_of_order,
+        repeating=trace.repeating,
     )
     if sweep:
         for fraction in sweep_fractions:
@@ -355,7 +364,8 @@ def format_report(report: ReplayReport) -> str:
             f"; {report.out_of_order:,} requests timed before the request above them (replayed in file order)"
             if report.out_of_order
             else ""
-        ),
+        )
+        + (f"; {report.repeating:,} requests name a hash_id twice" if report.repeating else ""),
         f"tiers: {tiers}; chunk {report.page_bytes:,} bytes, {report.block_tokens} tokens",
         "cost per access: "
         + ", ".join(f"{n} {_fmt_ns(v)}" for n, v in zip(TIER_NAMES, c.tier_ns, strict=True))

@@ -397,3 +397,15 @@ def test_requests_out_of_time_order_are_replayed_in_file_order_and_counted(tmp_p
     assert load_trace(path).out_of_order == 0
     assert replay_main([str(path), "--policy", "lru"]) == 0
     assert "timed before" not in capsys.readouterr().out
+
+
+def test_requests_naming_a_hash_id_twice_are_counted(tmp_path, capsys):
+    """Each repeat is a reference (the second finds the chunk); nothing said a trace had them."""
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2, 1], [3, 4], [5, 5, 5, 6], [2, 1]])
+    trace = load_trace(path)
+    assert trace.repeating == 2 and len(trace.keys) == 11
+    assert replay_main([str(path), "--policy", "lru", "--single-tier", "--l1-capacity", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "; 2 requests name a hash_id twice" in out and "hit rate 45.45%" in out  # 1, 5, 5, 2 and 1 again
+    assert replay_main([str(path), "--policy", "lru", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests_repeating_a_hash_id"] == 2
