@@ -2,6 +2,27 @@
 
 from __future__ import annotations
 
+import reprlib
+
+
+class _Short(reprlib.Repr):
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 10_000:  # repr() refuses past 4,300 digits (ValueError)
+            return f"<an integer of {x.bit_length():,} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN = _Short()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 2, 60, 60, 40
+_SHOWN.maxlist = _SHOWN.maxtuple = _SHOWN.maxdict = _SHOWN.maxset = 4
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters without building the whole of it: a
+    value from a file can be huge (a YAML alias nested nine deep is 9**9 items, whose repr took gigabytes)."""
+    text = _SHOWN.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
 
 class DatamoverError(Exception):
     """Base of every datamover error.

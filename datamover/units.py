@@ -22,7 +22,7 @@ def parse_size(value: Any, what: str = "size") -> int:
         mult = _SUFFIX.get(t[-1:], 1)
         try:
             n = int(float(t[:-1] if mult > 1 else t) * mult)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: "inf", "1e400"
             raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}") from None
     else:
         raise InvalidParameter(f"{what} must be a byte count like 4096 or '16G', got {value!r}")

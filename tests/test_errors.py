@@ -35,3 +35,14 @@ def test_errors_pickle_with_their_fields(err):
     assert type(back) is type(err) and str(back) == str(err)
     for name in FIELDS:
         assert getattr(back, name, None) == getattr(err, name, None), name
+
+
+def test_shown_quotes_values_short_without_building_their_whole_repr():
+    from datamover.errors import shown
+
+    assert shown("4K") == "'4K'" and shown(4.5) == "4.5" and shown(None) == "None"
+    nested: list = ["x"] * 9
+    for _ in range(9):  # 9**10 leaves through shared references: repr() would not finish
+        nested = [nested] * 9
+    assert len(shown(nested)) <= 120 and shown(nested).startswith("[[")
+    assert len(shown("y" * 10**6)) <= 120 and len(shown(10**5000)) <= 120

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..errors import InvalidParameter, UnknownBackend
+from ..errors import InvalidParameter, UnknownBackend, shown
 
 #: the longest transfer timeout taken (a year): past it, waits on a lock overflow the platform's timeout
 MAX_TIMEOUT_S = 365 * 86400.0
@@ -68,15 +68,22 @@ class AgentConfig:
                     f"config 'backends' names {', '.join(map(repr, unknown))}, which no installed backend is; "
                     f"known: {', '.join(known)}"
                 )
-        if not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s <= MAX_TIMEOUT_S):
+        timeout = self.timeout_s
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_TIMEOUT_S):
             raise InvalidParameter(
-                f"config 'timeout_s' must be a number of seconds in (0, a year], got {self.timeout_s!r}"
+                f"config 'timeout_s' must be a number of seconds in (0, a year], got {shown(timeout)}"
             )
         _check_extra(self.extra)
         if isinstance(self.secret, str):
             self.secret = self.secret.encode()
-        if self.listen_port is not None and not (0 <= int(self.listen_port) < 65536):
-            raise InvalidParameter(f"config 'listen_port' must be 0..65535, got {self.listen_port!r}")
+        if self.secret is not None and not isinstance(self.secret, (bytes, bytearray)):
+            raise InvalidParameter(f"config 'secret' must be bytes or a string, got {type(self.secret).__name__}")
+        port = self.listen_port
+        if isinstance(port, str) and port.strip().isdecimal():  # a port read from an environment variable
+            port = int(port)
+        if port is not None and (type(port) is not int or not 0 <= port < 65536):
+            raise InvalidParameter(f"config 'listen_port' must be an integer 0..65535, got {shown(self.listen_port)}")
+        self.listen_port = port
 
 
 def _check_extra(extra: Any) -> None:
@@ -94,8 +101,12 @@ def _check_extra(extra: Any) -> None:
         raise InvalidParameter(
             f"config 'extra' has unknown section(s) {sorted(unknown)}; known: {', '.join([*sections, 'listen_host'])}"
         )
+    host = extra.get("listen_host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise InvalidParameter(f"config extra 'listen_host' must be a host name or address, got {shown(host)}")
     for name, cls in sections.items():
         values = extra.get(name, {})
         known = [f.name for f in fields(cls) if f.init]
         if not isinstance(values, Mapping) or set(values) - set(known):
-            raise InvalidParameter(f"config extra '{name}' takes {', '.join(known)}, got {values!r:.200}")
+            raise InvalidParameter(f"config extra '{name}' takes {', '.join(known)}, got {shown(values)}")
+        cls(**values)  # each section checks its own values (InvalidParameter naming the limit)

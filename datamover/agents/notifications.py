@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import InvalidParameter, NotificationTimeout
+from ..errors import InvalidParameter, NotificationTimeout, shown
 
 log = logging.getLogger("datamover.agent")
 
@@ -31,7 +31,7 @@ class InboxLimits:
         """The limits a config's ``extra["inbox"]`` names (InvalidParameter for anything else)."""
         if not isinstance(values, dict) or set(values) - set(cls.__dataclass_fields__):
             raise InvalidParameter(
-                f"config extra 'inbox' takes {', '.join(cls.__dataclass_fields__)}, got {values!r:.200}"
+                f"config extra 'inbox' takes {', '.join(cls.__dataclass_fields__)}, got {shown(values)}"
             )
         return cls(**values)
 

@@ -16,6 +16,7 @@ import hmac
 from dataclasses import dataclass
 
 from ..errors import AuthenticationError, RemoteRefused
+from .limits import check_limits
 from .metadata import AgentMetadata, agent_ident, open_metadata, sign_metadata
 
 TOKEN_BYTES = 32
@@ -63,6 +64,7 @@ class PushBudget:
     max_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        check_limits("push_budget", self)
         self.kept: dict[str, int] = {}
 
     def check(self, meta: AgentMetadata, live: set[str]) -> None:

@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import DatamoverError, InvalidMetadata, RemoteDisconnected, RemoteRefused
+from .limits import check_limits
 from .metadata import MAX_BLOB_BYTES
 
 log = logging.getLogger("datamover.side_channel")
@@ -60,6 +61,9 @@ class SideChannelLimits:
     max_request_bytes: int = 8 << 20
     max_buffered_bytes: int = 64 << 20
     workers: int = 2
+
+    def __post_init__(self) -> None:
+        check_limits("side_channel", self)
 
 
 class _Conn:

@@ -15,9 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from ..policy.config import ROOT, ConfigError, TierConfig, parse_config, with_overrides
+from ..policy.config import ROOT, ConfigError, TierConfig, parse_config, read_yaml, with_overrides
 
 ADAPTER_DEFAULTS: dict[str, dict[str, Any]] = {
     "l1_hbm": {"enabled": False},
@@ -29,8 +27,9 @@ def _section(options: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict
     if options is None:
         return {}
     if isinstance(options, str | os.PathLike):
-        with open(options) as f:
-            data = yaml.safe_load(f) or {}
+        data = read_yaml(options) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError(str(options), f"expected a mapping with a {ROOT} key, got {type(data).__name__}")
     else:
         data = dict(options)
     if ROOT in data:

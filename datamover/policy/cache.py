@@ -43,6 +43,7 @@ from .keys import ChunkKey
 from .l3_index import INDEX_FILE, L3Index, lock_directory
 from .mover import Mover
 from .plan import USER, Move, SlotEngine
+from .policies import check_policy_name
 from .pool import SharedPool
 from .requests import Requests
 from .slabs import DATA_FILE, Slab, backend_params, gpu_bytes, gpu_reason, host_slab, make_slab
@@ -69,6 +70,7 @@ class TieredCache:
     ) -> None:
         # checked as a file is: a TierConfig built in code, or a mapping, fails here naming the field
         self.config = config = checked_config(config)
+        check_policy_name(config)
         self.page = config.l1_hbm.page_size_bytes
         on_gpu = config.l1_hbm.enabled and config.l1_hbm.device != "dram" and self._gpu_reason() is None
         config.check_fits(gpu_bytes=self._gpu_bytes() if on_gpu else None)

@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from .config import ConfigError, load_config
 from .data_replay import run_with_data
-from .policies import policy_names
+from .policies import check_policy_name, policy_names
 from .replay import (
     DEFAULT_SWEEP,
     ReplayReport,
@@ -21,6 +21,7 @@ from .replay import (
     single_tier,
     with_l1_capacity,
 )
+from .tracegen import positive
 
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,7 +37,7 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--l1-capacity", help="override L1 capacity: chunks, or a share of distinct chunks like 1%%")
     p.add_argument("--single-tier", action="store_true", help="replay L1 alone (other tiers disabled)")
-    p.add_argument("--limit", type=int, help="replay only the first N requests")
+    p.add_argument("--limit", type=positive(int), help="replay only the first N requests (N > 0)")
     p.add_argument(
         "--part", choices=("first", "second"), help="replay only the first or second half of the trace, by time"
     )
@@ -55,7 +56,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
         help="also move real bytes: the first --requests requests "
         "through a TieredCache on the configured tiers (4 KiB chunks), checking every hit's content",
     )
-    p.add_argument("--requests", type=int, default=1000, help="requests replayed by --with-data (default 1000)")
+    p.add_argument(
+        "--requests", type=positive(int), default=1000, help="requests replayed by --with-data (> 0, default 1000)"
+    )
     p.set_defaults(func=cmd_replay)
 
 
@@ -83,6 +86,9 @@ def report_dict(report: ReplayReport) -> dict:
     return {
         "trace": report.trace,
         "requests": report.requests,
+        "requests_without_hash_ids": report.skipped,
+        "requests_out_of_time_order": report.out_of_order,
+        "requests_repeating_a_hash_id": report.repeating,
         "refs": report.refs,
         "distinct": report.distinct,
         "page_bytes": report.page_bytes,
@@ -97,6 +103,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     """Run the replay the arguments describe and print the report."""
     try:
         config = load_config(args.config)
+        if not args.policy:  # the configured policy runs
+            check_policy_name(config)
         for name in args.policy or []:
             if name != "belady" and name not in policy_names():
                 raise SystemExit(
@@ -116,10 +124,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         report = run_replay(
             args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part
         )
-    except ValueError as exc:  # a malformed trace (its file and line named)
+        head = load_trace(args.trace, args.requests) if args.with_data else None
+    except ValueError as exc:  # a malformed or empty trace (its file and line named)
         print(f"datamover replay: {exc}", file=sys.stderr)
         return 2
-    data = run_with_data(args.trace, config, args.requests) if args.with_data else None
+    data = run_with_data(head, config, args.requests) if head is not None else None
     if args.json:
         out = report_dict(report)
         if data is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 from ..telemetry.config import (
     SPAN_FIELDS,
     AlertRule,
@@ -30,6 +30,8 @@ from ..telemetry.config import (
 )
 
 GIB = 1 << 30
+#: the largest size in GiB a config takes: 2**64 bytes (a larger one overflowed to a float infinity in bytes)
+MAX_GB = float(1 << 34)
 ROOT = "kv_cache_tiered"
 TIER_NAMES = ("l1_hbm", "l2_dram", "l3_nvme", "l4_pool")
 
@@ -64,7 +66,7 @@ class L2Config:
     """L2: pinned host DRAM."""
 
     enabled: bool = _f(True, "keep an L2 tier")
-    pinned_pool_gb: float = _f(1.0, "L2 capacity in GiB (the pinned host pool)", gt=0.0)
+    pinned_pool_gb: float = _f(1.0, "L2 capacity in GiB (the pinned host pool)", gt=0.0, le=MAX_GB)
     swap_threshold_pages: int = _f(512, "most chunks demoted from L1 to L2 in one transfer", gt=0)
     hysteresis_cooldown_s: float = _f(
         5.0, "a chunk used or placed less than this ago is demoted only as a last resort (every tier)", ge=0.0
@@ -81,7 +83,7 @@ class L3Config:
 
     enabled: bool = _f(False, "keep an L3 tier")
     path: str = _f("/var/tmp/datamover/l3", "directory holding the chunk files and the index")
-    capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0)
+    capacity_gb: float = _f(16.0, "L3 capacity in GiB", gt=0.0, le=MAX_GB)
     fsync_mode: str = _f("fdatasync", "durability of each chunk write", choices=("none", "fsync", "fdatasync"))
     crc32c_check: bool = _f(
         True, "store a CRC32C per chunk and check it on every read from L3 or L4 (a mismatch is a miss)"
@@ -115,7 +117,10 @@ class L4Config:
         1, "copies of each chunk written (s3: one object each; mooncake: memory replicas on distinct clients)", ge=1
     )
     capacity_gb: float = _f(
-        1024.0, "L4 capacity in GiB (mooncake: chunks this instance indexes; the pool evicts by itself)", gt=0.0
+        1024.0,
+        "L4 capacity in GiB (mooncake: chunks this instance indexes; the pool evicts by itself)",
+        gt=0.0,
+        le=MAX_GB,
     )
     metadata_service_url: str = _f(
         "",
@@ -131,7 +136,10 @@ class L4Config:
         "only by this instance; empty: drain covers the chunks this instance knows; refused for s3",
     )
     segment_gb: float = _f(
-        0.0, "mooncake: memory this instance lends to the pool, GiB (0: lends none); refused for s3", ge=0.0
+        0.0,
+        "mooncake: memory this instance lends to the pool, GiB (0: lends none); refused for s3",
+        ge=0.0,
+        le=MAX_GB,
     )
     placement_locality: bool = _f(
         False, "mooncake: the first replica of a chunk goes to this instance's own memory; refused for s3"
@@ -175,7 +183,7 @@ def _check_l4(obj: L4Config, path: str) -> None:
                 raise ConfigError(f"{path}.{name}", "only the mooncake backend uses it (l4_pool.backend is s3)")
         if not re.fullmatch(r"[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/", obj.prefix) or len(obj.prefix) > 512:
             raise ConfigError(
-                f"{path}.prefix", f"{obj.prefix!r:.80} is not a key prefix: S3-safe names joined by '/', ending in '/'"
+                f"{path}.prefix", f"{shown(obj.prefix)} is not a key prefix: S3-safe names joined by '/', ending in '/'"
             )
         return
     if obj.prefix != "kv/":
@@ -314,17 +322,17 @@ def _check_scalar(tp: Any, value: Any, path: str) -> Any:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         value = float(value) if ok else value
         if ok and not math.isfinite(value):
-            raise ConfigError(path, f"expected a finite number, got {value!r}")
+            raise ConfigError(path, f"expected a finite number, got {shown(value)}")
     else:
         ok = isinstance(value, str)
     if not ok:
-        raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise ConfigError(path, f"expected {_type_name(tp)}, got {type(value).__name__} {shown(value)}")
     return value
 
 
 def _check_limits(meta: typing.Mapping[str, Any], value: Any, path: str) -> None:
     if "choices" in meta and value not in meta["choices"]:
-        raise ConfigError(path, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+        raise ConfigError(path, f"{shown(value)} is not one of {', '.join(map(str, meta['choices']))}")
     for key, bad, words in (
         ("gt", lambda v, b: v <= b, "greater than"),
         ("ge", lambda v, b: v < b, "at least"),
@@ -339,7 +347,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {data!r}")
+        raise ConfigError(path, f"expected a mapping, got {type(data).__name__} {shown(data)}")
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     for key in data:
@@ -367,7 +375,12 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 
 def _check_section(obj: Any, path: str) -> None:
-    """Checks across fields of one section: watermarks in order, capacities that hold at least one chunk."""
+    """Checks across fields of one section: file paths, watermarks in order, capacities that hold a chunk."""
+    for name in ("path", "span_path"):
+        value = getattr(obj, name, None)
+        if isinstance(value, str) and (not value.strip() or "\0" in value):
+            # an empty path was the working directory (L3 wrote its chunks there); a NUL, os's ValueError
+            raise ConfigError(f"{path}.{name}", f"{shown(value)} is not a file path")
     if hasattr(obj, "low_watermark") and obj.low_watermark > obj.high_watermark:
         raise ConfigError(f"{path}.low_watermark", f"{obj.low_watermark} is above high_watermark {obj.high_watermark}")
     if isinstance(obj, L1Config) and obj.page_size_bytes % 4096:
@@ -400,19 +413,51 @@ def parse_config(data: Any, source: str = "<config>") -> TierConfig:
     return _build(TierConfig, data.get(ROOT), ROOT)
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
-    """Read and validate a tier config file; None gives the documented defaults. YAML syntax errors become
-    ConfigError with the line and column."""
-    if path is None:
-        return TierConfig()
-    text = Path(path).read_text()
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *base, whose keys the mapping may override
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                twice = key in seen
+            except TypeError:  # unhashable: the base class says so
+                break
+            if twice:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{shown(key)} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> Any:
+    """The document of a YAML config file. Syntax errors and keys given twice are ConfigErrors with the line and
+    column; a file that is not UTF-8, nests too deeply or holds a value YAML cannot build (a 5,000-digit integer,
+    February 30th) is a ConfigError naming the file."""
     try:
-        data = yaml.safe_load(text)
+        return yaml.load(Path(path).read_text(), Loader=_Loader)  # _Loader is a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise ConfigError(where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from exc
-    return parse_config(data, str(path))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), f"not UTF-8 text: byte {exc.object[exc.start]:#x} at offset {exc.start}") from None
+    except RecursionError:
+        raise ConfigError(str(path), "not a tier config: YAML nested too deeply") from None
+    except ValueError as exc:  # what YAML's int and timestamp constructors raise
+        raise ConfigError(str(path), f"a value YAML cannot build: {exc}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> TierConfig:
+    """Read and validate a tier config file (errors as `read_yaml` and `parse_config` say); None gives the
+    documented defaults."""
+    if path is None:
+        return TierConfig()
+    return parse_config(read_yaml(path), str(path))
 
 
 def _yaml_value(value: Any) -> str:
@@ -499,5 +544,6 @@ __all__ = [
     "default_config_yaml",
     "load_config",
     "parse_config",
+    "read_yaml",
     "with_overrides",
 ]

@@ -21,7 +21,7 @@ from .cache import TieredCache
 from .config import GIB, TierConfig, with_overrides
 from .cost import CostModel
 from .keys import ChunkKey, chunk_keys
-from .replay import load_trace
+from .replay import Trace, load_trace
 
 MODEL, TOKENIZER = "trace-model", "trace-tokenizer"
 
@@ -77,10 +77,15 @@ class DataReplayReport:
 
 
 def run_with_data(
-    trace_path: str | Path, config: TierConfig, requests: int = 2000, page: int = 4096, agent: Agent | None = None
+    trace_path: str | Path | Trace,
+    config: TierConfig,
+    requests: int = 2000,
+    page: int = 4096,
+    agent: Agent | None = None,
 ) -> DataReplayReport:
-    """Replay the first `requests` requests with real bytes through a TieredCache and check every hit."""
-    trace = load_trace(trace_path, requests)
+    """Replay the first `requests` requests with real bytes through a TieredCache and check every hit (a Trace
+    given instead of a path is replayed as it is: the caller loaded its first requests)."""
+    trace = trace_path if isinstance(trace_path, Trace) else load_trace(trace_path, requests)
     starts = np.flatnonzero(np.r_[True, np.diff(trace.request) != 0]) if len(trace.request) else np.zeros(0, int)
     bounds = np.r_[starts, len(trace.keys)]
     now = [0.0]

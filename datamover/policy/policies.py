@@ -16,10 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
+from ..errors import ConfigError, shown
 from .adaptive import AdaptivePolicy
 from .arc import ARCPolicy
 from .base import NEVER, Key, Policy, PolicySettings, TierPolicy
 from .belady import BeladyPolicy, BeladyTier, belady_hits, next_use
+from .config import ROOT, TierConfig
 from .lecar import LeCaRPolicy
 from .lfu import LFUPolicy
 from .lru import LRUPolicy, LRUTier
@@ -63,6 +65,17 @@ def make_policy(name: str, settings: PolicySettings | None = None) -> Policy:
     return _REGISTRY[name](settings or PolicySettings())
 
 
+def check_policy_name(config: TierConfig) -> None:
+    """A ConfigError naming `policy.name` when no policy is registered under it (checked where the config is
+    used, after the caller's own registrations; the config itself cannot import the registry)."""
+    _load_plugins()
+    if config.policy.name not in _REGISTRY:
+        raise ConfigError(
+            f"{ROOT}.policy.name",
+            f"no policy is registered as {shown(config.policy.name)}; registered: {', '.join(sorted(_REGISTRY))}",
+        )
+
+
 _plugins_loaded = False
 
 
@@ -99,6 +112,7 @@ __all__ = [
     "TierPolicy",
     "WTinyLFUPolicy",
     "belady_hits",
+    "check_policy_name",
     "make_policy",
     "next_use",
     "policy_names",

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,8 @@ from .engine import PREFILL, TierSpec, TierStack, tier_specs
 from .policies import BASELINES, BeladyPolicy, Policy, PolicySettings, make_policy, next_use
 
 MOONCAKE_BLOCK_TOKENS = 512
+#: the longest trace line read (about 800,000 hash_ids of 64-bit hashes): a longer one is refused unparsed
+MAX_LINE_BYTES = 16 << 20
 _MASK64 = (1 << 64) - 1
 DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 
@@ -31,12 +34,17 @@ DEFAULT_SWEEP = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2)
 @dataclass(frozen=True)
 class Trace:
     """A request trace as flat chunk references: `keys[i]` was read at `times[i]` seconds by request
-    `request[i]`."""
+    `request[i]`; `skipped` requests of the file had no hash_ids (so no reference, and no request number),
+    `out_of_order` requests have an earlier timestamp than the request before them (replayed in file order), and
+    `repeating` requests name a hash_id twice (each is a reference: the second finds the chunk the first used)."""
 
     keys: np.ndarray
     times: np.ndarray
     request: np.ndarray
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    skipped: int = 0
+    out_of_order: int = 0
+    repeating: int = 0
 
     @property
     def distinct(self) -> int:
@@ -53,17 +61,24 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
     """Read a Mooncake-format JSON-lines trace (the first `limit` requests if given): per line a `timestamp` in
     ms and `hash_ids`, integer chunk ids (ids of 64-bit unsigned hashes, 2**63 and up, are kept distinct:
     every id is taken modulo 2**64). `part` "first" or "second" keeps the requests before or from the midpoint
-    of the trace's time span (a split by time). A malformed line is a ValueError naming the file and line."""
+    of the trace's time span (a split by time). Requests are replayed in file order, their timestamps sorted or
+    not (those out of order are counted in `Trace.out_of_order`); a request with empty hash_ids is skipped
+    (counted in `Trace.skipped`), and a hash_id given twice in one request is two references to the chunk
+    (such requests are counted in `Trace.repeating`). A malformed line is a ValueError naming the file and line (one
+    longer than MAX_LINE_BYTES is refused unread), and so is a trace with no chunk reference to replay (an
+    empty file or half, only empty hash_ids), saying why."""
     keys: list[np.ndarray] = []
     stamps: list[float] = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, line in enumerate(iter(partial(f.readline, MAX_LINE_BYTES + 1), b""), 1):
             if limit is not None and len(stamps) >= limit:
                 break
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                raise ValueError(f"trace {path}, line {number}: longer than {MAX_LINE_BYTES:,} bytes, read no further")
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.decode())
                 if not isinstance(row, dict):
                     raise ValueError("not a JSON object")
                 ids, stamp = row["hash_ids"], row["timestamp"]
@@ -71,6 +86,10 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
                     raise ValueError("hash_ids is not a list of integers")
                 if type(stamp) not in (int, float) or not math.isfinite(stamp):
                     raise ValueError(f"timestamp {stamp!r:.40} is not a number of ms")
+            except RecursionError:
+                raise ValueError(f"trace {path}, line {number}: JSON nested too deeply") from None
+            except OverflowError:  # an integer timestamp past the largest float
+                raise ValueError(f"trace {path}, line {number}: timestamp is too large a number of ms") from None
             except (ValueError, KeyError, TypeError) as exc:
                 reason = f"no {exc}" if isinstance(exc, KeyError) else str(exc)
                 raise ValueError(f"trace {path}, line {number}: {reason[:200]}") from None
@@ -79,6 +98,7 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
             except OverflowError:
                 keys.append(np.asarray([i & _MASK64 for i in ids], dtype=np.uint64).view(np.int64))
             stamps.append(float(stamp) / 1000.0)
+    read = len(stamps)
     if part is not None:
         if part not in ("first", "second"):
             raise ValueError(f"part {part!r} is not 'first' or 'second'")
@@ -87,9 +107,32 @@ def load_trace(path: str | Path, limit: int | None = None, part: str | None = No
         keys = [k for k, y in zip(keys, keep, strict=True) if y]
         stamps = [t for t, y in zip(stamps, keep, strict=True) if y]
     counts = np.asarray([len(k) for k in keys], dtype=np.int64)
+    if not counts.sum():
+        raise ValueError(f"trace {path}: {_nothing_to_replay(read, len(stamps), limit, part)}")
+    used = counts > 0  # a request without hash_ids references nothing: skipped, and counted
+    counts = counts[used]
     request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    flat = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
-    return Trace(flat, np.asarray(stamps)[request] if len(stamps) else np.empty(0), request)
+    flat = np.concatenate(keys)
+    starts = np.asarray(stamps)[used]
+    late = int(np.count_nonzero(starts[1:] < starts[:-1]))
+    by_key = np.lexsort((flat, request))  # each request's ids sorted: a repeat sits next to itself
+    twice = (flat[by_key][1:] == flat[by_key][:-1]) & (request[by_key][1:] == request[by_key][:-1])
+    repeating = len(np.unique(request[by_key][1:][twice]))
+    skipped = int(len(used) - len(counts))
+    return Trace(flat, starts[request], request, skipped=skipped, out_of_order=late, repeating=repeating)
+
+
+def _nothing_to_replay(read: int, kept: int, limit: int | None, part: str | None) -> str:
+    """Why a trace holds no chunk reference to replay (a replay of none has no hit rate)."""
+    if not read:
+        return "no request to replay" + (f" (limit {limit})" if limit is not None else " (an empty file)")
+    if part is not None and not kept:
+        return (
+            f"the {part} half by time holds no request: {read} request{'s' if read > 1 else ''}, all in the "
+            "other half (one request, or every timestamp the same)"
+        )
+    where = "" if part is None else f" in the {part} half by time"
+    return f"no chunk reference to replay: the {kept} requests{where} all have empty hash_ids"
 
 
 @dataclass
@@ -165,7 +208,12 @@ def request_bounds(request: np.ndarray) -> np.ndarray:
 def parse_capacity(text: str, distinct: int) -> int:
     """A capacity in chunks from "1000" or a share of the trace's distinct chunks like "1%"."""
     value = text.strip()
-    chunks = int(distinct * float(value[:-1]) / 100.0) if value.endswith("%") else int(value)
+    try:
+        chunks = int(distinct * float(value[:-1]) / 100.0) if value.endswith("%") else int(value)
+    except (ValueError, OverflowError):  # "abc", "nan%", "inf%", "1e400%"
+        raise ValueError(
+            f"capacity {text!r} is not a number of chunks like 1000 or a finite share of distinct chunks like 1%"
+        ) from None
     if chunks < 1:
         raise ValueError(f"capacity {text!r} is less than one chunk")
     return chunks
@@ -196,6 +244,9 @@ class ReplayReport:
     results: list[ReplayResult]
     sweep: list[ReplayResult] = field(default_factory=list)
     plot: str | None = None
+    skipped: int = 0  # requests without hash_ids (Trace.skipped)
+    out_of_order: int = 0  # requests timed before the request above them (Trace.out_of_order)
+    repeating: int = 0  # requests naming a hash_id twice (Trace.repeating)
 
 
 def compared_policies(config: TierConfig, policies: Sequence[str] | None = None) -> list[str]:
@@ -229,6 +280,9 @@ def run_replay(
         config.l1_hbm.page_size_bytes,
         CostModel.from_config(config),
         results,
+        skipped=trace.skipped,
+        out_of_order=trace.out_of_order,
+        repeating=trace.repeating,
     )
     if sweep:
         for fraction in sweep_fractions:
@@ -304,7 +358,14 @@ def format_report(report: ReplayReport) -> str:
     c = report.cost
     lines = [
         f"trace {report.trace}: {report.requests:,} requests, {report.refs:,} chunk references, "
-        f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})",
+        f"{report.distinct:,} distinct (ceiling on hit rate {1 - report.distinct / report.refs:.2%})"
+        + (f"; {report.skipped:,} requests without hash_ids skipped" if report.skipped else "")
+        + (
+            f"; {report.out_of_order:,} requests timed before the request above them (replayed in file order)"
+            if report.out_of_order
+            else ""
+        )
+        + (f"; {report.repeating:,} requests name a hash_id twice" if report.repeating else ""),
         f"tiers: {tiers}; chunk {report.page_bytes:,} bytes, {report.block_tokens} tokens",
         "cost per access: "
         + ", ".join(f"{n} {_fmt_ns(v)}" for n, v in zip(TIER_NAMES, c.tier_ns, strict=True))

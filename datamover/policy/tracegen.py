@@ -154,8 +154,8 @@ def write_trace(rows: list[dict], path: str) -> None:
             f.write(json.dumps(row, separators=(", ", ": ")) + "\n")
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    """An argparse type: a number of ``kind`` above zero (a rate of 0 divided by zero, a negative one raised)."""
+def positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a finite number of ``kind`` above zero (tracegen's rate and count, replay's counts)."""
 
     def parse(text: str):
         try:
@@ -170,19 +170,30 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _seed(text: str) -> int:
+    """An argparse type: a seed numpy takes (an integer >= 0; a negative one was numpy's ValueError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def add_tracegen_parser(sub: argparse._SubParsersAction) -> None:
     """Add `tracegen` to a subcommand parser."""
     p = sub.add_parser("tracegen", help="write a seeded synthetic trace in Mooncake's format")
     p.add_argument("--shape", default="mixed", choices=sorted(SHAPES), help="workload shape (default mixed)")
     p.add_argument(
         "--requests",
-        type=_positive(int),
+        type=positive(int),
         default=4000,
         help="about this many requests, never more: sessions are started for about this many turns and the trace "
         "is cut there, so a shape of long sessions may write fewer (default 4000)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--rate", type=_positive(float), help="override the shape's arrivals per second (> 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed, 0 or more (default 0)")
+    p.add_argument("--rate", type=positive(float), help="override the shape's arrivals per second (> 0)")
     p.add_argument("--output", "-o", required=True, help="JSON-lines file to write")
     p.set_defaults(func=cmd_tracegen)
 

@@ -6,11 +6,12 @@ the tier config (`datamover.policy.config`) embeds `ObservabilityConfig` and val
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, shown
 
 SPAN_FIELDS = (
     "layer_id",
@@ -72,8 +73,9 @@ class ObservabilityConfig:
 
 def parse_duration(value: Any, path: str) -> str:
     """A Prometheus duration like 5m, 1h, 30s (ConfigError at `path` otherwise)."""
-    if not isinstance(value, str) or not _DURATION.match(value):
-        raise ConfigError(path, f"expected a Prometheus duration like 5m, 1h, 30s, got {value!r}")
+    match = _DURATION.match(value) if isinstance(value, str) else None
+    if not match or not int(match.group(1)):  # Prometheus refuses an empty range, [0m]
+        raise ConfigError(path, f"expected a Prometheus duration above 0 like 5m, 1h, 30s, got {shown(value)}")
     return value
 
 
@@ -87,7 +89,7 @@ def parse_alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]
     for i, item in enumerate(value):
         where = f"{path}[{i}]"
         if not isinstance(item, dict):
-            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {item!r}")
+            raise ConfigError(where, f"expected a mapping like {{window: 5m, threshold: 800ms}}, got {shown(item)}")
         for key in item:
             if key != "window" and key not in allowed:
                 raise ConfigError(f"{where}.{key}", f"unknown key (expected window and one of {', '.join(allowed)})")
@@ -96,12 +98,15 @@ def parse_alert_rules(value: Any, path: str, name: str) -> tuple[AlertRule, ...]
             raise ConfigError(where, f"needs a window and exactly one of {', '.join(allowed)}")
         raw = item[limits[0]]
         match = _MILLIS.match(raw.strip()) if isinstance(raw, str) else None
+        number = math.nan
         if isinstance(raw, int | float) and not isinstance(raw, bool):
-            number = float(raw)
+            number = float(raw) if abs(raw) < 1e308 else math.inf  # float() of a 400-digit int overflows
         elif match and (unit_ms or match.group(2) is None):
             number = float(match.group(1)) * (1000.0 if match.group(2) == "s" else 1.0)
-        else:
-            raise ConfigError(f"{where}.{limits[0]}", f"expected a number{' (ms)' if unit_ms else ''}, got {raw!r}")
+        top = 1.0 if name == "hit_rate_hbm" else math.inf  # a rate above 1 always fires, a negative never or always
+        if not 0.0 <= number <= top or math.isinf(number):
+            bounds = "from 0 to 1" if top == 1.0 else "a finite number of 0 or more" + (" (ms)" if unit_ms else "")
+            raise ConfigError(f"{where}.{limits[0]}", f"expected {bounds}, got {shown(raw)}")
         rules.append(AlertRule(parse_duration(item["window"], f"{where}.window"), number))
     return tuple(rules)
 
@@ -112,9 +117,9 @@ def parse_span_fields(value: Any, path: str) -> tuple[str, ...]:
         raise ConfigError(path, f"expected a list of field names, got {type(value).__name__}")
     out = []
     for i, name in enumerate(value):
-        name = SPAN_FIELD_ALIASES.get(name, name)
+        name = SPAN_FIELD_ALIASES.get(name, name) if isinstance(name, str) else name
         if name not in SPAN_FIELDS:
-            raise ConfigError(f"{path}[{i}]", f"unknown span field {name!r} (known: {', '.join(SPAN_FIELDS)})")
+            raise ConfigError(f"{path}[{i}]", f"unknown span field {shown(name)} (known: {', '.join(SPAN_FIELDS)})")
         out.append(name)
     return tuple(out)
 

@@ -1,13 +1,17 @@
 """The Prometheus metrics of the KV cache: every name is defined here, once, for the exporter and the alert rules.
 
 `CacheMetrics` owns the collectors in its own `CollectorRegistry` (so two caches or two tests never collide) and
-renders them in the Prometheus text format; `serve(port)` exposes them over HTTP. The names are plain constants:
-`datamover alerts` uses them without prometheus_client (the telemetry extra), which only `CacheMetrics` imports.
+renders them in the Prometheus text format; `serve(port)` exposes them over HTTP (bounded: `http.py`). The names
+are plain constants: `datamover alerts` uses them without prometheus_client (the telemetry extra), which only
+`CacheMetrics` imports.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .http import MetricsServer
 
 PREFIX = "datamover"
 
@@ -69,8 +73,9 @@ class CacheMetrics:
 
         return generate_latest(self.registry)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        """Expose the metrics at http://addr:port/metrics from a daemon thread."""
-        from prometheus_client import start_http_server
+    def serve(self, port: int, addr: str = "127.0.0.1", **limits: Any) -> MetricsServer:
+        """Expose the metrics at http://addr:port/metrics from a daemon thread, bounded in connections and in
+        time per connection (`limits`: max_connections, deadline_s; see `datamover.telemetry.http`)."""
+        from .http import serve_metrics  # http.server and wsgiref: only where metrics are served
 
-        start_http_server(port, addr=addr, registry=self.registry)
+        return serve_metrics(self.registry, port, addr, **limits)

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..errors import ConfigError, shown
 from .config import SPAN_FIELD_ALIASES, SPAN_FIELDS, ObservabilityConfig
 
 __all__ = ["SPAN_FIELDS", "SPAN_FIELD_ALIASES", "JsonlExporter", "OtelExporter", "SpanExporter", "SpanRecorder"]
@@ -73,11 +74,21 @@ class SpanRecorder:
         self.fields = tuple(fields)
 
     @classmethod
-    def from_config(cls, config: ObservabilityConfig) -> SpanRecorder | None:
-        """The recorder the config asks for, or None when spans are off."""
+    def from_config(
+        cls, config: ObservabilityConfig, path: str = "kv_cache_tiered.observability"
+    ) -> SpanRecorder | None:
+        """The recorder the config (the section at `path`) asks for, or None when spans are off; a span file that
+        cannot be opened is a ConfigError naming `span_path`, when the cache starts rather than at its first span."""
         if not config.spans:
             return None
-        exporter: SpanExporter = JsonlExporter(config.span_path) if config.span_exporter == "jsonl" else OtelExporter()
+        if config.span_exporter != "jsonl":
+            return cls(OtelExporter(), config.span_fields)
+        try:
+            exporter = JsonlExporter(config.span_path)
+        except OSError as exc:
+            raise ConfigError(
+                f"{path}.span_path", f"cannot append spans to {shown(config.span_path)}: {exc.strerror}"
+            ) from exc
         return cls(exporter, config.span_fields)
 
     def record(self, spans: Iterable[dict[str, Any]]) -> None:

@@ -337,3 +337,34 @@ def test_a_backend_that_fails_to_start_keeps_no_file_open(tmp_path):
             agent.backend("posix")
         assert [p for p in open_fds() if p.endswith("first.bin")] == before
         assert "posix" not in first.handles
+
+
+@pytest.mark.parametrize(
+    ("config", "said"),
+    [
+        ({"timeout_s": True}, "'timeout_s' must be a number of seconds"),  # was 1 s
+        ({"secret": 5}, "'secret' must be bytes or a string, got int"),  # each GET was refused: hmac's TypeError
+        ({"listen_port": "abc"}, "'listen_port' must be an integer 0..65535, got 'abc'"),  # int()'s ValueError
+        ({"listen_port": 80.7}, "'listen_port' must be an integer"),  # was port 80
+        ({"listen_port": True}, "'listen_port' must be an integer"),  # was port 1
+        ({"listen_port": [1]}, "'listen_port' must be an integer"),  # a TypeError
+        ({"listen_port": float("inf")}, "'listen_port' must be an integer"),  # an OverflowError
+        ({"listen_port": 0, "extra": {"listen_host": 5}}, "'listen_host' must be a host name"),  # bind's OSError
+        ({"extra": {"side_channel": {"deadline_s": "x"}}}, "'side_channel' limit 'deadline_s' must be a positive"),
+        ({"extra": {"side_channel": {"deadline_s": float("nan")}}}, "limit 'deadline_s' must be a positive finite"),
+        ({"extra": {"side_channel": {"max_connections": 0}}}, "limit 'max_connections' must be a positive integer"),
+        ({"extra": {"side_channel": {"workers": -1}}}, "limit 'workers' must be a positive integer"),
+        ({"extra": {"side_channel": {"max_request_bytes": 1.5}}}, "limit 'max_request_bytes' must be a positive"),
+        ({"extra": {"push_budget": {"max_regions": "x"}}}, "'push_budget' limit 'max_regions' must be a positive"),
+        ({"extra": {"push_budget": {"max_peers": True}}}, "limit 'max_peers' must be a positive integer"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_named_when_the_config_is_made(config, said):
+    """Each was taken and failed later (a side channel refusing or dropping every connection, a TypeError at the
+    first GET), or raised a bare ValueError/TypeError/OverflowError without the setting's name."""
+    with pytest.raises(InvalidParameter, match=re.escape(said)):
+        AgentConfig.from_any({"backends": ["memcpy"], **config})
+
+
+def test_a_port_given_as_digits_is_taken_as_a_number():
+    assert AgentConfig(listen_port=" 8080 ").listen_port == 8080 and AgentConfig(listen_port=0).listen_port == 0

@@ -112,3 +112,67 @@ def test_prometheus_names_are_nixls(no_telemetry_env):
         assert name in lines, name
     assert 'agent_name="prom"' in lines["agent_tx_bytes_total"]
     assert 'status="not_posted"' in text and "agent_errors_total" in text
+
+
+@pytest.mark.parametrize(
+    ("env", "var", "said"),
+    [
+        ({"NIXL_TELEMETRY_BUFFER_SIZE": "abc"}, "NIXL_TELEMETRY_BUFFER_SIZE", "expected an integer"),  # int()'s
+        ({"NIXL_TELEMETRY_BUFFER_SIZE": "-4"}, "NIXL_TELEMETRY_BUFFER_SIZE", "expected an integer"),
+        ({"NIXL_TELEMETRY_BUFFER_SIZE": "3"}, "NIXL_TELEMETRY_BUFFER_SIZE", "must be a power of 2"),
+        ({"NIXL_TELEMETRY_BUFFER_SIZE": str(1 << 41)}, "NIXL_TELEMETRY_BUFFER_SIZE", "expected an integer from 0"),
+        ({"NIXL_TELEMETRY_DIR": "/nonexistent/dir"}, "NIXL_TELEMETRY_DIR", "No such file or directory"),
+        (
+            {"NIXL_TELEMETRY_EXPORTER": "prometheus", "NIXL_TELEMETRY_PROMETHEUS_PORT": "99999"},
+            "NIXL_TELEMETRY_PROMETHEUS_PORT",  # bind()'s OverflowError
+            "expected an integer from 0 to 65535",
+        ),
+        (
+            {"NIXL_TELEMETRY_EXPORTER": "prometheus", "NIXL_TELEMETRY_PROMETHEUS_PORT": "http"},
+            "NIXL_TELEMETRY_PROMETHEUS_PORT",
+            "expected an integer",
+        ),
+        ({"NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": "1,,2"}, "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "increasing finite"),
+        ({"NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": "nan"}, "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "increasing finite"),
+        ({"NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US": "1,inf"}, "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "increasing finite"),
+    ],
+)
+def test_a_bad_telemetry_variable_is_named(no_telemetry_env, tmp_path, env, var, said):
+    """Each was a bare ValueError (int()'s, float()'s), an OSError or OverflowError without the variable's name,
+    or (NaN, inf buckets) taken into a histogram with a bucket that is no bound."""
+    from datamover.errors import ConfigError
+
+    no_telemetry_env.setenv("NIXL_TELEMETRY_ENABLE", "y")
+    no_telemetry_env.setenv("NIXL_TELEMETRY_DIR", str(tmp_path))
+    for name, value in env.items():
+        no_telemetry_env.setenv(name, value)
+    with pytest.raises(ConfigError, match=said) as err:
+        nixl_agent("bad-env", nixl_agent_config(backends=[]))
+    assert err.value.path == var
+
+
+def test_the_prometheus_endpoint_bounds_its_clients(no_telemetry_env):
+    """It binds 0.0.0.0 by default, and gave every connection a thread for ever (40 silent clients, 39 threads)."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in (("ENABLE", "y"), ("EXPORTER", "prometheus"), ("PROMETHEUS_PORT", str(port))):
+        no_telemetry_env.setenv(f"NIXL_TELEMETRY_{name}", value)
+    no_telemetry_env.setenv("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "y")
+    with nixl_agent("prom-http", nixl_agent_config(backends=[])):
+        before = threading.active_count()
+        socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(40)]
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 16
+        for sock in socks:
+            sock.close()
+        time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            assert b"agent_tx_bytes_total" in answer.read()
+    with pytest.raises(ConnectionRefusedError):  # closing the agent closed the endpoint's socket
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

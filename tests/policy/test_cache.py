@@ -672,3 +672,37 @@ def test_chunks_written_without_checksums_are_not_served_once_checking_is_on(tmp
         cache.put(keys, chunks(keys))
         assert check_get(cache, keys) == 4
     assert "CRC32C mismatch" not in caplog.text
+
+
+@pytest.mark.parametrize("where", ["missing/dir/spans.jsonl", "."])
+def test_a_span_file_that_cannot_be_opened_is_named(tmp_path, where):
+    """Was a bare FileNotFoundError / IsADirectoryError from the exporter's open()."""
+    span_path = str(tmp_path / where)
+    with pytest.raises(ConfigError, match="cannot append spans to") as err:
+        TieredCache(tiers(tmp_path, l3=None, observability={"spans": True, "span_path": span_path}))
+    assert err.value.path == "kv_cache_tiered.observability.span_path"
+
+
+def test_a_policy_name_nothing_is_registered_as_is_named(tmp_path, capsys):
+    """Was a KeyError traceback from deep inside the cache's engine, and from datamover replay."""
+    from datamover.policy.cli import main as replay_main
+    from datamover.policy.policies import LRUPolicy, register_policy
+
+    config = tiers(tmp_path, l3=None, policy={"name": "mine"})  # a plug-in name: the config takes it
+    with pytest.raises(ConfigError, match="no policy is registered as 'mine'; registered: adaptive") as err:
+        TieredCache(config)
+    assert err.value.path == "kv_cache_tiered.policy.name"
+    file = tmp_path / "tiers.yaml"
+    file.write_text("kv_cache_tiered:\n  policy: {name: mine}\n")
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n')
+    assert replay_main([str(trace), "--config", str(file)]) == 2
+    assert "kv_cache_tiered.policy.name: no policy is registered as 'mine'" in capsys.readouterr().err
+    assert replay_main([str(trace), "--config", str(file), "--policy", "lru"]) == 0  # the configured one not run
+    register_policy("mine", lambda settings: LRUPolicy())  # registered after the config was made: taken
+    try:
+        TieredCache(config).close()
+    finally:
+        from datamover.policy import policies
+
+        policies._REGISTRY.pop("mine")

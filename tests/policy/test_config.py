@@ -239,3 +239,138 @@ def test_the_cache_takes_a_mapping():
         assert cache.config.l1_hbm.block_pool_size == 8
     finally:
         cache.close()
+
+
+def alias_bomb(depth: int) -> str:
+    """A YAML flow sequence of 9**depth items in a few hundred bytes: each level is nine aliases of the last."""
+    text = "&a0 [" + ", ".join(["x"] * 9) + "]"
+    for d in range(1, depth):
+        text = f"&a{d} [{text}, " + ", ".join([f"*a{d - 1}"] * 8) + "]"
+    return text
+
+
+BOMB = alias_bomb(6)  # nine deep took 38 s and a MemoryError; six (531,441 items) keeps the test quick either way
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        ("l1_hbm: {}", "l1_hbm"),
+        ("l1_hbm: {block_pool_size: %s}", "l1_hbm.block_pool_size"),
+        ("observability: {span_exporter: %s}", "observability.span_exporter"),
+        ("observability: {burn_rate_alerts: {hit_rate_hbm: [%s]}}", "observability.burn_rate_alerts.hit_rate_hbm[0]"),
+        (
+            "observability: {burn_rate_alerts: {hit_rate_hbm: [{window: %s, threshold: 1}]}}",
+            "observability.burn_rate_alerts.hit_rate_hbm[0].window",
+        ),
+    ],
+)
+def test_a_huge_value_is_quoted_short(tmp_path, where, path):
+    """A value YAML aliases blow up was quoted whole in the error: gigabytes, nine aliases deep."""
+    file = tmp_path / "bomb.yaml"
+    file.write_text("kv_cache_tiered:\n  " + (where % BOMB if "%s" in where else where.replace("{}", BOMB)) + "\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(file)
+    assert err.value.path == f"kv_cache_tiered.{path}"
+    assert len(str(err.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"kv_cache_tiered:\n  l1_hbm: {block_pool_size: \xff}\n", "not UTF-8 text: byte 0xff at offset 45"),
+        (b"kv_cache_tiered: " + b"[" * 20_000 + b"]" * 20_000 + b"\n", "YAML nested too deeply"),
+        (b"kv_cache_tiered:\n  l1_hbm: {block_pool_size: 1" + b"0" * 5000 + b"}\n", "a value YAML cannot build"),
+        (b"kv_cache_tiered:\n  observability: {span_path: 2001-02-30}\n", "a value YAML cannot build: day is out"),
+    ],
+)
+def test_a_file_yaml_cannot_build_is_named(tmp_path, text, said):
+    """Were a UnicodeDecodeError, a RecursionError and ValueErrors from YAML's constructors, file unnamed."""
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert err.value.path == str(path) and said in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("section", "name"),
+    [("l2_dram", "pinned_pool_gb"), ("l3_nvme", "capacity_gb"), ("l4_pool", "capacity_gb"), ("l4_pool", "segment_gb")],
+)
+@pytest.mark.parametrize("gb", [1e308, 1e300, 2.0**34 + 1])
+def test_a_size_past_2_to_the_64_bytes_is_named(section, name, gb):
+    """1e308 GiB was an OverflowError (bytes as float: infinity) while the config was checked, enabled or not."""
+    values = {name: gb, **({"backend": "mooncake"} if name == "segment_gb" else {})}
+    with pytest.raises(ConfigError, match="must be at most") as err:
+        parse_config(doc(section, values))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+    assert parse_config(doc(section, {**values, name: 2.0**34})).tier(section) is not None
+
+
+@pytest.mark.parametrize("item", [["layer_id"], {"layer_id": 1}, 7, None])
+def test_a_span_field_that_is_not_a_name_is_named(item):
+    """A list or mapping was a TypeError (unhashable type) from the alias lookup."""
+    with pytest.raises(ConfigError, match="unknown span field") as err:
+        parse_config(doc("observability", {"span_fields": ["head_id", item]}))
+    assert err.value.path == "kv_cache_tiered.observability.span_fields[1]"
+
+
+@pytest.mark.parametrize(
+    ("name", "rule", "path"),
+    [
+        ("p99_latency_ms", {"window": "5m", "threshold": float("nan")}, "threshold"),  # never fires
+        ("p99_latency_ms", {"window": "5m", "threshold": float("inf")}, "threshold"),
+        ("p99_latency_ms", {"window": "5m", "threshold": "9" * 400 + "s"}, "threshold"),  # inf ms
+        ("p99_latency_ms", {"window": "5m", "threshold": 10**400}, "threshold"),  # was an OverflowError
+        ("p99_latency_ms", {"window": "5m", "threshold": -1}, "threshold"),  # always fires
+        ("hit_rate_hbm", {"window": "30m", "below": 1.5}, "below"),  # always fires
+        ("hit_rate_hbm", {"window": "30m", "threshold": -0.1}, "threshold"),  # never fires
+        ("swap_eviction_rate_per_sec", {"window": "15m", "above": -5}, "above"),
+        ("hit_rate_hbm", {"window": "0m", "below": 0.5}, "window"),  # Prometheus refuses rate(x[0m])
+        ("p99_latency_ms", {"window": "00s", "threshold": 1}, "window"),
+    ],
+)
+def test_alert_thresholds_that_never_or_always_fire_are_named(name, rule, path):
+    """Each was taken, and written into a rule that never fires, always fires or Prometheus refuses."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc("observability", {"burn_rate_alerts": {name: [rule]}}))
+    assert err.value.path == f"kv_cache_tiered.observability.burn_rate_alerts.{name}[0].{path}"
+
+
+def test_alert_thresholds_at_their_bounds_are_kept():
+    rules = {
+        "p99_latency_ms": [{"window": "1s", "threshold": 0}],
+        "hit_rate_hbm": [{"window": "1m", "below": 1}, {"window": "2m", "threshold": 0.0}],
+        "swap_eviction_rate_per_sec": [{"window": "1d", "above": 1e12}],
+    }
+    alerts = parse_config(doc("observability", {"burn_rate_alerts": rules})).observability.burn_rate_alerts
+    assert [r.threshold for r in alerts.hit_rate_hbm] == [1.0, 0.0]
+    assert alerts.p99_latency_ms[0].threshold == 0.0 and alerts.swap_eviction_rate_per_sec[0].threshold == 1e12
+
+
+@pytest.mark.parametrize("value", ["", "  ", "/var/tmp/a\0b"])
+@pytest.mark.parametrize(("section", "name"), [("l3_nvme", "path"), ("observability", "span_path")])
+def test_a_path_that_is_no_path_is_named(section, name, value):
+    """An empty l3_nvme.path put L3's chunk file in the working directory; a NUL was os's bare ValueError."""
+    with pytest.raises(ConfigError, match="is not a file path") as err:
+        parse_config(doc(section, {name: value}))
+    assert err.value.path == f"kv_cache_tiered.{section}.{name}"
+
+
+def test_a_key_given_twice_is_named_with_its_line(tmp_path):
+    """YAML kept the last of the two silently: an edit of the first did nothing."""
+    path = tmp_path / "tiers.yaml"
+    path.write_text("kv_cache_tiered:\n  l1_hbm:\n    block_pool_size: 100\n    block_pool_size: 200\n")
+    with pytest.raises(ConfigError, match="'block_pool_size' is given twice in one mapping") as err:
+        load_config(path)
+    assert err.value.path == f"{path}:4:5"
+    path.write_text("kv_cache_tiered:\n  l2_dram: {}\n  l2_dram: {enabled: false}\n")
+    with pytest.raises(ConfigError, match="'l2_dram' is given twice"):
+        load_config(path)
+    # a merge key is no repeat, and the keys beside it override what it merges
+    path.write_text(
+        "kv_cache_tiered:\n  l2_dram: &marks {high_watermark: 0.9, low_watermark: 0.5}\n"
+        "  l3_nvme: {<<: *marks, low_watermark: 0.7, enabled: false}\n"
+    )
+    config = load_config(path)
+    assert (config.l3_nvme.high_watermark, config.l3_nvme.low_watermark) == (0.9, 0.7)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -246,3 +247,165 @@ def test_the_replay_command_names_a_malformed_trace_line(tmp_path, capsys):
     path.write_text('{"timestamp": 0, "hash_ids": [1, 2]}\n{"timestamp": 1}\n')
     assert replay_main([str(path), "--policy", "lru"]) == 2
     assert "bad.jsonl, line 2: no 'hash_ids'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("lines", "kwargs", "said"),
+    [
+        ([], {}, "no request to replay (an empty file)"),
+        (["", "   "], {}, "no request to replay (an empty file)"),
+        (['{"timestamp": 0, "hash_ids": [1]}'], {"limit": 0}, "no request to replay (limit 0)"),
+        (['{"timestamp": 0, "hash_ids": []}'] * 2, {}, "the 2 requests all have empty hash_ids"),
+        (['{"timestamp": 5, "hash_ids": [1, 2]}'], {"part": "first"}, "the first half by time holds no request"),
+        (['{"timestamp": 5, "hash_ids": [1]}'] * 3, {"part": "first"}, "3 requests, all in the other half"),
+        (
+            ['{"timestamp": 0, "hash_ids": [1]}', '{"timestamp": 9, "hash_ids": []}'],
+            {"part": "second"},
+            "the 1 requests in the second half by time all have empty hash_ids",
+        ),
+    ],
+)
+def test_a_trace_with_nothing_to_replay_is_named(tmp_path, lines, kwargs, said):
+    """Was a ZeroDivisionError from the report (hit rate over no reference)."""
+    path = tmp_path / "none.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    with pytest.raises(ValueError, match=rf"^trace .*none.jsonl: .*{re.escape(said)}"):
+        load_trace(path, **kwargs)
+
+
+def test_one_request_splits_into_an_empty_first_half_and_a_whole_second(tmp_path, capsys):
+    path = write_trace(tmp_path / "one.jsonl", [[1, 2, 3]])
+    assert load_trace(path, part="second").keys.tolist() == [1, 2, 3]
+    assert replay_main([str(path), "--policy", "lru", "--part", "first"]) == 2
+    assert "one.jsonl: the first half by time holds no request" in capsys.readouterr().err
+    assert replay_main([str(path), "--policy", "lru", "--part", "second"]) == 0
+
+
+def test_with_data_over_requests_without_references_is_named(tmp_path, capsys):
+    """The replayed head of the trace has no reference (was a ValueError traceback from the cost model)."""
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 0, "hash_ids": []}\n{"timestamp": 1, "hash_ids": [1, 2]}\n')
+    assert replay_main([str(path), "--policy", "lru", "--with-data", "--requests", "1"]) == 2
+    assert "the 1 requests all have empty hash_ids" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["inf%", "1e400%", "nan%", "-inf%", "1e400", "abc", "%", ""])
+def test_a_capacity_that_is_no_number_is_named(text):
+    """inf% was an OverflowError, nan% said only 'cannot convert float NaN to integer'."""
+    with pytest.raises(ValueError, match=rf"^capacity {re.escape(repr(text))} is not a number of chunks"):
+        parse_capacity(text, 1000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--l1-capacity", "inf%"], "datamover replay: capacity 'inf%' is not a number of chunks"),
+        (["--limit", "0"], "argument --limit: must be a finite number above 0, got 0"),
+        (["--limit", "-1"], "argument --limit: must be a finite number above 0, got -1"),
+        (["--with-data", "--requests", "-5"], "argument --requests: must be a finite number above 0, got -5"),
+    ],
+)
+def test_bad_replay_arguments_are_one_line(tmp_path, capsys, argv, said):
+    """Each was a traceback: OverflowError, ZeroDivisionError (an empty replay), the cost model's ValueError."""
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2], [1, 3]])
+    try:
+        code = replay_main([str(path), "--policy", "lru", *argv])
+    except SystemExit as exc:  # argparse
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and said in err.strip().splitlines()[-1]
+
+
+def test_a_line_past_the_longest_is_refused_without_reading_it(tmp_path, monkeypatch):
+    """A 2 GB line was read whole and parsed (gigabytes); now reading stops at MAX_LINE_BYTES."""
+    import tracemalloc
+
+    import datamover.policy.replay as replay
+
+    monkeypatch.setattr(replay, "MAX_LINE_BYTES", 64 << 10, raising=False)
+    path = tmp_path / "long.jsonl"
+    ids = ", ".join(["12345678901234567890"] * 200_000)  # 4.4 MB
+    path.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1, "hash_ids": [' + ids + "]}\n")
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"long.jsonl, line 2: longer than 65,536 bytes"):
+            load_trace(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+    exact = tmp_path / "exact.jsonl"  # a line of exactly MAX_LINE_BYTES (its newline aside) is read
+    row = '{"timestamp": 0, "hash_ids": [1]}'
+    exact.write_text(row + " " * ((64 << 10) - len(row)) + "\n")
+    assert load_trace(exact).keys.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b'{"timestamp": 0, "hash_ids": [1]}\xff\n', "'utf-8' codec can't decode byte 0xff"),
+        (b"\x80\x81\n", "'utf-8' codec can't decode byte 0x80"),
+        (b'{"timestamp": 0, "hash_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n", "JSON nested too deeply"),
+        (b"[" * 100_000 + b"\n", "JSON nested too deeply"),
+        (b'{"timestamp": 1' + b"0" * 400 + b', "hash_ids": [1]}\n', "timestamp is too large a number of ms"),
+    ],
+)
+def test_undecodable_deep_or_huge_lines_are_named(tmp_path, raw, reason):
+    """Were a UnicodeDecodeError without file or line, a RecursionError and an OverflowError traceback."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"timestamp": 0, "hash_ids": [1, 2]}\n' + raw)
+    with pytest.raises(ValueError, match=rf"bad.jsonl, line 2: {re.escape(reason)}"):
+        load_trace(path)
+
+
+def test_requests_without_hash_ids_are_skipped_and_counted(tmp_path, capsys):
+    """They counted as requests before the last one with ids and not after it (2 or 1 for the same rows)."""
+    rows = [
+        '{"timestamp": 0, "hash_ids": []}',
+        '{"timestamp": 1, "hash_ids": [1, 2]}',
+        '{"timestamp": 2, "hash_ids": [1]}',
+    ]
+    for order in (rows, rows[::-1], [rows[1], rows[0], rows[2]]):
+        path = tmp_path / "t.jsonl"
+        path.write_text("".join(r + "\n" for r in order))
+        trace = load_trace(path)
+        assert (trace.requests, trace.skipped, len(trace.keys)) == (2, 1, 3)
+        assert trace.request.tolist() in ([0, 0, 1], [0, 1, 1])
+    assert replay_main([str(path), "--policy", "lru"]) == 0
+    assert "2 requests, 3 chunk references, 2 distinct" in (out := capsys.readouterr().out)
+    assert "1 requests without hash_ids skipped" in out.split("\n")[0]
+    assert replay_main([str(path), "--policy", "lru", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["requests"], report["requests_without_hash_ids"]) == (2, 1)
+
+
+def test_requests_out_of_time_order_are_replayed_in_file_order_and_counted(tmp_path, capsys):
+    """Nothing said that a trace's clock stepped back (the policies see it: a chunk used "later" looks newer)."""
+    path = tmp_path / "t.jsonl"
+    stamps = [0, 5000, 3000, 3000, 9000, 1000]
+    path.write_text("".join(f'{{"timestamp": {t}, "hash_ids": [{i}, 99]}}\n' for i, t in enumerate(stamps)))
+    trace = load_trace(path)
+    assert trace.out_of_order == 2  # 3000 after 5000, 1000 after 9000 (a tie is in order)
+    assert trace.keys.tolist()[::2] == [0, 1, 2, 3, 4, 5]  # file order kept
+    assert trace.times.tolist()[::2] == [t / 1000.0 for t in stamps]
+    assert load_trace(path, part="first").out_of_order == 1  # 0, 3000, 3000, 1000
+    assert replay_main([str(path), "--policy", "lru"]) == 0
+    assert "2 requests timed before the request above them (replayed in file order)" in capsys.readouterr().out
+    assert replay_main([str(path), "--policy", "lru", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests_out_of_time_order"] == 2
+    write_trace(path, [[1], [2]])
+    assert load_trace(path).out_of_order == 0
+    assert replay_main([str(path), "--policy", "lru"]) == 0
+    assert "timed before" not in capsys.readouterr().out
+
+
+def test_requests_naming_a_hash_id_twice_are_counted(tmp_path, capsys):
+    """Each repeat is a reference (the second finds the chunk); nothing said a trace had them."""
+    path = write_trace(tmp_path / "t.jsonl", [[1, 2, 1], [3, 4], [5, 5, 5, 6], [2, 1]])
+    trace = load_trace(path)
+    assert trace.repeating == 2 and len(trace.keys) == 11
+    assert replay_main([str(path), "--policy", "lru", "--single-tier", "--l1-capacity", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "; 2 requests name a hash_id twice" in out and "hit rate 45.45%" in out  # 1, 5, 5, 2 and 1 again
+    assert replay_main([str(path), "--policy", "lru", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["requests_repeating_a_hash_id"] == 2

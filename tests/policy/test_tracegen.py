@@ -71,6 +71,8 @@ def test_the_command_writes_a_trace_the_replay_reads(tmp_path, capsys):
         (["--rate", "nan"], "argument --rate: must be a finite number above 0, got nan"),
         (["--rate", "fast"], "argument --rate: not a number: 'fast'"),
         (["--requests", "0"], "argument --requests: must be a finite number above 0, got 0"),
+        (["--seed", "-1"], "argument --seed: must be 0 or more, got -1"),  # was numpy's ValueError
+        (["--seed", "0.5"], "argument --seed: not an integer: '0.5'"),
     ],
 )
 def test_bad_rate_or_count_is_an_argparse_error(tmp_path, capsys, argv, said):

@@ -6,12 +6,13 @@ in-process counters always, to NIXL's shared-memory ring buffer file at
 ``$NIXL_TELEMETRY_DIR/<agent name>`` (what NIXL's telemetry readers open) when
 that is set, and to a Prometheus endpoint with NIXL's metric names
 (``agent_tx_bytes_total``, ``agent_xfer_time_us``, ``agent_errors_total``, ...)
-when ``NIXL_TELEMETRY_EXPORTER=prometheus``.
+when ``NIXL_TELEMETRY_EXPORTER=prometheus`` (bounded in connections and time: ``datamover.telemetry.http``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import socket
@@ -20,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ...errors import ConfigError, shown
 from ._types import nixl_status_t
 
 log = logging.getLogger("datamover.compat.nixl")
@@ -157,8 +159,16 @@ class NixlEvents:
         exporter = os.environ.get("NIXL_TELEMETRY_EXPORTER", "").strip()
         tdir = os.environ.get("NIXL_TELEMETRY_DIR", "").strip()
         if exporter.lower() in ("", "buffer") and tdir:
-            size = int(os.environ.get("NIXL_TELEMETRY_BUFFER_SIZE", "4096"))
-            self.ring = RingBufferFile(os.path.join(tdir, agent_name), size)
+            size = _env_int("NIXL_TELEMETRY_BUFFER_SIZE", 4096, 1 << 40)
+            path = os.path.join(tdir, agent_name)
+            try:
+                self.ring = RingBufferFile(path, size)
+            except ValueError as exc:
+                raise ConfigError("NIXL_TELEMETRY_BUFFER_SIZE", str(exc)) from None
+            except OSError as exc:
+                raise ConfigError(
+                    "NIXL_TELEMETRY_DIR", f"cannot make the telemetry buffer {path} of {size} events: {exc.strerror}"
+                ) from exc
         elif exporter.lower() == "prometheus":
             self._serve_prometheus()
         elif exporter and exporter.upper() != "NOP":
@@ -202,14 +212,16 @@ class NixlEvents:
         return _Collector(self)
 
     def _serve_prometheus(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
 
-        port = int(os.environ.get("NIXL_TELEMETRY_PROMETHEUS_PORT", "9090"))
+        from ...telemetry.http import serve_metrics
+
+        port = _env_int("NIXL_TELEMETRY_PROMETHEUS_PORT", 9090, 65535)
         local = os.environ.get("NIXL_TELEMETRY_PROMETHEUS_LOCAL", "").strip().lower() in _TRUE
         registry = CollectorRegistry()
         registry.register(self.collector())
         try:
-            self.http = start_http_server(port, addr="127.0.0.1" if local else "0.0.0.0", registry=registry)
+            self.http = serve_metrics(registry, port, "127.0.0.1" if local else "0.0.0.0")
         except OSError as exc:  # another rank holds the port: NIXL runs on without a sink, and so do we
             log.warning("telemetry: cannot serve Prometheus on port %d (%s); running without a sink", port, exc)
 
@@ -219,19 +231,35 @@ class NixlEvents:
             self.ring = None
         if self.http is not None:
             try:
-                self.http[0].shutdown()
+                self.http.close()
             except Exception as exc:
                 log.debug("stopping the Prometheus endpoint: %s", exc)
             self.http = None
+
+
+def _env_int(name: str, default: int, most: int) -> int:
+    """An integer 0..most from environment variable `name` (`default` when unset), else a ConfigError naming it."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdecimal() or int(raw) > most:
+        raise ConfigError(name, f"expected an integer from 0 to {most}, got {shown(raw)}")
+    return int(raw)
 
 
 def _buckets() -> tuple[float, ...]:
     raw = os.environ.get("NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US", "").strip()
     if not raw:
         return DEFAULT_BUCKETS_US
-    vals = tuple(float(v) for v in raw.split(","))
-    if any(v <= 0 for v in vals) or any(b <= a for a, b in zip(vals, vals[1:])):
-        raise ValueError(f"NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US must be increasing positive numbers, got {raw!r}")
+    try:
+        vals = tuple(float(v) for v in raw.split(","))
+    except ValueError:
+        vals = ()
+    if not vals or not all(0 < v < math.inf for v in vals) or any(b <= a for a, b in zip(vals, vals[1:])):
+        raise ConfigError(
+            "NIXL_TELEMETRY_HISTOGRAM_BUCKETS_US",
+            f"expected increasing finite numbers above 0, comma-separated, got {shown(raw)}",
+        )
     return vals
 
 
