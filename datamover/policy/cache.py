@@ -169,12 +169,12 @@ class TieredCache:
             self._l4_gone.add(key)
         self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
 
-    def _invalidate(self, key: ChunkKey, checksum: bool = True) -> None:
-        """Drop a chunk whose bytes cannot be trusted from every tier (``checksum``: they failed their CRC32C;
-        else a move of it failed)."""
+    def _invalidate(self, key: ChunkKey, checksum: bool = True, tier: str | None = None) -> None:
+        """Drop a chunk whose bytes cannot be trusted from every tier (``checksum``: they failed their CRC32C when
+        read from ``tier``; else a move of it failed)."""
         self._invalid.add(key)
         if checksum:
-            self.counters.checksum_failed()
+            self.counters.checksum_failed(tier or "unknown")
         for j, resident in enumerate(self.engine.resident):
             if key in resident:
                 self.engine.drop(j, key)

@@ -31,11 +31,11 @@ class Counters:
                 self.metrics.hits.labels(name).inc(count)
             self.metrics.misses.inc(asked - delivered)
 
-    def checksum_failed(self) -> None:
-        """A chunk read from L3/L4 failed its CRC32C."""
+    def checksum_failed(self, tier: str) -> None:
+        """A chunk read from ``tier`` (L3 or L4) failed its CRC32C."""
         self.checksum_failures += 1
         if self.metrics is not None:
-            self.metrics.checksum_failures.labels("l3_nvme").inc()
+            self.metrics.checksum_failures.labels(tier).inc()
 
     def op_done(self, engine: SlotEngine, names: Sequence[str], evictions_before: list[int]) -> None:
         """Eviction counters and occupancy gauges after an operation."""

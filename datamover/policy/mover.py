@@ -211,7 +211,7 @@ class Mover:
                 corrupt[arrived[failed]] = True
                 good[arrived[failed]] = False
             for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure
-                self.invalidate(keys[i], checksum=bool(corrupt[i]))
+                self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src])
             keep = np.flatnonzero(good)
             if not len(keep):
                 continue
@@ -238,6 +238,9 @@ class Mover:
                     # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
                     a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
                     log.warning("moving %d chunk(s) %s -> %s failed, dropped: %s", len(live), a, b, exc)
+                    if self.metrics is not None:
+                        backend = getattr(exc, "backend", None) or "unknown"
+                        self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))
                     for m in live:
                         self.invalidate(m.key, checksum=False)
                     continue

@@ -22,6 +22,7 @@ from datamover.policy import bucket as bucket_module
 from datamover.policy.bucket import INDEX_FORMAT, INDEX_NAME, PrivateBucket, parse_index
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import ChunkKey, chunk_keys
+from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
 
 from .test_cache import GB, PAGE, check_consistent, check_get, chunks, tiers
@@ -53,7 +54,13 @@ def objects(srv: S3Server) -> list[str]:
 
 
 def open_cache(
-    srv: S3Server, tmp_path, l4: int = 4, replicas: int = 2, page: int = PAGE, prefix: str = "kv/"
+    srv: S3Server,
+    tmp_path,
+    l4: int = 4,
+    replicas: int = 2,
+    page: int = PAGE,
+    prefix: str = "kv/",
+    metrics: CacheMetrics | None = None,
 ) -> TieredCache:
     agent = Agent("kv-bucket", {"backends": {"memcpy": {}, "posix": {}, "s3": srv.config()}})
     config = tiers(
@@ -70,7 +77,7 @@ def open_cache(
             "prefix": prefix,
         },
     )
-    cache = TieredCache(config, agent=agent)
+    cache = TieredCache(config, agent=agent, metrics=metrics)
     cache.own_test_agent = agent
     return cache
 
@@ -151,7 +158,8 @@ def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
     keys = chunk_keys(range(6), "m", "t")
     held = one_run(s3, tmp_path, keys, l4=8, replicas=1)
     s3.client().delete_object(Bucket=BUCKET, Key=f"kv/{held[0].digest()}.0")  # a crashed run evicted it
-    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    metrics = CacheMetrics()
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1, metrics=metrics)
     try:
         assert check_get(cache, [held[0]]) == 0
         assert check_get(cache, held[1:]) == len(held) - 1
@@ -165,6 +173,8 @@ def test_an_object_gone_since_the_index_reads_as_a_miss(s3, tmp_path):
         cache.put(held[2:], chunks(held[2:]))  # L1 holds other chunks: the next get reads held[1] from L4
         assert check_get(cache, [held[1]]) == 0
         assert cache.stats()["checksum_failures"] == 1
+        assert metrics.checksum_failures.labels("l4_pool")._value.get() == 1  # the tier it was read from
+        assert metrics.checksum_failures.labels("l3_nvme")._value.get() == 0
     finally:
         close(cache)
 

@@ -19,6 +19,7 @@ from datamover.policy.cache import TieredCache
 from datamover.policy.config import GIB, TierConfig, with_overrides
 from datamover.policy.keys import chunk_keys
 from datamover.policy.pool import SharedPool
+from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.mooncake import chunk_bytes
 from datamover.testing.waiting import BOUND_S, HeldOnce
 
@@ -41,13 +42,20 @@ def pool_config(m, bucket: str) -> TierConfig:
 
 def test_a_put_whose_pool_write_fails_never_serves_wrong_bytes(mooncake_master):
     m = mooncake_master
-    cache = TieredCache(pool_config(m, "faults"))
+    metrics = CacheMetrics()
+    cache = TieredCache(pool_config(m, "faults"), metrics=metrics)
     try:
         first = chunk_keys(list(range(100, 104)), "model@1", "tok@1")
         second = chunk_keys(list(range(200, 204)), "model@1", "tok@1")
         assert cache.put(first, np.stack([chunk_bytes(k, PAGE) for k in first])) == 4
         m.kill()  # the fault: the pool is gone before the second put publishes to it
         cache.put(second, np.stack([chunk_bytes(k, PAGE) for k in second]))
+        failed = [
+            (sample.labels, sample.value)
+            for sample in metrics.errors.collect()[0].samples
+            if sample.name.endswith("_total") and sample.labels["to_tier"] == "l4_pool"
+        ]
+        assert failed and all(labels["backend"] == "mooncake" and value >= 1 for labels, value in failed), failed
         delivered = {}
         for name, keys in (("second", second), ("first", first)):
             dst = np.full((len(keys), PAGE), 0xEE, dtype=np.uint8)

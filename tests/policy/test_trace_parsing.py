@@ -58,7 +58,7 @@ def test_a_well_formed_trace_loads_exactly(trace_file, rows):
     assert trace.times.tolist() == [t / 1000.0 for t, h in kept for _ in h]
     assert trace.request.tolist() == [r for r, (_, h) in enumerate(kept) for _ in h]
     assert (trace.requests, trace.skipped) == (len(kept), len(rows) - len(kept))
-    assert trace.out_of_order == sum(b[0] < a[0] for a, b in zip(kept, kept[1:]))
+    assert trace.out_of_order == sum(b[0] / 1000.0 < a[0] / 1000.0 for a, b in zip(kept, kept[1:]))  # in seconds
     assert trace.repeating == sum(len({as_int64(i) for i in h}) < len(h) for _, h in kept)
 
 
