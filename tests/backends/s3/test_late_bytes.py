@@ -68,7 +68,7 @@ def test_an_s3_write_cut_short_sends_nothing_read_after_err(server, monkeypatch,
     caller refills its buffer. The object may still be committed after ERR (the
     upload was under way; ``release`` says so), but only with the bytes read before ERR. Before, ERR came at
     once and the held copy then read the refilled buffer: the object was committed holding it."""
-    from datamover.backends.s3 import backend as s3_backend
+    from datamover.backends.s3 import run as s3_run
 
     n = 64 << 10 if kind == "put" else 11 * MiB
     key = f"late/write-{kind}-{end}"
@@ -79,7 +79,7 @@ def test_an_s3_write_cut_short_sends_nothing_read_after_err(server, monkeypatch,
         buf.array[:] = np.frombuffer(data, np.uint8)
         reg = agent.register_objects(server.bucket, keys=[key])
         held = HeldOnce("the body's copy")
-        monkeypatch.setattr(s3_backend, "crc32c_b64", held.wrap(s3_backend.crc32c_b64))
+        monkeypatch.setattr(s3_run, "crc32c_b64", held.wrap(s3_run.crc32c_b64))
         objs = DescList.objects(reg, [n], 0, keys=[key])
         xfer = agent.transfer("WRITE", buf.descs([0], [n]), objs, backends="s3", timeout=0.5)
         assert held.reached.wait(60), "the PUT never reached its body"

@@ -8,7 +8,7 @@ import pytest
 from botocore import response
 
 from datamover import Agent, DescList, XferState
-from datamover.backends.s3.backend import crc32c_b64
+from datamover.backends.s3.checksums import crc32c_b64
 from datamover.errors import ChecksumMismatch, ObjectStoreError
 from datamover.testing import HostBuffer, random_bytes
 from datamover.testing.s3server import S3Server
