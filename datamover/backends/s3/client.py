@@ -36,7 +36,7 @@ class S3Clients:
         except botocore.exceptions.BotoCoreError as exc:
             raise InvalidParameter(f"{exc}", backend="s3") from exc
         mode = p["retry_mode"] or os.environ.get("AWS_RETRY_MODE") or scoped.get("retry_mode") or "standard"
-        if mode not in RETRY_MODES:  # the environment's or a profile's: check_params saw only ours
+        if mode not in RETRY_MODES:  # ours, the environment's or a profile's
             raise InvalidParameter(f"retry_mode must be one of {', '.join(RETRY_MODES)}, got {mode!r}", backend="s3")
         given = p["max_attempts"] or os.environ.get("AWS_MAX_ATTEMPTS") or scoped.get("max_attempts") or 5
         try:
