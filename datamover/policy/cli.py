@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -120,6 +121,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if args.plot and not args.sweep:
         print("datamover replay: --plot needs --sweep", file=sys.stderr)
         return 2
+    if args.plot and not os.access(os.path.dirname(os.path.abspath(args.plot)), os.W_OK):
+        print(f"datamover replay: --plot {args.plot}: its directory is missing or not writable", file=sys.stderr)
+        return 2  # said before the sweep runs, not after
     try:
         report = run_replay(
             args.trace, config, policies=args.policy, sweep=args.sweep, plot=args.plot, limit=args.limit, part=args.part

@@ -133,6 +133,9 @@ def test_report_sweep_plot_and_cli(tmp_path, capsys):
     bad.write_text("kv_cache_tiered:\n  l1_hbm:\n    block_pool_sise: 3\n")
     assert replay_main([str(path), "--config", str(bad)]) == 2
     assert "kv_cache_tiered.l1_hbm.block_pool_sise: unknown key" in capsys.readouterr().err
+    nowhere = str(tmp_path / "missing" / "sweep.png")
+    assert replay_main([str(path), "--sweep", "--plot", nowhere]) == 2  # before the sweep, which would run first
+    assert "missing or not writable" in capsys.readouterr().err
 
 
 @pytest.mark.slow
