@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from ..backends import backend_status
 from ..units import parse_size, size_text
@@ -220,6 +223,53 @@ def cmd_bench(args: argparse.Namespace) -> int:
         settings = NixlSettings(
             ucx_tls=args.ucx_tls, ucx_err_mode=args.nixl_ucx_err_mode, posix_queue=args.nixl_posix_queue
         )
+    try:
+        with stop_on_signals():
+            return _run(args, backends, skipped, blocks, batches, ops, options, settings, max_bytes, points, labels,
+                        model_lines)  # fmt: skip
+    except Stopped as exc:
+        name = signal.Signals(exc.signum).name
+        print(f"datamover bench: stopped by {name}; the services and processes it started are stopped", file=sys.stderr)
+        return 128 + exc.signum
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGINT, SIGTERM or SIGHUP arrived: raised in the main thread, so that every ``finally`` and ``with`` on the way
+    out stops what it started (services, peer processes, test hosts, files)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into ``Stopped`` for the block. Python's default SIGTERM and SIGHUP end the
+    process at once, leaving its services (moto_server, mooncake_master) running and its files behind. The first
+    signal raises; later ones are ignored, so that the cleanup it started is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+def _run(args, backends, skipped, blocks, batches, ops, options, settings, max_bytes, points, labels,
+         model_lines) -> int:  # fmt: skip
+    """Make the test hosts ``--ucx-peer-host`` asks for, then run the sweep; the exit code."""
     with contextlib.ExitStack() as stack:
         if args.ucx_peer_host:
             from ..testing.hosts import TestHosts, TestHostsUnavailable
