@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .services import free_port
+from .services import free_port, tied_to_parent
 
 #: seconds a client stays alive on the master after its last heartbeat: short, so a killed holder's
 #: replicas leave the pool within seconds of its death (Mooncake's default is 10)
@@ -155,7 +155,7 @@ class MooncakeMaster:
             ]  # fmt: skip
         args += list(self.extra_args)
         self._log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir)
+        self._proc = subprocess.Popen(tied_to_parent(args), stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir)
         self.starts += 1
         deadline = time.monotonic() + self.startup_timeout
         while not self._ready():

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from .services import tied_to_parent
 from .stopped import freeze
 
 _S3_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
@@ -107,7 +108,7 @@ class S3Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)],
+            tied_to_parent([sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(port)]),
             stdin=subprocess.DEVNULL,
             stdout=self._log,
             stderr=subprocess.STDOUT,

@@ -7,9 +7,31 @@ import random
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
+
+# the launcher ``tied_to_parent`` puts in front of a service: PR_SET_PDEATHSIG (1) with SIGKILL (9), which execve keeps;
+# a parent that died before the prctl is noticed by its pid having changed
+_LIFELINE = """
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(1, 9) != 0:
+    sys.exit("cannot tie the service to its parent: prctl: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the service's parent is gone before it started")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def tied_to_parent(argv: Sequence[str]) -> list[str]:
+    """``argv`` behind a launcher that makes the service die with the thread starting it (Linux PR_SET_PDEATHSIG),
+    so that a test run or benchmark SIGKILLed before its cleanup leaves no moto_server, etcd or mooncake_master
+    running for good; elsewhere ``argv`` itself."""
+    if not sys.platform.startswith("linux"):
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", _LIFELINE, str(os.getpid()), *argv]
 
 
 def free_port() -> int:
@@ -80,12 +102,12 @@ class EtcdServer:
         env = {**os.environ, "ETCD_UNSUPPORTED_ARCH": os.environ.get("ETCD_UNSUPPORTED_ARCH", "")}
         peer_url = self._peer_url
         self.process = subprocess.Popen(
-            [
+            tied_to_parent([
                 self._binary, "--name", "dm", "--data-dir", os.path.join(self.dir, "data"),
                 "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
                 "--initial-cluster", f"dm={peer_url}", "--log-level", "error",
-            ],
+            ]),
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
         deadline = time.monotonic() + self._timeout

@@ -1,8 +1,15 @@
 """The loopback services' ports: picked where outgoing connections cannot take them."""
 
+import os
+import signal
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from datamover.testing import services
+from datamover.testing.waiting import until
 
 
 def test_free_ports_lie_below_the_ephemeral_range_and_bind():
@@ -21,3 +28,83 @@ def test_with_no_room_below_the_range_any_free_port_is_taken(monkeypatch):
     port = services.free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+# a process that starts one service, prints its pid, and waits to be killed
+_OWNER = r"""
+import sys, threading
+kind = sys.argv[1]
+if kind == "s3":
+    from datamover.testing.s3server import S3Server
+    service = S3Server().start()
+    pid = service._proc.pid
+elif kind == "etcd":
+    from datamover.testing.services import EtcdServer
+    service = EtcdServer()
+    pid = service.process.pid
+else:
+    from datamover.testing.mooncake import MooncakeMaster
+    service = MooncakeMaster().start()
+    pid = service._proc.pid
+print(pid, flush=True)
+threading.Event().wait()
+"""
+
+
+def _service_available(kind: str) -> str | None:
+    """Why ``kind`` cannot run here, or None."""
+    if kind == "s3":
+        from datamover.testing.s3server import S3Server
+
+        ok, why = S3Server.available()
+        return None if ok else why
+    if kind == "etcd":
+        return None if services.etcd_binary() else "etcd is not installed"
+    from datamover.testing.mooncake import mooncake_available
+
+    ok, why = mooncake_available()
+    return None if ok else why
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("kind", ["s3", "etcd", "mooncake"])
+def test_a_service_dies_with_its_owner_killed_before_cleanup(kind, tmp_path):
+    """Before: a test run or benchmark SIGKILLed (no finally, no atexit) left moto_server, etcd and mooncake_master
+    running for good, each holding its ports and memory."""
+    why = _service_available(kind)
+    if why:
+        pytest.skip(why)
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where the killed owner leaves its service's data
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, kind], stdout=subprocess.PIPE, text=True, env=env)
+    service = 0
+    try:
+        service = int(owner.stdout.readline())  # type: ignore[union-attr]
+        assert _running(service)
+        owner.kill()
+        owner.wait()
+        until(lambda: not _running(service), 10, what=f"the {kind} service ending with its owner")
+    finally:
+        owner.kill()
+        owner.wait()
+        if service and _running(service):
+            os.kill(service, signal.SIGKILL)
+
+
+def test_the_launcher_runs_the_service_itself_in_its_own_process():
+    """The launcher execs the service: the pid its starter holds is the service's, so terminate, SIGSTOP and SIGKILL
+    reach the service itself."""
+    out = subprocess.run(
+        services.tied_to_parent([sys.executable, "-c", "import os; print(os.getpid(), os.getppid())"]),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert int(out.stdout.split()[1]) == os.getpid()
