@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .services import free_port, tied_to_parent
+from .services import ServiceError, free_port, last_line, tied_to_parent
 
 #: seconds a client stays alive on the master after its last heartbeat: short, so a killed holder's
 #: replicas leave the pool within seconds of its death (Mooncake's default is 10)
@@ -132,8 +132,8 @@ class MooncakeMaster:
         for attempt in range(3):
             try:
                 return self._start()
-            except RuntimeError:
-                if self._started or attempt == 2:
+            except ServiceError as exc:
+                if self._started or attempt == 2 or not exc.exited:
                     raise
                 self.rpc_port, self.metrics_port = free_port(), free_port()
                 self.http_port = free_port() if self.metadata == "http" else None
@@ -142,7 +142,7 @@ class MooncakeMaster:
     def _start(self) -> MooncakeMaster:
         binary = master_binary()
         if binary is None:
-            raise FileNotFoundError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
+            raise ServiceError("mooncake_master not found (pip install mooncake-transfer-engine-non-cuda)")
         args = [
             binary, f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
             "--metrics_host=127.0.0.1", f"--metrics_port={self.metrics_port}",
@@ -157,18 +157,27 @@ class MooncakeMaster:
         self._log = open(self.log_path, "ab")
         self._proc = subprocess.Popen(tied_to_parent(args), stdout=self._log, stderr=subprocess.STDOUT, cwd=self.dir)
         self.starts += 1
-        deadline = time.monotonic() + self.startup_timeout
-        while not self._ready():
-            if self._proc.poll() is not None:
-                code = self._proc.returncode
-                self._drop()
-                raise RuntimeError(f"mooncake_master exited with {code}; see {self.log_path}: {self.tail()}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"mooncake_master did not answer within {self.startup_timeout:g} s")
-            time.sleep(0.02)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()  # an interrupted start leaves no master behind either
+            raise
         self._started = True
         return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._ready():
+            if self._proc.poll() is not None:  # type: ignore[union-attr]
+                code = self._proc.returncode  # type: ignore[union-attr]
+                why = last_line(self.tail())
+                raise ServiceError(f"mooncake_master exited with {code} at start: {why}", exited=True)
+            if time.monotonic() > deadline:
+                raise ServiceError(
+                    f"mooncake_master did not answer on {self.master_addr} within {self.startup_timeout:g} s: "
+                    f"{last_line(self.tail())}"
+                )
+            time.sleep(0.02)
 
     def _ready(self) -> bool:
         if not _accepts(self.rpc_port):
@@ -227,7 +236,11 @@ class MooncakeMaster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> MooncakeMaster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # its directory, made in __init__
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -299,8 +312,11 @@ class PoolMember:
                 if line.startswith("READY ") or not line:
                     break
         if not line.startswith("READY "):
+            code = self._proc.poll()
             self.kill()
-            raise RuntimeError(f"pool member did not start within {timeout:g} s (got {line!r})")
+            if code is not None:
+                raise ServiceError(f"mooncake pool member exited with {code} before it was ready", exited=True)
+            raise ServiceError(f"mooncake pool member did not report ready within {timeout:g} s (got {line!r})")
         self.hostname = line.split()[1]
 
     @property

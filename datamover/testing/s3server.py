@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from .services import tied_to_parent
+from .services import ServiceError, last_line, tied_to_parent
 from .stopped import freeze
 
 _S3_POLICY = '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}'
@@ -81,17 +81,22 @@ class S3Server:
         """Start the server on a free port, wait until ready, create the bucket."""
         ok, reason = self.available()
         if not ok:
-            raise RuntimeError(reason)
+            raise ServiceError(f"moto_server: {reason}")
         last: Exception | None = None
-        for _ in range(3):  # a port picked free can be taken before the server binds it
+        for _ in range(3):  # a port picked free can be taken before the server binds it: an exit, another port
             try:
                 self._spawn(free_port(self.host))
                 break
-            except RuntimeError as exc:
-                last = exc
+            except ServiceError as exc:
                 self.stop()
+                if not exc.exited:  # it ran but never answered: another port would not help
+                    raise
+                last = exc
+            except BaseException:
+                self.stop()
+                raise
         else:
-            raise RuntimeError(f"cannot start moto_server: {last}")
+            raise ServiceError(f"moto_server could not start on 3 ports: {last}")
         try:
             if self.auth:
                 self._create_user()
@@ -118,14 +123,16 @@ class S3Server:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self._proc.returncode}: {self.log_tail()}")
+                code = self._proc.returncode
+                why = last_line(self.log_tail())
+                raise ServiceError(f"moto_server exited with {code} at start: {why}", exited=True)
             try:
                 with urllib.request.urlopen(f"{self.endpoint_url}/moto-api/data.json", timeout=1) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 time.sleep(0.05)
-        raise RuntimeError(f"moto_server did not answer on port {port} within {self.startup_timeout:g} s")
+        raise ServiceError(f"moto_server did not answer on {self.endpoint_url} within {self.startup_timeout:g} s")
 
     def _post(self, path: str, body: bytes) -> None:
         req = urllib.request.Request(

@@ -25,6 +25,22 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
+class ServiceError(RuntimeError):
+    """A service (moto_server, etcd, mooncake_master, a pool member, a benchmark's peer process) did not start or
+    stopped answering; the message names it and says why in one line. ``exited``: it ended by itself (another port
+    may do, where a port taken by another process is the likely cause)."""
+
+    def __init__(self, message: str, *, exited: bool = False) -> None:
+        super().__init__(message)
+        self.exited = exited
+
+
+def last_line(text: str) -> str:
+    """The last non-blank line of a service's output: where it says why it stopped."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
 def tied_to_parent(argv: Sequence[str]) -> list[str]:
     """``argv`` behind a launcher that makes the service die with the thread starting it (Linux PR_SET_PDEATHSIG),
     so that a test run or benchmark SIGKILLed before its cleanup leaves no moto_server, etcd or mooncake_master
@@ -93,8 +109,8 @@ class EtcdServer:
             try:
                 self.start()
                 return
-            except RuntimeError:
-                if attempt == 2:
+            except ServiceError as exc:
+                if attempt == 2 or not exc.exited:
                     raise
 
     def start(self) -> None:
@@ -110,12 +126,18 @@ class EtcdServer:
             ]),
             stdout=self._log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.close()  # an interrupted start leaves no etcd behind either
+            raise
+
+    def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self._timeout
         while True:
-            if self.process.poll() is not None:
-                code = self.process.returncode
-                self.close()
-                raise RuntimeError(f"etcd exited with {code}; see {self.dir}/etcd.log")
+            if self.process.poll() is not None:  # type: ignore[union-attr]
+                code = self.process.returncode  # type: ignore[union-attr]
+                raise ServiceError(f"etcd exited with {code} at start: {last_line(self._tail())}", exited=True)
             try:
                 with urllib.request.urlopen(f"{self.endpoint}/health", timeout=1) as resp:
                     if b"true" in resp.read():
@@ -123,9 +145,20 @@ class EtcdServer:
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                self.close()
-                raise TimeoutError(f"etcd did not become healthy within {self._timeout:g} s")
+                raise ServiceError(
+                    f"etcd did not become healthy on {self.endpoint} within {self._timeout:g} s: "
+                    f"{last_line(self._tail())}"
+                )
             time.sleep(0.1)
+
+    def _tail(self, nbytes: int = 4000) -> str:
+        """The end of etcd's log (the log goes with its directory on ``close``)."""
+        try:
+            with open(os.path.join(self.dir, "etcd.log"), "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - nbytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def stop(self) -> None:
         """Stop etcd, keeping its data directory, so that ``start`` brings the same cluster back."""

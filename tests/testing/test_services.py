@@ -1,10 +1,13 @@
 """The loopback services' ports: picked where outgoing connections cannot take them."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import urllib.request
 
 import pytest
 
@@ -108,3 +111,68 @@ def test_the_launcher_runs_the_service_itself_in_its_own_process():
         check=True,
     )
     assert int(out.stdout.split()[1]) == os.getpid()
+
+
+def test_etcd_that_exits_at_once_says_why_in_one_line(tmp_path, monkeypatch):
+    """Before: "etcd exited with 1; see <dir>/etcd.log", a log the failed start had just deleted with its directory."""
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\necho 'listen tcp 127.0.0.1:2380: bind: address already in use' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    with pytest.raises(services.ServiceError) as info:
+        services.EtcdServer(binary=str(fake))
+    assert str(info.value) == "etcd exited with 1 at start: listen tcp 127.0.0.1:2380: bind: address already in use"
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_mooncake_master_that_cannot_start_leaves_no_directory(tmp_path, monkeypatch):
+    """Before: ``with MooncakeMaster()`` whose start failed left its temp directory behind (``__exit__`` never ran),
+    and a missing binary was a FileNotFoundError with no filename, which ``datamover bench`` printed as a traceback."""
+    from datamover.testing.mooncake import MooncakeMaster
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MOONCAKE_MASTER_BIN", shutil.which("false") or "/bin/false")
+    with pytest.raises(services.ServiceError, match=r"^mooncake_master exited with 1 at start: \(no output\)$"):
+        with MooncakeMaster():
+            pass
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("kind", ["s3", "etcd", "mooncake"])
+def test_a_start_interrupted_while_waiting_for_the_service_leaves_no_process(kind, monkeypatch):
+    """Ctrl-C (or the bench's SIGTERM) while the service is coming up: before, the process was left running, its
+    starter never having returned the object that would stop it."""
+    why = _service_available(kind)
+    if why:
+        pytest.skip(why)
+    from datamover.testing.mooncake import MooncakeMaster
+    from datamover.testing.s3server import S3Server
+
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setattr(urllib.request, "urlopen", interrupted)
+    monkeypatch.setattr(MooncakeMaster, "_ready", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if kind == "s3":
+                S3Server().start()
+            elif kind == "etcd":
+                services.EtcdServer()
+            else:
+                MooncakeMaster().start()
+        assert len(started) == 1
+        assert started[0].poll() is not None, f"the {kind} service outlived its interrupted start"
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
