@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 from ..backends import backend_status
 from ..units import parse_size, size_text
-from .runner import format_table, machine_info, run_sweep
+from .runner import failure_text, format_table, machine_info, run_sweep
 from .workload import WORKLOADS, workload_class
 
 DEFAULT_BLOCKS = "4K,64K,1M,16M,64M"
@@ -313,6 +313,7 @@ def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max
     if settings is not None:
         from .nixl_api import nixl_versions, ucx_modules
     headers: dict[str, dict] = {}
+    failures: list[dict] = []
     info = machine_info()
     print(f"datamover bench on {info['platform']}, {info['cpus']} CPUs ({info['cpu_model']}), python {info['python']}")
     if settings is not None:
@@ -342,6 +343,7 @@ def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max
             labels=labels,
             vs=args.vs,
             vs_settings=settings,
+            failures=failures,
         )
     for name, head in headers.items():
         print(f"  {name}: " + ", ".join(f"{k}={v}" for k, v in head.items()))
@@ -354,7 +356,7 @@ def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max
     if args.json or args.csv or args.plot:
         from . import output
 
-        payload = output.report(results, info, vars(args) | {"func": None}, headers, skipped)
+        payload = output.report(results, info, vars(args) | {"func": None}, headers, skipped, failures)
         if args.json:
             output.write_json(args.json, payload)
         if args.csv:
@@ -362,7 +364,9 @@ def _sweep(args, backends, skipped, blocks, batches, ops, options, settings, max
         if args.plot:
             title = f"datamover{' vs NIXL' if args.vs else ''} on {info['cpus']} CPUs, {info['cpu_model']}"
             output.plot(args.plot, results, title=(labels and next(iter(labels.values()), "")) or title)
+    for f in failures:
+        print(f"datamover bench: {failure_text(f)}", file=sys.stderr)
     if args.check and any(r.checked is False or r.vs_checked is False for r in results):
         print("byte check FAILED", file=sys.stderr)
         return 2
-    return 0
+    return 1 if failures else 0

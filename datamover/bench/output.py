@@ -18,8 +18,17 @@ def _clean(settings: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in settings.items() if not callable(v)}
 
 
-def report(results: list[Result], machine: dict, settings: dict, headers: dict, skipped: list[str]) -> dict:
-    """Everything one run produced, as one JSON-able mapping (with the load average at the end of the run)."""
+def report(
+    results: list[Result],
+    machine: dict,
+    settings: dict,
+    headers: dict,
+    skipped: list[str],
+    failed: list[dict] | None = None,
+) -> dict:
+    """Everything one run produced, as one JSON-able mapping (with the load average at the end of the run);
+    ``failed``: the backends and cases that failed (``runner.failure``), so a row missing from the results is
+    never silently missing."""
     import os
 
     end = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
@@ -28,6 +37,7 @@ def report(results: list[Result], machine: dict, settings: dict, headers: dict, 
         "settings": _clean(settings),
         "headers": headers,
         "skipped": skipped,
+        "failed": list(failed or []),
         "results": [r.row() for r in results],
     }
 
@@ -53,7 +63,7 @@ def write_csv(path: str, payload: dict) -> None:
 
 def to_csv(payload: dict) -> str:
     out = io.StringIO()
-    for key in ("machine", "settings", "headers", "skipped"):
+    for key in ("machine", "settings", "headers", "skipped", "failed"):
         out.write(f"# {key}: {json.dumps(payload.get(key), default=str, sort_keys=True)}\n")
     w = csv.DictWriter(out, fieldnames=RESULT_FIELDS, lineterminator="\n")
     w.writeheader()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..errors import BackendUnavailable, DatamoverError
+from ..errors import BackendUnavailable, ConfigError, DatamoverError, InvalidParameter, NixlError, UnknownBackend
 from ..units import MiB, size_text
 from .workload import Case, Workload, workload_class
 
@@ -156,13 +156,18 @@ def run_sweep(
     labels: dict[str, str] | None = None,
     vs: str | None = None,
     vs_settings: Any = None,
+    failures: list[dict[str, Any]] | None = None,
 ) -> list[Result]:
     """Run the sweep over every backend given; cases larger than ``max_bytes`` are skipped.
 
     ``points`` replaces the block x batch grid per backend with exact
     (block, batch) pairs (model-shaped runs); ``labels`` tags each backend's
     rows. ``vs="nixl"`` also runs every case through NIXL on the same memory
-    (``vs_settings``: a NixlSettings), alternating with ours.
+    (``vs_settings``: a NixlSettings), alternating with ours. With a
+    ``failures`` list, a backend whose workload cannot start (its service, its
+    peer process) or whose case fails is appended there (``failure``) and the
+    sweep goes on with the next backend; without one, the error is raised.
+    Errors in the caller's input (a bad parameter) are always raised.
     """
     grid = [(bl, ba) for bl in blocks for ba in batches if bl * ba <= max_bytes]
     plan = {b: [pt for pt in (points or {}).get(b, grid) if pt[0] * pt[1] <= max_bytes] for b in backends}
@@ -176,11 +181,22 @@ def run_sweep(
     results: list[Result] = []
     try:
         for backend in backends:
-            if not plan[backend]:
+            cls_ops = workload_class(backend).ops
+            cases = [(op, bl, ba) for op in ops or cls_ops if op in cls_ops for bl, ba in plan[backend]]
+            if not cases:
                 continue
-            workload: Workload = workload_class(backend)(
-                max(bl * ba for bl, ba in plan[backend]), (options or {}).get(backend, {})
-            )
+            try:
+                workload: Workload = workload_class(backend)(
+                    max(bl * ba for bl, ba in plan[backend]), (options or {}).get(backend, {})
+                )
+            except _INPUT_ERRORS:
+                raise
+            except Exception as exc:
+                if failures is None:
+                    raise
+                failures.append(failure(backend, None, exc, len(cases)))
+                bar.update(len(cases))
+                continue
             other, missing = None, None
             try:
                 if vs == "nixl":
@@ -188,7 +204,7 @@ def run_sweep(
 
                     try:
                         other = nixl_side(backend, workload, vs_settings)
-                    except BackendUnavailable as exc:
+                    except (BackendUnavailable, NixlError) as exc:  # NIXL or its peer process did not start
                         missing = str(exc)
                 if headers is not None:
                     headers[backend] = workload.header()
@@ -196,17 +212,24 @@ def run_sweep(
                         headers[f"{backend} vs nixl"] = other.header()
                     elif missing:
                         headers[f"{backend} vs nixl"] = {"skipped": missing}
-                for op in ops or workload.ops:
-                    if op not in workload.ops:
-                        continue
-                    for block, batch in plan[backend]:
-                        bar.set_description(f"{backend} {op} {size_text(block)} x {batch}")
+                for i, (op, block, batch) in enumerate(cases):
+                    bar.set_description(f"{backend} {op} {size_text(block)} x {batch}")
+                    try:
                         r = _measure(workload, backend, op, block, batch, min_time, max_iters, check, other)
-                        r.label = (labels or {}).get(backend, "")
-                        if missing:
-                            r.vs, r.vs_error = "nixl", missing
-                        results.append(r)
-                        bar.update(1)
+                    except _INPUT_ERRORS:
+                        raise
+                    except Exception as exc:
+                        if failures is None:
+                            raise
+                        # its service or peer is likely gone: the backend's other cases would fail the same way
+                        failures.append(failure(backend, (op, block, batch), exc, len(cases) - i - 1))
+                        bar.update(len(cases) - i)
+                        break
+                    r.label = (labels or {}).get(backend, "")
+                    if missing:
+                        r.vs, r.vs_error = "nixl", missing
+                    results.append(r)
+                    bar.update(1)
             finally:
                 if other is not None:
                     other.close()
@@ -214,6 +237,32 @@ def run_sweep(
     finally:
         bar.close()
     return results
+
+
+#: errors in what the caller asked for, raised as they are (the CLI prints them as one line, exit code 2)
+_INPUT_ERRORS = (InvalidParameter, ConfigError, UnknownBackend)
+
+
+def failure(backend: str, case: tuple[str, int, int] | None, exc: BaseException, not_run: int) -> dict[str, Any]:
+    """What a failed backend or case leaves in the report: where, the error in one line, and how many cases of the
+    backend were not run because of it (``case`` None: its workload did not start)."""
+    from ..testing.services import ServiceError
+
+    text = str(exc) if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"  # it names the service
+    error = " ".join(text.split())
+    out: dict[str, Any] = {"backend": backend, "op": None, "block": None, "batch": None}
+    if case is not None:
+        out["op"], out["block"], out["batch"] = case
+    return out | {"error": error, "not_run": not_run}
+
+
+def failure_text(f: dict[str, Any]) -> str:
+    """One line for a ``failure``: which backend or case, why, and what was not run."""
+    if f["op"] is None:
+        return f"{f['backend']}: did not start: {f['error']}; its {f['not_run']} case(s) were not run"
+    where = f"{f['backend']} {f['op']} {size_text(f['block'])} x {f['batch']}"
+    rest = f"; its {f['not_run']} later case(s) were not run" if f["not_run"] else ""
+    return f"{where} failed: {f['error']}{rest}"
 
 
 def _measure(workload, backend, op, block, batch, min_time, max_iters, check, other=None) -> Result:

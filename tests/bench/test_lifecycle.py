@@ -6,6 +6,7 @@ waits once the backend's services are up; the test signals it after reading the 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from datamover.bench import output
+from datamover.cli import main
 from datamover.testing.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,3 +104,94 @@ def test_sigterm_mid_run_removes_the_posix_file(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert list(tmp_path.iterdir()) == []
+
+
+TINY = ["--block-sizes", "4K,64K", "--batch-sizes", "1", "--min-time", "0.01", "--max-iters", "3", "--quiet"]
+
+
+@pytest.mark.skipif(not S3Server.available()[0], reason="moto[server] not installed")
+def test_a_service_that_cannot_start_is_one_line_and_the_other_backends_still_run(tmp_path, monkeypatch, capsys):
+    """moto_server exits at once on every port (as when its port is taken): before, a RuntimeError traceback ended
+    the whole run, memcpy's rows and the JSON with it."""
+    from datamover.testing import s3server
+
+    refuse = "import sys; sys.exit('OSError: [Errno 98] Address already in use')"
+    monkeypatch.setattr(s3server, "tied_to_parent", lambda argv: [sys.executable, "-c", refuse])
+    js = tmp_path / "b.json"
+    rc = main(["bench", "--backend", "s3,memcpy", *TINY, "--json", str(js)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err == [
+        "datamover bench: s3: did not start: moto_server could not start on 3 ports: moto_server exited with 1 at "
+        "start: OSError: [Errno 98] Address already in use; its 4 case(s) were not run"
+    ]
+    data = json.loads(js.read_text())
+    assert [(r["backend"], r["block"]) for r in data["results"]] == [("memcpy", 4096), ("memcpy", 65536)]
+    assert [(f["backend"], f["op"], f["not_run"]) for f in data["failed"]] == [("s3", None, 4)]
+
+
+def test_a_case_that_fails_mid_run_is_reported_and_the_sweep_goes_on(tmp_path, monkeypatch, capsys):
+    """A case raising mid-run (its service gone, a transfer error): before, the exception ended the run and no
+    row of it, or of any backend after it, reached the table or the JSON."""
+    from datamover.bench import local
+    from datamover.errors import TransferIOError
+
+    real = local.MemcpyWorkload.case
+
+    def case(self, op, block, batch):
+        if block == 4096:
+            raise TransferIOError("the peer went away", backend="memcpy")
+        return real(self, op, block, batch)
+
+    monkeypatch.setattr(local.MemcpyWorkload, "case", case)
+    js, cs = tmp_path / "b.json", tmp_path / "b.csv"
+    rc = main(
+        ["bench", "--backend", "memcpy,posix", "--dir", str(tmp_path), *TINY, "--json", str(js), "--csv", str(cs)]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err == [
+        "datamover bench: memcpy WRITE 4 KiB x 1 failed: TransferIOError: backend 'memcpy': the peer went away; "
+        "its 1 later case(s) were not run"
+    ]
+    data = json.loads(js.read_text())
+    assert {r["backend"] for r in data["results"]} == {"posix"} and len(data["results"]) == 4
+    assert data["failed"] == [
+        {
+            "backend": "memcpy",
+            "op": "WRITE",
+            "block": 4096,
+            "batch": 1,
+            "not_run": 1,
+            "error": "TransferIOError: backend 'memcpy': the peer went away",
+        }
+    ]
+    assert output.read_csv(str(cs))[1]["failed"] == data["failed"]
+
+
+def test_without_a_failures_list_the_sweep_raises_as_before(monkeypatch):
+    """Library callers (examples, tests) that pass no ``failures`` list still get the error itself."""
+    from datamover.bench import local
+    from datamover.bench.runner import run_sweep
+
+    monkeypatch.setattr(local.MemcpyWorkload, "case", lambda self, op, block, batch: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        run_sweep(["memcpy"], None, [4096], [1], min_time=0.01, max_iters=3, progress=False)
+
+
+def test_a_nixl_peer_that_cannot_start_leaves_ours_measured_and_says_why(monkeypatch):
+    """NIXL's peer process not starting (NixlError) made the whole run a traceback; a missing NIXL was already a
+    per-row ``vs_error``, and now so is this."""
+    from datamover.bench import nixl
+    from datamover.bench.runner import run_sweep
+    from datamover.errors import NixlError
+
+    def no_peer(backend, workload, settings):
+        raise NixlError("the NIXL target process did not start: exit code 1", backend="nixl")
+
+    monkeypatch.setattr(nixl, "nixl_side", no_peer)
+    failures: list = []
+    rows = run_sweep(["memcpy"], None, [4096], [1], min_time=0.01, max_iters=3, progress=False, vs="nixl",
+                     failures=failures)  # fmt: skip
+    assert failures == [] and len(rows) == 1 and rows[0].gbps > 0
+    assert rows[0].vs_error == "backend 'nixl': the NIXL target process did not start: exit code 1"
