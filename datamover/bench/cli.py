@@ -162,6 +162,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.pin_hosts and not args.ucx_peer_host:
         print("datamover bench --pin-hosts: only with --ucx-peer-host (it pins the two test hosts)", file=sys.stderr)
         return 2
+    from .output import writable
+
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path and not writable(path):
+            print(f"datamover bench: {flag} {path}: its directory is missing or not writable", file=sys.stderr)
+            return 2  # said before the sweep runs, not after it
     max_bytes = parse_size(args.max_bytes, "--max-bytes")
     points = labels = None
     model_lines: list[str] = []

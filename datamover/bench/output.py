@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
+import tempfile
+from collections.abc import Iterator
 from dataclasses import fields
-from typing import Any
+from typing import IO, Any
 
 from ..units import size_text
 from .runner import Result, ratio_ci
@@ -29,8 +33,6 @@ def report(
     """Everything one run produced, as one JSON-able mapping (with the load average at the end of the run);
     ``failed``: the backends and cases that failed (``runner.failure``), so a row missing from the results is
     never silently missing."""
-    import os
-
     end = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     return {
         "machine": machine | {"load_avg_end": end},
@@ -42,8 +44,41 @@ def report(
     }
 
 
+@contextlib.contextmanager
+def replaced(path: str, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """A new file beside ``path`` that takes its place only once completely written (``os.replace``): a run stopped
+    or failing while it writes leaves ``path`` as it was, never half-written, and no temporary file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # what open(path, "w") would have made
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def writable(path: str) -> bool:
+    """Whether an output file can be made at ``path`` (its directory exists and is writable): checked before a
+    sweep, so that a typo does not throw away every result at its end."""
+    directory = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(directory) and os.access(directory, os.W_OK | os.X_OK) and not os.path.isdir(path)
+
+
 def write_json(path: str, payload: dict) -> None:
-    with open(path, "w") as f:
+    """The report as JSON, replacing ``path`` atomically."""
+    with replaced(path) as f:
         json.dump(payload, f, indent=2, default=str)
 
 
@@ -56,8 +91,9 @@ def read_json(path: str) -> tuple[list[Result], dict]:
 
 
 def write_csv(path: str, payload: dict) -> None:
-    """One row per case; machine, versions and settings go first as ``# key: json`` comment lines."""
-    with open(path, "w", newline="") as f:
+    """One row per case; machine, versions and settings go first as ``# key: json`` comment lines. Replaces
+    ``path`` atomically."""
+    with replaced(path, newline="") as f:
         f.write(to_csv(payload))
 
 
@@ -137,8 +173,11 @@ def plot(path: str, results: list[Result], title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with replaced(path, "wb") as f:
+            fig.savefig(f, dpi=120, format=os.path.splitext(path)[1][1:].lower() or "png")
+    finally:
+        plt.close(fig)
 
 
 def markdown_table(results: list[Result]) -> str:

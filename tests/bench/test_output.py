@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import numpy as np
+import pytest
 
 from datamover.bench import output
 from datamover.bench.runner import Result, format_vs_table, machine_info, paired_ratio_ci, sample_case, verdict
@@ -108,3 +110,62 @@ def test_verdict_reads_the_interval_and_the_table_counts_it() -> None:
     text = format_vs_table(rows)
     assert "0.95-1.04" in text
     assert "1 ahead, 1 tied (the interval spans 1.0), 1 behind" in text
+
+
+def test_a_write_cut_short_leaves_the_earlier_file_whole_and_no_temporary(tmp_path, monkeypatch) -> None:
+    """Stopped (SIGTERM, Ctrl-C) or failing while the report is written: before, ``path`` was truncated first and
+    left half-written, the earlier run's file lost with it."""
+    path = tmp_path / "r.json"
+    output.write_json(str(path), _payload(_results()))
+    before = path.read_bytes()
+
+    def cut(payload, f, **kwargs):
+        f.write('{"machine": {"cpus"')
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(output.json, "dump", cut)
+    with pytest.raises(KeyboardInterrupt):
+        output.write_json(str(path), _payload(_results()))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_csv_and_plot_replace_their_files_whole(tmp_path, monkeypatch) -> None:
+    path, png = tmp_path / "r.csv", tmp_path / "r.png"
+    path.write_text("earlier\n")
+    png.write_bytes(b"earlier")
+    monkeypatch.setattr(output, "to_csv", lambda payload: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        output.write_csv(str(path), _payload(_results()))
+    assert path.read_text() == "earlier\n"
+    import matplotlib.figure
+
+    def cut(self, f, **kwargs):
+        f.write(b"\x89PNG half")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut)
+    with pytest.raises(OSError, match="disk full"):
+        output.plot(str(png), _results())
+    assert png.read_bytes() == b"earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.csv", "r.png"]
+
+
+def test_a_new_report_gets_the_mode_open_would_give(tmp_path) -> None:
+    path = tmp_path / "r.json"
+    output.write_json(str(path), _payload(_results()))
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+
+
+@pytest.mark.parametrize("flag", ["--json", "--csv", "--plot"])
+def test_an_output_in_a_missing_directory_is_refused_before_the_sweep(flag, tmp_path, capsys) -> None:
+    """Before: the whole sweep ran, then writing failed and every result was lost."""
+    from datamover.cli import main
+
+    nowhere = str(tmp_path / "missing" / "out")
+    assert main(["bench", "--backend", "memcpy", "--quiet", flag, nowhere]) == 2
+    out, err = capsys.readouterr()
+    assert err == f"datamover bench: {flag} {nowhere}: its directory is missing or not writable\n"
+    assert "memcpy" not in out
