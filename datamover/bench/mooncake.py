@@ -64,7 +64,8 @@ class MooncakeWorkload(Workload):
             else:
                 from ..testing.mooncake import MooncakeMaster, PoolMember
 
-                self.master = MooncakeMaster().start()
+                self.master = MooncakeMaster()  # before its start, so that close() removes its directory
+                self.master.start()
                 # ours and raw each keep one set of values in the pool, plus room for the allocator
                 self.member = PoolMember(self.master, segment_bytes=2 * max_bytes + 64 * MiB)
                 params = self.master.config(**params)
@@ -196,12 +197,17 @@ class MooncakeWorkload(Workload):
         return lines
 
     def close(self) -> None:
-        if self.agent is not None:
-            self.agent.close()
-            self.agent = None
-        if self.member is not None:
-            self.member.kill()
-            self.member = None
-        if self.master is not None:
-            self.master.close()
-            self.master = None
+        """Close the agent, then stop the pool member and the master, each even when what came before failed."""
+        try:
+            if self.agent is not None:
+                agent, self.agent = self.agent, None
+                agent.close()
+        finally:
+            try:
+                if self.member is not None:
+                    member, self.member = self.member, None
+                    member.kill()
+            finally:
+                if self.master is not None:
+                    master, self.master = self.master, None
+                    master.close()

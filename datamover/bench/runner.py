@@ -231,9 +231,11 @@ def run_sweep(
                     results.append(r)
                     bar.update(1)
             finally:
-                if other is not None:
-                    other.close()
-                workload.close()
+                try:
+                    if other is not None:
+                        other.close()
+                finally:
+                    workload.close()  # its services, even when NIXL's side failed to close
     finally:
         bar.close()
     return results
@@ -293,9 +295,11 @@ def _measure(workload, backend, op, block, batch, min_time, max_iters, check, ot
                 case.ours()  # so that our check sees our bytes, not NIXL's
             checked = case.verify()
     finally:
-        if vs_case is not None:
-            vs_case.close()
-        case.close()
+        try:
+            if vs_case is not None:
+                vs_case.close()
+        finally:
+            case.close()
     nbytes = block * batch
     gbps = nbytes * len(s.totals) / sum(s.totals) / 1e9
     raw_gbps = nbytes * len(s.raws) / sum(s.raws) / 1e9 if s.raws else None

@@ -151,9 +151,12 @@ class S3Workload(Workload):
         return Case(op, block, batch, timed_transfer(xfer), raw, verify, raw_name=name, close=xfer.release)
 
     def close(self) -> None:
+        """Close the agent, then stop the server even when that close failed."""
         agent = getattr(self, "agent", None)
-        if agent is not None:
-            agent.close()
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
+        try:
+            if agent is not None:
+                agent.close()
+        finally:
+            if self.server is not None:
+                self.server.stop()
+                self.server = None

@@ -195,3 +195,63 @@ def test_a_nixl_peer_that_cannot_start_leaves_ours_measured_and_says_why(monkeyp
                      failures=failures)  # fmt: skip
     assert failures == [] and len(rows) == 1 and rows[0].gbps > 0
     assert rows[0].vs_error == "backend 'nixl': the NIXL target process did not start: exit code 1"
+
+
+def _failing_close() -> None:
+    raise RuntimeError("close failed")
+
+
+@pytest.mark.skipif(not S3Server.available()[0], reason="moto[server] not installed")
+def test_the_s3_workload_stops_its_server_even_when_its_agent_fails_to_close(monkeypatch):
+    """Before: an agent close that raised skipped ``server.stop()``, and moto_server outlived the bench."""
+    from datamover.bench.s3 import S3Workload
+
+    workload = S3Workload(4096)
+    pid = workload.server._proc.pid
+    real_close = workload.agent.close
+    monkeypatch.setattr(workload.agent, "close", _failing_close)
+    try:
+        with pytest.raises(RuntimeError, match="close failed"):
+            workload.close()
+        assert _gone_within(pid, 10), "moto_server outlived the workload's close"
+    finally:
+        real_close()
+        _kill(pid)
+
+
+def test_the_mooncake_workload_whose_master_cannot_start_leaves_no_directory(tmp_path, monkeypatch):
+    """Before: ``MooncakeMaster().start()`` failing left the master's directory, made before its start, behind."""
+    import tempfile
+
+    from datamover.bench.mooncake import MooncakeWorkload
+    from datamover.testing.services import ServiceError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("MOONCAKE_MASTER_BIN", "/bin/false")
+    with pytest.raises(ServiceError, match="mooncake_master exited with 1 at start"):
+        MooncakeWorkload(4096)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_workload_is_closed_even_when_the_nixl_side_fails_to_close(monkeypatch):
+    """Before: NIXL's side raising in its close skipped the workload's close, and with it its services."""
+    from datamover.bench import local, nixl
+    from datamover.bench.runner import run_sweep
+    from datamover.errors import NixlError
+
+    class Side:
+        def header(self) -> dict:
+            return {}
+
+        def case(self, case):
+            raise NixlError("no such pair here", backend="nixl")
+
+        close = staticmethod(_failing_close)
+
+    closed = []
+    real = local.MemcpyWorkload.close
+    monkeypatch.setattr(local.MemcpyWorkload, "close", lambda self: closed.append(real(self)))
+    monkeypatch.setattr(nixl, "nixl_side", lambda backend, workload, settings: Side())
+    with pytest.raises(RuntimeError, match="close failed"):
+        run_sweep(["memcpy"], None, [4096], [1], min_time=0.01, max_iters=3, progress=False, vs="nixl", failures=[])
+    assert closed == [None]
