@@ -77,17 +77,26 @@ def _raw_serve(ucx_api, Array, worker, ep, buf: np.ndarray, op: str, block: int,
 
 
 def _target_main(conn, go, nbytes: int, log_path: str, params: dict[str, Any]) -> None:
-    """The target process: an Agent with registered memory plus a raw ucxx worker, driven over a pipe."""
+    """The target process: an Agent with registered memory plus a raw ucxx worker, driven over a pipe. Its first
+    message is ``(True, (metadata, address, raw worker address))``, or ``(False, exception)`` when it cannot start."""
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     for std in (1, 2):  # UCX logs (and the UCX_PROTO_INFO tables) go here: the header reads them
         os.dup2(fd, std)
-    agent = Agent(TARGET, {"backends": {"ucx": dict(params)}})
-    buf, raw_buf = aligned_empty(nbytes), aligned_empty(nbytes)
-    fill_random(buf, seed=2)
-    fill_random(raw_buf, seed=3)
-    agent.register_memory(buf)
-    ucx_api, Array, _ctx, worker = _raw_worker(params)
-    conn.send((agent.metadata(), int(buf.ctypes.data), worker.address.tobytes()))
+    try:
+        agent = Agent(TARGET, {"backends": {"ucx": dict(params)}})
+        buf, raw_buf = aligned_empty(nbytes), aligned_empty(nbytes)
+        fill_random(buf, seed=2)
+        fill_random(raw_buf, seed=3)
+        agent.register_memory(buf)
+        ucx_api, Array, _ctx, worker = _raw_worker(params)
+        hello = (agent.metadata(), int(buf.ctypes.data), worker.address.tobytes())  # the backend starts here
+    except BaseException as exc:  # the initiator raises it, a bad --param included, instead of an EOFError
+        try:
+            conn.send((False, exc))
+        except Exception:
+            conn.send((False, RuntimeError(f"{type(exc).__name__}: {exc}")))
+        return
+    conn.send((True, hello))
     ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(conn.recv()), False)
     server: threading.Thread | None = None
     while True:
@@ -121,6 +130,8 @@ class UcxWorkload(Workload):
 
     backend = "ucx"
     raw_name = "raw ucxx tag send/recv, one per block (same process pair, its own target buffer)"
+    #: seconds the target process may take to start, or to answer one command, before it is taken for hung
+    answer_timeout_s = 120.0
 
     def __init__(self, max_bytes: int, options: dict[str, Any] | None = None) -> None:
         super().__init__(max_bytes, options)
@@ -150,22 +161,47 @@ class UcxWorkload(Workload):
             else:
                 os.environ["UCX_PROTO_INFO"] = env_before
         child.close()
-        blob, self.remote_addr, raw_address = self._conn.recv()
-        self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": self._here_params}})
-        self.mem = aligned_empty(max_bytes)
-        fill_random(self.mem, seed=1)
-        self.agent.register_memory(self.mem)
-        self.agent.add_remote(blob)
-        self.ucx_api, self.Array, self._raw_ctx, self.worker = _raw_worker(self._params)
-        self._conn.send(self.worker.address.tobytes())
-        self.ep = self.worker.create_endpoint_from_worker_address(
-            self.ucx_api.UCXAddress.create_from_buffer(raw_address), False
-        )
-        self._iter = 0
-        # one small and one large transfer so the target's protocol tables are printed and parsed
-        for n in (64, min(max_bytes, 1 << 20)):
-            self.agent.transfer("WRITE", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
-            self.agent.transfer("READ", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
+        self.agent: Agent | None = None
+        self.worker = None
+        self._hung = False
+        try:
+            ok, answer = self._answer("start")
+            if not ok:
+                raise answer
+            blob, self.remote_addr, raw_address = answer
+            self.agent = Agent("bench-ucx-initiator", {"backends": {"ucx": self._here_params}})
+            self.mem = aligned_empty(max_bytes)
+            fill_random(self.mem, seed=1)
+            self.agent.register_memory(self.mem)
+            self.agent.add_remote(blob)
+            self.ucx_api, self.Array, self._raw_ctx, self.worker = _raw_worker(self._params)
+            self._conn.send(self.worker.address.tobytes())
+            self.ep = self.worker.create_endpoint_from_worker_address(
+                self.ucx_api.UCXAddress.create_from_buffer(raw_address), False
+            )
+            self._iter = 0
+            # one small and one large transfer so the target's protocol tables are printed and parsed
+            for n in (64, min(max_bytes, 1 << 20)):
+                self.agent.transfer("WRITE", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
+                self.agent.transfer("READ", DescList.blocks(self.mem[:n], n), self._remote([0], n), TARGET).wait()
+        except BaseException:
+            self.close()  # the caller gets no workload to close: the target, its log and our agent go here
+            raise
+
+    def _answer(self, what: str) -> Any:
+        """The target's next message, within ``answer_timeout_s``; ServiceError naming the target if it exited or
+        hung (with the last line of its log: its traceback's, for one that crashed)."""
+        from ..testing.services import ServiceError, last_line
+
+        try:
+            if self._conn.poll(self.answer_timeout_s):
+                return self._conn.recv()
+            self._hung = True  # close() does not wait for it again
+            why = f"did not answer {what} within {self.answer_timeout_s:g} s"
+        except (EOFError, OSError):
+            self.process.join(5)
+            why = f"exited with {self.process.exitcode} before it answered {what}"
+        raise ServiceError(f"the ucx bench target (pid {self.process.pid}) {why}: {last_line(_read(self._log))}")
 
     def _remote(self, slots: Any, block: int) -> DescList:
         return DescList.from_columns(self.remote_addr + np.asarray(slots, dtype=np.int64) * block, block, 0, "DRAM")
@@ -175,8 +211,11 @@ class UcxWorkload(Workload):
         return self._call("progress")
 
     def _call(self, cmd: str, *args: Any) -> Any:
-        self._conn.send((cmd, args))
-        return self._conn.recv()
+        try:
+            self._conn.send((cmd, args))
+        except OSError:
+            pass  # it is gone: _answer says how
+        return self._answer(repr(cmd))
 
     def header(self) -> dict[str, Any]:
         desc = self.agent.backend("ucx").describe()
@@ -253,22 +292,34 @@ class UcxWorkload(Workload):
         )  # fmt: skip
 
     def close(self) -> None:
+        """Stop the target (killed if it does not end within bounds), close our agent, remove the target's log."""
+        from ..testing.services import ServiceError
+
         try:
-            self._call("close")
-        except (EOFError, OSError):
-            pass
-        # the target's raw endpoint closes as it exits, and that close needs this side's raw worker progressed
-        deadline = time.monotonic() + 10
-        while self.process.is_alive() and time.monotonic() < deadline:
-            self.worker.progress()
-            self.process.join(0.001)
-        if self.process.is_alive():
-            self.process.kill()
-        self.agent.close()
+            if self.process.is_alive() and not self._hung:
+                self._call("close")
+        except ServiceError:
+            pass  # gone or hung: killed below
         try:
-            os.unlink(self._log)
-        except OSError:
-            pass
+            # the target's raw endpoint closes as it exits, and that close needs this side's raw worker progressed
+            deadline = time.monotonic() + 10
+            while self.process.is_alive() and time.monotonic() < deadline:
+                if self.worker is not None:
+                    self.worker.progress()
+                self.process.join(0.001)
+        finally:
+            if self.process.is_alive():
+                self.process.kill()
+            self.process.join(5)
+            self._conn.close()
+            try:
+                if self.agent is not None:
+                    self.agent.close()
+            finally:
+                try:
+                    os.unlink(self._log)
+                except OSError:
+                    pass
 
 
 def _read(path: str) -> str:

@@ -45,3 +45,45 @@ def test_a_target_on_another_host_exits_by_itself_at_close(test_hosts, monkeypat
     finally:
         w.close()
     assert w.process.exitcode == 0, f"the target ended with {w.process.exitcode} (negative: killed by that signal)"
+
+
+def test_a_target_that_cannot_start_is_its_own_error_in_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """A bad --param fails in the target process: before, the bench died with an EOFError traceback (the reason only
+    in the target's log) and left that log behind; now it is the one line any other backend's bad --param gives."""
+    import tempfile
+
+    from datamover.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = ["bench", "--backend", "ucx", "--param", "ucx.nonsense=1", "--block-sizes", "4K", "--batch-sizes", "1"]
+    assert main([*argv, "--quiet", "--min-time", "0.01"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("datamover bench: backend 'ucx': unknown parameter(s) ['nonsense']")
+    assert list(tmp_path.iterdir()) == []
+
+
+def hung_target(conn, go, nbytes, log_path, params) -> None:
+    """A target process that never answers (spawned: imported by name from this module)."""
+    import threading
+
+    threading.Event().wait()
+
+
+def test_a_target_that_never_answers_is_a_bounded_wait_and_is_killed(tmp_path, monkeypatch):
+    """Before: the initiator waited on the target's pipe with no bound, so a target stuck starting hung the bench."""
+    import tempfile
+
+    from datamover.bench import ucx
+    from datamover.testing.services import ServiceError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ucx, "_target_main", hung_target)
+    monkeypatch.setattr(ucx.UcxWorkload, "answer_timeout_s", 2.0, raising=False)
+    started = []
+    real_start = ucx.mp.context.SpawnProcess.start
+    monkeypatch.setattr(ucx.mp.context.SpawnProcess, "start", lambda self: (started.append(self), real_start(self))[1])
+    with pytest.raises(ServiceError, match=r"^the ucx bench target \(pid \d+\) did not answer start within 2 s"):
+        ucx.UcxWorkload(1 << 20)
+    (target,) = started
+    assert not target.is_alive() and target.exitcode is not None
+    assert list(tmp_path.iterdir()) == []
