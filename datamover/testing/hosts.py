@@ -52,6 +52,7 @@ _REGISTRY = "/run/datamover-testhosts"
 _LOCK = "/run/lock/datamover-testhosts.lock"
 _NAME = re.compile(r"^[a-z][a-z0-9]{1,9}$")
 _MAX_HOSTS = 16
+_DIR_PREFIX = "datamover-testhosts-"
 
 
 class TestHostsUnavailable(RuntimeError):
@@ -107,7 +108,8 @@ def _remove_prefix(prefix: str) -> None:
 
 
 def _sweep_stale() -> None:
-    """Remove what earlier runs left behind when their owner process is gone (killed before cleanup)."""
+    """Remove what earlier runs left behind when their owner process is gone (killed before cleanup): their
+    namespaces, links and temp directory, saying so on stderr."""
     try:
         entries = os.listdir(_REGISTRY)
     except FileNotFoundError:
@@ -116,15 +118,24 @@ def _sweep_stale() -> None:
         path = os.path.join(_REGISTRY, prefix)
         try:
             with open(path) as f:
-                owner = int(f.read().split()[0])
+                words = f.read().split("\n")
+            owner = int(words[0])
         except (OSError, ValueError, IndexError):
-            owner = 0
+            owner, words = 0, []
         if owner and _pid_alive(owner):
             continue
+        directory = words[1] if len(words) > 1 else ""
         if _NAME.match(prefix):
             _remove_prefix(prefix)
+        if os.path.basename(directory).startswith(_DIR_PREFIX):  # only ever a directory TestHosts made
+            shutil.rmtree(directory, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.unlink(path)
+        print(
+            f"test hosts: removed {prefix}* (namespaces, links, {directory or 'no directory'}) left by an earlier run "
+            f"whose process {owner or '?'} ended before its cleanup",
+            file=sys.stderr,
+        )
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -311,7 +322,7 @@ class TestHosts:
         base = re.sub(r"[^a-z0-9]", "", (prefix or os.environ.get("DATAMOVER_TESTHOSTS_PREFIX") or "dm").lower())
         base = (base if base[:1].isalpha() else "dm" + base)[:6]
         self.hosts: list[Host] = []
-        self._dir = tempfile.mkdtemp(prefix="datamover-testhosts-")
+        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)
         self._closed = False
         os.makedirs(_REGISTRY, exist_ok=True)
         os.makedirs(os.path.dirname(_LOCK), exist_ok=True)
@@ -324,7 +335,7 @@ class TestHosts:
                 if self.prefix not in existing:
                     break
             with open(os.path.join(_REGISTRY, self.prefix), "w") as f:
-                f.write(f"{os.getpid()}\n")
+                f.write(f"{os.getpid()}\n{self._dir}\n")  # what the next run removes if this one is killed
             self._finalizer = weakref.finalize(self, _teardown, self.prefix, self._dir)
             try:
                 self.subnet = _free_subnet()

@@ -148,6 +148,34 @@ def test_a_run_killed_before_cleanup_is_swept_by_the_next():
     assert not os.path.exists(os.path.join(hosts_mod._REGISTRY, prefix))
 
 
+_OWNER = """
+import threading
+from datamover.testing.hosts import TestHosts
+hosts = TestHosts(2, here=False)
+print(hosts.prefix, hosts._dir, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_run_sigkilled_leaves_nothing_after_the_next_and_the_next_says_so(capfd):
+    """Before: the next run removed the killed run's namespaces and links, but its temp directory stayed for good,
+    and nothing said what had been removed."""
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        prefix, directory = owner.stdout.readline().split()  # type: ignore[union-attr]
+    finally:
+        owner.kill()
+        owner.wait()
+    assert _names(prefix) and os.path.isdir(directory)
+    with TestHosts(2, here=False) as fresh:
+        assert fresh.prefix != prefix
+        assert _names(prefix) == []
+        assert not os.path.exists(directory)
+    said = capfd.readouterr().err
+    assert f"test hosts: removed {prefix}* (namespaces, links, {directory}) left by an earlier run" in said
+    assert not os.path.exists(os.path.join(hosts_mod._REGISTRY, prefix))
+
+
 def test_without_root_they_are_unavailable_and_the_fixture_skips(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "root" in unavailable()
