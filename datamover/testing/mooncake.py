@@ -465,8 +465,16 @@ class CacheInstance:
     @classmethod
     def start_many(cls, master: MooncakeMaster, n: int, **kw: Any) -> list[CacheInstance]:
         """``n`` instances started in parallel (each takes a few seconds to import and set up)."""
-        out = [cls(master, wait=False, **kw) for _ in range(n)]
+        return cls.start_each(master, [kw] * n)
+
+    @classmethod
+    def start_each(cls, master: MooncakeMaster, options: list[dict[str, Any]]) -> list[CacheInstance]:
+        """One instance per mapping of keyword arguments, started in parallel; if any fails to start, every one
+        is killed before the error is raised (a fixture erring in its setup leaves no process behind)."""
+        out: list[CacheInstance] = []
         try:
+            for kw in options:
+                out.append(cls(master, wait=False, **kw))
             for inst in out:
                 inst.wait_ready()
         except BaseException:

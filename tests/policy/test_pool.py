@@ -69,12 +69,7 @@ def test_l4_fields_refused_with_reason(fields, key, words):
 def instances(mooncake_master):
     """Three instances for the module (starting one takes seconds): A keeps its chunks in its own memory
     (placement_locality), B lends memory, C lends none; the drain test retires A, so it runs last."""
-    starting = [
-        CacheInstance(mooncake_master, placement_locality=True, wait=False),
-        CacheInstance(mooncake_master, wait=False),
-        CacheInstance(mooncake_master, segment_bytes=0, wait=False),
-    ]
-    ready = [inst.wait_ready() for inst in starting]
+    ready = CacheInstance.start_each(mooncake_master, [{"placement_locality": True}, {}, {"segment_bytes": 0}])
     yield ready
     CacheInstance.close_all(ready)
 

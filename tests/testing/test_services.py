@@ -176,3 +176,39 @@ def test_a_start_interrupted_while_waiting_for_the_service_leaves_no_process(kin
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_instances_started_together_are_all_killed_when_one_fails_to_start(monkeypatch):
+    """test_pool's fixture started three cache instances and waited on each in turn: one failing to start left the
+    others running (until their pipes closed), as a fixture erring in setup must not; ``start_each`` kills them."""
+    from types import SimpleNamespace
+
+    from datamover.testing.mooncake import CacheInstance
+
+    started: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+    waited: list[CacheInstance] = []
+
+    def wait_ready(self):
+        waited.append(self)
+        if len(waited) == 2:
+            raise RuntimeError("cache instance exited with 1")
+        return self  # the first is taken for ready
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setattr(CacheInstance, "wait_ready", wait_ready)
+    master = SimpleNamespace(master_addr="127.0.0.1:9", metadata_url="P2PHANDSHAKE", admin_url="")
+    try:
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            CacheInstance.start_each(master, [{}, {"segment_bytes": 0}, {}])  # type: ignore[arg-type]
+        assert len(started) == 3
+        assert [p.poll() is not None for p in started] == [True, True, True]
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
