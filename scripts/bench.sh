@@ -9,4 +9,6 @@ bash scripts/setup.sh
 . .venv/bin/activate
 mkdir -p bench-results
 datamover info
-datamover bench --check --json bench-results/bench.json "$@"
+# exec: a signal to this script (SIGTERM, SIGINT) reaches the bench, which stops what it started; run as a child
+# it went on, orphaned, after bash ended
+exec datamover bench --check --json bench-results/bench.json "$@"

@@ -15,10 +15,10 @@ ruff format --check .
 echo "test.sh: lint and extras done at ${SECONDS} s" >&2
 # pytest in two processes (pytest-xdist) where the machine has two cores or more, each test file's tests in one
 # worker (--dist loadfile: a file's module fixtures and services start once); DATAMOVER_TEST_WORKERS=N picks N,
-# 0 or 1 runs serially
+# 0 or 1 runs serially; exec, so that a signal to this script reaches pytest (as a child it ran on after bash ended)
 CORES=$(nproc 2>/dev/null || echo 1)
 WORKERS=${DATAMOVER_TEST_WORKERS:-$((CORES >= 2 ? 2 : 1))}
 case "$WORKERS" in
-  0 | 1) python -m pytest -q -ra "$@" ;;
-  *) python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@" ;;
+  0 | 1) exec python -m pytest -q -ra "$@" ;;
+  *) exec python -m pytest -q -ra -n "$WORKERS" --dist loadfile "$@" ;;
 esac
