@@ -149,7 +149,12 @@ class RemotePeer:
             self.process = host.process(_serve, args, daemon=True)
         self.process.start()
         child.close()
-        pid = self.call("ping")
+        try:
+            pid = self.call("ping")
+        except BaseException:
+            self.kill()  # hung or crashed while starting: the caller gets no peer to close
+            self._conn.close()
+            raise
         # the pid as this process sees it (on a test host the peer reads its own pid as 1)
         self.pid = pid if host is None else host.pid_here(self.process.pid)
 
@@ -157,11 +162,13 @@ class RemotePeer:
         """Run ``cmd`` in the peer and return its result (its exception is raised here)."""
         try:
             self._conn.send((cmd, args))
-            if not self._conn.poll(self.timeout if timeout is None else timeout):
-                raise RemoteDisconnected(f"peer {self.name!r} did not answer {cmd!r}")
-            ok, value = self._conn.recv()
+            answered = self._conn.poll(self.timeout if timeout is None else timeout)
+            if answered:
+                ok, value = self._conn.recv()
         except (EOFError, BrokenPipeError, ConnectionResetError, OSError) as exc:
             raise RemoteDisconnected(f"peer process {self.name!r} is gone ({type(exc).__name__})") from None
+        if not answered:  # alive but hung (frozen, stuck): not "gone"
+            raise RemoteDisconnected(f"peer {self.name!r} did not answer {cmd!r}")
         if not ok:
             raise value
         return value
