@@ -140,11 +140,12 @@ def test_a_run_killed_before_cleanup_is_swept_by_the_next():
     dead = subprocess.Popen(["true"])
     dead.wait()
     with open(os.path.join(hosts_mod._REGISTRY, prefix), "w") as f:
-        f.write(f"{dead.pid}\n")  # as if its owner had been SIGKILLed
+        f.write(f"{dead.pid}\n{hosts._dir}\n")  # as if its owner had been SIGKILLed
     hosts._finalizer.detach()
     with TestHosts(2, here=False) as fresh:
         assert fresh.prefix != prefix
         assert _names(prefix) == []
+        assert not os.path.exists(hosts._dir)
     assert not os.path.exists(os.path.join(hosts_mod._REGISTRY, prefix))
 
 
