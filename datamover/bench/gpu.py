@@ -26,7 +26,7 @@ import numpy as np
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
 from .local import drop_cache
-from .workload import Case, Workload, fill_random, permutation, timed_transfer
+from .workload import Case, Workload, bench_file, fill_random, permutation, timed_transfer
 
 DIRECTION = {
     ("cuda", "WRITE"): "D2H",
@@ -135,8 +135,7 @@ class GdsWorkload(Workload):
         self.torch = torch
         self.kvikio = kvikio
         self.device = int(self.options.get("device", 0))
-        directory = self.options.get("dir") or tempfile.gettempdir()
-        self.path = os.path.join(directory, f"datamover-bench-gds-{os.getpid()}.bin")
+        self.path = bench_file(self.options.get("dir") or tempfile.gettempdir(), "gds")
         self.agent = Agent("bench-gds", {"backends": {"gds": dict(self.options.get("gds", {}))}})
         self.gpu = _random_device_tensor(torch, max_bytes, self.device)
         self.agent.register_memory(self.gpu)

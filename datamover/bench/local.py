@@ -10,7 +10,7 @@ import numpy as np
 
 from ..agents import Agent
 from ..descriptors import DescList, aligned_empty
-from .workload import Case, Workload, fill_random, permutation, timed_transfer
+from .workload import Case, Workload, bench_file, fill_random, permutation, timed_transfer
 
 
 class MemcpyWorkload(Workload):
@@ -78,8 +78,7 @@ class PosixWorkload(Workload):
 
     def __init__(self, max_bytes, options=None) -> None:
         super().__init__(max_bytes, options)
-        directory = self.options.get("dir") or tempfile.gettempdir()
-        self.path = os.path.join(directory, f"datamover-bench-{os.getpid()}.bin")
+        self.path = bench_file(self.options.get("dir") or tempfile.gettempdir())
         self.agent = Agent("bench-posix", {"backends": {"posix": dict(self.options.get("posix", {}))}})
         try:
             self.mem = aligned_empty(max_bytes)

@@ -9,12 +9,17 @@ in the same run on the same memory.
 from __future__ import annotations
 
 import importlib
+import os
+import re
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+
+from ..units import size_text
 
 
 @dataclass
@@ -71,6 +76,45 @@ def timed_transfer(xfer) -> Callable[[], tuple[float, float]]:
         return t1 - t0, time.perf_counter() - t0
 
     return run
+
+
+#: a benchmark file's name: a file workload's kind and the pid of the run that made it
+BENCH_FILE = re.compile(r"datamover-bench-(?:[a-z]+-)?(\d+)\.bin")
+
+
+def bench_file(directory: str, kind: str = "") -> str:
+    """This run's benchmark file in ``directory`` (``kind``: e.g. "gds"), after removing the files earlier runs
+    left there when they were killed before their cleanup (SIGKILL; each is up to --max-bytes, 256 MiB by default),
+    saying so on stderr."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    for name in names:
+        m = BENCH_FILE.fullmatch(name)
+        if m is None or _pid_alive(int(m[1])):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            size = os.path.getsize(path)
+            os.unlink(path)
+        except OSError:
+            continue
+        print(
+            f"datamover bench: removed {path} ({size_text(size)}), left by run {m[1]} that ended before its cleanup",
+            file=sys.stderr,
+        )
+    return os.path.join(directory, f"datamover-bench-{kind + '-' if kind else ''}{os.getpid()}.bin")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def permutation(batch: int, seed: int = 1) -> np.ndarray:

@@ -255,3 +255,19 @@ def test_the_workload_is_closed_even_when_the_nixl_side_fails_to_close(monkeypat
     with pytest.raises(RuntimeError, match="close failed"):
         run_sweep(["memcpy"], None, [4096], [1], min_time=0.01, max_iters=3, progress=False, vs="nixl", failures=[])
     assert closed == [None]
+
+
+def test_the_file_of_a_run_sigkilled_mid_run_is_removed_by_the_next_run(tmp_path, capsys):
+    """SIGKILL leaves no time for cleanup: the posix file (up to 256 MiB) stayed in the temp dir for good, one per
+    killed run; the next run now removes the files of runs whose process is gone, and says so."""
+    proc, _ = _held_bench(["--backend", "posix", "--op", "WRITE", "--dir", str(tmp_path)], tmp_path)
+    proc.kill()
+    proc.communicate()
+    (left,) = [p for p in tmp_path.iterdir() if p.name.startswith("datamover-bench-")]
+    live = tmp_path / f"datamover-bench-{os.getppid()}.bin"  # a run still going (this test's parent is alive)
+    live.write_bytes(b"x")
+    assert main(["bench", "--backend", "posix", "--op", "WRITE", "--dir", str(tmp_path), *TINY]) == 0
+    err = capsys.readouterr().err
+    said = f"datamover bench: removed {left} (4 KiB), left by run {proc.pid} that ended before its cleanup"
+    assert said in err
+    assert list(tmp_path.iterdir()) == [live]
