@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import tempfile
 import threading
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from ..agents import Agent
 from ..backends.ucx import transports_in_use
 from ..backends.ucx.rma import data_path
 from ..descriptors import DescList, aligned_empty
+from ..testing.services import temp_path
 from .workload import Case, Workload, fill_random, timed_transfer
 
 _ACK_TAG = 1 << 61
@@ -142,7 +142,7 @@ class UcxWorkload(Workload):
         if self.hosts is not None:
             target_params["host"] = self.hosts[1].address
             self._here_params["host"] = self.hosts[0].address
-        self._log = tempfile.NamedTemporaryFile(prefix="datamover-ucx-bench-", suffix=".log", delete=False).name
+        self._log = temp_path("ucx-bench", ".log", directory=False)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._go, go_child = ctx.Pipe()

@@ -21,7 +21,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .services import ServiceError, free_port, last_line, tied_to_parent
+from .services import ServiceError, free_port, last_line, temp_path, tied_to_parent
 
 #: seconds a client stays alive on the master after its last heartbeat: short, so a killed holder's
 #: replicas leave the pool within seconds of its death (Mooncake's default is 10)
@@ -97,7 +96,7 @@ class MooncakeMaster:
         self.rpc_port = free_port()
         self.http_port = free_port() if metadata == "http" else None
         self.metrics_port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="datamover-mooncake-")
+        self.dir = temp_path("mooncake")
         self._proc: subprocess.Popen | None = None
         self._log: Any = None
         self.starts = 0

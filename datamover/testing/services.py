@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -39,6 +41,45 @@ def last_line(text: str) -> str:
     """The last non-blank line of a service's output: where it says why it stopped."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
+
+
+def temp_path(kind: str, suffix: str = "", *, directory: bool = True) -> str:
+    """A new temp directory (or empty file) named ``datamover-<kind>-<this pid>-...<suffix>``, for a service's data
+    and log. First removes those of processes that are gone (SIGKILLed before their cleanup: a directory each, for
+    good), saying so on stderr; those of live processes are theirs and stay."""
+    tmp = tempfile.gettempdir()
+    stale = re.compile(rf"datamover-{re.escape(kind)}-(\d+)-\w+{re.escape(suffix)}")
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        names = []
+    for name in names:
+        m = stale.fullmatch(name)
+        if m is None or _pid_alive(int(m[1])):
+            continue
+        path = os.path.join(tmp, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        print(f"{kind}: removed {path}, left by process {m[1]} that ended before its cleanup", file=sys.stderr)
+    prefix = f"datamover-{kind}-{os.getpid()}-"
+    if directory:
+        return tempfile.mkdtemp(prefix=prefix, suffix=suffix)
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def tied_to_parent(argv: Sequence[str]) -> list[str]:
@@ -101,7 +142,7 @@ class EtcdServer:
         self._binary, self._timeout = binary, timeout
         self.process: subprocess.Popen | None = None
         for attempt in range(3):  # a port picked free can still be taken before etcd binds it: new ports, again
-            self.dir = tempfile.mkdtemp(prefix="datamover-etcd-")
+            self.dir = temp_path("etcd")
             self.port, peer = free_port(), free_port()
             self.endpoint = f"http://127.0.0.1:{self.port}"
             self._peer_url = f"http://127.0.0.1:{peer}"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,28 @@ def test_instances_started_together_are_all_killed_when_one_fails_to_start(monke
         for proc in started:
             proc.kill()
             proc.wait()
+
+
+def test_a_service_directory_left_by_a_killed_process_is_removed_by_the_next(tmp_path, monkeypatch, capfd):
+    """SIGKILL leaves no time for cleanup: mooncake_master's and etcd's directories (and the ucx bench target's log)
+    stayed in the temp dir for good, one per killed run. They are named after their process now, and the next one
+    removes those whose process is gone; a live process's, or one not named so, is left alone."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"datamover-mooncake-{dead.pid}-k3j_x9q1"
+    stale.mkdir()
+    (stale / "master.log").write_text("I1207 master.cpp] Master service started\n")
+    stale_log = tmp_path / f"datamover-ucx-bench-{dead.pid}-a1b2c3d4.log"
+    stale_log.write_text("log")
+    kept = [tmp_path / f"datamover-mooncake-{os.getppid()}-live0000", tmp_path / "datamover-mooncake-oldnames"]
+    for path in kept:
+        path.mkdir()
+    made = services.temp_path("mooncake")
+    made_log = services.temp_path("ucx-bench", ".log", directory=False)
+    assert os.path.isdir(made) and os.path.basename(made).startswith(f"datamover-mooncake-{os.getpid()}-")
+    assert os.path.isfile(made_log) and os.path.basename(made_log).startswith(f"datamover-ucx-bench-{os.getpid()}-")
+    assert sorted(tmp_path.iterdir()) == sorted([*kept, Path(made), Path(made_log)])
+    err = capfd.readouterr().err
+    assert f"mooncake: removed {stale}, left by process {dead.pid} that ended before its cleanup" in err
+    assert f"ucx-bench: removed {stale_log}, left by process {dead.pid} that ended before its cleanup" in err
