@@ -221,3 +221,20 @@ def test_rdma_modules_are_left_out_only_without_a_device_and_without_the_callers
     with nixl_mod.ucx_modules_for_this_host():
         assert os.environ["UCX_MODULES"] == "^cuda"
     assert nixl_mod.ucx_modules() == "^cuda"
+
+
+@needs_nixl
+def test_ctrl_c_ends_the_nixl_peer_without_a_traceback(capfd) -> None:
+    """A terminal's Ctrl-C reaches every process of the bench's group: the bench prints one line, and the NIXL peer
+    printed a KeyboardInterrupt traceback beside it."""
+    import signal
+
+    from datamover.bench.nixl_peer import NixlPeer
+
+    peer = NixlPeer(4096, NixlSettings(timeout=60))
+    try:
+        peer.proc.send_signal(signal.SIGINT)
+        assert peer.proc.wait(30) == 128 + signal.SIGINT
+    finally:
+        peer.close()
+    assert "Traceback" not in capfd.readouterr().err
