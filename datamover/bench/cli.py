@@ -255,7 +255,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 def stop_on_signals() -> Iterator[None]:
     """Turn SIGINT, SIGTERM and SIGHUP into ``Stopped`` for the block. Python's default SIGTERM and SIGHUP end the
     process at once, leaving its services (moto_server, mooncake_master) running and its files behind. The first
-    signal raises; later ones are ignored, so that the cleanup it started is not cut short."""
+    signal raises; later ones are ignored, so that the cleanup it started is not cut short. A signal this process
+    was started ignoring (``nohup``, a shell's background job) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -265,7 +266,7 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(s, signal.SIG_IGN)
         raise Stopped(signum)
 
-    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    before = {s: signal.signal(s, stop) for s in STOP_SIGNALS if signal.getsignal(s) != signal.SIG_IGN}
     try:
         yield
     finally:

@@ -62,11 +62,16 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _held_bench(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, int]:
-    """The bench started and held in its first case; (process, service pid or 0)."""
+def _held_bench(args: list[str], tmp_path: Path, wrapper: tuple[str, ...] = ()) -> tuple[subprocess.Popen, int]:
+    """The bench started (behind ``wrapper``, e.g. nohup, which execs it) and held in its first case; (process,
+    service pid or 0)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", HELD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [*wrapper, sys.executable, "-c", HELD, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()  # type: ignore[union-attr]
     while line and not line.startswith("MARK"):
@@ -94,6 +99,16 @@ def test_a_signal_mid_run_stops_the_s3_server_and_says_so_in_one_line(sig, tmp_p
         assert _gone_within(server, 10), "moto_server outlived the bench"
     finally:
         _kill(server)
+
+
+def test_a_signal_the_bench_was_started_ignoring_stays_ignored(tmp_path):
+    """Under ``nohup`` (SIGHUP ignored) a hangup must not stop the bench; SIGTERM still does."""
+    proc, _ = _held_bench(["--backend", "memcpy"], tmp_path, wrapper=("nohup",))
+    proc.send_signal(signal.SIGHUP)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err
 
 
 def test_sigterm_mid_run_removes_the_posix_file(tmp_path):
