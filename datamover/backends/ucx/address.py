@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ...errors import InvalidMetadata
-from .segments import Segments
+from .segments import POSIX, Segments, posix_iface_length
 
 MAX_ADDRESS = 1 << 16
 _V1, _V2 = 0, 1
@@ -183,10 +183,24 @@ class AddressCheck:
         for t in addr.transports:
             shapes = self._known.get(t.csum)
             # a transport this worker lacks is skipped by UCX (its bytes are walked, not read); one it has is read
-            # with that transport's own sizes
-            if shapes is not None and (t.dev_len, t.iface_len, t.ep_lens) not in shapes:
+            # with that transport's own sizes, except posix's interface address, read as its flags say
+            if shapes is None:
+                continue
+            if t.csum == POSIX:
+                known = any(d == t.dev_len and e == t.ep_lens for d, _, e in shapes) and _posix_iface_ok(t.iface)
+            else:
+                known = (t.dev_len, t.iface_len, t.ep_lens) in shapes
+            if not known:
                 raise InvalidMetadata(
                     f"{who} sent a UCX address whose transport {t.csum:#06x} has addresses of unexpected lengths"
                 )
         self._segments.check(addr, who)
         return addr
+
+
+def _posix_iface_ok(iface: bytes) -> bool:
+    """Whether a posix interface address is as long as its segment id's flags say: UCX packs 8 more bytes (the pid
+    namespace) for a process outside the initial pid namespace (a container) and a directory name where the
+    segment is a file outside /dev/shm, and reads them by those flags."""
+    want = posix_iface_length(iface)
+    return want is not None and want == len(iface)

@@ -74,6 +74,21 @@ def _sysv_sizes() -> dict[int, int]:
     return out
 
 
+def posix_iface_length(iface: bytes) -> int | None:
+    """The length a posix interface address must have by its segment id's flags (uct_posix_iface_addr_pack): the
+    id; the pid namespace after it where flagged; else, for a file outside /dev/shm, its NUL-terminated directory.
+    None where it cannot be told (too short, no terminator)."""
+    if len(iface) < 8:
+        return None
+    (seg,) = struct.unpack_from("<Q", iface)
+    if seg & _PID_NS:
+        return 16
+    if seg & (_PROCFS | _SHM_OPEN):
+        return 8
+    end = iface.find(b"\0", 8)
+    return None if end < 0 else end + 1
+
+
 class _Posix:
     """Where a posix segment id points: the path UCX would open and the process it claims, or None (unreachable)."""
 
