@@ -268,6 +268,14 @@ class Outbound:
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
         else:
             peer.conn.open_up()  # type: ignore[union-attr]
+        want = peer.info.get("incarnation")
+        if want is not None and msg.incarnation != want:
+            host, port = peer.info["host"], peer.info["port"]
+            raise RemoteDisconnected(
+                f"agent {peer.name!r} at {host}:{port} is not the process its metadata loaded here describes (it "
+                "restarted, or another agent took its port): load its current metadata",
+                backend=self.name,
+            )
         checked = self._addr_check.check(address, f"agent {peer.name!r}")
         self._check_segments(f"agent {peer.name!r}", msg.tcp_rx)
         try:  # the target's current worker (it may have been reset since its metadata was published)
