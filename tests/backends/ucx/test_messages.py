@@ -55,8 +55,8 @@ VALID = {
         st.sampled_from(["DRAM", "VRAM", "FILE"]),
         _columns(),
         st.none() | st.binary(max_size=64),
-    ).flatmap(  # a tag for each row: the last fits 64 bits
-        lambda t: st.integers(0, m.U64 - len(t[3][0]) // 8).map(lambda tag: m.Req(*t[:3], *t[3], tag, t[4]))
+    ).flatmap(  # a tag for each row: the last fits 64 bits (no rows: the tag itself does)
+        lambda t: st.integers(0, m.U64 - max(1, len(t[3][0]) // 8)).map(lambda tag: m.Req(*t[:3], *t[3], tag, t[4]))
     ),
 }
 
