@@ -46,6 +46,7 @@ class Peers:
         self._registry = registry
         self._on_change = on_change
         self._remotes: dict[str, AgentMetadata] = {}
+        self.generation = 0  # moves whenever a peer's metadata is loaded or forgotten (see check_current)
         self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
         self._watches: dict[str, Any] = {}
         self.publisher: Any = None
@@ -118,6 +119,7 @@ class Peers:
                 if self._backends.usable(name):
                     self._backends.get(name).add_remote(meta.name, info)
             self._remotes[meta.name] = meta
+            self.generation += 1
             self._on_change()
         return meta.name
 
@@ -126,9 +128,22 @@ class Peers:
         with self._lock:
             if self._remotes.pop(name, None) is None:
                 raise KeyError(f"unknown remote agent {name!r}")
+            self.generation += 1
             self._on_change()
             for inst in self._backends.running.values():
                 inst.remove_remote(name)
+
+    def check_current(self, agent: str, ident: bytes | None, backend: str | None = None) -> None:
+        """Refuse descriptors checked against metadata of another process of ``agent`` than the one its metadata
+        here describes (it restarted: the old process's addresses may be the new one's memory)."""
+        meta = self._remotes.get(agent)
+        if meta is not None and meta.ident != ident:
+            raise NotRegistered(
+                f"the remote descriptors were checked against the metadata of an earlier process of agent {agent!r}, "
+                "which its metadata loaded here no longer describes (it restarted): prepare them, and make the "
+                "transfer, again",
+                backend=backend,
+            )
 
     def lookup(self, descs: DescList, agent: str) -> np.ndarray:
         """The region id of every descriptor in peer ``agent``'s memory, as its metadata here says."""

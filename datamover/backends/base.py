@@ -234,6 +234,9 @@ class TransferRequest:
     one_region: bool = False
     #: the ids of this agent's own regions the request touches (each post checks they are still registered)
     own_regions: tuple[int, ...] = ()
+    #: the identity (``AgentMetadata.ident``) of the peer's metadata ``remote`` was checked against: a post after
+    #: its metadata names another (the peer restarted) is refused
+    remote_ident: bytes | None = None
 
     @property
     def src(self) -> DescList:

@@ -13,7 +13,8 @@ import pytest
 
 from datamover import Agent, XferState
 from datamover.backends import backend_status
-from datamover.errors import RemoteDisconnected
+from datamover.descriptors import DescList
+from datamover.errors import NotRegistered, RemoteDisconnected
 from datamover.testing import HostBuffer
 from datamover.testing.remote import RemoteBuffer, RemotePeer
 from datamover.testing.waiting import until
@@ -81,4 +82,39 @@ def test_a_peer_restarted_at_its_port_is_refused_until_its_new_metadata_is_loade
             # its current metadata loaded (it registered that same address): traffic works again
             agent.add_remote(blob)
             assert agent.transfer("WRITE", local.descs([0], [SIZE]), remote[0], NAME).wait() == XferState.DONE
+            assert new.call("read", handle, 0, SIZE) == b"\x22" * SIZE
+
+
+@pytest.mark.parametrize("made", ["before the restart", "from lists prepared before it"])
+@pytest.mark.parametrize("path", list(PATHS))
+def test_descriptors_checked_against_the_old_process_are_refused_once_the_new_ones_metadata_is_loaded(path, made):
+    """A transfer made before the restart and posted again, or made from lists prepared before it, once the new
+    process's metadata is loaded: refused, typed, and nothing lands (before: both wrote into the new process's
+    memory at the old address, its rkeys or its registrations taken for the old process's)."""
+    cfg = {"backends": {"ucx": PATHS[path]}}
+    with Agent("initiator", cfg) as agent:
+        local = HostBuffer(agent, SIZE)
+        local.write(0, b"\x11" * SIZE)
+        kept: dict = {}
+
+        def prepare_and_write(peer, buf):
+            kept["local"] = agent.prepare(local.descs([0], [SIZE]))
+            kept["remote"] = agent.prepare(buf.descs([0], [SIZE]), NAME)
+            kept["xfer"] = agent.make_transfer("WRITE", kept["local"], None, kept["remote"], None)
+            assert kept["xfer"].post().wait() == XferState.DONE
+
+        new, handle, addr = _restart(agent, cfg, prepare_and_write)
+        with new:
+            agent.add_remote(new.metadata())  # it registered memory at the old address: the descriptors still fit
+            assert any(r[2] == addr for r in agent.remote_metadata(NAME).regions)
+            local.write(0, b"\x22" * SIZE)
+            with pytest.raises(NotRegistered, match="earlier process of agent 'restarter'"):
+                if made == "before the restart":
+                    kept["xfer"].post()
+                else:
+                    agent.make_transfer("WRITE", kept["local"], None, kept["remote"], None)
+            assert new.call("read", handle, 0, SIZE) == bytes(SIZE), "a byte meant for the old process landed"
+            # lists prepared anew from its metadata: traffic works again
+            remote = agent.prepare(DescList.from_columns([addr], [SIZE], 0, "DRAM"), NAME)
+            assert agent.make_transfer("WRITE", kept["local"], None, remote, None).post().wait() == XferState.DONE
             assert new.call("read", handle, 0, SIZE) == b"\x22" * SIZE
