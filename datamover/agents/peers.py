@@ -107,12 +107,14 @@ class Peers:
         return self.load(decode_metadata(open_metadata(blob, self._config.secret)))
 
     def load(self, meta: AgentMetadata) -> str:
-        """Load decoded metadata: a partial one merges into what is known, a full one replaces it."""
+        """Load decoded metadata: a partial one merges into what is known of the same process (``ident``), a full
+        one, or one of another process, replaces it."""
         if meta.name == self._name:
             raise InvalidMetadata(f"metadata is this agent's own ({self._name!r})")
         with self._lock:
             old = self._remotes.get(meta.name)
-            if meta.partial and old is not None:
+            # a partial blob of another process of the peer (it restarted) replaces what the earlier one published
+            if meta.partial and old is not None and old.ident == meta.ident:
                 meta = _merge_metadata(old, meta)
             # backends check their connection info first, so a bad blob changes nothing
             for name, info in meta.backends.items():
@@ -276,7 +278,5 @@ def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
     regions = {r[4]: r for r in old.regions}
     regions.update({r[4]: r for r in new.regions})
     backends = {**old.backends, **new.backends}
-    blob = encode_metadata(
-        old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
-    )
+    blob = encode_metadata(old.name, backends, list(regions.values()), ident=old.ident, partial=old.partial)
     return decode_metadata(blob)
