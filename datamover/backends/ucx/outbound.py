@@ -115,7 +115,7 @@ class Outbound:
         """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""
         for op in list(peer.ops.values()):
             self._active_out.pop(op.id, None)
-            op.finish(why)
+            op.finish(op.failure or why)  # what made it fail first says more than the hang-up that may follow
         peer.ops.clear()
 
     def _drop_peer(self, name: str, why: BaseException) -> None:
@@ -235,19 +235,15 @@ class Outbound:
     def _on_refuse(self, peer: Peer, op: OutOp, msg: Refuse) -> None:
         row = msg.row
         index = op.req.caller_index(row) if row is not None and 0 <= row < len(op.req.local) else None
-        self.tagged._end(
-            op, RemoteRefused(f"agent {peer.name!r} refused: {msg.reason}", index=index, backend=self.name)
-        )
-        if op.req.op == "READ" and op.reqs is not None:
-            # the target sent nothing: complete our receives with empty messages from ourselves
-            self.tagged._self_complete(op.tag0, op.reqs.pending())
+        why = RemoteRefused(f"agent {peer.name!r} refused: {msg.reason}", index=index, backend=self.name)
+        self._fail_served(op, why)  # a READ's receives are completed here: the target sent nothing
 
     def _on_done(self, peer: Peer, op: OutOp, msg: Done) -> None:
         op.done_msg = True
         self.tagged._maybe_done(op)
 
     def _on_fail(self, peer: Peer, op: OutOp, msg: Fail) -> None:
-        self.tagged._end(
+        self._fail_served(
             op, RemoteDisconnected(f"agent {peer.name!r} failed the transfer: {msg.reason}", backend=self.name)
         )
 
