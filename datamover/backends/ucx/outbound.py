@@ -25,8 +25,8 @@ from ..base import (
     Completion,
     TransferRequest,
 )
-from . import cma
-from .config import _MASK40, _READ_TAG, parse_rkeys, peer_elsewhere
+from . import cma, rma
+from .config import _MASK40, _READ_TAG, log, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .rkeys import RkeyCheck
@@ -81,7 +81,9 @@ class Outbound:
             peer.rkeys.clear()
             if peer.data_ep is not None:
                 if self._data is not None:
-                    self._data.close_ep(peer.data_ep)
+                    status = self._data.close_ep(peer.data_ep)
+                    if status not in (rma.UCS_OK, rma.UCS_INPROGRESS):  # left open: the peer's segments stay mapped
+                        log.warning("closing the data endpoint to %r failed: %s", peer.name, rma.status_text(status))
                 peer.data_ep = None
             peer.regions = {}
             peer.epoch = next(self._epochs)
