@@ -24,15 +24,17 @@ class Prepared:
     """A validated descriptor list: what ``make_transfer`` indexes into.
 
     ``agent`` is the owner's name (None for this agent); ``regions`` the
-    region id of every descriptor, looked up once here.
+    region id of every descriptor, looked up once here; ``ident`` the identity
+    of the owner's metadata they were looked up in.
     """
 
-    __slots__ = ("agent", "descs", "regions")
+    __slots__ = ("agent", "descs", "ident", "regions")
 
-    def __init__(self, descs: DescList, agent: str | None, regions: np.ndarray) -> None:
+    def __init__(self, descs: DescList, agent: str | None, regions: np.ndarray, ident: bytes | None = None) -> None:
         self.descs = descs
         self.agent = agent
         self.regions = regions
+        self.ident = ident
 
     def __len__(self) -> int:
         return len(self.descs)
@@ -69,7 +71,8 @@ class TransferMaker:
         descs = _as_desclist(descs)
         if agent is None or agent == self._host.name:
             return Prepared(descs, None, self._registry.lookup(descs))
-        return Prepared(descs, agent, self._peers.lookup(descs, agent))
+        meta = self._peers.get(agent)
+        return Prepared(descs, agent, self._peers.lookup(descs, agent), None if meta is None else meta.ident)
 
     def make_transfer(
         self,
@@ -85,6 +88,8 @@ class TransferMaker:
         op = Op.parse(op)
         if local.agent is not None:
             raise InvalidDescriptor("the local list was prepared for a remote agent")
+        if remote.agent is not None:
+            self._peers.check_current(remote.agent, remote.ident)
         li = _index_array(local_idx, len(local), "local")
         ri = _index_array(remote_idx, len(remote), "remote")
         if li.shape[0] != ri.shape[0]:
@@ -92,8 +97,9 @@ class TransferMaker:
         ldescs = local.descs if li.shape[0] == len(local) and _is_identity(li) else local.descs[li]
         rdescs = remote.descs if ri.shape[0] == len(remote) and _is_identity(ri) else remote.descs[ri]
         return self.make(
-            op, ldescs, local.regions[li], rdescs, remote.regions[ri], remote.agent, notify, backends, timeout
-        )
+            op, ldescs, local.regions[li], rdescs, remote.regions[ri], remote.agent, notify, backends, timeout,
+            remote.ident,
+        )  # fmt: skip
 
     def make(
         self,
@@ -106,11 +112,13 @@ class TransferMaker:
         notify: bytes,
         backends: str | list[str] | None,
         timeout: float | None,
+        remote_ident: bytes | None = None,
     ) -> Transfer:
         """The transfer of validated, looked-up descriptors: what ``make_transfer`` and ``transfer`` share.
 
         ``lreg``/``rreg`` are each descriptor's region id, or one id for a side that lies in one region
-        on one device (then coalescing skips those checks, and the request says ``one_region``).
+        on one device (then coalescing skips those checks, and the request says ``one_region``);
+        ``remote_ident`` the identity of the peer's metadata ``rreg`` came from.
         """
         n = len(ldescs)
         if len(rdescs) != n:
@@ -167,9 +175,10 @@ class TransferMaker:
             timeout=seconds,
             one_region=one_region,
             own_regions=own_ids,
+            remote_ident=remote_ident,
         )
         req.plan = backend.plan(req)
-        return Transfer(self._host, backend, req, descriptors=n, tracker=self._registry)
+        return Transfer(self._host, backend, req, descriptors=n, tracker=self._registry, peers=self._peers)
 
     def transfer(
         self,
@@ -211,7 +220,8 @@ class TransferMaker:
         else:
             lreg = self._registry.lookup(ldescs)
             rreg = self._registry.lookup(rdescs) if remote_agent is None else self._peers.lookup(rdescs, remote_agent)
-        x = self.make(op, ldescs, lreg, rdescs, rreg, remote_agent, notify, backends, timeout)
+        ident = None if meta is None else meta.ident
+        x = self.make(op, ldescs, lreg, rdescs, rreg, remote_agent, notify, backends, timeout, ident)
         if key is not None:
             entry = _OneShot(local, remote, by_rows, table, meta, x)
             with self._oneshot_lock:

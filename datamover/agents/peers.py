@@ -46,6 +46,7 @@ class Peers:
         self._registry = registry
         self._on_change = on_change
         self._remotes: dict[str, AgentMetadata] = {}
+        self.generation = 0  # moves whenever a peer's metadata is loaded or forgotten (see check_current)
         self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
         self._watches: dict[str, Any] = {}
         self.publisher: Any = None
@@ -106,18 +107,21 @@ class Peers:
         return self.load(decode_metadata(open_metadata(blob, self._config.secret)))
 
     def load(self, meta: AgentMetadata) -> str:
-        """Load decoded metadata: a partial one merges into what is known, a full one replaces it."""
+        """Load decoded metadata: a partial one merges into what is known of the same process (``ident``), a full
+        one, or one of another process, replaces it."""
         if meta.name == self._name:
             raise InvalidMetadata(f"metadata is this agent's own ({self._name!r})")
         with self._lock:
             old = self._remotes.get(meta.name)
-            if meta.partial and old is not None:
+            # a partial blob of another process of the peer (it restarted) replaces what the earlier one published
+            if meta.partial and old is not None and old.ident == meta.ident:
                 meta = _merge_metadata(old, meta)
             # backends check their connection info first, so a bad blob changes nothing
             for name, info in meta.backends.items():
                 if self._backends.usable(name):
                     self._backends.get(name).add_remote(meta.name, info)
             self._remotes[meta.name] = meta
+            self.generation += 1
             self._on_change()
         return meta.name
 
@@ -126,9 +130,22 @@ class Peers:
         with self._lock:
             if self._remotes.pop(name, None) is None:
                 raise KeyError(f"unknown remote agent {name!r}")
+            self.generation += 1
             self._on_change()
             for inst in self._backends.running.values():
                 inst.remove_remote(name)
+
+    def check_current(self, agent: str, ident: bytes | None, backend: str | None = None) -> None:
+        """Refuse descriptors checked against metadata of another process of ``agent`` than the one its metadata
+        here describes (it restarted: the old process's addresses may be the new one's memory)."""
+        meta = self._remotes.get(agent)
+        if meta is not None and meta.ident != ident:
+            raise NotRegistered(
+                f"the remote descriptors were checked against the metadata of an earlier process of agent {agent!r}, "
+                "which its metadata loaded here no longer describes (it restarted): prepare them, and make the "
+                "transfer, again",
+                backend=backend,
+            )
 
     def lookup(self, descs: DescList, agent: str) -> np.ndarray:
         """The region id of every descriptor in peer ``agent``'s memory, as its metadata here says."""
@@ -261,7 +278,5 @@ def _merge_metadata(old: AgentMetadata, new: AgentMetadata) -> AgentMetadata:
     regions = {r[4]: r for r in old.regions}
     regions.update({r[4]: r for r in new.regions})
     backends = {**old.backends, **new.backends}
-    blob = encode_metadata(
-        old.name, backends, list(regions.values()), ident=new.ident or old.ident, partial=old.partial
-    )
+    blob = encode_metadata(old.name, backends, list(regions.values()), ident=old.ident, partial=old.partial)
     return decode_metadata(blob)

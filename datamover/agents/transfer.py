@@ -36,6 +36,15 @@ class TransferTracker(Protocol):
     def check_live(self, regions: tuple[int, ...], backend: str) -> None: ...
 
 
+class PeerTracker(Protocol):
+    """Who knows which process each peer's metadata describes (the agent's ``Peers``): asked before a post whose
+    remote descriptors were checked against metadata loaded before the last change."""
+
+    generation: int  # moves whenever a peer's metadata is loaded or forgotten
+
+    def check_current(self, agent: str, ident: bytes | None, backend: str | None = None) -> None: ...
+
+
 class XferState(str, Enum):
     """States of a transfer; the strings are NIXL's."""
 
@@ -64,6 +73,8 @@ class Transfer:
         "_error",
         "_host",
         "_lock",
+        "_peers",
+        "_peers_checked",
         "_post_duration",
         "_posted_at",
         "_posted_wall",
@@ -84,11 +95,14 @@ class Transfer:
         descriptors: int,
         tracker: TransferTracker | None = None,
         nbytes: int | None = None,
+        peers: PeerTracker | None = None,
     ) -> None:
         self._host = host
         self._lock = threading.Lock()  # held by post and release: one of them at a time
         self._tracker = tracker
         self._checked = -1  # the tracker's generation at which this transfer's regions were last found live
+        self._peers = peers if request.remote_agent is not None else None
+        self._peers_checked = -1  # the peers' generation at which its remote side was last found current
         self.backend = backend
         self.request = request
         self.descriptors = descriptors
@@ -134,6 +148,10 @@ class Transfer:
         if tracker is not None and (generation := tracker.generation) != self._checked:
             tracker.check_live(self.request.own_regions, self.backend.name)
             self._checked = generation  # read before the check: a region going meanwhile is checked next time
+        peers = self._peers
+        if peers is not None and (generation := peers.generation) != self._peers_checked:
+            peers.check_current(self.request.remote_agent, self.request.remote_ident, self.backend.name)  # type: ignore[arg-type]
+            self._peers_checked = generation
         self._completion = None  # a post that fails below leaves no earlier outcome behind
         self._error = None
         self._posted_wall = time.time()
@@ -160,8 +178,10 @@ class Transfer:
         if self._released or (c is not None and c.finished_at is None):
             return None
         self._replan = True
-        forked = Transfer(self._host, self.backend, self.request.copy(), self.descriptors, self._tracker, self.nbytes)
-        forked._checked = self._checked
+        forked = Transfer(
+            self._host, self.backend, self.request.copy(), self.descriptors, self._tracker, self.nbytes, self._peers
+        )
+        forked._checked, forked._peers_checked = self._checked, self._peers_checked
         return forked
 
     def _notify_self(self, completion: Completion) -> None:

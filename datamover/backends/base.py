@@ -167,14 +167,18 @@ class Completion:
         """Block until done or ``timeout`` seconds pass; True when done.
 
         With ``assist``, a waiter first runs the work the backend left for it
-        (see ``set_assist``), which can take longer than ``timeout``.
+        (see ``set_assist``), which can take longer than ``timeout``; the wait after
+        it is what is left of ``timeout``.
         """
         if self.finished_at is not None:
             return True
         if assist:
             fn, self._assist = self._assist, None
             if fn is not None:
+                end = None if timeout is None else clock() + timeout
                 fn()
+                if end is not None:
+                    timeout = end - clock()
         if self._latch.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             self._latch.release()
         return self.finished_at is not None
@@ -234,6 +238,9 @@ class TransferRequest:
     one_region: bool = False
     #: the ids of this agent's own regions the request touches (each post checks they are still registered)
     own_regions: tuple[int, ...] = ()
+    #: the identity (``AgentMetadata.ident``) of the peer's metadata ``remote`` was checked against: a post after
+    #: its metadata names another (the peer restarted) is refused
+    remote_ident: bytes | None = None
 
     @property
     def src(self) -> DescList:

@@ -25,6 +25,23 @@ if TYPE_CHECKING:
     from .hosts import Host
 
 
+def _map_at(addr: int, nbytes: int) -> np.ndarray:
+    """``nbytes`` of zeroed anonymous memory mapped at ``addr`` exactly (never freed: the process is a test's)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fixed_noreplace = 0x100000  # MAP_FIXED_NOREPLACE: fails where something is mapped already
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed_noreplace
+    got = libc.mmap(addr, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if got != addr:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map {nbytes} bytes at {addr:#x}: {os.strerror(err)}")
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
 def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
     os.environ.update(env)
     from ..agents import Agent
@@ -41,6 +58,15 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
         bufs[next_id] = (arr, reg)
         next_id += 1
         return next_id - 1, int(arr.ctypes.data)
+
+    def alloc_at(addr: int, nbytes: int) -> tuple[int, int]:
+        """Like ``alloc``, at address ``addr`` (mapped for the purpose: OSError if anything is there already)."""
+        nonlocal next_id
+        arr = _map_at(addr, nbytes)
+        reg = agent.register_memory(arr)
+        bufs[next_id] = (arr, reg)
+        next_id += 1
+        return next_id - 1, addr
 
     def free(handle: int) -> None:
         _, reg = bufs.pop(handle)
@@ -98,6 +124,7 @@ def _serve(conn, name: str, config: Any, env: dict[str, str]) -> None:
         "describe": lambda backend: agent.backend(backend).describe(),
         "notified_then_read": notified_then_read,
         "alloc": alloc,
+        "alloc_at": alloc_at,
         "free": free,
         "read": read,
         "write": write,

@@ -257,6 +257,20 @@ def test_completion_assist_runs_once_in_the_waiter():
     assert c.wait(None, assist=True) and ran == [1]
 
 
+def test_a_timed_wait_that_assists_waits_only_what_is_left_of_its_timeout():
+    """The waiter runs the backend's work first (a ucx waiter drives UCX up to the deadline): the wait after it is
+    what is left of the timeout (before: the whole timeout again, so a transfer to a frozen peer reported ERR at
+    twice its timeout)."""
+    import time
+
+    c = Completion(1)
+    c.set_assist(lambda: time.sleep(1.0))  # the work outlasts the timeout and does not finish the completion
+    t0 = time.monotonic()
+    assert not c.wait(1.0, assist=True)
+    after_assist = time.monotonic() - t0 - 1.0
+    assert after_assist < 0.5, f"waited {after_assist:.2f} s more after the assist used up the timeout"
+
+
 def test_run_parts_parts_run_exactly_once_with_a_waiter_racing_the_pool():
     from concurrent.futures import ThreadPoolExecutor
 

@@ -59,3 +59,24 @@ def test_partial_field_must_be_a_boolean(pair):
     doc["partial"] = 1
     with pytest.raises(InvalidMetadata, match="partial"):
         decode_metadata(msgpack.packb(doc))
+
+
+def test_a_partial_blob_of_a_restarted_peer_replaces_what_its_earlier_process_published(pair):
+    """A partial blob whose identity is another process's (the peer restarted): nothing of the earlier process's
+    metadata is kept (before: its regions were merged in under the new identity, so descriptors of the old
+    process's memory were checked and sent to the new process)."""
+    target, init = pair
+    old_bufs = [np.zeros(256, dtype=np.uint8) for _ in range(2)]
+    regs = [target.register_memory(b) for b in old_bufs]
+    init.add_remote(target.metadata(regs))
+    old_buf = old_bufs[1]  # its region id is one the restarted process has not given again
+    init.prepare(DescList.from_buffers([old_buf]), "target")
+    with Agent("target", {"backends": {"memcpy": {}}}) as restarted:
+        new_buf = np.zeros(256, dtype=np.uint8)
+        init.add_remote(restarted.metadata([restarted.register_memory(new_buf)]))
+        meta = init.remote_metadata("target")
+        assert meta.ident == decode_metadata(restarted.metadata()).ident
+        assert [r[2] for r in meta.regions] == [new_buf.ctypes.data]
+        with pytest.raises(NotRegistered):
+            init.prepare(DescList.from_buffers([old_buf]), "target")
+        init.prepare(DescList.from_buffers([new_buf]), "target")

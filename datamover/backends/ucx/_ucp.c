@@ -1242,7 +1242,7 @@ static PyTypeObject ProgressType = {
 #define WORKER_PARAM_FIELD_THREAD_MODE 1ULL /* UCP_WORKER_PARAM_FIELD_THREAD_MODE, UCS_BIT(0) */
 #define THREAD_MODE_SERIALIZED 1           /* UCS_THREAD_MODE_SERIALIZED */
 #define EP_PARAM_FIELD_REMOTE_ADDRESS 1ULL /* UCP_EP_PARAM_FIELD_REMOTE_ADDRESS, UCS_BIT(0); address at offset 8 */
-#define EP_CLOSE_MODE_FORCE 0              /* UCP_EP_CLOSE_MODE_FORCE */
+#define EP_CLOSE_MODE_FLUSH 1              /* UCP_EP_CLOSE_MODE_FLUSH */
 
 static PyObject *dataworker_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"context", "owner", NULL};
@@ -1299,9 +1299,12 @@ static PyObject *dataworker_connect(DataWorkerObject *d, PyObject *args) {
     return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ep);
 }
 
-/* close_ep(ep): close an endpoint at once (its operations end with an error); the close request, where UCP made
- * one, ends as the worker is progressed (the progress thread's work), kept with the orphans until then. No
- * progress here: a close must not move another request's bytes on the caller's thread */
+/* close_ep(ep): close an endpoint, in flush mode: UCP refuses a forced close (UCS_ERR_INVALID_PARAM, the endpoint
+ * left open with the peer's shared memory segments attached) of an endpoint without peer error handling, which
+ * ours are. Its operations end first (the caller closes it with none in flight, or replaces the worker right
+ * after); the close request, where UCP made one, ends as the worker is progressed (the progress thread's work),
+ * kept with the orphans until then. No progress here: a close must not move another request's bytes on the
+ * caller's thread */
 static PyObject *dataworker_close_ep(DataWorkerObject *d, PyObject *args) {
     unsigned long long ep;
     if (!PyArg_ParseTuple(args, "K", &ep)) return NULL;
@@ -1309,7 +1312,7 @@ static PyObject *dataworker_close_ep(DataWorkerObject *d, PyObject *args) {
     int st = UCS_OK;
     Py_BEGIN_ALLOW_THREADS
     data_lock(d);
-    ucs_status_ptr_t req = ucp.ep_close_nb((void *)(uintptr_t)ep, EP_CLOSE_MODE_FORCE);
+    ucs_status_ptr_t req = ucp.ep_close_nb((void *)(uintptr_t)ep, EP_CLOSE_MODE_FLUSH);
     if (PTR_IS_PTR(req)) {
         d->running++; /* data_orphan_locked counts it off again */
         data_orphan_locked(d, req);
@@ -1417,8 +1420,8 @@ static PyMethodDef dataworker_methods[] = {
     {"connect", (PyCFunction)dataworker_connect, METH_VARARGS,
      "connect(address): an endpoint (ucp_ep_h, as an int) to the worker of this packed address."},
     {"close_ep", (PyCFunction)dataworker_close_ep, METH_VARARGS,
-     "close_ep(ep): close an endpoint now (forced); UCS_INPROGRESS while its close request runs (the worker's "
-     "progress ends it)."},
+     "close_ep(ep): close an endpoint (flush mode: its operations end first); UCS_OK, UCS_INPROGRESS while its "
+     "close request runs (the worker's progress ends it), or the error status."},
     {"rkey_unpack", (PyCFunction)dataworker_rkey_unpack, METH_VARARGS,
      "rkey_unpack(ep, packed): a remote key for ep (checked by the caller first), until rkey_destroy."},
     {"rkey_destroy", (PyCFunction)dataworker_rkey_destroy, METH_VARARGS, "rkey_destroy(rkey)."},

@@ -81,7 +81,7 @@ from .config import (
 from .direct_cma import DirectCma
 from .fence import Fencing
 from .losses import Losses
-from .messages import Req
+from .messages import MAX_INCARNATION, Req
 from .one_sided import OneSided
 from .outbound import Outbound
 from .pacing import Pacing
@@ -121,6 +121,9 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()
         self._address = self._worker.address.tobytes()
+        # which process this is, in its connection info and its welcome: an initiator holding the metadata of
+        # an earlier process at the same host and port (it restarted) is refused, not served by this one
+        self._incarnation = os.urandom(16)
         # peers' worker addresses are parsed against this worker's own before UCX unpacks them
         self._addr_check = AddressCheck(self._address)
         self._secret: bytes | None = host.secret
@@ -271,18 +274,25 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         host = self.params["host"]
         if host in ("0.0.0.0", ""):
             host = socket.gethostbyname(socket.gethostname())
-        return {"address": self._address, "host": host, "port": self._port}
+        return {"address": self._address, "host": host, "port": self._port, "incarnation": self._incarnation}
 
     def add_remote(self, name: str, info: Mapping[str, Any]) -> None:
         address, host, port = info.get("address"), info.get("host"), info.get("port")
+        incarnation = info.get("incarnation")  # absent in the info of a peer from before it
         if not isinstance(address, bytes) or not 0 < len(address) <= _MAX_ADDRESS:
             raise InvalidMetadata(f"ucx connection info of {name!r}: 'address' must be 1..{_MAX_ADDRESS} bytes")
         if not isinstance(host, str) or not host or len(host) > 255:
             raise InvalidMetadata(f"ucx connection info of {name!r}: 'host' must be a host name")
         if type(port) is not int or not 0 < port < 65536:
             raise InvalidMetadata(f"ucx connection info of {name!r}: 'port' must be 1..65535")
-        info = {"address": address, "host": host, "port": port}
-        self._call(lambda: self._add_peer(name, info))
+        if incarnation is not None and (
+            not isinstance(incarnation, bytes) or not 0 < len(incarnation) <= MAX_INCARNATION
+        ):
+            raise InvalidMetadata(f"ucx connection info of {name!r}: 'incarnation' must be 1..{MAX_INCARNATION} bytes")
+        checked = {"address": address, "host": host, "port": port}
+        if incarnation is not None:
+            checked["incarnation"] = incarnation
+        self._call(lambda: self._add_peer(name, checked))
 
     def remove_remote(self, name: str) -> None:
         self._call(lambda: self._drop_peer(name, RemoteDisconnected(f"agent {name!r} was removed", backend=self.name)))

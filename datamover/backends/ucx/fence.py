@@ -72,6 +72,8 @@ class Fencing:
             for op in list(peer.ops.values()):
                 if op.completion is not completion:
                     continue
+                if op.drain is not None:  # it failed with rows posted: already draining
+                    return op.drain
                 if op.reqs is None:
                     self._submit(lambda op=op: self.tagged._end(op, why))
                     return None
@@ -79,6 +81,29 @@ class Fencing:
                 drain = CancelDrain(peer.name, self._worker, partial(_posted, op), settle, deadline)
                 return self._cut_drains.start(drain)
         return None
+
+    def _fail_served(self, op: OutOp, why: BaseException) -> None:
+        """End an owner-served request that failed (its owner refused or failed it, or a row of it failed here) with
+        ``why``, once none of its rows can touch the caller's memory any more.
+
+        Rows still posted would: a READ's receives take what the owner sent, a WRITE's sends read the caller's
+        buffer, after ERR. A READ's receives nothing matched yet end at once (empty messages from this worker);
+        the rest get ``cancel_drain_s``, as a cancelled request's do (see ``_cut``): ended, or the worker replaced
+        and kept, before the caller hears of ERR.
+        """
+        if op.drain is not None or op.abandoned:
+            return
+        reqs = op.reqs
+        if reqs is None or not reqs.pending():
+            self.tagged._end(op, why)
+            return
+        if op.req.op == "READ":
+            self.tagged._self_complete(op.tag0, reqs.pending())
+        op.failure = why
+        deadline = time.monotonic() + float(self.params["cancel_drain_s"])
+        op.drain = CancelDrain(op.peer.name, self._worker, partial(_posted, op), partial(self._settle_served, op, why),
+                               deadline)  # fmt: skip
+        self._cut_drains.start(op.drain)
 
     def _settle_direct(self, direct: Direct, why: BaseException, outcome: str) -> None:
         """A one-sided request's drain is over: ended (whoever saw it finishes it), or its worker is replaced."""
@@ -160,8 +185,11 @@ def _flushed(direct: Direct) -> str:
 
 
 def _posted(op: OutOp) -> str:
-    """Whether a cancelled owner-served request's receives or sends all ended (completed or failed); STUCK once
-    its peer's connection dropped with some still posted (nobody sends for those receives, nor takes those sends)."""
-    if op.reqs.poll() is not False:  # type: ignore[union-attr]
+    """Whether a cancelled (or failed) owner-served request's receives or sends all ended (completed or failed);
+    STUCK once its peer's connection dropped with some still posted (nobody sends for those receives, nor takes
+    those sends)."""
+    reqs = op.reqs
+    seen = reqs.poll()  # type: ignore[union-attr]
+    if seen is True or (seen is not False and not reqs.pending()):  # type: ignore[union-attr]
         return ENDED
     return PENDING if op.peer.ops.get(op.id) is op else STUCK

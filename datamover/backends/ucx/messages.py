@@ -27,6 +27,7 @@ MAX_REASON = 4096
 MAX_NONCE = 64
 MAX_MAC = 64
 MAX_LOCAL = 4096
+MAX_INCARNATION = 64
 MAX_RKEY_ROWS = 1 << 16
 MAX_SEG = 1 << 31
 U64 = 1 << 64
@@ -137,7 +138,8 @@ class Hello(Message):
 
 @message("welcome")
 class Welcome(Message):
-    """Target -> initiator: the connection id, its current worker address, packed rkeys and cma offer, MAC."""
+    """Target -> initiator: the connection id, its current worker address, packed rkeys and cma offer, MAC, and
+    which process it is (the ``incarnation`` its connection info names; a peer from before this field sends none)."""
 
     conn_id: int = _wire((int,), U64)
     address: bytes = _wire((bytes,), MAX_ADDRESS)
@@ -145,6 +147,7 @@ class Welcome(Message):
     local: bytes = _wire((bytes,), MAX_LOCAL, default=b"")
     mac: bytes = _wire((bytes,), MAX_MAC, default=b"")
     tcp_rx: int = _wire((int,), MAX_SEG, default=UCX_TCP_SEG_DEFAULT)  # as Hello's
+    incarnation: bytes = _wire((bytes,), MAX_INCARNATION, default=b"")
 
 
 @message("error")

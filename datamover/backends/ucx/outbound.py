@@ -25,8 +25,8 @@ from ..base import (
     Completion,
     TransferRequest,
 )
-from . import cma
-from .config import _MASK40, _READ_TAG, parse_rkeys, peer_elsewhere
+from . import cma, rma
+from .config import _MASK40, _READ_TAG, log, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .rkeys import RkeyCheck
@@ -81,7 +81,9 @@ class Outbound:
             peer.rkeys.clear()
             if peer.data_ep is not None:
                 if self._data is not None:
-                    self._data.close_ep(peer.data_ep)
+                    status = self._data.close_ep(peer.data_ep)
+                    if status not in (rma.UCS_OK, rma.UCS_INPROGRESS):  # left open: the peer's segments stay mapped
+                        log.warning("closing the data endpoint to %r failed: %s", peer.name, rma.status_text(status))
                 peer.data_ep = None
             peer.regions = {}
             peer.epoch = next(self._epochs)
@@ -115,7 +117,7 @@ class Outbound:
         """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""
         for op in list(peer.ops.values()):
             self._active_out.pop(op.id, None)
-            op.finish(why)
+            op.finish(op.failure or why)  # what made it fail first says more than the hang-up that may follow
         peer.ops.clear()
 
     def _drop_peer(self, name: str, why: BaseException) -> None:
@@ -235,19 +237,15 @@ class Outbound:
     def _on_refuse(self, peer: Peer, op: OutOp, msg: Refuse) -> None:
         row = msg.row
         index = op.req.caller_index(row) if row is not None and 0 <= row < len(op.req.local) else None
-        self.tagged._end(
-            op, RemoteRefused(f"agent {peer.name!r} refused: {msg.reason}", index=index, backend=self.name)
-        )
-        if op.req.op == "READ" and op.reqs is not None:
-            # the target sent nothing: complete our receives with empty messages from ourselves
-            self.tagged._self_complete(op.tag0, op.reqs.pending())
+        why = RemoteRefused(f"agent {peer.name!r} refused: {msg.reason}", index=index, backend=self.name)
+        self._fail_served(op, why)  # a READ's receives are completed here: the target sent nothing
 
     def _on_done(self, peer: Peer, op: OutOp, msg: Done) -> None:
         op.done_msg = True
         self.tagged._maybe_done(op)
 
     def _on_fail(self, peer: Peer, op: OutOp, msg: Fail) -> None:
-        self.tagged._end(
+        self._fail_served(
             op, RemoteDisconnected(f"agent {peer.name!r} failed the transfer: {msg.reason}", backend=self.name)
         )
 
@@ -268,6 +266,14 @@ class Outbound:
             peer.conn.authenticate(session_key(self._secret, nonce_t, peer.nonce))  # type: ignore[union-attr]
         else:
             peer.conn.open_up()  # type: ignore[union-attr]
+        want = peer.info.get("incarnation")
+        if want is not None and msg.incarnation != want:
+            host, port = peer.info["host"], peer.info["port"]
+            raise RemoteDisconnected(
+                f"agent {peer.name!r} at {host}:{port} is not the process its metadata loaded here describes (it "
+                "restarted, or another agent took its port): load its current metadata",
+                backend=self.name,
+            )
         checked = self._addr_check.check(address, f"agent {peer.name!r}")
         self._check_segments(f"agent {peer.name!r}", msg.tcp_rx)
         try:  # the target's current worker (it may have been reset since its metadata was published)

@@ -9,7 +9,9 @@ sockets, so the survivor reads EOF at once.
 
 Handshake: the target sends ``challenge`` with a nonce; the initiator answers
 ``hello`` (its name, UCX worker address and its own nonce); the target
-answers ``welcome`` (a connection id). With a shared secret both handshake
+answers ``welcome`` (a connection id, and its incarnation: the initiator
+hangs up on a process other than the one whose connection info it loaded,
+e.g. one restarted on the same port). With a shared secret both handshake
 messages carry an HMAC over both nonces, and every later frame carries a
 16-byte HMAC over (direction, sequence number, payload) under a session key,
 so a peer without the secret is refused and frames cannot be replayed.

@@ -248,7 +248,7 @@ class ServiceLoop:
                     self._on_peer_msg(owner, msg)
                 else:
                     self._on_inbound_msg(owner, msg)
-            except (AuthenticationError, InvalidMetadata) as exc:
+            except (AuthenticationError, InvalidMetadata, RemoteDisconnected) as exc:
                 self.losses.lost(owner, exc)
                 return
             except (KeyError, TypeError, ValueError) as exc:

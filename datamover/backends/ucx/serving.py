@@ -116,7 +116,7 @@ class Serving:
         if self._secret:
             body = inbound.conn_id.to_bytes(8, "big") + self._address + rkeys + local
             mac = handshake_mac(self._secret, b"welcome", inbound.nonce, nonce_i, body)
-        inbound.conn.send(Welcome(inbound.conn_id, self._address, rkeys, local, mac, self._tcp_rx))
+        inbound.conn.send(Welcome(inbound.conn_id, self._address, rkeys, local, mac, self._tcp_rx, self._incarnation))
         if self._secret:
             inbound.conn.authenticate(session_key(self._secret, inbound.nonce, nonce_i))
         else:

@@ -201,7 +201,9 @@ class Drain:
 class OutOp:
     """A request this agent initiated, from post to completion."""
 
-    __slots__ = ("abandoned", "completion", "deadline", "done_msg", "id", "peer", "req", "reqs", "tag0")
+    __slots__ = (
+        "abandoned", "completion", "deadline", "done_msg", "drain", "failure", "id", "peer", "req", "reqs", "tag0",
+    )  # fmt: skip
 
     def __init__(self, op_id: int, peer: Peer, req: TransferRequest, completion: Completion, deadline: float) -> None:
         self.id = op_id
@@ -213,6 +215,9 @@ class OutOp:
         self.done_msg = req.op == "READ"
         self.reqs: Requests | None = None
         self.tag0 = 0
+        # failed with rows still posted: why, and the drain they get before it ends with that (Fencing._fail_served)
+        self.failure: BaseException | None = None
+        self.drain: Any = None
 
     def finish(self, error: BaseException | None = None) -> None:
         if self.completion.finished_at is None and not self.abandoned:

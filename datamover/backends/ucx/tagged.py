@@ -42,7 +42,8 @@ class Tagged:
         return True
 
     def _maybe_done(self, op: OutOp) -> None:
-        if op.done_msg and op.reqs is not None and op.reqs.k >= len(op.reqs.reqs):
+        # a request that failed ends with its error once its rows ended, whatever the target says meanwhile
+        if op.done_msg and op.drain is None and op.reqs is not None and op.reqs.k >= len(op.reqs.reqs):
             self._end(op, None)
 
     def _end(self, op: OutOp, error: BaseException | None) -> None:
@@ -65,13 +66,14 @@ class Tagged:
             if op.abandoned:
                 self.b._active_out.pop(op.id, None)
                 op.peer.ops.pop(op.id, None)
+            elif op.drain is not None:
+                continue  # failed: its drain ends it
             elif res is True:
                 self.b._active_out.pop(op.id, None)
                 self._maybe_done(op)
             else:
                 idx = op.req.caller_index(op.reqs.k)  # type: ignore[union-attr]
-                op.reqs.k = len(op.reqs.reqs)  # type: ignore[union-attr]
-                self._end(op, ucx_error(res, op.peer.name, idx, self.b.name))
+                self.b._fail_served(op, ucx_error(res, op.peer.name, idx, self.b.name))
         for key, inbound in list(self.b._active_in.items()):
             entry = inbound.ops.get(key[1])
             if entry is None:

@@ -32,7 +32,13 @@ VALID = {
     m.Challenge: st.builds(m.Challenge, nonce),
     m.Hello: st.builds(m.Hello, st.text(min_size=1, max_size=32), st.binary(min_size=1, max_size=256), nonce, nonce),
     m.Welcome: st.builds(
-        m.Welcome, u64, st.binary(min_size=1, max_size=256), st.binary(max_size=64), st.binary(max_size=64), nonce
+        m.Welcome,
+        u64,
+        st.binary(min_size=1, max_size=256),
+        st.binary(max_size=64),
+        st.binary(max_size=64),
+        nonce,
+        incarnation=st.binary(max_size=m.MAX_INCARNATION),
     ),
     m.Error: st.builds(m.Error, reason, st.booleans()),
     m.Notif: st.builds(m.Notif, st.binary(max_size=256)),
@@ -49,8 +55,8 @@ VALID = {
         st.sampled_from(["DRAM", "VRAM", "FILE"]),
         _columns(),
         st.none() | st.binary(max_size=64),
-    ).flatmap(  # a tag for each row: the last fits 64 bits
-        lambda t: st.integers(0, m.U64 - len(t[3][0]) // 8).map(lambda tag: m.Req(*t[:3], *t[3], tag, t[4]))
+    ).flatmap(  # a tag for each row: the last fits 64 bits (no rows: the tag itself does)
+        lambda t: st.integers(0, m.U64 - max(1, len(t[3][0]) // 8)).map(lambda tag: m.Req(*t[:3], *t[3], tag, t[4]))
     ),
 }
 

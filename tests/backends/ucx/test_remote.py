@@ -166,7 +166,12 @@ def test_target_refuses_memory_it_never_registered(agent, target):
 
 def test_bad_connection_info_changes_nothing(agent):
     meta = agent.remote_metadata("decode-0")
-    for bad in ({"address": "x", "host": "h", "port": 1}, {"address": b"a", "host": "h", "port": 70000}):
+    good = {"address": b"a", "host": "h", "port": 1}
+    bad_infos = (
+        {**good, "address": "x"}, {**good, "port": 70000}, {**good, "incarnation": "x"},
+        {**good, "incarnation": b""}, {**good, "incarnation": b"i" * 65},
+    )  # fmt: skip
+    for bad in bad_infos:
         blob = encode_metadata("decode-0", {"ucx": bad}, meta.regions)
         with pytest.raises(InvalidMetadata):
             agent.add_remote(blob)

@@ -333,3 +333,41 @@ def test_releasing_transfers_in_flight_to_a_responsive_peer_costs_no_worker(path
         local.write(0, data)
         assert agent.transfer("WRITE", local.descs([0], [4096]), pbuf.descs([0], [4096]), "responsive").wait()
         assert pbuf.read(0, 4096) == data
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_write_to_a_frozen_peer_ends_within_its_timeout_and_the_thawed_peer_gets_nothing_after_err(path):
+    """The peer is frozen idle (it answered on its pipe, the data connection up), then a WRITE it cannot take is
+    posted: ERR (TransferTimeout) comes at its deadline plus at most the drain (before, one-sided: at twice its
+    timeout plus the drain, the waiter's wait after driving UCX to the deadline being the whole timeout again);
+    the caller refills its buffer at ERR, the peer is thawed, and a WRITE after it lands while nothing of the
+    refill ever reaches the peer."""
+    from datamover.backends.base import clock
+
+    timeout, drain = 2.0, 0.5
+    cfg = {"backends": {"ucx": {**PATHS[path], "cancel_drain_s": drain}}}
+    with RemotePeer("frozen", cfg) as peer, Agent("writer", cfg) as agent:
+        pbuf = RemoteBuffer(peer, SIZE)
+        agent.add_remote(peer.metadata())
+        local, small = HostBuffer(agent, SIZE), HostBuffer(agent, 4096)
+        local.write(0, b"\xaa" * SIZE)
+        assert agent.transfer("WRITE", small.descs([0], [4096]), pbuf.descs([0], [4096]), "frozen").wait()
+        assert peer.call("ping") == peer.pid
+        peer.freeze()
+        n = SIZE // BS
+        try:
+            rows = local.descs(np.arange(n) * BS, BS), pbuf.descs((n - 1 - np.arange(n)) * BS, BS)
+            xfer = agent.transfer("WRITE", *rows, "frozen", timeout=timeout)
+            with pytest.raises(TransferTimeout):
+                xfer.wait()
+            late = clock() - xfer.request.deadline
+            local.write(0, b"\x55" * SIZE)  # the caller reuses its buffer at once
+        finally:
+            os.kill(peer.pid, signal.SIGCONT)
+        assert late < drain + 1.0, f"ERR came {late:.2f} s after the deadline (the drain is {drain} s)"
+        small.write(0, b"\x77" * 4096)
+        after = agent.transfer("WRITE", small.descs([0], [4096]), pbuf.descs([SIZE - 4096], [4096]), "frozen")
+        assert after.wait() == XferState.DONE
+        assert pbuf.read(SIZE - 4096, 4096) == b"\x77" * 4096
+        got = np.frombuffer(pbuf.read(0, SIZE - 4096), np.uint8)
+        assert int(np.count_nonzero(got == 0x55)) == 0, "bytes of the buffer refilled at ERR reached the peer"

@@ -247,3 +247,27 @@ def test_a_close_that_outlasts_its_timeout_leaves_the_freeing_to_the_service_thr
     extra = [n for n in _fd_names() if n not in names0]
     assert _fds() <= fds0, f"fds {fds0} before the agent, {_fds()} after its service thread ended: {extra}"
     assert _live_ucx_objects(ucx0) == [], "UCX objects outlived the service thread"
+
+
+def _shm_mappings() -> int:
+    """Shared memory segments mapped into this process (UCX's FIFOs and buffers, ours and those of peers)."""
+    with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+        return sum(1 for line in f if "/SYSV" in line or "ucx_shm_posix" in line)
+
+
+def test_connections_to_a_peer_that_come_and_go_leave_none_of_its_segments_mapped():
+    """Each connection's endpoint on the data worker is closed for real when the peer is let go (before, UCX
+    refused the forced close of an endpoint without peer error handling and the endpoint stayed open: each
+    connection left the peer's FIFO segments mapped here, and kept alive on the host, 20 connections 40 mappings)."""
+    with RemotePeer("comes-and-goes", UCX) as peer, Agent("churner", UCX) as agent:
+        blob = peer.metadata()
+        for k in range(21):
+            agent.add_remote(blob)
+            agent.send_notification("comes-and-goes", b"connected")  # the handshake made its endpoints
+            agent.remove_remote("comes-and-goes")
+            if k == 0:
+                before, fds, threads = _shm_mappings(), _fds(), _threads()
+        assert _shm_mappings() == before, f"20 connections took shared memory mappings {before} -> {_shm_mappings()}"
+        assert (_fds(), _threads()) == (fds, threads)
+        desc = agent.backend("ucx").describe()
+        assert desc["quarantined workers"]["held"] == 0 and desc["worker resets"] == 0
