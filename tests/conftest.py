@@ -27,3 +27,17 @@ def mooncake_master():
         pytest.skip(reason)
     with MooncakeMaster() as m:
         yield m
+
+
+@pytest.fixture
+def sigint_handled():
+    """SIGINT handled here for the test (Python's KeyboardInterrupt), so that the processes it starts do not inherit
+    an ignored SIGINT: a suite started in the background by a non-interactive shell (as CI may) has SIGINT ignored,
+    and ignored signals pass on to children, where Ctrl-C tests would then wait in vain."""
+    import signal
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)

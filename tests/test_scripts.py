@@ -54,7 +54,7 @@ def checkout(tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("script", ["bench.sh", "test.sh"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_script_reaches_its_long_running_command(script, sig, checkout):
+def test_a_signal_to_the_script_reaches_its_long_running_command(script, sig, checkout, sigint_handled):
     """Before: the script ran the benchmark or pytest as a child, so SIGTERM (or a SIGINT sent to the script alone)
     ended bash and left the benchmark or the whole test suite running on, orphaned."""
     env = {**os.environ, "DATAMOVER_SKIP_EXTRAS": "1", "DATAMOVER_TEST_WORKERS": "1"}

@@ -84,7 +84,7 @@ def _held_bench(args: list[str], tmp_path: Path, wrapper: tuple[str, ...] = ()) 
 
 @pytest.mark.skipif(not S3Server.available()[0], reason="moto[server] not installed")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_a_signal_mid_run_stops_the_s3_server_and_says_so_in_one_line(sig, tmp_path):
+def test_a_signal_mid_run_stops_the_s3_server_and_says_so_in_one_line(sig, tmp_path, sigint_handled):
     """Before: SIGTERM and SIGHUP killed the bench at once and left moto_server running for good; SIGINT stopped it
     but printed a KeyboardInterrupt traceback."""
     proc, server = _held_bench(["--backend", "s3", "--op", "WRITE"], tmp_path)

@@ -224,7 +224,7 @@ def test_rdma_modules_are_left_out_only_without_a_device_and_without_the_callers
 
 
 @needs_nixl
-def test_ctrl_c_ends_the_nixl_peer_without_a_traceback(capfd) -> None:
+def test_ctrl_c_ends_the_nixl_peer_without_a_traceback(capfd, sigint_handled) -> None:
     """A terminal's Ctrl-C reaches every process of the bench's group: the bench prints one line, and the NIXL peer
     printed a KeyboardInterrupt traceback beside it."""
     import signal
