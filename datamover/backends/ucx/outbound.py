@@ -26,7 +26,7 @@ from ..base import (
     TransferRequest,
 )
 from . import cma, rma
-from .config import _MASK40, _READ_TAG, log, parse_rkeys, peer_elsewhere
+from .config import _MASK40, _MAX_RKEYS, _READ_TAG, log, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .rkeys import RkeyCheck
@@ -226,9 +226,14 @@ class Outbound:
 
     def _on_rkeys(self, peer: Peer, msg: Rkeys) -> None:
         if self._one_sided:
-            offered = self._offered(peer, msg.add)
+            regions = {**peer.regions, **self._offered(peer, msg.add)}
+            if len(regions) > _MAX_RKEYS:  # each message is bounded, not what they add up to
+                raise InvalidMetadata(
+                    f"agent {peer.name!r} offered more than {_MAX_RKEYS} regions for one-sided access (what a welcome "
+                    "may carry)"
+                )
             with self._rma_lock:
-                peer.regions = {**peer.regions, **offered}
+                peer.regions = regions
                 peer.epoch = next(self._epochs)
 
     def _on_revoke(self, peer: Peer, msg: Revoke) -> None:
