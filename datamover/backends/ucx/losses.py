@@ -27,35 +27,28 @@ class Losses:
     def lost(self, owner: Peer | Inbound, why: BaseException | None) -> None:
         """Drop a control connection that closed (``why`` None) or failed; reset the worker if it was sending."""
         b = self.b
-        quarantine = False
         if isinstance(owner, Peer):
-            # our READs from it with receives still posted into their callers' memory: what the peer queued
-            # before it went must not land after their ERR (one-sided gets: _disconnect_peer quarantines)
-            quarantine = receiving = any(
-                op.req.op == "READ" and op.reqs is not None and op.reqs.poll() is False for op in owner.ops.values()
-            )
+            # what it had in flight, its READs' receives included, is cut off by replacing and keeping the worker
+            # before their ERR (_disconnect_peer): a fresh worker also gets past a receive queue the dead peer
+            # left blocked
             if why is None:
                 why = RemoteDisconnected(
                     f"agent {owner.name!r} disconnected (control connection closed)", backend=b.name
                 )
             b._disconnect_peer(owner, why)
-        else:
-            receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
-            if receiving and float(b.params["hangup_probe_s"]) > 0:
-                self._confine(owner, why)
-                return
-            if why is not None:
-                log.warning("dropping connection from %r: %s", owner.name or "?", str(why))
-            # its requests go before its endpoint closes: UCX objects a request still holds outlive the reset
-            b._drop_inbound(owner)
+            return
+        receiving = any(entry[1] == "WRITE" for entry in owner.ops.values())
+        if receiving and float(b.params["hangup_probe_s"]) > 0:
+            self._confine(owner, why)
+            return
+        if why is not None:
+            log.warning("dropping connection from %r: %s", owner.name or "?", str(why))
+        # its requests go before its endpoint closes: UCX objects a request still holds outlive the reset
+        b._drop_inbound(owner)
         if receiving:
             # a peer that died while sending to us can leave our shared-memory receive queue blocked for
             # every sender; only a fresh worker gets past it
-            b._reset_worker(
-                f"agent {owner.name!r} died while sending to this agent",
-                quarantine=quarantine,
-                culprit=owner.name if quarantine else None,
-            )
+            b._reset_worker(f"agent {owner.name!r} died while sending to this agent")
 
     def _confine(self, owner: Inbound, why: BaseException | None) -> None:
         """A peer hung up with receives posted for its WRITE: end them, probe the receive queue (see ``Hangup``).

@@ -8,7 +8,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -26,7 +26,7 @@ from ..base import (
     TransferRequest,
 )
 from . import cma, rma
-from .config import _MASK40, _READ_TAG, log, parse_rkeys, peer_elsewhere
+from .config import _MASK40, _MAX_RKEYS, _READ_TAG, log, parse_rkeys, peer_elsewhere
 from .messages import Challenge, Done, Error, Fail, Hello, Message, Notif, Refuse, Revoke, Rkeys, Welcome
 from .protocol import FrameConn, decode, handshake_mac, new_nonce, session_key
 from .rkeys import RkeyCheck
@@ -62,14 +62,21 @@ class Outbound:
     def _disconnect_peer(self, peer: Peer, why: BaseException) -> None:
         """Close the connection to ``peer`` and fail its requests with ``why``.
 
-        Its one-sided requests are finished last: when gets or puts of one are still in flight, the worker is
-        replaced and kept, never progressed again (quarantined), first, so that none of their bytes moves after ERR.
+        Requests with UCX operations still running are finished last: one-sided gets or puts in flight, and
+        owner-served receives or sends still posted (a READ's take what the owner still sends, a WRITE's go on
+        reading the caller's buffer). The worker is replaced and kept, never progressed again (quarantined), first,
+        so that none of their bytes moves after ERR.
         """
         directs = [d for d in list(self._directs) if d.peer is peer]
         for direct in directs:
             self.one_sided._forget_direct(direct)
-        in_flight = not self._resetting and any(self.one_sided._in_flight(d) for d in directs)
-        self._fail_ops(peer, why)
+        posted = (
+            []
+            if self._resetting
+            else [op for op in peer.ops.values() if op.reqs is not None and not op.abandoned and op.reqs.pending()]
+        )
+        in_flight = not self._resetting and (bool(posted) or any(self.one_sided._in_flight(d) for d in directs))
+        self._fail_ops(peer, why, keep=posted)
         self._retired.cancel_now(self._quiesced)  # what they had in flight goes before the endpoint closes
         for entry in [r for r in self._revokes if r[0] is peer]:
             entry[2].abandon()
@@ -104,20 +111,30 @@ class Outbound:
         peer.state = "idle"
         if in_flight:
             self._reset_worker(
-                f"agent {peer.name!r} was let go with one-sided puts or gets in flight",
+                f"agent {peer.name!r} was let go with UCX operations of its transfers in flight",
                 quarantine=True,
                 culprit=peer.name,
             )
             for direct in directs:
                 self._undriven(direct)
+        for op in posted:
+            op.finish(op.failure or why)
         for direct in directs:
             self.one_sided._finish_direct(direct, why)
 
-    def _fail_ops(self, peer: Peer, why: BaseException) -> None:
-        """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one)."""
+    def _fail_ops(self, peer: Peer, why: BaseException, keep: Sequence[OutOp] = ()) -> None:
+        """End the peer's requests with ``why`` and forget them (in a call of its own: no local keeps one); those
+        in ``keep`` are finished by the caller, once the worker their operations are on was replaced, and only
+        their operations still posted go now (cancelled with the others: what was not matched yet never lands)."""
+        kept = {id(op) for op in keep}
         for op in list(peer.ops.values()):
             self._active_out.pop(op.id, None)
-            op.finish(op.failure or why)  # what made it fail first says more than the hang-up that may follow
+            if id(op) in kept:
+                reqs = op.reqs
+                self._retired.add(reqs.reqs[reqs.k :])  # type: ignore[union-attr]
+                reqs.k = len(reqs.reqs)  # type: ignore[union-attr]
+            else:
+                op.finish(op.failure or why)  # what made it fail first says more than the hang-up that may follow
         peer.ops.clear()
 
     def _drop_peer(self, name: str, why: BaseException) -> None:
@@ -226,9 +243,14 @@ class Outbound:
 
     def _on_rkeys(self, peer: Peer, msg: Rkeys) -> None:
         if self._one_sided:
-            offered = self._offered(peer, msg.add)
+            regions = {**peer.regions, **self._offered(peer, msg.add)}
+            if len(regions) > _MAX_RKEYS:  # each message is bounded, not what they add up to
+                raise InvalidMetadata(
+                    f"agent {peer.name!r} offered more than {_MAX_RKEYS} regions for one-sided access (what a welcome "
+                    "may carry)"
+                )
             with self._rma_lock:
-                peer.regions = {**peer.regions, **offered}
+                peer.regions = regions
                 peer.epoch = next(self._epochs)
 
     def _on_revoke(self, peer: Peer, msg: Revoke) -> None:
