@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from ..testing.services import pid_alive
 from ..units import size_text
 
 
@@ -92,7 +93,7 @@ def bench_file(directory: str, kind: str = "") -> str:
         names = []
     for name in names:
         m = BENCH_FILE.fullmatch(name)
-        if m is None or _pid_alive(int(m[1])):
+        if m is None or pid_alive(int(m[1])):
             continue
         path = os.path.join(directory, name)
         try:
@@ -105,16 +106,6 @@ def bench_file(directory: str, kind: str = "") -> str:
             file=sys.stderr,
         )
     return os.path.join(directory, f"datamover-bench-{kind + '-' if kind else ''}{os.getpid()}.bin")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def permutation(batch: int, seed: int = 1) -> np.ndarray:

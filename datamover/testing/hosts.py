@@ -48,6 +48,8 @@ from collections.abc import Iterator, Sequence
 from multiprocessing import popen_spawn_posix, spawn
 from typing import Any
 
+from .services import pid_alive
+
 _REGISTRY = "/run/datamover-testhosts"
 _LOCK = "/run/lock/datamover-testhosts.lock"
 _NAME = re.compile(r"^[a-z][a-z0-9]{1,9}$")
@@ -78,16 +80,6 @@ def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess
     if check and proc.returncode != 0:
         raise TestHostsUnavailable(f"{shlex.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}")
     return proc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_prefix(prefix: str) -> None:
@@ -122,7 +114,7 @@ def _sweep_stale() -> None:
             owner = int(words[0])
         except (OSError, ValueError, IndexError):
             owner, words = 0, []
-        if owner and _pid_alive(owner):
+        if owner and pid_alive(owner):
             continue
         directory = words[1] if len(words) > 1 else ""
         if _NAME.match(prefix):

@@ -55,7 +55,7 @@ def temp_path(kind: str, suffix: str = "", *, directory: bool = True) -> str:
         names = []
     for name in names:
         m = stale.fullmatch(name)
-        if m is None or _pid_alive(int(m[1])):
+        if m is None or pid_alive(int(m[1])):
             continue
         path = os.path.join(tmp, name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -72,7 +72,8 @@ def temp_path(kind: str, suffix: str = "", *, directory: bool = True) -> str:
     return path
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
