@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[1]
 #: testing, bench, integrations, the CLI) may import any of these, but never form a cycle
 ALLOWED = {
     "errors": set(),
+    "processes": set(),
     "units": {"errors"},
     "descriptors": {"errors", "units"},
     "telemetry": {"errors", "units", "descriptors"},
-    "backends": {"errors", "units", "descriptors", "telemetry"},
-    "agents": {"errors", "units", "descriptors", "telemetry", "backends"},
+    "backends": {"errors", "units", "processes", "descriptors", "telemetry"},
+    "agents": {"errors", "units", "processes", "descriptors", "telemetry", "backends"},
 }
 
 

@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..testing.services import pid_alive
+from ..processes import pid_alive
 from ..units import size_text
 
 

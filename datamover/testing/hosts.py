@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing import popen_spawn_posix, spawn
 from typing import Any
 
-from .services import pid_alive
+from ..processes import pid_alive
 
 _REGISTRY = "/run/datamover-testhosts"
 _LOCK = "/run/lock/datamover-testhosts.lock"

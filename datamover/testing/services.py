@@ -15,6 +15,8 @@ import time
 import urllib.request
 from collections.abc import Sequence
 
+from ..processes import pid_alive
+
 # the launcher ``tied_to_parent`` puts in front of a service: PR_SET_PDEATHSIG (1) with SIGKILL (9), which execve keeps;
 # a parent that died before the prctl is noticed by its pid having changed
 _LIFELINE = """
@@ -70,17 +72,6 @@ def temp_path(kind: str, suffix: str = "", *, directory: bool = True) -> str:
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
     os.close(fd)
     return path
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def tied_to_parent(argv: Sequence[str]) -> list[str]:

@@ -77,17 +77,6 @@ def import_ucxx():
     return ucx_api, Array
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still exists (a copy into a dying peer can fail with EFAULT before ESRCH)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def features(ucx_api: Any) -> tuple:
     return (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP, ucx_api.Feature.RMA)
 

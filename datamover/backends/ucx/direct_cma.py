@@ -15,6 +15,7 @@ from ...errors import (
     TransferIOError,
     TransferTimeout,
 )
+from ...processes import pid_alive as alive
 from ..base import (
     Completion,
     TransferRequest,
@@ -23,7 +24,7 @@ from ..base import (
 )
 from ..workers import Workers
 from . import cma
-from .config import _FENCE_S, alive
+from .config import _FENCE_S
 from .state import Fenced, Peer
 
 

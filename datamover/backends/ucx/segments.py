@@ -29,7 +29,7 @@ import stat
 import struct
 
 from ...errors import InvalidMetadata
-from .config import alive
+from ...processes import pid_alive as alive
 
 _PROCFS, _SHM_OPEN, _PID_NS = 1 << 63, 1 << 62, 1 << 60  # uct_posix seg_id flags (src/uct/sm/mm/posix/mm_posix.c)
 _MMID = (1 << 60) - 1
