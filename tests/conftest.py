@@ -1,6 +1,8 @@
 """Shared pytest settings."""
 
 import os
+import signal
+import threading
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -15,6 +17,26 @@ pytest_plugins = ["datamover.testing.hosts"]  # the test_hosts fixture
 
 settings.register_profile("default", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("default")
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM and SIGHUP end the run as Ctrl-C does, fixtures torn down (services stopped, test hosts deleted,
+    files removed), not at once with everything left behind: a CI runner's timeout sends SIGTERM. (xdist's
+    controller, interrupted, interrupts its workers, which run the fixtures.) A signal this process was started
+    ignoring (nohup) stays ignored; later signals are ignored so that the teardown is not cut short."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    for s in _STOP_SIGNALS:
+        if signal.getsignal(s) == signal.SIG_DFL:
+            signal.signal(s, stop)
 
 
 @pytest.fixture(scope="module")
