@@ -53,7 +53,7 @@ class Outbound:
             raise RemoteDisconnected(
                 f"cannot reach agent {peer.name!r} at {host}:{port}: {exc.strerror or exc}", backend=self.name
             ) from None
-        peer.conn = FrameConn(sock, outbound=True)
+        peer.conn = FrameConn(sock, outbound=True, budget=self._frames)
         peer.nonce = new_nonce()
         peer.state = "connecting"
         peer.since = time.monotonic()

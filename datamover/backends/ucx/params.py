@@ -95,8 +95,8 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "close_timeout_s": 60.0,
     # control connections open at once (each holds a socket and up to one frame of buffer); more are refused
     "max_inbound": 1024,
-    # bytes of control frames not yet complete that all inbound connections may hold together (each holds
-    # at most one frame of up to 64 MiB): a connection that would go over is dropped
+    # bytes of control frames not yet complete that all control connections (peers' and this agent's own) may
+    # hold together (each holds at most one frame of up to 64 MiB): a connection that would go over is dropped
     "max_buffered_bytes": 256 << 20,
     # rows of peers' requests this agent has posted sends or receives for (each holds about 700 bytes of UCX
     # request state until it ends, so unauthenticated million-row WRITEs could take gigabytes); a request that
