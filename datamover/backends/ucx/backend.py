@@ -158,7 +158,8 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         # replaced workers with a cancelled READ's gets or receives still posted into a caller's memory: never
         # progressed again (so none of those bytes can land), freed by close()
         self._quarantined: list[tuple] = []
-        self._quarantines_by: collections.Counter[str] = collections.Counter()  # peer name -> quarantines it made
+        # (peer name, incarnation) -> the quarantines that process of the peer made
+        self._quarantines_by: collections.Counter[tuple[str, bytes]] = collections.Counter()
         self.losses = Losses(self)  # lost control connections, and hang-ups mid-WRITE waiting for their probe
         self.hangups = self.losses.counts
         self._one_sided = bool(self.params["one_sided"])
@@ -262,11 +263,18 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
             "hang-ups mid-WRITE": dict(self.hangups),
-            "quarantined workers": {"held": len(self._quarantined), "by peer": dict(self._quarantines_by)},
+            "quarantined workers": {"held": len(self._quarantined), "by peer": self._quarantines_by_name()},
             "requests let go in flight": {"held": len(self._retired), "cancelled": self._retired.cancelled},
             "cancelled requests draining": len(self._cut_drains),
             "requests": dict(self.counts),
         }
+
+    def _quarantines_by_name(self) -> dict[str, int]:
+        """The quarantined workers by the peer they count against (its processes together)."""
+        out: collections.Counter[str] = collections.Counter()
+        for (name, _), n in self._quarantines_by.items():
+            out[name] += n
+        return dict(out)
 
     # -- metadata and peers ---------------------------------------------------
 

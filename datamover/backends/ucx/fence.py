@@ -145,16 +145,22 @@ class Fencing:
                 return
             time.sleep(0.0005)
 
+    def _process_of(self, peer: str) -> tuple[str, bytes]:
+        """The process of ``peer`` now (its name and incarnation; b"" when unknown): quarantines count against the
+        process that stopped answering, so that a peer restarted under its old name starts afresh."""
+        known = self._peers.get(peer)
+        return peer, (known.info.get("incarnation") or b"") if known is not None else b""
+
     def _held(self, peer: str, op: str) -> BackendUnavailable | None:
         """Why a transfer with ``peer`` that needs UCX operations (not direct cma) is refused, or None.
 
         Each transfer cut off with those still in flight keeps a UCX worker (never progressed again, so a READ's
         late bytes cannot land and a WRITE's queued sends cannot read the caller's memory; freeing it would
-        progress it) until close(). A peer that stopped answering that often, or this agent holding that many
-        such workers in all, bounds them: such transfers are refused, and the caller is told why, instead of fds
-        running out.
+        progress it) until close(). A peer process that stopped answering that often (a restarted peer is another
+        process), or this agent holding that many such workers in all, bounds them: such transfers are refused, and
+        the caller is told why, instead of fds running out.
         """
-        mine, total = self._quarantines_by.get(peer, 0), len(self._quarantined)
+        mine, total = self._quarantines_by.get(self._process_of(peer), 0), len(self._quarantined)
         per_peer, cap = int(self.params["max_quarantines_per_peer"]), int(self.params["max_quarantined_workers"])
         if mine < per_peer and total < cap:
             return None

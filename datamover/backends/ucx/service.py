@@ -296,7 +296,7 @@ class ServiceLoop:
         if quarantine:
             self._quarantined.append(old)
             if culprit is not None:
-                self._quarantines_by[culprit] += 1
+                self._quarantines_by[self._process_of(culprit)] += 1
         self._graveyard, self._draining, self._self_ep = [], [], None
         del old
         self._worker = self._ucx.UCXWorker(self._ctx)

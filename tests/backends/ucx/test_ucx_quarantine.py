@@ -89,3 +89,42 @@ def test_many_cancelled_reads_from_a_frozen_peer_keep_fds_bounded(path):
         held = agent.backend("ucx").describe()["quarantined workers"]
         assert held == {"held": PER_PEER, "by peer": {"freezer": PER_PEER}}
         assert fds[-1] <= fds[PER_PEER - 1] + 2, f"{ROUNDS} cancelled READs took fds {fds}"
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_peer_restarted_under_its_name_is_served_again(path):
+    """The quarantines count against the process that stopped answering, not its name: once a peer process made
+    ``max_quarantines_per_peer`` its transfers are refused, and the process that replaces it under the same name
+    (a restarted decode instance) is served (before: refused for as long as this agent lived)."""
+    cfg = {"backends": {"ucx": {**PATHS[path], "max_quarantines_per_peer": 1}}}
+    with Agent("reader", cfg) as agent:
+        local = HostBuffer(agent, SIZE)
+        n = SIZE // BS
+        with RemotePeer("flaky", cfg) as old:
+            fbuf = RemoteBuffer(old, SIZE)
+            agent.add_remote(old.metadata())
+            warm = agent.transfer("READ", local.descs([0], [4096]), fbuf.descs([0], [4096]), "flaky")
+            assert warm.wait() == XferState.DONE
+            assert old.call("ping") == old.pid
+            old.freeze()
+            try:
+                xfer = agent.transfer(
+                    "READ", local.descs(np.arange(n) * BS, BS), fbuf.descs(np.arange(n) * BS, BS), "flaky",
+                    timeout=0.5,
+                )  # fmt: skip
+                with pytest.raises(TransferTimeout):
+                    xfer.wait()
+                xfer.release()
+            finally:
+                os.kill(old.pid, signal.SIGCONT)
+            with pytest.raises(BackendUnavailable, match="stopped answering 1 time"):
+                agent.transfer("READ", local.descs([0], [4096]), fbuf.descs([0], [4096]), "flaky").wait()
+            old.kill()
+        with RemotePeer("flaky", cfg) as new:
+            nbuf = RemoteBuffer(new, 4096)
+            nbuf.write(0, b"\x5a" * 4096)
+            agent.add_remote(new.metadata())
+            got = agent.transfer("READ", local.descs([0], [4096]), nbuf.descs([0], [4096]), "flaky")
+            assert got.wait() == XferState.DONE and local.read(0, 4096) == b"\x5a" * 4096
+        held = agent.backend("ucx").describe()["quarantined workers"]
+        assert held == {"held": 1, "by peer": {"flaky": 1}}
