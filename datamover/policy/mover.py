@@ -60,6 +60,7 @@ class Mover:
         self.metrics = metrics
         self.spans = spans
         self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
+        self.spans_failing = False  # the last span export failed (warned once, until one succeeds again)
 
     def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
         if t == USER:
@@ -159,7 +160,21 @@ class Mover:
                     "hit_or_miss": kind,
                 }
                 spans.append(span)
+            self._record(spans)
+
+    def _record(self, spans: list[dict]) -> None:
+        """Export spans; an exporter that fails (a full disk under the span file) loses them, warned once until
+        one export succeeds again, and never stops a plan: its batch already moved, and the moves after it are
+        counted as done by the engine."""
+        assert self.spans is not None
+        try:
             self.spans.record(spans)
+        except Exception as exc:
+            if not self.spans_failing:
+                log.warning("spans could not be exported (%s): dropped until an export succeeds", exc)
+            self.spans_failing = True
+        else:
+            self.spans_failing = False
 
     def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray, learn: bool = False) -> np.ndarray:
         """Which staged rows match their chunk's CRC32C (all, when checking is off). With ``learn`` (rows read

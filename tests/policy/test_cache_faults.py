@@ -1,0 +1,33 @@
+"""Faults in the middle of a cache operation's plan, injected at known points: every chunk the cache delivers
+afterwards is the one put (a miss where it cannot be), and what the operation reports is what it did."""
+
+from __future__ import annotations
+
+import logging
+
+from datamover.policy.cache import TieredCache
+from datamover.policy.keys import chunk_keys
+from tests.policy.full_disk import FullDisk
+from tests.policy.test_cache import check_consistent, check_get, chunks, tiers
+
+
+def test_a_span_file_on_a_full_disk_costs_spans_not_chunks(tmp_path, caplog):
+    """Was: the span export's OSError (ENOSPC) escaped the first batch of a put's plan, after the engine had
+    counted every move of it as done; the rest of the plan never ran, so the put's chunks were resident in L1
+    slots that still held the chunks demoted from them, and a get delivered those bytes as the new chunks'."""
+    spans = tmp_path / "spans.jsonl"
+    config = tiers(
+        tmp_path, l1=3, l2=5, l3=8, policy={"name": "lru"}, observability={"spans": True, "span_path": str(spans)}
+    )
+    first, second = chunk_keys(range(3), "m", "t"), chunk_keys(range(3, 6), "m", "t")
+    with TieredCache(config) as cache:
+        cache.put(first, chunks(first))  # L1 full
+        exporter = cache.spans.exporter
+        exporter._file = FullDisk(exporter._file)
+        with caplog.at_level(logging.WARNING, logger="datamover.kvcache"):
+            assert cache.put(second, chunks(second)) == 3  # demotes `first` to L2, then copies `second` to L1
+        assert "spans" in caplog.text and "No space left on device" in caplog.text
+        assert check_get(cache, second) == 3
+        assert check_get(cache, first) == 3
+        check_consistent(cache)
+        assert cache.stats()["checksum_failures"] == 0
