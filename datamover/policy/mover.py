@@ -248,11 +248,18 @@ class Mover:
                     continue
                 try:
                     self._run_group(src, dst, live, user)
-                except DatamoverError as exc:
+                except Exception as exc:
                     # the plan goes on (the engine already counts every move of it as done): what this group
-                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
+                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss.
+                    # An error that is not a DatamoverError (a bug below, a MemoryError) too: stopping here would
+                    # leave every later move of the plan counted as done and never run (chunks on others' bytes)
                     a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
-                    log.warning("moving %d chunk(s) %s -> %s failed, dropped: %s", len(live), a, b, exc)
+                    typed = isinstance(exc, DatamoverError)
+                    log.log(
+                        logging.WARNING if typed else logging.ERROR,
+                        "moving %d chunk(s) %s -> %s failed, dropped (first %s): %s: %s",
+                        len(live), a, b, live[0].key, type(exc).__name__, exc, exc_info=not typed,
+                    )  # fmt: skip
                     if self.metrics is not None:
                         backend = getattr(exc, "backend", None) or "unknown"
                         self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from datamover.backends.posix.backend import PosixBackend
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import chunk_keys
 from tests.policy.full_disk import FullDisk
@@ -31,3 +32,27 @@ def test_a_span_file_on_a_full_disk_costs_spans_not_chunks(tmp_path, caplog):
         assert check_get(cache, first) == 3
         check_consistent(cache)
         assert cache.stats()["checksum_failures"] == 0
+
+
+def test_an_untyped_error_from_a_backend_drops_its_chunks_and_the_plan_goes_on(tmp_path, monkeypatch, caplog):
+    """Was: only DatamoverErrors were caught around each batch; anything else from below (here the posix
+    backend's plan running out of memory) escaped the plan midway, the moves after it never ran, and the next
+    get delivered, from L1, the bytes of the chunk demoted out of that slot as another chunk's."""
+    real, calls = PosixBackend.plan, []
+
+    def plan(self, req):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("injected: planning the batch")
+        return real(self, req)
+
+    monkeypatch.setattr(PosixBackend, "plan", plan)
+    keys = chunk_keys(range(3), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=4, policy={"name": "lru"})) as cache:
+        with caplog.at_level(logging.WARNING, logger="datamover.kvcache"):
+            stored = cache.put(keys, chunks(keys))  # the one L3 batch fails: its two chunks are not stored
+        assert calls and stored == 1
+        assert "MemoryError" in caplog.text and "injected" in caplog.text
+        for key in keys:
+            assert check_get(cache, [key]) == (1 if cache.engine.where(key) >= 0 else 0)
+        check_consistent(cache)
