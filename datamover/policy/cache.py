@@ -333,8 +333,10 @@ class TieredCache:
             self.pin(keys[:n])
             before = list(self.engine.evictions)
             try:
-                moved = sum(self.engine.place(0, k, now, -1, t) for k, t in lower)
+                placed = [k for k, t in lower if self.engine.place(0, k, now, -1, t)]
                 self._execute(self.engine.take_plan(), None)
+                # a promotion whose copy failed dropped its chunk: only those now in L1 were moved
+                moved = sum(1 for k in placed if k not in self._invalid and k in self.engine.resident[0])
                 self.counters.op_done(self.engine, self.names, before)
             finally:
                 self.unpin(keys[:n])
@@ -375,16 +377,18 @@ class TieredCache:
                 raise ValueError(f"no enabled tier below {tier} to drain to")
             eng.closed.add(j)
             now = self.clock()
-            moved = 0
+            placed = []
             for key in list(eng.resident[j]):
                 if not any(key in eng.resident[t] for t in below):
                     if any(eng.place(t, key, now, -1, tier) for t in below):
-                        moved += 1
+                        placed.append(key)
                     else:
                         log.warning("drain %s: no room below for %s; dropped", tier, key)
                 eng.orders[j].remove(key)
                 eng.resident[j].remove(key)
             self._execute(eng.take_plan(), None)
+            # a copy down that failed dropped its chunk (logged by the mover): only those held below were moved
+            moved = sum(1 for key in placed if key not in self._invalid and eng.where(key) >= 0)
             for key in list(eng.slots[j]):
                 eng._removed(j, key)
             if self.index is not None:
