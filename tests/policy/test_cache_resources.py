@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent
+from datamover.errors import InvalidDescriptor
 from datamover.policy.cache import TieredCache
 from datamover.policy.keys import chunk_keys
 from datamover.policy.l3_index import L3Index
@@ -73,3 +74,20 @@ def test_a_cache_that_fails_to_start_gives_back_what_it_took(tmp_path, monkeypat
         with pytest.raises(OSError, match="No space left"):
             TieredCache(spans_on(tmp_path))  # an Agent of its own: closed
         assert open_under(tmp_path) == []
+
+
+def test_a_list_of_buffers_that_cannot_be_registered_leaves_none_of_them_registered(tmp_path):
+    """Was: get/put register the caller's unregistered buffers for the call; a list of them that could not all
+    be registered (two that overlap) failed after the first was registered, and that one stayed registered with
+    the cache's Agent for good (the caller's memory held, and taken as registered by every later call)."""
+    keys = chunk_keys(range(2), "m", "t")
+    with TieredCache(tiers(tmp_path)) as cache:
+        cache.put(keys, chunks(keys))
+        before = set(cache.agent.registrations)
+        out = np.zeros(2 * PAGE, np.uint8)
+        for call in (cache.get, cache.put):
+            with pytest.raises(InvalidDescriptor, match="overlaps"):
+                call(keys, [out[:PAGE], out[PAGE // 2 : PAGE // 2 + PAGE]])
+            assert set(cache.agent.registrations) == before, call.__name__
+        assert check_get(cache, keys) == 2
+        assert set(cache.agent.registrations) == before
