@@ -455,7 +455,8 @@ class TieredCache:
             return forgotten
 
     def stats(self) -> dict[str, Any]:
-        """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, resident chunks."""
+        """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, chunks whose move
+        failed (dropped; per "from->to", the caller being "caller"), resident chunks."""
         with self._lock:
             eng = self.engine
             return {
@@ -464,6 +465,7 @@ class TieredCache:
                 "moved_chunks": {f"{a}->{b}": n for (a, b), n in eng.moved.items()},
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
                 "checksum_failures": self.counters.checksum_failures,
+                "move_failures": dict(self.mover.failures),
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
                 "notes": list(self.notes),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -60,6 +61,7 @@ class Mover:
         self.metrics = metrics
         self.spans = spans
         self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
+        self.failures: Counter[str] = Counter()  # chunks whose move failed (dropped), per "from->to"
         self.spans_failing = False  # the last span export failed (warned once, until one succeeds again)
 
     def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
@@ -227,6 +229,8 @@ class Mover:
                 good[arrived[failed]] = False
             for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure
                 self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src])
+                if not corrupt[i]:
+                    self.failures[f"{self.names[src]}->{'caller' if dst == USER else self.names[dst]}"] += 1
             keep = np.flatnonzero(good)
             if not len(keep):
                 continue
@@ -260,6 +264,7 @@ class Mover:
                         "moving %d chunk(s) %s -> %s failed, dropped (first %s): %s: %s",
                         len(live), a, b, live[0].key, type(exc).__name__, exc, exc_info=not typed,
                     )  # fmt: skip
+                    self.failures[f"{a}->{b}"] += len(live)
                     if self.metrics is not None:
                         backend = getattr(exc, "backend", None) or "unknown"
                         self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))

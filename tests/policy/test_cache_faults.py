@@ -109,3 +109,15 @@ def test_a_prefetch_counts_only_the_chunks_it_promoted(tmp_path, monkeypatch):
         assert all(cache.engine.where(k) < 0 for k in lower if k not in in_l1)
         check_consistent(cache)
         assert all(check_get(cache, [k]) == 1 for k in in_l1)
+
+
+def test_failed_moves_are_counted_in_stats(tmp_path, monkeypatch):
+    """Was: a move that failed was logged, and counted only in a CacheMetrics when the cache had one: stats()
+    of a cache without metrics whose copies down all failed (its chunks dropped) showed nothing of it."""
+    keys = chunk_keys(range(3), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=3, l2=5, l3=8)) as cache:
+        assert cache.stats()["move_failures"] == {}
+        cache.put(keys, chunks(keys))
+        failing_once(monkeypatch, "l1_hbm", "l2_dram")
+        cache.drain("l1_hbm")
+        assert cache.stats()["move_failures"] == {"l1_hbm->l2_dram": 3}
