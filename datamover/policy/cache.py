@@ -76,7 +76,7 @@ class TieredCache:
         config.check_fits(gpu_bytes=self._gpu_bytes() if on_gpu else None)
         self.clock = clock
         self.metrics = metrics
-        self.spans = SpanRecorder.from_config(config.observability)
+        self.spans: SpanRecorder | None = None
         self.notes: list[str] = []
         self._l3_lock: int | None = None
         self._closed = False
@@ -95,21 +95,25 @@ class TieredCache:
         self.pool: SharedPool | None = None
         self.bucket: PrivateBucket | None = None
         self._l4_gone: set[ChunkKey] = set()  # chunks L4 dropped in this operation: their objects go after it
+        self.tiers: list[Slab] = []
+        self._stage: Slab | None = None
         l3_bytes = 0
         try:
+            self.spans = SpanRecorder.from_config(config.observability)
             if config.l3_nvme.enabled:  # before anything under it is read or sized
                 self._l3_lock = lock_directory(config.l3_nvme.path)
                 data_file = Path(config.l3_nvme.path) / DATA_FILE
                 l3_bytes = data_file.stat().st_size if data_file.exists() else 0  # the data file as found
-            self.tiers = [make_slab(self.agent, config, name, self.notes) for name in config.enabled_tiers()]
+            for name in config.enabled_tiers():  # one by one: if one cannot be made, those before are given back
+                self.tiers.append(make_slab(self.agent, config, name, self.notes))
             self.engine = SlotEngine(config, self._removed)
             self.names = self.engine.names
             self._requests = Requests(self.engine)  # the request a get opened, whose put may follow
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
-            self._stage = host_slab(self.agent, "stage", stage_pages, self.page)
+            self._stage = stage = host_slab(self.agent, "stage", stage_pages, self.page)
             shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
             self.mover = Mover(
-                self.agent, config, self.tiers, self._stage, self.crc, self._invalidate, metrics, self.spans, shared
+                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, shared
             )
             if shared:
                 self.pool = SharedPool(self.agent, config.l4_pool)
@@ -122,10 +126,7 @@ class TieredCache:
                 self._load_bucket_index()
         except BaseException:  # a tier that cannot be built: release what was
             self._prefetcher.shutdown()
-            if self._own_agent:
-                self.agent.close()
-            if self._l3_lock is not None:
-                os.close(self._l3_lock)
+            self._release()
             raise
 
     # -- setup ---------------------------------------------------------------
@@ -333,8 +334,10 @@ class TieredCache:
             self.pin(keys[:n])
             before = list(self.engine.evictions)
             try:
-                moved = sum(self.engine.place(0, k, now, -1, t) for k, t in lower)
+                placed = [k for k, t in lower if self.engine.place(0, k, now, -1, t)]
                 self._execute(self.engine.take_plan(), None)
+                # a promotion whose copy failed dropped its chunk: only those now in L1 were moved
+                moved = sum(1 for k in placed if k not in self._invalid and k in self.engine.resident[0])
                 self.counters.op_done(self.engine, self.names, before)
             finally:
                 self.unpin(keys[:n])
@@ -375,16 +378,18 @@ class TieredCache:
                 raise ValueError(f"no enabled tier below {tier} to drain to")
             eng.closed.add(j)
             now = self.clock()
-            moved = 0
+            placed = []
             for key in list(eng.resident[j]):
                 if not any(key in eng.resident[t] for t in below):
                     if any(eng.place(t, key, now, -1, tier) for t in below):
-                        moved += 1
+                        placed.append(key)
                     else:
                         log.warning("drain %s: no room below for %s; dropped", tier, key)
                 eng.orders[j].remove(key)
                 eng.resident[j].remove(key)
             self._execute(eng.take_plan(), None)
+            # a copy down that failed dropped its chunk (logged by the mover): only those held below were moved
+            moved = sum(1 for key in placed if key not in self._invalid and eng.where(key) >= 0)
             for key in list(eng.slots[j]):
                 eng._removed(j, key)
             if self.index is not None:
@@ -450,7 +455,8 @@ class TieredCache:
             return forgotten
 
     def stats(self) -> dict[str, Any]:
-        """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, resident chunks."""
+        """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, chunks whose move
+        failed (dropped; per "from->to", the caller being "caller"), resident chunks."""
         with self._lock:
             eng = self.engine
             return {
@@ -459,6 +465,7 @@ class TieredCache:
                 "moved_chunks": {f"{a}->{b}": n for (a, b), n in eng.moved.items()},
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
                 "checksum_failures": self.counters.checksum_failures,
+                "move_failures": dict(self.mover.failures),
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
                 "notes": list(self.notes),
@@ -505,14 +512,30 @@ class TieredCache:
                     self.index.close(live)
                 if self.bucket is not None:
                     self.bucket.close(list(self.engine.slots[self.names.index("l4_pool")]))
-                if self.spans is not None:
-                    self.spans.close()
             finally:
-                if self._own_agent:
-                    self.agent.close()
-                if self._l3_lock is not None:
-                    os.close(self._l3_lock)
-                    self._l3_lock = None
+                self._release()
+
+    def _release(self) -> None:
+        """Give back what the cache took (at close, or when it fails to start): the span file, the L3 index log
+        (closed without writing: `close` wrote it), the regions (the whole Agent when it is the cache's own, else
+        each slab's, so the caller's Agent goes on without them), the L3 directory's lock. Every step runs,
+        whatever an earlier one raised (that error goes on after)."""
+        with contextlib.ExitStack() as steps:  # run last registered first
+            steps.callback(self._unlock)
+            if self._own_agent:
+                steps.callback(self.agent.close)
+            else:
+                for slab in [*self.tiers, *([self._stage] if self._stage is not None else [])]:
+                    steps.callback(slab.release, self.agent)
+            if self.index is not None:
+                steps.callback(self.index.release)
+            if self.spans is not None:
+                steps.callback(self.spans.close)
+
+    def _unlock(self) -> None:
+        if self._l3_lock is not None:
+            os.close(self._l3_lock)
+            self._l3_lock = None
 
     def __enter__(self) -> TieredCache:
         return self

@@ -234,6 +234,14 @@ class L3Index:
             self._file.close()
             self._file = None
 
+    def release(self) -> None:
+        """Close the log without writing to it (a cache that failed to start); nothing after `close`."""
+        self._pending.clear()
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # nothing of it is buffered but what a failed write left
+                file.close()
+
 
 def _sync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable (a file system that cannot fsync a directory is left as it is)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -60,6 +61,8 @@ class Mover:
         self.metrics = metrics
         self.spans = spans
         self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
+        self.failures: Counter[str] = Counter()  # chunks whose move failed (dropped), per "from->to"
+        self.spans_failing = False  # the last span export failed (warned once, until one succeeds again)
 
     def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
         if t == USER:
@@ -159,7 +162,21 @@ class Mover:
                     "hit_or_miss": kind,
                 }
                 spans.append(span)
+            self._record(spans)
+
+    def _record(self, spans: list[dict]) -> None:
+        """Export spans; an exporter that fails (a full disk under the span file) loses them, warned once until
+        one export succeeds again, and never stops a plan: its batch already moved, and the moves after it are
+        counted as done by the engine."""
+        assert self.spans is not None
+        try:
             self.spans.record(spans)
+        except Exception as exc:
+            if not self.spans_failing:
+                log.warning("spans could not be exported (%s): dropped until an export succeeds", exc)
+            self.spans_failing = True
+        else:
+            self.spans_failing = False
 
     def _verify(self, keys: Sequence[ChunkKey], rows: np.ndarray, learn: bool = False) -> np.ndarray:
         """Which staged rows match their chunk's CRC32C (all, when checking is off). With ``learn`` (rows read
@@ -212,6 +229,8 @@ class Mover:
                 good[arrived[failed]] = False
             for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure
                 self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src])
+                if not corrupt[i]:
+                    self.failures[f"{self.names[src]}->{'caller' if dst == USER else self.names[dst]}"] += 1
             keep = np.flatnonzero(good)
             if not len(keep):
                 continue
@@ -233,11 +252,19 @@ class Mover:
                     continue
                 try:
                     self._run_group(src, dst, live, user)
-                except DatamoverError as exc:
+                except Exception as exc:
                     # the plan goes on (the engine already counts every move of it as done): what this group
-                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
+                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss.
+                    # An error that is not a DatamoverError (a bug below, a MemoryError) too: stopping here would
+                    # leave every later move of the plan counted as done and never run (chunks on others' bytes)
                     a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
-                    log.warning("moving %d chunk(s) %s -> %s failed, dropped: %s", len(live), a, b, exc)
+                    typed = isinstance(exc, DatamoverError)
+                    log.log(
+                        logging.WARNING if typed else logging.ERROR,
+                        "moving %d chunk(s) %s -> %s failed, dropped (first %s): %s: %s",
+                        len(live), a, b, live[0].key, type(exc).__name__, exc, exc_info=not typed,
+                    )  # fmt: skip
+                    self.failures[f"{a}->{b}"] += len(live)
                     if self.metrics is not None:
                         backend = getattr(exc, "backend", None) or "unknown"
                         self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..agents import Agent, Prepared
 from ..backends import backend_status
-from ..descriptors import DescList, MemType, aligned_empty
+from ..descriptors import DescList, MemType, Registration, aligned_empty
 from ..errors import BackendUnavailable
 from .config import TierConfig
 
@@ -33,6 +33,14 @@ class Slab:
     prepared: Prepared | None = None  # None for OBJ (descriptors are made per batch from object keys)
     host: np.ndarray | None = None  # (capacity, page) uint8 view for host arenas
     owner: Any = None  # keeps the arena alive
+    # what the slab registered with the Agent, given back by `release`
+    reg: Registration | list[Registration] | None = None
+
+    def release(self, agent: Agent) -> None:
+        """Deregister what the slab registered (on an Agent that outlives the cache; once)."""
+        reg, self.reg = self.reg, None
+        if reg is not None:
+            agent.deregister_memory(reg)
 
 
 def backend_params(config: TierConfig) -> dict[str, dict]:
@@ -84,9 +92,9 @@ def host_slab(agent: Agent, name: str, capacity: int, page: int, pinned: bool = 
         host = arena.numpy()
     else:
         host = aligned_empty(capacity * page)
-    agent.register_memory(host)
+    reg = agent.register_memory(host)
     prepared = agent.prepare(DescList.blocks(host, page))
-    return Slab(name, MemType.DRAM, capacity, prepared, host.reshape(capacity, page), arena or host)
+    return Slab(name, MemType.DRAM, capacity, prepared, host.reshape(capacity, page), arena or host, reg)
 
 
 def make_slab(agent: Agent, config: TierConfig, name: str, notes: list[str]) -> Slab:
@@ -99,10 +107,10 @@ def make_slab(agent: Agent, config: TierConfig, name: str, notes: list[str]) -> 
             import torch
 
             arena = torch.empty(cap * page, dtype=torch.uint8, device="cuda")
-            agent.register_memory(arena)
+            reg = agent.register_memory(arena)
             prepared = agent.prepare(DescList.blocks(arena, page))
             notes.append(f"l1_hbm: {cap} chunks on {torch.cuda.get_device_name()}")
-            return Slab(name, MemType.VRAM, cap, prepared, None, arena)
+            return Slab(name, MemType.VRAM, cap, prepared, None, arena, reg)
         if config.l1_hbm.device == "cuda":
             raise BackendUnavailable(f"l1_hbm.device is cuda but L1 cannot live on a GPU here: {why}", backend="cuda")
         notes.append(f"l1_hbm: a host DRAM arena of {cap} chunks stands in for HBM ({why})")
@@ -115,7 +123,7 @@ def make_slab(agent: Agent, config: TierConfig, name: str, notes: list[str]) -> 
         reg = agent.register_file(directory / DATA_FILE, size=cap * page, direct=True)
         offsets = np.arange(cap, dtype=np.int64) * page
         prepared = agent.prepare(DescList.file(reg, offsets, page))
-        return Slab(name, MemType.FILE, cap, prepared, None, reg)
+        return Slab(name, MemType.FILE, cap, prepared, None, reg, reg)
     l4 = config.l4_pool
     reg = agent.register_objects(l4.bucket, prefix="kv/" if l4.backend == "mooncake" else l4.prefix)
-    return Slab(name, MemType.OBJ, cap, None, None, reg)
+    return Slab(name, MemType.OBJ, cap, None, None, reg, reg)

@@ -30,13 +30,19 @@ def prepare_user(agent: Agent, buf: Any, n: int, page: int) -> tuple[Prepared, A
     except NotRegistered:
         if isinstance(buf, DescList):
             raise
-        reg = agent.register_memory(list(buf) if isinstance(buf, list | tuple) else buf)
-        return agent.prepare(descs), reg
+    regs: list[Any] = []  # one by one: if one cannot be registered (it overlaps another), none stays registered
+    try:
+        for part in buf if isinstance(buf, list | tuple) else [buf]:
+            regs.append(agent.register_memory(part))
+        return agent.prepare(descs), regs
+    except BaseException:
+        release_user(agent, regs)
+        raise
 
 
 def release_user(agent: Agent, reg: Any) -> None:
-    """Deregister what `prepare_user` registered for the call (nothing when `reg` is None)."""
-    if reg is not None:
+    """Deregister what `prepare_user` registered for the call (nothing when it registered nothing)."""
+    if reg:
         agent.deregister_memory(reg)
 
 

@@ -26,6 +26,7 @@ from datamover.telemetry.metrics import CacheMetrics
 from datamover.testing.s3server import S3Server
 
 from .test_cache import GB, PAGE, check_consistent, check_get, chunks, tiers
+from .test_cache_resources import open_under
 
 BUCKET = "kv-private"
 INDEX_OBJECT = "kv/" + INDEX_NAME
@@ -754,5 +755,12 @@ def test_a_bucket_that_does_not_exist_is_a_config_error_at_start(s3, tmp_path):
     try:
         with pytest.raises(ConfigError, match=r"l4_pool\.bucket: bucket 'no-such-bucket' does not exist"):
             TieredCache(tiers(tmp_path, l1=2, l2=0, l3=None, l4_pool=l4), agent=agent)
+        # with L3 and spans too: the refused cache leaves no file open (its L3 index log, data file, span file)
+        # and none of its regions on the caller's agent
+        spans = {"spans": True, "span_path": str(tmp_path / "spans.jsonl")}
+        with pytest.raises(ConfigError, match="no-such-bucket"):
+            TieredCache(tiers(tmp_path, l1=2, l2=0, l3=4, l4_pool=l4, observability=spans), agent=agent)
+        assert agent.registrations == {}
+        assert open_under(tmp_path) == []
     finally:
         agent.close()
