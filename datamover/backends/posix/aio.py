@@ -208,6 +208,11 @@ class AioContext:
             raise
         return run
 
+    @property
+    def alive(self) -> bool:
+        """The kernel context still exists (not closed, not destroyed after its reap failed): it may run a batch."""
+        return bool(self._ctx.value)
+
     def close(self, timeout: float = 10.0) -> None:
         """Destroy the kernel context once no run holds it; one still held after ``timeout`` s is left alone."""
         if not self._lock.acquire(timeout=timeout):
@@ -221,6 +226,15 @@ class AioContext:
         finally:
             self._lock.release()
 
+    def _destroy(self) -> None:
+        """io_destroy, by the run holding the context: returns once every I/O in flight in it has ended (O_DIRECT
+        AIO cannot be cancelled; the kernel waits for the device), so none touches its buffers afterwards."""
+        try:
+            _syscall("io_destroy", self._ctx)
+        except OSError as exc:  # EINVAL: no such context in the kernel, so no I/O of it either
+            log.warning("posix: io_destroy of an AIO context failed (%s)", exc)
+        self._ctx = ctypes.c_ulong(0)
+
     def __del__(self) -> None:
         try:
             self.close(timeout=0)
@@ -231,7 +245,8 @@ class AioContext:
 class AioRun:
     """One batch in flight on an AioContext: ``submit`` tops up the queue, ``finish`` reaps until all are done.
 
-    ``moved`` sums every completion's result (bytes, or -errno). The kernel
+    ``moved`` sums every completion's result (bytes, or -errno). ``refused``: a row was refused by io_submit, or
+    lost with its context when io_getevents failed. The kernel
     never reports more bytes than an I/O asked for, so ``moved`` equals the
     batch's expected bytes only if every I/O moved all of its bytes: ``ok``.
     """
@@ -321,12 +336,29 @@ class AioRun:
                     err = ctypes.get_errno()
                     if err == errno_mod.EINTR:
                         continue
-                    raise OSError(err, f"io_getevents: {os.strerror(err)}")
+                    self._lose(err or errno_mod.EIO, f"io_getevents failed: {os.strerror(err)}")
+                    return self.res
                 if n:
                     self.moved += sum(words[2 : 4 * n : 4])
                     if self.res is not None:
                         done = ctx._events[:n]
                         self.res[done["data"].astype(np.int64) - self.first] = done["res"]
                     self.inflight -= n
+        except BaseException as exc:
+            if self.inflight:  # Ctrl-C, or a failure here: it leaves only once the kernel is done with the buffers
+                self._lose(errno_mod.EINTR, f"{type(exc).__name__} while reaping")
+            raise
         finally:
             ctx._lock.release()
+
+    def _lose(self, err: int, why: str) -> None:
+        """The I/Os in flight can no longer be reaped: destroy the context, which waits for them to end. What they
+        moved is unknown: their rows read ``-err`` and the run is not ``ok`` (refused); the context is not
+        ``alive``, so it is never handed out again (its events would be counted by another run)."""
+        log.warning("posix: %s with %d AIO I/Os in flight; destroying the context (waits for them)", why, self.inflight)
+        self.ctx._destroy()
+        if self.res is not None:
+            sent = self.res[: self.nxt - self.first]
+            sent[sent == -errno_mod.ECANCELED] = -err
+        self.inflight = 0
+        self.refused = True

@@ -149,10 +149,7 @@ class _AioReap:
                 # than the spin, and a poll loop only trades the GIL back and forth with the woken pool thread
                 run.finish(self.cancelled, run.nxt < run.stop and limit_s is None, limit_s)
             finally:
-                # a context still busy (finish never ran), or with I/Os to come (a bounded reap gave up), is not
-                # handed out again
-                if not run.ctx._lock.locked() and not run.inflight:
-                    backend._aio_free.put(run.ctx)
+                backend._aio_back(run)
                 if not run.inflight:  # an I/O never reaped keeps the fence shut (cancel warns)
                     completion.leave()
             if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
@@ -398,7 +395,7 @@ class PosixBackend(Backend):
             except BaseException as exc:
                 return run_inline(_ONE_RANGE, _reraise, exc, backend=self.name)
             finally:
-                self._aio_free.put(ctx)
+                self._aio_back(run)
             if run.ok and not (write and self.params["fsync"]):
                 return finished_completion()
             return run_inline(_ONE_RANGE, self._aio_done, req, p, run, write, backend=self.name)
@@ -409,6 +406,18 @@ class PosixBackend(Backend):
         except RuntimeError:  # the pool is shut down (backend closing): finish here
             job.reap_once()
         return job.completion
+
+    def _aio_back(self, run: AioRun) -> None:
+        """Hand ``run``'s context out again, unless it is still busy (finish never ran), has I/Os to come (a bounded
+        reap gave up) or is gone (destroyed after its reap failed: dropped)."""
+        ctx = run.ctx
+        if not ctx.alive:
+            try:
+                self._aio_all.remove(ctx)
+            except ValueError:
+                pass
+        elif not ctx._lock.locked() and not run.inflight:
+            self._aio_free.put(ctx)
 
     def _aio_done(self, req, p, run: AioRun, write: bool, first: int, last: int, completion: Completion) -> None:
         """If any I/O came back short or failed, the transfer is redone synchronously; then fsync if asked."""
@@ -618,7 +627,7 @@ class PosixBackend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for ctx in self._aio_all:
+        for ctx in list(self._aio_all):  # a copy: an inline caller may drop a destroyed context meanwhile
             ctx.close()
 
 
