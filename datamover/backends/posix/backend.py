@@ -2,7 +2,7 @@
 
 Aligned rows go straight between the user's buffer and the disk; rows that
 O_DIRECT cannot take (offset, length or address unaligned) go through a
-per-thread aligned bounce buffer (read-modify-write for partial blocks).
+aligned bounce buffer (read-modify-write for partial blocks; at most ``threads`` kept between rows).
 Rows contiguous in the file become one vectored syscall. Batches that
 are all O_DIRECT-aligned go through Linux native AIO instead (``.aio``):
 up to ``aio_depth`` I/Os in flight from one thread, the way NIXL's POSIX
@@ -186,7 +186,7 @@ class PosixBackend(Backend):
         "direct": True,  # False opens every file buffered
         "alignment": 4096,  # O_DIRECT granularity for file offsets and lengths
         "mem_alignment": 512,  # O_DIRECT granularity for buffer addresses
-        "bounce_bytes": 8 << 20,  # per thread; threads x bounce stays within the 64 MiB budget
+        "bounce_bytes": 8 << 20,  # per row in flight; at most threads x bounce are kept: within the 64 MiB budget
         "fsync": False,  # fdatasync every written file before a WRITE completes
         # post() runs a request itself, on the caller's thread, when it is one syscall (one file-contiguous run or
         # one unaligned row) or one AIO batch of at most inline_bytes, or several synchronous syscalls (buffered
@@ -204,7 +204,9 @@ class PosixBackend(Backend):
         super().__init__(host, params)
         _check_params(self.params)
         self._pool = Workers(int(self.params["threads"]), "dm-posix")
-        self._bounce = threading.local()
+        # bounce buffers not in use, shared by the pool and inline callers; at most ``threads`` are kept
+        self._bounce_free: list[np.ndarray] = []
+        self._bounce_lock = threading.Lock()
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
         self._aio_all: list = []
         self._aio_refused = False  # io_setup refused a context once (logged once)
@@ -507,20 +509,44 @@ class PosixBackend(Backend):
                 exc.moved = moved  # type: ignore[attr-defined]
                 raise
 
-    def _bounce_buffer(self) -> np.ndarray:
-        buf = getattr(self._bounce, "buf", None)
-        if buf is None:
-            buf = self._bounce.buf = aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
-        return buf
+    def _take_bounce(self) -> np.ndarray:
+        """A bounce buffer for one row: a kept one, else a new one (hand it back with ``_give_bounce``)."""
+        with self._bounce_lock:
+            if self._bounce_free:
+                return self._bounce_free.pop()
+        return aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
+
+    def _give_bounce(self, buf: np.ndarray) -> None:
+        """Keep ``buf`` for the next row unless ``threads`` are kept already: any number of caller threads may run
+        unaligned rows inline at once, and what they leave behind stays within threads x bounce_bytes."""
+        with self._bounce_lock:
+            if len(self._bounce_free) < int(self.params["threads"]):
+                self._bounce_free.append(buf)
 
     def _bounce_io(
         self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, completion: Completion
     ) -> None:
         """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time (none once the
         transfer is cancelled)."""
+        bounce = self._take_bounce()
+        try:
+            self._bounce_pieces(req, h, row, offset, view, write, completion, bounce)
+        finally:
+            self._give_bounce(bounce)
+
+    def _bounce_pieces(
+        self,
+        req,
+        h: FileHandle,
+        row: int,
+        offset: int,
+        view: memoryview,
+        write: bool,
+        completion: Completion,
+        bounce: np.ndarray,
+    ) -> None:
         user = np.frombuffer(view, dtype=np.uint8)
         A = int(self.params["alignment"])
-        bounce = self._bounce_buffer()
         step = bounce.shape[0] - 2 * A
         done = 0
         total = user.shape[0]
