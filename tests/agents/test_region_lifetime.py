@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, XferState, aligned_empty
-from datamover.backends.posix import backend as posix_backend
+from datamover.backends.posix import rows as posix_rows
 from datamover.errors import InvalidParameter, NotRegistered, TransferAborted, TransferStateError
 from datamover.testing.waiting import BOUND_S, HeldOnce
 
@@ -23,9 +23,7 @@ MiB = 1 << 20
 def held_write(monkeypatch):
     """The first posix vectored syscall waits until the test lets it go."""
     held = HeldOnce("the posix write")
-    monkeypatch.setattr(
-        posix_backend.PosixBackend, "_vectored", staticmethod(held.wrap(posix_backend.PosixBackend._vectored))
-    )
+    monkeypatch.setattr(posix_rows, "vectored", held.wrap(posix_rows.vectored))
     yield held
     held.go.set()
 

@@ -20,9 +20,8 @@ import errno as errno_mod
 import logging
 import os
 import queue
-import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,9 @@ from ..base import (
 )
 from ..fence import ReadFence
 from ..workers import Workers
+from . import rows
 from .aio import AioContext, AioRun, IocbBatch, aio_available
+from .rows import FileHandle
 
 log = logging.getLogger("datamover.posix")
 
@@ -76,23 +77,6 @@ def probe_direct(directory: str) -> tuple[bool, str]:
         return False, f"filesystem refuses O_DIRECT ({errno_mod.errorcode.get(exc.errno, exc.errno)}: {exc.strerror})"
     finally:
         os.unlink(path)
-
-
-@dataclass
-class FileHandle:
-    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write.
-
-    ``tail_fd`` is the same file opened buffered, on first need (``-1`` until then): an unaligned write whose
-    last block lies past the end of the file goes through it, so the file grows to the end of the caller's bytes
-    and not a byte further."""
-
-    fd: int
-    path: str
-    direct: bool
-    size: int
-    note: str = ""
-    rmw_lock: threading.Lock = field(default_factory=threading.Lock)
-    tail_fd: int = -1
 
 
 _ONE_RANGE = ((0, 1),)
@@ -204,9 +188,9 @@ class PosixBackend(Backend):
         super().__init__(host, params)
         _check_params(self.params)
         self._pool = Workers(int(self.params["threads"]), "dm-posix")
-        # bounce buffers not in use, shared by the pool and inline callers; at most ``threads`` are kept
-        self._bounce_free: list[np.ndarray] = []
-        self._bounce_lock = threading.Lock()
+        self._bounces = rows.BouncePool(
+            int(self.params["bounce_bytes"]), int(self.params["alignment"]), int(self.params["threads"])
+        )
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
         self._aio_all: list = []
         self._aio_refused = False  # io_setup refused a context once (logged once)
@@ -465,7 +449,7 @@ class PosixBackend(Backend):
                 self._bounce_io(req, h, i, offs[i], views[i], write, completion)
             return h.fd
         try:
-            self._vectored(h.fd, views[s:e], offs[s], write)
+            rows.vectored(h.fd, views[s:e], offs[s], write)
         except OSError as exc:
             if exc.errno == errno_mod.EINVAL and h.direct:
                 # the device wants stricter alignment than configured: take the bounce path
@@ -482,151 +466,18 @@ class PosixBackend(Backend):
             ) from None
         return h.fd
 
-    @staticmethod
-    def _vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:
-        """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
-        n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
-        if n == sum(v.nbytes for v in views):
-            return
-        views, moved = list(views), 0
-        while True:
-            if n == 0:
-                err = OSError(errno_mod.EIO, "pwritev wrote 0 bytes") if write else EOFError(f"no bytes at {offset}")
-                err.moved = moved  # type: ignore[attr-defined]  # what did move names the failing row
-                raise err
-            offset += n
-            moved += n
-            while views and n >= views[0].nbytes:
-                n -= views[0].nbytes
-                views.pop(0)
-            if not views:
-                return
-            if n:
-                views[0] = views[0][n:]
-            try:
-                n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
-            except OSError as exc:
-                exc.moved = moved  # type: ignore[attr-defined]
-                raise
-
-    def _take_bounce(self) -> np.ndarray:
-        """A bounce buffer for one row: a kept one, else a new one (hand it back with ``_give_bounce``)."""
-        with self._bounce_lock:
-            if self._bounce_free:
-                return self._bounce_free.pop()
-        return aligned_empty(int(self.params["bounce_bytes"]), int(self.params["alignment"]))
-
-    def _give_bounce(self, buf: np.ndarray) -> None:
-        """Keep ``buf`` for the next row unless ``threads`` are kept already: any number of caller threads may run
-        unaligned rows inline at once, and what they leave behind stays within threads x bounce_bytes."""
-        with self._bounce_lock:
-            if len(self._bounce_free) < int(self.params["threads"]):
-                self._bounce_free.append(buf)
-
     def _bounce_io(
         self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, completion: Completion
     ) -> None:
-        """Move an unaligned row through the aligned bounce buffer, a bounce-sized piece at a time (none once the
-        transfer is cancelled)."""
-        bounce = self._take_bounce()
+        """Move an unaligned row through a bounce buffer of the pool (none once the transfer is cancelled)."""
+        bounce = self._bounces.take()
         try:
-            self._bounce_pieces(req, h, row, offset, view, write, completion, bounce)
+            rows.bounce_row(
+                req, h, row, offset, view, write, completion, bounce, int(self.params["alignment"]), self._error,
+                self.name,
+            )  # fmt: skip
         finally:
-            self._give_bounce(bounce)
-
-    def _bounce_pieces(
-        self,
-        req,
-        h: FileHandle,
-        row: int,
-        offset: int,
-        view: memoryview,
-        write: bool,
-        completion: Completion,
-        bounce: np.ndarray,
-    ) -> None:
-        user = np.frombuffer(view, dtype=np.uint8)
-        A = int(self.params["alignment"])
-        step = bounce.shape[0] - 2 * A
-        done = 0
-        total = user.shape[0]
-        while done < total:
-            if completion.cancelled:
-                return
-            piece = min(step, total - done)
-            off = offset + done
-            lo = off - off % A
-            hi = -(-(off + piece) // A) * A
-            span = bounce[: hi - lo]
-            at = lo  # the file offset the call under way starts at: a failure names the descriptor of its byte
-            try:
-                if write:
-                    with h.rmw_lock:
-                        if (off + piece) % A and hi > os.fstat(h.fd).st_size:
-                            # the piece's last block reaches past the end of the file: a whole-block write would
-                            # grow it past the caller's bytes, and cutting it back could cut off a write that grew
-                            # it meanwhile; a buffered write grows it to the end of the caller's bytes at most
-                            at = off
-                            self._vectored(self._tail_fd(h), [memoryview(user[done : done + piece])], off, True)
-                        else:
-                            if off != lo:
-                                self._read_block(h, span[:A], lo)
-                            if (off + piece) % A and (hi - A != lo or off == lo):
-                                at = hi - A
-                                self._read_block(h, span[-A:], at)
-                            span[off - lo : off - lo + piece] = user[done : done + piece]
-                            at = lo
-                            self._vectored(h.fd, [span], lo, True)
-                else:
-                    got = self._read_upto(h, span, lo)
-                    if got < off - lo + piece:
-                        raise TransferIOError(
-                            f"read past the end of {h.path!r}: wanted [{off}, {off + piece}), file ends at {lo + got}",
-                            errno=errno_mod.EIO, index=req.caller_index(row, done + max(0, lo + got - off)),
-                            backend=self.name,
-                        )  # fmt: skip
-                    user[done : done + piece] = span[off - lo : off - lo + piece]
-            except OSError as exc:
-                if isinstance(exc, TransferIOError):
-                    raise
-                failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
-                raise self._error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
-            done += piece
-
-    def _tail_fd(self, h: FileHandle) -> int:
-        """``h``'s file opened buffered (once; under ``h.rmw_lock``), checked to be the file ``h.fd`` is."""
-        if h.tail_fd < 0:
-            try:
-                fd = os.open(f"/proc/self/fd/{h.fd}", os.O_RDWR)  # the file itself, renamed or unlinked since
-            except OSError:
-                fd = os.open(h.path, os.O_RDWR)
-            now, then = os.fstat(fd), os.fstat(h.fd)
-            if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
-                os.close(fd)
-                raise OSError(errno_mod.ESTALE, "the path no longer names the file registered there")
-            h.tail_fd = fd
-        return h.tail_fd
-
-    @staticmethod
-    def _read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
-        """Read as much of ``span`` as the file holds; returns the byte count (short only at EOF)."""
-        got = 0
-        mv = memoryview(span).cast("B")
-        while got < span.shape[0]:
-            try:
-                n = os.preadv(h.fd, [mv[got:]], offset + got)
-            except OSError as exc:
-                exc.moved = got  # type: ignore[attr-defined]  # what did move names the failing byte
-                raise
-            if n == 0:
-                break
-            got += n
-        return got
-
-    def _read_block(self, h: FileHandle, block: np.ndarray, offset: int) -> None:
-        got = self._read_upto(h, block, offset)
-        if got < block.shape[0]:
-            block[got:] = 0
+            self._bounces.give(bounce)
 
     def _error(
         self, req, row: int, h: FileHandle, exc: OSError, write: bool, moved: int = 0, views: list | None = None

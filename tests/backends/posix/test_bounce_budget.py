@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, XferState, aligned_empty
-from datamover.backends.posix import backend as posix_backend
+from datamover.backends.posix import rows as posix_rows
 
 B = 4096
 CALLERS = 12
@@ -28,14 +28,14 @@ THREADS = 2
 @pytest.mark.parametrize("together", [False, True], ids=["one-after-another", "all-at-once"])
 def test_bounce_buffers_kept_between_requests_stay_within_threads(tmp_path, monkeypatch, together):
     made: list[weakref.ref] = []
-    real_empty = posix_backend.aligned_empty
+    real_empty = posix_rows.aligned_empty
 
     def tracked(nbytes: int, alignment: int = 4096) -> np.ndarray:
         buf = real_empty(nbytes, alignment)
         made.append(weakref.ref(buf))
         return buf
 
-    monkeypatch.setattr(posix_backend, "aligned_empty", tracked)
+    monkeypatch.setattr(posix_rows, "aligned_empty", tracked)
     with Agent("p", {"backends": {"posix": {"threads": THREADS}}}) as agent:
         mem = aligned_empty(CALLERS * B)
         agent.register_memory(mem)

@@ -1,0 +1,188 @@
+"""posix rows moved by synchronous system calls: one preadv/pwritev resumed until every byte moved, and rows
+O_DIRECT cannot take (unaligned offset, length or address) through an aligned bounce buffer, read-modify-write for
+partial blocks; the bounce buffers are shared and bounded (``BouncePool``)."""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...descriptors import aligned_empty
+from ...errors import TransferIOError
+from ..base import Completion
+
+
+@dataclass
+class FileHandle:
+    """An open registered file: its fd, whether it is O_DIRECT, and a lock for read-modify-write.
+
+    ``tail_fd`` is the same file opened buffered, on first need (``-1`` until then): an unaligned write whose
+    last block lies past the end of the file goes through it, so the file grows to the end of the caller's bytes
+    and not a byte further."""
+
+    fd: int
+    path: str
+    direct: bool
+    size: int
+    note: str = ""
+    rmw_lock: threading.Lock = field(default_factory=threading.Lock)
+    tail_fd: int = -1
+
+
+def vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:
+    """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
+    n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
+    if n == sum(v.nbytes for v in views):
+        return
+    views, moved = list(views), 0
+    while True:
+        if n == 0:
+            err = OSError(errno_mod.EIO, "pwritev wrote 0 bytes") if write else EOFError(f"no bytes at {offset}")
+            err.moved = moved  # type: ignore[attr-defined]  # what did move names the failing row
+            raise err
+        offset += n
+        moved += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if not views:
+            return
+        if n:
+            views[0] = views[0][n:]
+        try:
+            n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
+        except OSError as exc:
+            exc.moved = moved  # type: ignore[attr-defined]
+            raise
+
+
+def read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
+    """Read as much of ``span`` as the file holds; returns the byte count (short only at EOF)."""
+    got = 0
+    mv = memoryview(span).cast("B")
+    while got < span.shape[0]:
+        try:
+            n = os.preadv(h.fd, [mv[got:]], offset + got)
+        except OSError as exc:
+            exc.moved = got  # type: ignore[attr-defined]  # what did move names the failing byte
+            raise
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def read_block(h: FileHandle, block: np.ndarray, offset: int) -> None:
+    got = read_upto(h, block, offset)
+    if got < block.shape[0]:
+        block[got:] = 0
+
+
+def tail_fd(h: FileHandle) -> int:
+    """``h``'s file opened buffered (once; under ``h.rmw_lock``), checked to be the file ``h.fd`` is."""
+    if h.tail_fd < 0:
+        try:
+            fd = os.open(f"/proc/self/fd/{h.fd}", os.O_RDWR)  # the file itself, renamed or unlinked since
+        except OSError:
+            fd = os.open(h.path, os.O_RDWR)
+        now, then = os.fstat(fd), os.fstat(h.fd)
+        if (now.st_dev, now.st_ino) != (then.st_dev, then.st_ino):
+            os.close(fd)
+            raise OSError(errno_mod.ESTALE, "the path no longer names the file registered there")
+        h.tail_fd = fd
+    return h.tail_fd
+
+
+class BouncePool:
+    """Aligned bounce buffers of ``size`` bytes, one per unaligned row in flight, shared by the pool threads and
+    inline callers; at most ``keep`` are kept between rows (any number of caller threads may run unaligned rows at
+    once: what they leave behind stays within keep x size)."""
+
+    def __init__(self, size: int, alignment: int, keep: int) -> None:
+        self.size, self.alignment, self.keep = size, alignment, keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        """A bounce buffer for one row: a kept one, else a new one (hand it back with ``give``)."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return aligned_empty(self.size, self.alignment)
+
+    def give(self, buf: np.ndarray) -> None:
+        """Keep ``buf`` for the next row unless ``keep`` are kept already."""
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+def bounce_row(
+    req: Any,
+    h: FileHandle,
+    row: int,
+    offset: int,
+    view: memoryview,
+    write: bool,
+    completion: Completion,
+    bounce: np.ndarray,
+    alignment: int,
+    error: Callable[..., TransferIOError],
+    backend: str,
+) -> None:
+    """Move an unaligned row through the aligned ``bounce`` buffer, a bounce-sized piece at a time (none once the
+    transfer is cancelled): partial blocks read, modified and written back under the file's ``rmw_lock``. An
+    OSError becomes ``error(req, row, h, exc, write, moved=...)`` naming the caller's byte where it stopped."""
+    user = np.frombuffer(view, dtype=np.uint8)
+    A = alignment
+    step = bounce.shape[0] - 2 * A
+    done = 0
+    total = user.shape[0]
+    while done < total:
+        if completion.cancelled:
+            return
+        piece = min(step, total - done)
+        off = offset + done
+        lo = off - off % A
+        hi = -(-(off + piece) // A) * A
+        span = bounce[: hi - lo]
+        at = lo  # the file offset the call under way starts at: a failure names the descriptor of its byte
+        try:
+            if write:
+                with h.rmw_lock:
+                    if (off + piece) % A and hi > os.fstat(h.fd).st_size:
+                        # the piece's last block reaches past the end of the file: a whole-block write would
+                        # grow it past the caller's bytes, and cutting it back could cut off a write that grew
+                        # it meanwhile; a buffered write grows it to the end of the caller's bytes at most
+                        at = off
+                        vectored(tail_fd(h), [memoryview(user[done : done + piece])], off, True)
+                    else:
+                        if off != lo:
+                            read_block(h, span[:A], lo)
+                        if (off + piece) % A and (hi - A != lo or off == lo):
+                            at = hi - A
+                            read_block(h, span[-A:], at)
+                        span[off - lo : off - lo + piece] = user[done : done + piece]
+                        at = lo
+                        vectored(h.fd, [span], lo, True)
+            else:
+                got = read_upto(h, span, lo)
+                if got < off - lo + piece:
+                    raise TransferIOError(
+                        f"read past the end of {h.path!r}: wanted [{off}, {off + piece}), file ends at {lo + got}",
+                        errno=errno_mod.EIO, index=req.caller_index(row, done + max(0, lo + got - off)),
+                        backend=backend,
+                    )  # fmt: skip
+                user[done : done + piece] = span[off - lo : off - lo + piece]
+        except OSError as exc:
+            if isinstance(exc, TransferIOError):
+                raise
+            failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
+            raise error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
+        done += piece
