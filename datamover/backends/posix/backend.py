@@ -20,6 +20,7 @@ import errno as errno_mod
 import logging
 import os
 import queue
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,9 @@ class PosixBackend(Backend):
         "min_part_bytes": 1 << 20,
         "aio": True,  # O_DIRECT batches go through Linux native AIO (many I/Os per syscall) where it works
         "aio_depth": 256,  # I/Os in flight per AIO context
+        # AIO contexts kept at most (one per AIO batch in flight; each takes aio_depth of the machine's
+        # fs.aio-max-nr, shared by every process): a batch finding none free past this runs synchronously
+        "aio_contexts": 16,
         "aio_spin_us": 100,  # poll this long for the last completions before sleeping in io_getevents
     }
 
@@ -193,6 +197,7 @@ class PosixBackend(Backend):
         )
         self._aio_free: queue.SimpleQueue = queue.SimpleQueue()
         self._aio_all: list = []
+        self._aio_lock = threading.Lock()  # over _aio_all: making and dropping contexts
         self._aio_refused = False  # io_setup refused a context once (logged once)
 
     @classmethod
@@ -360,16 +365,9 @@ class PosixBackend(Backend):
         try:
             ctx = self._aio_free.get_nowait()
         except queue.Empty:
-            try:
-                ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
-            except OSError as exc:
-                # AIO contexts come from a budget the whole machine shares (fs.aio-max-nr): with none to be had
-                # the batch takes the synchronous path
-                if not self._aio_refused:
-                    self._aio_refused = True
-                    log.warning("posix: no AIO context to be had (%s); such batches run synchronously", exc)
+            ctx = self._new_aio_context()
+            if ctx is None:
                 return self._post_groups(req, p, write, [(0, len(p.groups))], p.inline)
-            self._aio_all.append(ctx)
         try:
             run = ctx.start(p.aio, rows=False)
         except BaseException:
@@ -393,15 +391,30 @@ class PosixBackend(Backend):
             job.reap_once()
         return job.completion
 
+    def _new_aio_context(self) -> AioContext | None:
+        """A new AIO context, or None: ``aio_contexts`` exist already (all busy), or the machine has none to give
+        (fs.aio-max-nr, a budget every process shares, used up). Either way the batch runs synchronously."""
+        with self._aio_lock:
+            if len(self._aio_all) >= int(self.params["aio_contexts"]):
+                return None
+            try:
+                ctx = AioContext(int(self.params["aio_depth"]), float(self.params["aio_spin_us"]))
+            except OSError as exc:
+                if not self._aio_refused:
+                    self._aio_refused = True
+                    log.warning("posix: no AIO context to be had (%s); such batches run synchronously", exc)
+                return None
+            self._aio_all.append(ctx)
+            return ctx
+
     def _aio_back(self, run: AioRun) -> None:
         """Hand ``run``'s context out again, unless it is still busy (finish never ran), has I/Os to come (a bounded
         reap gave up) or is gone (destroyed after its reap failed: dropped)."""
         ctx = run.ctx
         if not ctx.alive:
-            try:
-                self._aio_all.remove(ctx)
-            except ValueError:
-                pass
+            with self._aio_lock:
+                if ctx in self._aio_all:
+                    self._aio_all.remove(ctx)
         elif not ctx._lock.locked() and not run.inflight:
             self._aio_free.put(ctx)
 
@@ -504,7 +517,9 @@ class PosixBackend(Backend):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        for ctx in list(self._aio_all):  # a copy: an inline caller may drop a destroyed context meanwhile
+        with self._aio_lock:  # a copy: an inline caller may drop a destroyed context meanwhile
+            kept = list(self._aio_all)
+        for ctx in kept:
             ctx.close()
 
 
@@ -520,6 +535,8 @@ def _check_params(p: Mapping[str, Any]) -> None:
             f"bounce_bytes must be at least 3 x alignment ({3 * p['alignment']}), got {p['bounce_bytes']!r}",
             backend="posix",
         )
+    if p["aio_contexts"] < 1:
+        raise InvalidParameter(f"aio_contexts must be at least 1, got {p['aio_contexts']!r}", backend="posix")
     if p["aio_depth"] < 1:
         raise InvalidParameter(f"aio_depth must be at least 1, got {p['aio_depth']!r}", backend="posix")
 
