@@ -234,6 +234,84 @@ def test_a_fetch_of_a_key_that_never_appears_times_out(gateway):
         stalled.set()
 
 
+# -- the publisher: its lease, puts and keepalives ----------------------------------------
+PUB_KEY = etcd_mod.agent_key("ns", "pub")
+
+
+def _granted(h: _Handler, _: dict) -> None:
+    h.send(b'{"header":{"revision":"5"},"ID":"7","TTL":"600"}')
+
+
+def _paths(g: Gateway) -> list[str]:
+    return [path for path, _ in g.requests]
+
+
+_BAD_GRANTS = {
+    "no ID": b'{"header":{"revision":"5"},"TTL":"5"}',
+    "lease 0 (a key that never expires)": b'{"ID":"0","TTL":"5"}',
+    "ID not a number": b'{"ID":"x7","TTL":"5"}',
+    "TTL 0": b'{"ID":"7","TTL":"0"}',
+    "not JSON": b"<html>busy</html>",
+    "not an object": b"[7]",
+}
+
+
+@pytest.mark.parametrize("body", _BAD_GRANTS.values(), ids=_BAD_GRANTS.keys())
+def test_a_garbled_lease_grant_fails_publish_typed_and_puts_nothing(gateway, body):
+    """Before: KeyError, ValueError or requests' JSONDecodeError out of publish, or (lease 0) the blob put with no
+    lease at all, a key etcd keeps after the agent is gone."""
+    from datamover import Agent
+
+    g = gateway(lease_grant=lambda h, _: h.send(body))
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        with pytest.raises(InvalidMetadata, match=f"etcd lease grant for {PUB_KEY}"):
+            agent.publish(g.endpoint, "ns")
+        assert agent._peers.publisher is None
+    assert "kv/put" not in _paths(g)
+
+
+def test_a_refused_put_fails_publish_typed_and_revokes_the_lease(gateway):
+    """Before: etcd3gw's own exception out of publish, and the lease granted for the refused put left to expire."""
+    from datamover import Agent
+    from datamover.errors import RemoteRefused
+
+    def refuse(h: _Handler, _: dict) -> None:
+        body = b'{"error":"etcdserver: request is too large","code":3}'
+        h.send_response(400)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    g = gateway(lease_grant=_granted, kv_put=refuse)
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        with pytest.raises(RemoteRefused, match=f"etcd put of {PUB_KEY}: .*HTTP 400"):
+            agent.publish(g.endpoint, "ns")
+    assert ("kv/lease/revoke", {"ID": 7}) in g.requests
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>busy</html>", b'{"result":{"ID":"7","TTL":"soon"}}', b'{"result":[1]}', b"{}"],
+    ids=["not JSON", "TTL not a number", "result not an object", "no result"],
+)
+def test_a_keepalive_answer_not_understood_is_invalid_metadata_and_keeps_the_lease(gateway, body):
+    """Before: KeyError or ValueError taken for etcd being away; as the gateway answered status, the lease was taken
+    for lost and a new one granted and the blob put again at every refresh (watchers reloading the peer each time).
+    """
+    from datamover.agents.etcd import EtcdPublisher
+
+    g = gateway(lease_grant=_granted, lease_keepalive=lambda h, _: h.send(body))
+    pub = EtcdPublisher(g.endpoint, "ns", "pub", lambda: b"blob", ttl=600)  # its own refreshes are 200 s away
+    try:
+        before = len(g.requests)
+        with pytest.raises(InvalidMetadata, match=f"etcd lease keepalive for {PUB_KEY}"):
+            pub._refresh()
+        assert _paths(g)[before:] == ["lease/keepalive"]
+        assert pub.lease.id == 7
+    finally:
+        pub.close()
+
+
 # -- parsing (no gateway) -------------------------------------------------------------
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
