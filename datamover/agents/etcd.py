@@ -81,6 +81,7 @@ class EtcdPublisher:
         self._provider = provider
         self._lock = threading.Lock()
         self._dirty = False  # the last put did not land: put again once etcd answers
+        self._closed = False  # once set, nothing is put or granted again (see close)
         self.lease, granted = self._grant()
         self._interval = min(self.ttl, granted) / 3
         try:
@@ -93,8 +94,13 @@ class EtcdPublisher:
         self._thread.start()
 
     def update(self) -> None:
-        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails."""
+        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails.
+
+        Nothing once closed.
+        """
         with self._lock:
+            if self._closed:
+                return
             try:
                 self._put(self.lease)
             except Exception:
@@ -122,9 +128,14 @@ class EtcdPublisher:
         if not alive:
             log.info("etcd lost the lease of %s; publishing under a new one", self.key)
             with self._lock:
+                if self._closed:
+                    return
                 self.lease, granted = self._grant()
                 self._interval = min(self.ttl, granted) / 3
                 self._dirty = True
+                if self._closed:  # closed while the grant was on its way: close may have revoked the lease before
+                    self._revoke(self.lease)  # this one, which goes too
+                    return
         if self._dirty:
             self.update()
             log.info("republished %s to etcd", self.key)
@@ -163,8 +174,10 @@ class EtcdPublisher:
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing and revoke the lease, so the key disappears now rather than after the TTL.
 
-        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies.
+        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies. Once it returns nothing is
+        put again: a refresh still waiting on etcd (past the TTL this waits for it) grants and puts nothing more.
         """
+        self._closed = True  # before reading the lease to revoke: a refresh granting one now sees it and revokes it
         self._stop.set()
         self._thread.join(self.ttl)
         if revoke:

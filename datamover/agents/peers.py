@@ -254,6 +254,7 @@ class Peers:
 
         if self.publisher is not None:
             self.publisher.close()
+            self.publisher = None  # a new one that fails to start leaves none (the closed one published nothing)
         self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
         return self.publisher.key
 

@@ -312,6 +312,51 @@ def test_a_keepalive_answer_not_understood_is_invalid_metadata_and_keeps_the_lea
         pub.close()
 
 
+def test_nothing_is_published_after_close_returned(gateway):
+    """close() while a refresh is on its way (etcd slow): it used to find the lease gone once the answer came, and
+    grant a new lease and put the blob again after close had returned, the key back in etcd, a dead agent watched
+    peers load again; and an update() after close put the blob again under the revoked lease."""
+    from datamover.agents.etcd import EtcdPublisher
+
+    in_keepalive, answer = threading.Event(), threading.Event()
+
+    def keepalive(h: _Handler, _: dict) -> None:
+        in_keepalive.set()
+        answer.wait(30)
+        h.send(b'{"result":{"ID":"7"}}')  # etcd no longer knows the lease (close revoked it meanwhile)
+
+    g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=keepalive)
+    pub = EtcdPublisher(g.endpoint, "ns", "pub", lambda: b"blob", ttl=2)
+    assert in_keepalive.wait(30)  # known point: a refresh waits on etcd
+    pub.close()  # waits for the refresh up to its TTL, then revokes
+    closed_at = len(g.requests)
+    answer.set()
+    pub._thread.join(30)
+    assert not pub._thread.is_alive()
+    pub.update()  # a registration after close (the agent's publisher closed, not yet dropped)
+    after = _paths(g)[closed_at:]
+    assert "kv/put" not in after and "lease/grant" not in after, after
+
+
+def test_a_failed_publish_leaves_no_closed_publisher_behind(gateway):
+    """publish() again to an etcd out of reach: the earlier publisher was closed, the new one never made, and the
+    agent kept the closed one: every registration after that put the blob again under its revoked lease."""
+    import numpy as np
+
+    from datamover import Agent
+    from datamover.errors import RemoteDisconnected
+
+    g = gateway(lease_grant=_granted)
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        agent.publish(g.endpoint, "ns")
+        with pytest.raises(RemoteDisconnected, match="no etcd endpoint"):
+            agent.publish("http://127.0.0.1:1", "ns")
+        assert agent._peers.publisher is None
+        revoked_at = _paths(g).index("kv/lease/revoke")
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert "kv/put" not in _paths(g)[revoked_at:]
+
+
 # -- parsing (no gateway) -------------------------------------------------------------
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
