@@ -116,14 +116,39 @@ class Peers:
             # a partial blob of another process of the peer (it restarted) replaces what the earlier one published
             if meta.partial and old is not None and old.ident == meta.ident:
                 meta = _merge_metadata(old, meta)
-            # backends check their connection info first, so a bad blob changes nothing
-            for name, info in meta.backends.items():
-                if self._backends.usable(name):
-                    self._backends.get(name).add_remote(meta.name, info)
+            # the table first: a post of descriptors checked against another process of the peer is refused from
+            # here on (it reads the generation), before a backend holds this process's connection info
             self._remotes[meta.name] = meta
             self.generation += 1
+            taken: list[tuple[str, Any]] = []
+            try:
+                for name, info in meta.backends.items():
+                    if self._backends.usable(name):
+                        inst = self._backends.get(name)
+                        inst.add_remote(meta.name, info)
+                        taken.append((name, inst))
+            except BaseException:
+                self._restore(meta.name, old, taken)  # a bad blob changes nothing
+                raise
             self._on_change()
         return meta.name
+
+    def _restore(self, peer: str, old: AgentMetadata | None, taken: list[tuple[str, Any]]) -> None:
+        """Undo a load a backend refused: the earlier metadata back in the table, and each backend that took the
+        new connection info given the earlier one back (or, where it had none, told to forget the peer)."""
+        if old is None:
+            self._remotes.pop(peer, None)
+        else:
+            self._remotes[peer] = old
+        self.generation += 1
+        for name, inst in taken:
+            try:
+                if old is not None and name in old.backends:
+                    inst.add_remote(peer, old.backends[name])
+                else:
+                    inst.remove_remote(peer)
+            except Exception as exc:  # the others are restored still; this one's state is logged
+                log.warning("restoring %s's connection info of %r after a refused load failed: %s", name, peer, exc)
 
     def remove(self, name: str) -> None:
         """Forget a peer and disconnect every backend from it (KeyError if unknown)."""
