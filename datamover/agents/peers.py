@@ -162,9 +162,16 @@ class Peers:
 
     def check_current(self, agent: str, ident: bytes | None, backend: str | None = None) -> None:
         """Refuse descriptors checked against metadata of another process of ``agent`` than the one its metadata
-        here describes (it restarted: the old process's addresses may be the new one's memory)."""
+        here describes (it restarted: the old process's addresses may be the new one's memory), or of an agent no
+        longer loaded here."""
         meta = self._remotes.get(agent)
-        if meta is not None and meta.ident != ident:
+        if meta is None:
+            raise NotRegistered(
+                f"agent {agent!r} is no longer loaded here (removed, or its lease expired): add_remote() its metadata, "
+                "prepare the remote descriptors, and make the transfer, again",
+                backend=backend,
+            )
+        if meta.ident != ident:
             raise NotRegistered(
                 f"the remote descriptors were checked against the metadata of an earlier process of agent {agent!r}, "
                 "which its metadata loaded here no longer describes (it restarted): prepare them, and make the "

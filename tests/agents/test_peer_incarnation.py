@@ -200,3 +200,22 @@ def test_a_blob_one_backend_refuses_changes_nothing_in_the_others(connecting):
         agent.add_remote(encode_metadata("other", bad, [], ident=os.urandom(32)))
     assert "other" not in agent.remotes
     assert "other" not in agent.backend(ConnectingRemote.name).infos
+
+
+def test_a_transfer_to_a_removed_peer_is_refused(agent):
+    """After remove_remote, a transfer made before (and lists prepared before) went on to the backend: the agent no
+    longer knows the peer, yet posted to it."""
+    ident = os.urandom(32)
+    agent.add_remote(_blob(ident, (1, ADDR, SIZE)))
+    _buf, local, remote = _lists(agent)
+    xfer = agent.make_transfer("WRITE", local, None, remote, None)
+    assert xfer.post().wait() == XferState.DONE
+    agent.remove_remote("peer")
+    with pytest.raises(NotRegistered, match="'peer'") as info:
+        xfer.post()
+    assert info.value.backend == RecordingRemote.name
+    with pytest.raises(NotRegistered, match="'peer'"):
+        agent.make_transfer("WRITE", local, None, remote, None)
+    assert len(agent.backend(RecordingRemote.name).posted) == 1
+    agent.add_remote(_blob(ident, (1, ADDR, SIZE)))  # the same process again: its transfers go on
+    assert xfer.post().wait() == XferState.DONE
