@@ -82,6 +82,7 @@ class EtcdPublisher:
         self._lock = threading.Lock()
         self._dirty = False  # the last put did not land: put again once etcd answers
         self._closed = False  # once set, nothing is put or granted again (see close)
+        self._blob = b""  # the blob last made by update(): what the keepalive puts again
         self.lease, granted = self._grant()
         self._interval = min(self.ttl, granted) / 3
         try:
@@ -96,17 +97,24 @@ class EtcdPublisher:
     def update(self) -> None:
         """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails.
 
-        Nothing once closed.
+        Nothing once closed. The blob is made here (``provider()``, which may take the agent's lock: the agent calls
+        this under it); the keepalive puts again the blob made last and never calls ``provider``, so it never
+        waits for the agent's lock while holding this publisher's.
         """
         with self._lock:
             if self._closed:
                 return
-            try:
-                self._put(self.lease)
-            except Exception:
-                self._dirty = True
-                raise
-            self._dirty = False
+            self._blob = self._provider()
+            self._put_last()
+
+    def _put_last(self) -> None:
+        """Put the blob made last under the lease (this publisher's lock held)."""
+        try:
+            self._put(self.lease, self._blob)
+        except Exception:
+            self._dirty = True
+            raise
+        self._dirty = False
 
     def _keepalive(self) -> None:
         while not self._stop.wait(self._interval):
@@ -136,9 +144,11 @@ class EtcdPublisher:
                 if self._closed:  # closed while the grant was on its way: close may have revoked the lease before
                     self._revoke(self.lease)  # this one, which goes too
                     return
-        if self._dirty:
-            self.update()
-            log.info("republished %s to etcd", self.key)
+        with self._lock:
+            if not self._dirty or self._closed:
+                return
+            self._put_last()
+        log.info("republished %s to etcd", self.key)
 
     def _call(self, path: str, body: dict, what: str) -> dict:
         return gateway_call(self.client, path, body, what)
@@ -155,8 +165,8 @@ class EtcdPublisher:
             raise InvalidMetadata(f"{what}: lease {lease_id} of {granted} s is not a lease")
         return Lease(lease_id, client=self.client), granted
 
-    def _put(self, lease: Any) -> None:
-        body = {"key": _b64(self.key), "value": base64.b64encode(self._provider()).decode(), "lease": lease.id}
+    def _put(self, lease: Any, blob: bytes) -> None:
+        body = {"key": _b64(self.key), "value": base64.b64encode(blob).decode(), "lease": lease.id}
         self._call("/kv/put", body, f"etcd put of {self.key}")
 
     def _keepalive_once(self, lease: Any) -> int:

@@ -357,6 +357,46 @@ def test_a_failed_publish_leaves_no_closed_publisher_behind(gateway):
         assert "kv/put" not in _paths(g)[revoked_at:]
 
 
+def test_a_republish_by_the_keepalive_and_a_registration_at_once_do_not_deadlock(gateway):
+    """The keepalive's republish (after etcd was away) took the publisher's lock, then the agent's to make the blob;
+    register_memory took the agent's lock, then (republishing) the publisher's: each waited for the other forever,
+    and the agent with them. Now the keepalive puts again the blob last made, without the agent's lock."""
+    import numpy as np
+
+    from datamover import Agent
+    from datamover.agents.metadata import decode_metadata
+
+    g = gateway(lease_grant=_granted, lease_keepalive=lambda h, _: h.send(b'{"result":{"ID":"7","TTL":"600"}}'))
+    agent = Agent("pub", {"backends": {"memcpy": {}}})
+    agent.publish(g.endpoint, "ns", ttl=600)  # its own refreshes are 200 s away: the test runs the one below
+    pub = agent._peers.publisher
+    registering, go = threading.Event(), threading.Event()
+    update = pub.update
+
+    def republish() -> None:  # the registration's republish, parked under the agent's lock
+        registering.set()
+        go.wait(30)
+        update()
+
+    pub.update = republish
+    register = threading.Thread(target=agent.register_memory, args=(np.zeros(4096, np.uint8),))
+    register.start()
+    assert registering.wait(30)  # known point: register_memory holds the agent's lock, about to republish
+    pub._dirty = True  # a put failed while etcd was away: this refresh puts again
+    keepalive = threading.Thread(target=pub._refresh)
+    keepalive.start()
+    keepalive.join(30)
+    go.set()
+    register.join(30)
+    deadlocked = keepalive.is_alive() or register.is_alive()
+    if not deadlocked:  # (a deadlocked agent cannot be closed)
+        agent.close()
+    assert not deadlocked
+    puts = [body for path, body in g.requests if path == "kv/put"]
+    assert len(puts) == 3  # publish, then the keepalive's and the registration's, in that order
+    assert [len(decode_metadata(base64.b64decode(p["value"])).regions) for p in puts] == [0, 0, 1]
+
+
 # -- parsing (no gateway) -------------------------------------------------------------
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
