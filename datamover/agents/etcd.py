@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import BackendUnavailable, InvalidMetadata, RemoteDisconnected
+from ..errors import BackendUnavailable, InvalidMetadata, RemoteDisconnected, RemoteRefused
 from .metadata import MAX_BLOB_BYTES
 
 log = logging.getLogger("datamover.etcd")
@@ -66,7 +66,10 @@ class EtcdPublisher:
     It survives etcd going away and coming back: a publish that failed (etcd
     down while memory was registered, say) is retried at every refresh until
     it lands, and a lease etcd no longer knows is replaced, the blob put
-    again under the new one.
+    again under the new one. Every answer of the gateway (grant, put,
+    keepalive, revoke) is read within a bound and checked: one not understood
+    is InvalidMetadata naming the key, an HTTP error RemoteRefused, etcd out
+    of reach RemoteDisconnected.
     """
 
     def __init__(
@@ -78,24 +81,43 @@ class EtcdPublisher:
         self._provider = provider
         self._lock = threading.Lock()
         self._dirty = False  # the last put did not land: put again once etcd answers
-        self.lease = self.client.lease(self.ttl)
-        self.update()
+        self._closed = False  # once set, nothing is put or granted again (see close)
+        self._blob = b""  # the blob last made by update(): what the keepalive puts again
+        self.lease, granted = self._grant()
+        self._interval = min(self.ttl, granted) / 3
+        try:
+            self.update()
+        except BaseException:
+            self._revoke(self.lease)  # nothing was published under it
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keepalive, name=f"dm-etcd-{name}", daemon=True)
         self._thread.start()
 
     def update(self) -> None:
-        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails."""
+        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails.
+
+        Nothing once closed. The blob is made here (``provider()``, which may take the agent's lock: the agent calls
+        this under it); the keepalive puts again the blob made last and never calls ``provider``, so it never
+        waits for the agent's lock while holding this publisher's.
+        """
         with self._lock:
-            try:
-                self.client.put(self.key, self._provider(), lease=self.lease)
-            except Exception:
-                self._dirty = True
-                raise
-            self._dirty = False
+            if self._closed:
+                return
+            self._blob = self._provider()
+            self._put_last()
+
+    def _put_last(self) -> None:
+        """Put the blob made last under the lease (this publisher's lock held)."""
+        try:
+            self._put(self.lease, self._blob)
+        except Exception:
+            self._dirty = True
+            raise
+        self._dirty = False
 
     def _keepalive(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
+        while not self._stop.wait(self._interval):
             try:
                 self._refresh()
             except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
@@ -103,34 +125,96 @@ class EtcdPublisher:
 
     def _refresh(self) -> None:
         try:
-            alive = self.lease.refresh() > 0
+            alive = self._keepalive_once(self.lease) > 0
+        except InvalidMetadata:
+            raise  # an answer not understood says nothing of the lease: keep it, try again at the next refresh
         except Exception:
             with self._lock:
                 self._dirty = True
-            self.client.status()  # raises while etcd is away; answers when only the lease is gone
-            alive = False
+            self._call("/maintenance/status", {}, "etcd status")  # raises while etcd is away; answers when only
+            alive = False  # the lease is gone
         if not alive:
             log.info("etcd lost the lease of %s; publishing under a new one", self.key)
             with self._lock:
-                self.lease = self.client.lease(self.ttl)
+                if self._closed:
+                    return
+                self.lease, granted = self._grant()
+                self._interval = min(self.ttl, granted) / 3
                 self._dirty = True
-        if self._dirty:
-            self.update()
-            log.info("republished %s to etcd", self.key)
+                if self._closed:  # closed while the grant was on its way: close may have revoked the lease before
+                    self._revoke(self.lease)  # this one, which goes too
+                    return
+        with self._lock:
+            if not self._dirty or self._closed:
+                return
+            self._put_last()
+        log.info("republished %s to etcd", self.key)
+
+    def _call(self, path: str, body: dict, what: str) -> dict:
+        return gateway_call(self.client, path, body, what)
+
+    def _grant(self) -> tuple[Any, int]:
+        """A new lease of ``ttl`` s and the TTL etcd granted; InvalidMetadata for an answer that is not a lease."""
+        from etcd3gw.lease import Lease
+
+        what = f"etcd lease grant for {self.key}"
+        doc = self._call("/lease/grant", {"TTL": self.ttl, "ID": 0}, what)
+        lease_id = _revision(doc.get("ID"), f"{what}: ID")
+        granted = _revision(doc.get("TTL"), f"{what}: TTL")
+        if lease_id == 0 or granted == 0:  # lease 0 is no lease: a key put under it would never expire
+            raise InvalidMetadata(f"{what}: lease {lease_id} of {granted} s is not a lease")
+        return Lease(lease_id, client=self.client), granted
+
+    def _put(self, lease: Any, blob: bytes) -> None:
+        body = {"key": _b64(self.key), "value": base64.b64encode(blob).decode(), "lease": lease.id}
+        self._call("/kv/put", body, f"etcd put of {self.key}")
+
+    def _keepalive_once(self, lease: Any) -> int:
+        """The TTL etcd gives ``lease`` now that it was kept alive; 0 when etcd no longer knows it."""
+        what = f"etcd lease keepalive for {self.key}"
+        result = _field(self._call("/lease/keepalive", {"ID": lease.id}, what), "result", dict, what, None)
+        return _revision(result.get("TTL", 0), f"{what}: TTL")
+
+    def _revoke(self, lease: Any) -> None:
+        try:
+            self._call("/kv/lease/revoke", {"ID": lease.id}, f"etcd lease revoke for {self.key}")
+        except Exception as exc:
+            log.debug("revoking lease: %s", exc)
 
     def close(self, revoke: bool = True) -> None:
         """Stop refreshing and revoke the lease, so the key disappears now rather than after the TTL.
 
-        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies.
+        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies. Once it returns nothing is
+        put again: a refresh still waiting on etcd (past the TTL this waits for it) grants and puts nothing more.
         """
+        self._closed = True  # before reading the lease to revoke: a refresh granting one now sees it and revokes it
         self._stop.set()
         self._thread.join(self.ttl)
-        if not revoke:
-            return
-        try:
-            self.lease.revoke()
-        except Exception as exc:
-            log.debug("revoking lease: %s", exc)
+        if revoke:
+            self._revoke(self.lease)
+
+
+def gateway_call(client: Any, path: str, body: dict, what: str) -> dict:
+    """POST ``body`` to the gateway's ``path`` and return its answer, read within MAX_WATCH_LINE bytes: a JSON object
+    (InvalidMetadata otherwise); RemoteDisconnected when etcd is out of reach or answers 5xx, RemoteRefused for
+    another HTTP error (a lease etcd does not know, say)."""
+    import requests  # etcd3gw's, as is the client
+
+    try:
+        resp = client.session.post(client.get_url(path), json=body, stream=True, timeout=client.timeout)
+    except requests.RequestException as exc:
+        raise RemoteDisconnected(f"{what}: {type(exc).__name__}: {exc}") from exc
+    try:
+        if resp.status_code != 200:
+            why = next(resp.iter_content(chunk_size=512), b"").decode(errors="replace")
+            error = RemoteDisconnected if resp.status_code >= 500 else RemoteRefused
+            raise error(f"{what}: the gateway answered HTTP {resp.status_code} {resp.reason}: {why}")
+        data = _read_body(resp, MAX_WATCH_LINE, what)
+    except requests.RequestException as exc:
+        raise RemoteDisconnected(f"{what}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        resp.close()
+    return _json_object(data, what)
 
 
 def fetch(client: Any, namespace: str, name: str, timeout: float = 10.0) -> bytes:

@@ -48,7 +48,8 @@ class Peers:
         self._remotes: dict[str, AgentMetadata] = {}
         self.generation = 0  # moves whenever a peer's metadata is loaded or forgotten (see check_current)
         self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
-        self._watches: dict[str, Any] = {}
+        self._watches: dict[str, tuple[Any, threading.Event]] = {}  # peer -> its etcd watch, and the event that
+        # cuts the watch off from the peer table (set by remove_remote, under the lock)
         self.publisher: Any = None
         self.server: Any = None
         self._token = os.urandom(peer_auth.TOKEN_BYTES)  # proves to peers that a PUSH or DROP comes from this agent
@@ -116,30 +117,74 @@ class Peers:
             # a partial blob of another process of the peer (it restarted) replaces what the earlier one published
             if meta.partial and old is not None and old.ident == meta.ident:
                 meta = _merge_metadata(old, meta)
-            # backends check their connection info first, so a bad blob changes nothing
-            for name, info in meta.backends.items():
-                if self._backends.usable(name):
-                    self._backends.get(name).add_remote(meta.name, info)
+            # the table first: a post of descriptors checked against another process of the peer is refused from
+            # here on (it reads the generation), before a backend holds this process's connection info
             self._remotes[meta.name] = meta
             self.generation += 1
+            taken: list[tuple[str, Any]] = []
+            try:
+                for name, info in meta.backends.items():
+                    if self._backends.usable(name):
+                        inst = self._backends.get(name)
+                        inst.add_remote(meta.name, info)
+                        taken.append((name, inst))
+            except BaseException:
+                self._restore(meta.name, old, taken)  # a bad blob changes nothing
+                raise
             self._on_change()
         return meta.name
 
-    def remove(self, name: str) -> None:
-        """Forget a peer and disconnect every backend from it (KeyError if unknown)."""
+    def _restore(self, peer: str, old: AgentMetadata | None, taken: list[tuple[str, Any]]) -> None:
+        """Undo a load a backend refused: the earlier metadata back in the table, and each backend that took the
+        new connection info given the earlier one back (or, where it had none, told to forget the peer)."""
+        if old is None:
+            self._remotes.pop(peer, None)
+        else:
+            self._remotes[peer] = old
+        self.generation += 1
+        for name, inst in taken:
+            try:
+                if old is not None and name in old.backends:
+                    inst.add_remote(peer, old.backends[name])
+                else:
+                    inst.remove_remote(peer)
+            except Exception as exc:  # the others are restored still; this one's state is logged
+                log.warning("restoring %s's connection info of %r after a refused load failed: %s", name, peer, exc)
+
+    def remove(self, name: str, *, unwatch: bool = True) -> None:
+        """Forget a peer and disconnect every backend from it (KeyError if unknown); with ``unwatch``, also stop
+        watching its etcd key (else its next publish would load it again) and forget where it came from."""
+        watch = None
         with self._lock:
+            if unwatch:
+                self._sources.pop(name, None)
+                entry = self._watches.pop(name, None)
+                if entry is not None:
+                    watch, cut = entry
+                    cut.set()  # a delivery already on its way loads nothing now
             if self._remotes.pop(name, None) is None:
-                raise KeyError(f"unknown remote agent {name!r}")
-            self.generation += 1
-            self._on_change()
-            for inst in self._backends.running.values():
-                inst.remove_remote(name)
+                if watch is None:
+                    raise KeyError(f"unknown remote agent {name!r}")
+            else:
+                self.generation += 1
+                self._on_change()
+                for inst in self._backends.running.values():
+                    inst.remove_remote(name)
+        if watch is not None:
+            watch.close()  # outside the lock: its thread may be waiting for it
 
     def check_current(self, agent: str, ident: bytes | None, backend: str | None = None) -> None:
         """Refuse descriptors checked against metadata of another process of ``agent`` than the one its metadata
-        here describes (it restarted: the old process's addresses may be the new one's memory)."""
+        here describes (it restarted: the old process's addresses may be the new one's memory), or of an agent no
+        longer loaded here."""
         meta = self._remotes.get(agent)
-        if meta is not None and meta.ident != ident:
+        if meta is None:
+            raise NotRegistered(
+                f"agent {agent!r} is no longer loaded here (removed, or its lease expired): add_remote() its metadata, "
+                "prepare the remote descriptors, and make the transfer, again",
+                backend=backend,
+            )
+        if meta.ident != ident:
             raise NotRegistered(
                 f"the remote descriptors were checked against the metadata of an earlier process of agent {agent!r}, "
                 "which its metadata loaded here no longer describes (it restarted): prepare them, and make the "
@@ -181,13 +226,21 @@ class Peers:
 
         client = etcd_mod.connect(etcd, timeout=timeout)
         name = self._add_keyed(where, etcd_mod.fetch(client, namespace, where, timeout=timeout))
-        self._sources[name] = ("etcd", client, namespace)
-        if watch and name not in self._watches:
-            self._watches[name] = etcd_mod.EtcdWatch(
-                client, namespace, name, on_change=lambda blob: self._add_keyed(name, blob),
-                on_delete=lambda: self._expired(name),
-            )  # fmt: skip
+        with self._lock:
+            self._sources[name] = ("etcd", client, namespace)
+            if watch and name not in self._watches:
+                cut = threading.Event()
+                self._watches[name] = etcd_mod.EtcdWatch(
+                    client, namespace, name, on_change=lambda blob: self._watched(name, cut, blob),
+                    on_delete=lambda: self._expired(name, cut),
+                ), cut  # fmt: skip
         return name
+
+    def _watched(self, name: str, cut: threading.Event, blob: bytes) -> None:
+        """A blob peer ``name``'s watch delivered: loaded, unless remove_remote stopped that watch meanwhile."""
+        with self._lock:
+            if not cut.is_set():
+                self._add_keyed(name, blob)
 
     def _add_keyed(self, name: str, blob: bytes) -> str:
         """Load a blob read at peer ``name``'s etcd key; one naming another agent is refused before it replaces it."""
@@ -240,13 +293,14 @@ class Peers:
             if token is not None and not peer_auth.proves(known, token):
                 raise AuthenticationError(f"DROP of {name!r} does not carry its identity token")
             log.info("agent %r asked to be forgotten", name)
-            self.remove(name)
+            self.remove(name, unwatch=False)
 
-    def _expired(self, name: str) -> None:
-        log.info("agent %r left etcd (its lease expired or it unpublished); removing it", name)
+    def _expired(self, name: str, cut: threading.Event) -> None:
+        """Peer ``name``'s key went (lease expired, or it unpublished): forgotten, its watch kept for its return."""
         with self._lock:
-            if name in self._remotes:
-                self.remove(name)
+            if name in self._remotes and not cut.is_set():
+                log.info("agent %r left etcd (its lease expired or it unpublished); removing it", name)
+                self.remove(name, unwatch=False)
 
     def publish(self, etcd: Any, namespace: str, ttl: float) -> str:
         """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key."""
@@ -254,6 +308,7 @@ class Peers:
 
         if self.publisher is not None:
             self.publisher.close()
+            self.publisher = None  # a new one that fails to start leaves none (the closed one published nothing)
         self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
         return self.publisher.key
 
@@ -265,7 +320,8 @@ class Peers:
 
     def close(self) -> None:
         """Stop the watches, the side channel and the etcd lease."""
-        for w in self._watches.values():
+        for w, cut in self._watches.values():
+            cut.set()
             w.close()
         self._watches.clear()
         if self.server is not None:

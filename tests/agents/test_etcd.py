@@ -271,3 +271,36 @@ def test_fetch_reads_a_present_key_and_waits_on_its_watch_for_an_absent_one(etcd
     client.put(etcd_mod.agent_key(ns, "later"), b"later-blob")
     t.join(30)
     assert got == {"value": b"later-blob"}
+
+
+def test_remove_remote_of_a_watched_peer_stops_its_watch(etcd, ns):
+    """remove_remote of a peer fetched from etcd left its watch running: the peer's next publish (memory it
+    registered) loaded it again, as if never removed. Now the watch stops with it, and fetch_remote watches anew;
+    an expired lease (the peer may come back) still keeps the watch."""
+    import numpy as np
+
+    from datamover.agents.etcd import read_key
+    from datamover.agents.metadata import decode_metadata
+
+    memcpy = {"backends": {"memcpy": {}}}
+    with Agent("me", memcpy) as me, Agent("pub", memcpy) as pub:
+        pub.publish(etcd, ns, ttl=5)
+        me.fetch_remote("pub", etcd=etcd, namespace=ns, timeout=5)
+        watching = [t for t in threading.enumerate() if t.name == "dm-etcd-watch-pub"]
+        assert len(watching) == 1
+        me.remove_remote("pub")
+        assert not watching[0].is_alive()  # stopped by remove_remote, before it returned
+        pub.register_memory(np.zeros(4096, np.uint8))  # republished: in etcd now, with nobody here to load it
+        published, _ = read_key(pub._peers.publisher.client, pub._peers.publisher.key)
+        assert published is not None and len(decode_metadata(published).regions) == 1
+        assert "pub" not in me.remotes
+        with pytest.raises(KeyError):
+            me.remove_remote("pub")
+        me.fetch_remote("pub", etcd=etcd, namespace=ns, timeout=5)  # watched again
+        pub.register_memory(np.zeros(4096, np.uint8))
+        assert _until(lambda: len(me.remote_metadata("pub").regions) == 2, 10)
+        pub.unpublish()  # the key goes: the peer is dropped, and its watch waits for it to come back
+        assert _until(lambda: "pub" not in me.remotes, 10)
+        pub.publish(etcd, ns, ttl=5)
+        assert _until(lambda: "pub" in me.remotes, 10)
+        pub.unpublish()

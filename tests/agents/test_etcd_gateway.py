@@ -234,6 +234,169 @@ def test_a_fetch_of_a_key_that_never_appears_times_out(gateway):
         stalled.set()
 
 
+# -- the publisher: its lease, puts and keepalives ----------------------------------------
+PUB_KEY = etcd_mod.agent_key("ns", "pub")
+
+
+def _granted(h: _Handler, _: dict) -> None:
+    h.send(b'{"header":{"revision":"5"},"ID":"7","TTL":"600"}')
+
+
+def _paths(g: Gateway) -> list[str]:
+    return [path for path, _ in g.requests]
+
+
+_BAD_GRANTS = {
+    "no ID": b'{"header":{"revision":"5"},"TTL":"5"}',
+    "lease 0 (a key that never expires)": b'{"ID":"0","TTL":"5"}',
+    "ID not a number": b'{"ID":"x7","TTL":"5"}',
+    "TTL 0": b'{"ID":"7","TTL":"0"}',
+    "not JSON": b"<html>busy</html>",
+    "not an object": b"[7]",
+}
+
+
+@pytest.mark.parametrize("body", _BAD_GRANTS.values(), ids=_BAD_GRANTS.keys())
+def test_a_garbled_lease_grant_fails_publish_typed_and_puts_nothing(gateway, body):
+    """Before: KeyError, ValueError or requests' JSONDecodeError out of publish, or (lease 0) the blob put with no
+    lease at all, a key etcd keeps after the agent is gone."""
+    from datamover import Agent
+
+    g = gateway(lease_grant=lambda h, _: h.send(body))
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        with pytest.raises(InvalidMetadata, match=f"etcd lease grant for {PUB_KEY}"):
+            agent.publish(g.endpoint, "ns")
+        assert agent._peers.publisher is None
+    assert "kv/put" not in _paths(g)
+
+
+def test_a_refused_put_fails_publish_typed_and_revokes_the_lease(gateway):
+    """Before: etcd3gw's own exception out of publish, and the lease granted for the refused put left to expire."""
+    from datamover import Agent
+    from datamover.errors import RemoteRefused
+
+    def refuse(h: _Handler, _: dict) -> None:
+        body = b'{"error":"etcdserver: request is too large","code":3}'
+        h.send_response(400)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        h.wfile.write(body)
+
+    g = gateway(lease_grant=_granted, kv_put=refuse)
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        with pytest.raises(RemoteRefused, match=f"etcd put of {PUB_KEY}: .*HTTP 400"):
+            agent.publish(g.endpoint, "ns")
+    assert ("kv/lease/revoke", {"ID": 7}) in g.requests
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"<html>busy</html>", b'{"result":{"ID":"7","TTL":"soon"}}', b'{"result":[1]}', b"{}"],
+    ids=["not JSON", "TTL not a number", "result not an object", "no result"],
+)
+def test_a_keepalive_answer_not_understood_is_invalid_metadata_and_keeps_the_lease(gateway, body):
+    """Before: KeyError or ValueError taken for etcd being away; as the gateway answered status, the lease was taken
+    for lost and a new one granted and the blob put again at every refresh (watchers reloading the peer each time).
+    """
+    from datamover.agents.etcd import EtcdPublisher
+
+    g = gateway(lease_grant=_granted, lease_keepalive=lambda h, _: h.send(body))
+    pub = EtcdPublisher(g.endpoint, "ns", "pub", lambda: b"blob", ttl=600)  # its own refreshes are 200 s away
+    try:
+        before = len(g.requests)
+        with pytest.raises(InvalidMetadata, match=f"etcd lease keepalive for {PUB_KEY}"):
+            pub._refresh()
+        assert _paths(g)[before:] == ["lease/keepalive"]
+        assert pub.lease.id == 7
+    finally:
+        pub.close()
+
+
+def test_nothing_is_published_after_close_returned(gateway):
+    """close() while a refresh is on its way (etcd slow): it used to find the lease gone once the answer came, and
+    grant a new lease and put the blob again after close had returned, the key back in etcd, a dead agent watched
+    peers load again; and an update() after close put the blob again under the revoked lease."""
+    from datamover.agents.etcd import EtcdPublisher
+
+    in_keepalive, answer = threading.Event(), threading.Event()
+
+    def keepalive(h: _Handler, _: dict) -> None:
+        in_keepalive.set()
+        answer.wait(30)
+        h.send(b'{"result":{"ID":"7"}}')  # etcd no longer knows the lease (close revoked it meanwhile)
+
+    g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=keepalive)
+    pub = EtcdPublisher(g.endpoint, "ns", "pub", lambda: b"blob", ttl=2)
+    assert in_keepalive.wait(30)  # known point: a refresh waits on etcd
+    pub.close()  # waits for the refresh up to its TTL, then revokes
+    closed_at = len(g.requests)
+    answer.set()
+    pub._thread.join(30)
+    assert not pub._thread.is_alive()
+    pub.update()  # a registration after close (the agent's publisher closed, not yet dropped)
+    after = _paths(g)[closed_at:]
+    assert "kv/put" not in after and "lease/grant" not in after, after
+
+
+def test_a_failed_publish_leaves_no_closed_publisher_behind(gateway):
+    """publish() again to an etcd out of reach: the earlier publisher was closed, the new one never made, and the
+    agent kept the closed one: every registration after that put the blob again under its revoked lease."""
+    import numpy as np
+
+    from datamover import Agent
+    from datamover.errors import RemoteDisconnected
+
+    g = gateway(lease_grant=_granted)
+    with Agent("pub", {"backends": {"memcpy": {}}}) as agent:
+        agent.publish(g.endpoint, "ns")
+        with pytest.raises(RemoteDisconnected, match="no etcd endpoint"):
+            agent.publish("http://127.0.0.1:1", "ns")
+        assert agent._peers.publisher is None
+        revoked_at = _paths(g).index("kv/lease/revoke")
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert "kv/put" not in _paths(g)[revoked_at:]
+
+
+def test_a_republish_by_the_keepalive_and_a_registration_at_once_do_not_deadlock(gateway):
+    """The keepalive's republish (after etcd was away) took the publisher's lock, then the agent's to make the blob;
+    register_memory took the agent's lock, then (republishing) the publisher's: each waited for the other forever,
+    and the agent with them. Now the keepalive puts again the blob last made, without the agent's lock."""
+    import numpy as np
+
+    from datamover import Agent
+    from datamover.agents.metadata import decode_metadata
+
+    g = gateway(lease_grant=_granted, lease_keepalive=lambda h, _: h.send(b'{"result":{"ID":"7","TTL":"600"}}'))
+    agent = Agent("pub", {"backends": {"memcpy": {}}})
+    agent.publish(g.endpoint, "ns", ttl=600)  # its own refreshes are 200 s away: the test runs the one below
+    pub = agent._peers.publisher
+    registering, go = threading.Event(), threading.Event()
+    update = pub.update
+
+    def republish() -> None:  # the registration's republish, parked under the agent's lock
+        registering.set()
+        go.wait(30)
+        update()
+
+    pub.update = republish
+    register = threading.Thread(target=agent.register_memory, args=(np.zeros(4096, np.uint8),))
+    register.start()
+    assert registering.wait(30)  # known point: register_memory holds the agent's lock, about to republish
+    pub._dirty = True  # a put failed while etcd was away: this refresh puts again
+    keepalive = threading.Thread(target=pub._refresh)
+    keepalive.start()
+    keepalive.join(30)
+    go.set()
+    register.join(30)
+    deadlocked = keepalive.is_alive() or register.is_alive()
+    if not deadlocked:  # (a deadlocked agent cannot be closed)
+        agent.close()
+    assert not deadlocked
+    puts = [body for path, body in g.requests if path == "kv/put"]
+    assert len(puts) == 3  # publish, then the keepalive's and the registration's, in that order
+    assert [len(decode_metadata(base64.b64decode(p["value"])).regions) for p in puts] == [0, 0, 1]
+
+
 # -- parsing (no gateway) -------------------------------------------------------------
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

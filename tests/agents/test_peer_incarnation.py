@@ -107,3 +107,115 @@ def test_metadata_of_the_same_process_loaded_again_keeps_its_descriptors_usable(
     agent.remove_remote("peer")
     agent.add_remote(_blob(ident, (1, ADDR, SIZE)))
     assert xfer.post().wait() == XferState.DONE
+
+
+# -- loading and forgetting a peer while transfers go on ------------------------------------------------------------
+class ConnectingRemote(RecordingRemote):
+    """A remote backend that keeps each peer's connection info, and calls ``during_add`` (a fault point) once it has
+    taken new info and before ``add_remote`` returns: what a transfer posted by another thread meanwhile sees."""
+
+    name = "connecting-remote"
+
+    def __init__(self, host, params=None) -> None:
+        super().__init__(host, params)
+        self.infos: dict[str, dict] = {}
+        self.during_add = None
+
+    def add_remote(self, name, info):
+        if info.get("refuse"):
+            from datamover.errors import InvalidMetadata
+
+            raise InvalidMetadata(f"{self.name}: connection info of {name!r} refused")
+        self.infos[name] = dict(info)
+        if self.during_add is not None:
+            self.during_add()
+
+    def remove_remote(self, name):
+        self.infos.pop(name, None)
+
+
+class SecondRemote(ConnectingRemote):
+    name = "second-remote"
+
+
+@pytest.fixture
+def connecting():
+    for cls in (ConnectingRemote, SecondRemote):
+        register_backend(cls.name, cls)
+    config = {"backends": {ConnectingRemote.name: {}, SecondRemote.name: {}}}
+    with Agent("me", config) as agent:
+        yield agent
+
+
+def _blob_with(ident: bytes, backends: dict, *regions: tuple[int, int, int]) -> bytes:
+    return encode_metadata("peer", backends, [(MemType.DRAM, 0, a, n, rid) for rid, a, n in regions], ident=ident)
+
+
+def test_a_transfer_of_the_earlier_process_posted_while_its_restart_is_loaded_is_refused(connecting):
+    """add_remote of the restarted peer handed the new process's connection info to the backends first and only
+    then replaced the metadata: a transfer made against the earlier process, posted in between, passed the check
+    (the earlier metadata still there) and went to the new process, onto whatever its memory now holds there."""
+    agent = connecting
+    first, second = os.urandom(32), os.urandom(32)
+    agent.add_remote(_blob_with(first, {ConnectingRemote.name: {"port": 1}}, (1, ADDR, SIZE)))
+    _buf, local, remote = _lists(agent)
+    xfer = agent.make_transfer("WRITE", local, None, remote, None)
+    assert xfer.post().wait() == XferState.DONE
+    backend = agent.backend(ConnectingRemote.name)
+    seen = []
+
+    def post_meanwhile():  # another thread's post, at the point the backend holds the new process's info
+        assert backend.infos["peer"] == {"port": 2}
+        try:
+            xfer.post()
+            seen.append("posted")
+        except NotRegistered as exc:
+            seen.append(exc)
+
+    backend.during_add = post_meanwhile
+    agent.add_remote(_blob_with(second, {ConnectingRemote.name: {"port": 2}}, (1, ADDR, SIZE)))
+    assert len(seen) == 1 and isinstance(seen[0], NotRegistered), seen
+    assert len(backend.posted) == 1
+
+
+def test_a_blob_one_backend_refuses_changes_nothing_in_the_others(connecting):
+    """The first backend took the new connection info, the second refused it: add_remote raised, the agent kept the
+    earlier metadata, and the first backend went on with the info of a blob that was refused (a bad blob is meant
+    to change nothing)."""
+    agent = connecting
+    ident = os.urandom(32)
+    good = {ConnectingRemote.name: {"port": 1}, SecondRemote.name: {"port": 1}}
+    agent.add_remote(_blob_with(ident, good, (1, ADDR, SIZE)))
+    known = agent.remote_metadata("peer")
+    from datamover.errors import InvalidMetadata
+
+    bad = {ConnectingRemote.name: {"port": 9}, SecondRemote.name: {"refuse": True}}
+    with pytest.raises(InvalidMetadata, match="second-remote: connection info of 'peer' refused"):
+        agent.add_remote(_blob_with(os.urandom(32), bad, (1, ADDR, SIZE)))
+    assert agent.remote_metadata("peer") is known
+    assert agent.backend(ConnectingRemote.name).infos["peer"] == {"port": 1}
+    assert agent.backend(SecondRemote.name).infos["peer"] == {"port": 1}
+    # and a peer not known before is not left half-loaded either
+    with pytest.raises(InvalidMetadata):
+        agent.add_remote(encode_metadata("other", bad, [], ident=os.urandom(32)))
+    assert "other" not in agent.remotes
+    assert "other" not in agent.backend(ConnectingRemote.name).infos
+
+
+def test_a_transfer_to_a_removed_peer_is_refused(agent):
+    """After remove_remote, a transfer made before (and lists prepared before) went on to the backend: the agent no
+    longer knows the peer, yet posted to it."""
+    ident = os.urandom(32)
+    agent.add_remote(_blob(ident, (1, ADDR, SIZE)))
+    _buf, local, remote = _lists(agent)
+    xfer = agent.make_transfer("WRITE", local, None, remote, None)
+    assert xfer.post().wait() == XferState.DONE
+    agent.remove_remote("peer")
+    with pytest.raises(NotRegistered, match="'peer'") as info:
+        xfer.post()
+    assert info.value.backend == RecordingRemote.name
+    with pytest.raises(NotRegistered, match="'peer'"):
+        agent.make_transfer("WRITE", local, None, remote, None)
+    assert len(agent.backend(RecordingRemote.name).posted) == 1
+    agent.add_remote(_blob(ident, (1, ADDR, SIZE)))  # the same process again: its transfers go on
+    assert xfer.post().wait() == XferState.DONE
