@@ -44,15 +44,31 @@ class Registry:
 
     # -- registering ---------------------------------------------------------
     def register(self, x: Any) -> Registration | list[Registration]:
-        """A buffer (or each buffer of a list, or each row of a DescList), made addressable."""
+        """A buffer (or each buffer of a list, or each row of a DescList), made addressable. Several are registered
+        all or none: when one is refused, those registered before it are given back and the error raised."""
         if isinstance(x, DescList):
             items = [(int(a), int(n), x.mem_type, int(d), x.owners) for a, n, d in x]
-            regs = [self._register_region(*item) for item in items]
+            regs = self._all_or_none([lambda item=item: self._register_region(*item) for item in items])
             return regs[0] if len(regs) == 1 else regs
         if isinstance(x, (list, tuple)):
-            return [self.register(b) for b in x]  # type: ignore[misc]
+            return self._all_or_none([lambda b=b: self.register(b) for b in x])  # type: ignore[misc]
         info = buffer_info(x)
         return self._register_region(info.addr, info.nbytes, info.mem_type, info.dev, info.owner)
+
+    def _all_or_none(self, makers: list[Any]) -> list[Any]:
+        """Run each registration of ``makers``; if one raises, undo those done (nested lists too) and re-raise."""
+        done: list[Any] = []
+        try:
+            for make in makers:
+                done.append(make())
+        except BaseException:
+            for reg in reversed(done):
+                try:
+                    self.deregister(reg)
+                except Exception:  # the first error is the one the caller hears of
+                    pass
+            raise
+        return done
 
     def _register_region(self, addr: int, nbytes: int, mem: MemType, dev: int, owner: Any) -> Registration:
         if mem not in (MemType.DRAM, MemType.VRAM):

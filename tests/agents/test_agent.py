@@ -382,3 +382,19 @@ def test_config_values_of_the_wrong_type_are_named_when_the_config_is_made(confi
 
 def test_a_port_given_as_digits_is_taken_as_a_number():
     assert AgentConfig(listen_port=" 8080 ").listen_port == 8080 and AgentConfig(listen_port=0).listen_port == 0
+
+
+@pytest.mark.parametrize("form", ["list", "desclist"])
+def test_registering_several_buffers_is_all_or_none(form):
+    """The second buffer overlaps the first: the call is refused and the first is given back (before: it stayed
+    registered, and registering it again was refused as overlapping itself)."""
+    buf = np.zeros(8192, np.uint8)
+    with Agent("a") as agent:
+        if form == "list":
+            batch = [buf[:4096], buf[2048:6144]]
+        else:
+            batch = DescList.from_columns(np.array([buf.ctypes.data, buf.ctypes.data + 2048]), 4096)
+        with pytest.raises(InvalidDescriptor, match="overlaps"):
+            agent.register_memory(batch)
+        assert agent.registrations == {}
+        assert agent.register_memory(buf[:4096]).length == 4096
