@@ -39,6 +39,7 @@ from ...errors import (
 )
 from ...units import parse_size
 from ..base import Backend, BackendHost, Completion, TransferRequest, clock
+from ..fence import ReadFence
 
 log = logging.getLogger("datamover.cuda")
 
@@ -224,6 +225,7 @@ class _Lane:
                 return
             event, completion, deadline, error, what = item
             err = rt.cudaEventSynchronize(event)[0]
+            completion.leave()  # the group's copies ended: none reads or writes the caller's memory any more
             if error is None and not _ok(rt, err):
                 error = cuda_error(rt, err, f"{what} (cudaEventSynchronize)")
             elif error is None and clock() > deadline:
@@ -493,16 +495,22 @@ class CudaBackend(Backend):
     def post(self, req: TransferRequest) -> Completion:
         p = req.plan
         groups: list[_Group] = p.groups
-        completion = Completion(len(groups))
+        # a copy on the stream cannot be stopped: a cancel (timeout, release) waits for the ones enqueued, so that
+        # none lands in (or reads) the caller's memory after ERR; the ones not enqueued yet are not
+        completion = ReadFence(len(groups))
         deadline = req.deadline
         for g in groups:
             self._submit(self._lanes[g.dev], req, g, completion, deadline, p.what)
         return completion
 
-    def _submit(self, lane: _Lane, req, g: _Group, completion: Completion, deadline: float, what: str) -> None:
-        """Enqueue one group's copies and an event on its lane; never raises."""
+    def _submit(self, lane: _Lane, req, g: _Group, completion: ReadFence, deadline: float, what: str) -> None:
+        """Enqueue one group's copies and an event on its lane (inside the fence until the lane's thread sees the
+        event); never raises."""
         rt = self._rt
         event = None
+        if not completion.enter():  # cancelled already: nothing of this group is enqueued
+            completion.finish_part(None)
+            return
         try:
             with lane.lock:
                 with _OnDevice(rt, lane.dev):
@@ -514,6 +522,7 @@ class CudaBackend(Backend):
             if event is not None:
                 lane.free_events.append(event)
             lane.synchronize()  # nothing tracks what was enqueued: wait for it before reporting
+            completion.leave()
             err = exc if isinstance(exc, DatamoverError) else DatamoverError(f"{type(exc).__name__}: {exc}")
             if err.backend is None:
                 err.backend = self.name

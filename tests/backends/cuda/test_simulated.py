@@ -224,18 +224,34 @@ def test_post_returns_before_the_copy_completes(sim):
         assert x.wait().value == "DONE" and host.read(0, 4096) == data
 
 
-def test_completion_after_the_deadline_is_a_timeout(sim):
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_timeout_waits_for_the_copies_on_the_stream(sim, op):
+    """A copy on the stream cannot be stopped: ERR (a timeout) is reported once the copies enqueued ended, so none
+    lands in the caller's memory (READ: VRAM -> the caller's DRAM here is a WRITE from VRAM) or reads it after ERR.
+    Before, ERR came at the deadline while the copy was still queued, and its bytes landed after it."""
     with Agent("a", {"backends": {"cuda": {}}}) as agent:
         vram, host = _pair(sim, agent)
+        on_vram, on_host = random_bytes(4096, 7), random_bytes(4096, 8)
+        vram.write(0, on_vram)
+        host.write(0, on_host)
         lp, rp = agent.prepare(vram.descs([0], [4096])), agent.prepare(host.descs([0], [4096]))
-        x = agent.make_transfer("WRITE", lp, None, rp, None, timeout=0.05)
+        # WRITE: VRAM -> host (the caller's host buffer is the destination); READ: host -> VRAM (it is the source)
+        x = agent.make_transfer(op, lp, None, rp, None, timeout=0.05)
         gate = threading.Event()
-        sim.streams[0].ops.put(("wait", gate))
+        sim.streams[0].ops.put(("wait", gate))  # the copy is held behind the gate
         x.post()
-        with pytest.raises(TransferTimeout):  # the copy is held: the deadline passes first, whatever the load
-            x.wait()
-        gate.set()  # now the copy completes, after the deadline
-        assert x._completion.wait(10)
+        fencing = getattr(x._completion, "fencing", threading.Event())
+        fenced = threading.Thread(target=lambda: fencing.wait(30) and gate.set())
+        fenced.start()  # the gate opens once the timeout's cancel waits for the copy: a known point
+        try:
+            with pytest.raises(TransferTimeout):
+                x.wait()
+            # the copy ran before ERR was reported, not after
+            landed = host.read(0, 4096) == on_vram if op == "WRITE" else vram.read(0, 4096) == on_host
+        finally:
+            gate.set()
+            fenced.join(30)
+        assert landed, "ERR reported with the copy still on the stream"
         assert x.state == XferState.ERR and isinstance(x.error, TransferTimeout)
         x.release()
         agent.transfer("WRITE", vram.descs([0], [4096]), host.descs([0], [4096])).wait()  # still usable
