@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable, Container
+from operator import itemgetter
 
 from .arc import ARCTier
 from .base import Key, Policy, PolicySettings, TierPolicy
@@ -62,6 +63,7 @@ CHECKS = 16  # comparisons per horizon
 EXPERTS = ("s3fifo", "wtinylfu", "arc", "lru", "lfu")
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
+_FIRST = itemgetter(0)  # a pending reference's index
 
 
 class AdaptiveTier(TierPolicy):
@@ -77,7 +79,6 @@ class AdaptiveTier(TierPolicy):
         super().__init__(capacity)
         self.sketch = sketch
         self.parents = parents if parents is not None else {}
-        self._up: dict[Key, Key] = {}  # resident chunk -> its parent (when known)
         self.children: dict[Key, set[Key]] = {}  # chunk -> its resident children in this tier
         self.experts = experts
         rate = min(1.0, max(SHADOW_MIN / capacity, SHADOW_SHARE)) if capacity > 0 else 1.0
@@ -99,7 +100,7 @@ class AdaptiveTier(TierPolicy):
         self.switches = 0
         self.real: TierPolicy = experts[0](capacity)
         self._admits = type(self.real).admit is not TierPolicy.admit  # whether the real policy may refuse
-        self.recency: OrderedDict[Key, None] = OrderedDict()
+        self.recency: OrderedDict[Key, Key | None] = OrderedDict()  # resident chunk -> its parent (when known)
         # Miniature shadows (threshold < 2**64) see each request as the expert they simulate would (`served`): the
         # references of the request being served, and the last SAMPLE_FACTOR x C references, request by request
         self.miniature = self.threshold <= _MASK
@@ -119,7 +120,7 @@ class AdaptiveTier(TierPolicy):
             if ref(key, now):
                 hit |= bit
             bit <<= 1
-        self._count(hit, bit)
+        self._count((hit,), bit)
 
     def served(self, now: float) -> None:
         """A request is done: its references (in chunk order) join the history, and each miniature shadow takes
@@ -129,13 +130,14 @@ class AdaptiveTier(TierPolicy):
         pending = self._pending
         if not pending:
             return
-        pending.sort(key=_first)
+        pending.sort(key=_FIRST)
         keys = [key for _, key in pending]
         pending.clear()
-        self.history.append(keys)
+        history = self.history
+        history.append(keys)
         self._history_refs += len(keys)
-        while self._history_refs - len(self.history[0]) >= self._history_limit:
-            self._history_refs -= len(self.history.popleft())
+        while self._history_refs - len(history[0]) >= self._history_limit:
+            self._history_refs -= len(history.popleft())
         threshold = self.threshold
         sampled = [key for key in keys if (hash(key) * _GOLDEN) & _MASK < threshold]
         if not sampled:
@@ -143,35 +145,36 @@ class AdaptiveTier(TierPolicy):
         masks = [0] * len(sampled)
         bit = 1
         for shadow in self.shadows:
-            ref = shadow.ref
-            for i in _served_order(sampled, shadow.holds):
-                if ref(sampled[i], now):
-                    masks[i] |= bit
+            for i in shadow.ref_request(sampled, now):
+                masks[i] |= bit
             bit <<= 1
-        for hit in masks:
-            self._count(hit, bit)
+        self._count(masks, bit)
 
-    def _count(self, hit: int, full: int) -> None:
-        """One sampled reference whose shadows hit as the bit mask `hit` says (`full` - 1 if all did): every
-        (hit, missed) pair of experts counts one, faded."""
-        unit = self._unit = self._unit / self._keep
-        if 0 < hit < full - 1:
-            pairs = self._pairs.get(hit)
-            if pairs is None:
-                n = len(self._refs)
-                pairs = self._pairs[hit] = [
-                    (i, j) for i in range(n) if hit >> i & 1 for j in range(n) if not hit >> j & 1
-                ]
-            wins = self.wins
-            for i, j in pairs:
-                wins[i][j] += unit
-        if unit > 1e150:
-            self._unit = 1.0
-            self.wins = [[x / unit for x in row] for row in self.wins]
-        self._until_check -= 1
-        if self._until_check <= 0:
-            self._until_check = self.check_every
-            self._check()
+    def _count(self, masks: list[int] | tuple[int, ...], full: int) -> None:
+        """Sampled references, in order, whose shadows hit as each bit mask says (`full` - 1 if all did): every
+        (hit, missed) pair of experts counts one, faded; the leader is checked every `check_every` of them."""
+        unit, keep, every = self._unit, self._keep, self._pairs
+        wins, all_hit, until = self.wins, full - 1, self._until_check
+        for hit in masks:
+            unit /= keep
+            if 0 < hit < all_hit:
+                pairs = every.get(hit)
+                if pairs is None:
+                    n = len(self._refs)
+                    pairs = every[hit] = [
+                        (i, j) for i in range(n) if hit >> i & 1 for j in range(n) if not hit >> j & 1
+                    ]
+                for i, j in pairs:
+                    wins[i][j] += unit
+            if unit > 1e150:
+                wins = self.wins = [[x / unit for x in row] for row in wins]
+                unit = 1.0
+            until -= 1
+            if until <= 0:
+                until = self._until_check = self.check_every
+                self._unit = unit
+                self._check()
+        self._unit, self._until_check = unit, until
 
     def _check(self) -> None:
         """Switch to the challenger whose paired lead over the leader is the most standard deviations, if that
@@ -203,10 +206,8 @@ class AdaptiveTier(TierPolicy):
             return
         if self.history:  # the expert run at full size over the history is what the tier would hold
             rerun = self.experts[expert](self.capacity)
-            ref, holds = rerun.ref, rerun.holds
             for keys in self.history:
-                for i in _served_order(keys, holds):
-                    ref(keys[i], 0.0)
+                rerun.ref_request(keys, 0.0)
             self.real.assume(rerun, list(self.recency))  # type: ignore[attr-defined]
             return
         counts = self.sketch.counts if self.sketch is not None else {}
@@ -218,10 +219,11 @@ class AdaptiveTier(TierPolicy):
         return self.real.admit(key, now, ref) if self._admits else True
 
     def insert(self, key: Key, now: float, ref: int = -1) -> None:
-        self.recency[key] = None
         parent = self.parents.get(key)
-        if parent is not None:
-            self._up[key] = parent
+        if parent is None:
+            self.recency.setdefault(key, None)
+        else:
+            self.recency[key] = parent
             kids = self.children.get(parent)
             if kids is None:
                 self.children[parent] = {key}
@@ -234,8 +236,7 @@ class AdaptiveTier(TierPolicy):
             self._sample(key, now)
 
     def _gone(self, key: Key) -> None:
-        del self.recency[key]
-        parent = self._up.pop(key, None)
+        parent = self.recency.pop(key)
         if parent is not None:
             kids = self.children[parent]
             kids.discard(key)
@@ -260,8 +261,8 @@ class AdaptiveTier(TierPolicy):
         a leaf below the last one goes instead (a chunk whose parent is gone is of no use: evict leaves
         first, as a radix tree does)."""
         out: list[Key] = []
-        real, children, recency, up = self.real, self.children, self.recency, self._up
-        while len(out) < count:
+        real, children, recency = self.real, self.children, self.recency
+        for _ in range(count):  # one victim a round, or none left
             key = real.evict_avoiding(children, LEAF_TRIES, now, pinned)
             if key is None:
                 break
@@ -271,8 +272,7 @@ class AdaptiveTier(TierPolicy):
                     real.restore(key, now)
                     real.remove(leaf)
                     key = leaf
-            del recency[key]  # `_gone`, written out
-            parent = up.pop(key, None)
+            parent = recency.pop(key)  # `_gone`, written out
             if parent is not None:
                 kids = children[parent]
                 kids.discard(key)
@@ -293,21 +293,6 @@ class AdaptiveTier(TierPolicy):
 
     def __len__(self) -> int:
         return len(self.recency)
-
-
-def _first(item: tuple[int, Key]) -> int:
-    return item[0]
-
-
-def _served_order(keys: list[Key], holds: Callable[[Key], bool]) -> list[int]:
-    """Positions of a request's chunks (first to last) in the order the engine hands them to a tier that holds
-    what `holds` says: the found prefix last chunk first, then the rest last chunk first."""
-    n = len(keys)
-    for i, key in enumerate(keys):
-        if not holds(key):
-            n = i
-            break
-    return [*range(n - 1, -1, -1), *range(len(keys) - 1, n - 1, -1)]
 
 
 class AdaptivePolicy(Policy):
@@ -339,13 +324,12 @@ class AdaptivePolicy(Policy):
         if parent is None:
             return
         parents = self.parents
-        if key in parents:  # most recent now; no new entry, so nothing to trim
+        size = len(parents)
+        parents[key] = parent
+        if len(parents) == size:  # known: most recent now; no new entry, so nothing to trim
             parents.move_to_end(key)
-            parents[key] = parent
-        else:
-            parents[key] = parent
-            if len(parents) > self._limit:
-                parents.popitem(last=False)
+        elif size >= self._limit:
+            parents.popitem(last=False)
 
     def observe(self, key: Key, now: float, ref: int = -1) -> None:
         sketch = self.sketch  # FrequencySketch.add, inlined: this runs on every reference

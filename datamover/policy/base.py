@@ -10,7 +10,7 @@ request's first chunk last), so a policy ordered by recency keeps prefixes whole
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Hashable
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +98,13 @@ class TierPolicy(ABC):
         self.insert(key, now)
         return False
 
+    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
+        """One request's references to a key-only cache (`ref`), in the order the engine hands a request to a
+        tier that holds what this one holds: the found prefix last chunk first, then the rest last chunk first.
+        Returns the positions in `keys` that hit. Policies may take the same steps faster."""
+        ref = self.ref
+        return [i for i in served_order(keys, self.holds) if ref(keys[i], now)]
+
     def holds(self, key: Key) -> bool:
         """Whether `key` is resident (for `ref`; the owner of a real tier keeps its own set)."""
         raise NotImplementedError(f"{type(self).__name__} cannot run as a shadow cache")
@@ -120,6 +127,17 @@ class Policy(ABC):
         before `observe`, for policies that use the prefix structure (default: ignored)."""
 
 
+def served_order(keys: Sequence[Key], holds: Callable[[Key], bool]) -> list[int]:
+    """Positions of a request's chunks (first to last) in the order the engine hands them to a tier that holds
+    what `holds` says: the found prefix last chunk first, then the rest last chunk first."""
+    n = len(keys)
+    for i, key in enumerate(keys):
+        if not holds(key):
+            n = i
+            break
+    return [*range(n - 1, -1, -1), *range(len(keys) - 1, n - 1, -1)]
+
+
 def first_unpinned(order, pinned: Container[Key]) -> Key | None:
     """The first key of an iterable order that is not pinned (None if all are)."""
     for key in order:
@@ -128,4 +146,4 @@ def first_unpinned(order, pinned: Container[Key]) -> Key | None:
     return None
 
 
-__all__ = ["NEVER", "Key", "Policy", "PolicySettings", "TierPolicy", "first_unpinned"]
+__all__ = ["NEVER", "Key", "Policy", "PolicySettings", "TierPolicy", "first_unpinned", "served_order"]

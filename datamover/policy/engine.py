@@ -147,7 +147,7 @@ class TierStack:
         admit = order.admit if type(order).admit is not TierPolicy.admit else None
         touch, insert, evict, add, drop = order.touch, order.insert, order.evict, only.add, only.remove
         high, low = self.high[0], self.low[0]
-        found = missed = placed = evicted = 0
+        missed = refused = evicted = 0  # every other step found its chunk
         last = len(keys) - 1
         if leaf_first:
             steps = [*range(n - 1, -1, -1), *range(last, n - 1, -1)]
@@ -162,29 +162,29 @@ class TierStack:
             if observe is not None:
                 observe(key, now, ref)
             if key in only:
-                found += 1
                 touch(key, now, ref)
                 continue
             missed += 1
             if len(only) >= high:
                 if admit is None or admit(key, now, ref):
-                    for victim in evict(len(only) + 1 - low, now, pinned):
+                    victims = evict(len(only) + 1 - low, now, pinned)
+                    for victim in victims:
                         drop(victim)
-                        evicted += 1
+                    evicted += len(victims)
                 if len(only) >= high:  # refused, or all that is left is pinned: the only tier has no next
+                    refused += 1
                     continue
             add(key)
             insert(key, now, ref)
-            placed += 1
         if n == len(keys):
             pinned.difference_update(held)
         if type(order).served is not TierPolicy.served:
             order.served(now)
-        self.hits[0] += found
+        self.hits[0] += len(keys) - missed
         self.misses += missed
         self.evictions[0] += evicted
-        if placed:
-            self.moved[PREFILL, self.names[0]] += placed
+        if missed > refused:
+            self.moved[PREFILL, self.names[0]] += missed - refused
         return n
 
     def where(self, key: Hashable) -> int:

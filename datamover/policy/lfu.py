@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -155,6 +155,45 @@ class LFUTier(TierPolicy):
                 break
         self._set(key, 1)
         return False
+
+    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
+        """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
+        counts, prios, groups = self._count, self._prio, self._groups
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if key not in counts:
+                n = i
+                break
+        hits = [*range(n - 1, -1, -1)]
+        for i in hits:
+            key = keys[i]
+            self._unset(key)
+            self._set(key, counts[key] + 1)
+        capacity = self.capacity
+        for i in range(len(keys) - 1, n - 1, -1):
+            key = keys[i]
+            count = counts.get(key)
+            if count is not None:
+                self._unset(key)
+                self._set(key, count + 1)
+                hits.append(i)
+                continue
+            if len(counts) >= capacity:  # `evict(1)`, written out
+                heap = self._heap  # (`_set` may rebuild the heap: read it each time)
+                while heap:
+                    p = heap[0]
+                    group = groups.get(p)
+                    if group is None:
+                        heapq.heappop(heap)
+                        continue
+                    victim = group.popitem(last=False)[0]
+                    if not group:
+                        del groups[p]
+                    self.age = p
+                    del counts[victim], prios[victim]
+                    break
+            self._set(key, 1)
+        return hits
 
     def holds(self, key: Key) -> bool:
         return key in self._count

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -35,6 +35,22 @@ class LRUTier(TierPolicy):
             del self._order[key]
         return out
 
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """`evict(1)`, then while the victim is in `avoid` and tries remain, `restore` it and `evict(1)` again:
+        the same steps in one call (the default's leaf guard asks this for every chunk it evicts)."""
+        order = self._order
+        while True:
+            for key in order:  # the least recently used unpinned chunk
+                if key not in pinned:
+                    break
+            else:
+                return None
+            del order[key]
+            if tries <= 0 or key not in avoid:
+                return key
+            tries -= 1
+            self.restore(key, now)
+
     def ref(self, key: Key, now: float) -> bool:
         order = self._order
         if key in order:
@@ -44,6 +60,30 @@ class LRUTier(TierPolicy):
             order.popitem(last=False)
         order[key] = None
         return False
+
+    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
+        """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
+        order = self._order
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if key not in order:
+                n = i
+                break
+        hits = [*range(n - 1, -1, -1)]
+        move = order.move_to_end
+        for i in hits:
+            move(keys[i])
+        capacity = self.capacity
+        for i in range(len(keys) - 1, n - 1, -1):
+            key = keys[i]
+            if key in order:
+                move(key)
+                hits.append(i)
+                continue
+            if len(order) >= capacity:
+                order.popitem(last=False)
+            order[key] = None
+        return hits
 
     def holds(self, key: Key) -> bool:
         return key in self._order

@@ -183,7 +183,7 @@ def simulate(trace: Trace, policy: str, config: TierConfig, leaf_first: bool = T
         brain = make_policy(policy, PolicySettings.from_config(config))
     specs = tier_specs(config)
     stack = TierStack(brain, specs, config.policy.promote_on_hit, config.policy.write_mode == "write_through")
-    keys, times = trace.keys.tolist(), trace.times.tolist()
+    keys, times = _shared_keys(trace.keys), trace.times.tolist()
     bounds = request_bounds(trace.request).tolist()
     access = stack.access_request
     usable = 0
@@ -194,6 +194,13 @@ def simulate(trace: Trace, policy: str, config: TierConfig, leaf_first: bool = T
     return ReplayResult(
         policy, specs, len(trace.keys), stack.hits, stack.misses, stack.evictions, stack.moved, usable, elapsed, cpu
     )
+
+
+def _shared_keys(keys: np.ndarray) -> list[int]:
+    """The keys as Python ints, one object per distinct key: every dict and set of the replay then finds a key
+    by identity, without comparing two equal ints (the same keys, so the same results)."""
+    distinct, index = np.unique(keys, return_inverse=True)
+    return list(map(distinct.tolist().__getitem__, index.tolist()))
 
 
 def request_bounds(request: np.ndarray) -> np.ndarray:

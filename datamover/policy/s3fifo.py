@@ -10,7 +10,7 @@ from while it holds at least its share, M otherwise. G remembers as many keys as
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 
 from .base import Key, Policy, PolicySettings, TierPolicy
 
@@ -54,8 +54,7 @@ class S3FIFOTier(TierPolicy):
     def _evict_small(self, pinned: Container[Key]) -> Key | None:
         small, freq = self.small, self.freq
         for _ in range(len(small)):
-            key = next(iter(small))
-            del small[key]
+            key = small.popitem(last=False)[0]
             if key in pinned:
                 small[key] = None
             elif freq[key] >= MOVE_THRESHOLD:
@@ -104,6 +103,22 @@ class S3FIFOTier(TierPolicy):
             out.append(key)
         return out
 
+    def evict_avoiding(self, avoid: Container[Key], tries: int, now: float, pinned: Container[Key] = ()) -> Key | None:
+        """`evict(1)`, then while the victim is in `avoid` and tries remain, `restore` it and `evict(1)` again:
+        the same steps in one call (the default's leaf guard asks this for every chunk it evicts)."""
+        while True:
+            key = None
+            if len(self.small) >= self.small_size or not self.main:
+                key = self._evict_small(pinned)
+            if key is None:
+                key = self._evict_main(pinned)
+            if key is None:
+                key = self._evict_small(pinned)
+            if key is None or tries <= 0 or key not in avoid:
+                return key
+            tries -= 1
+            self.restore(key, now)
+
     def ref(self, key: Key, now: float) -> bool:
         freq = self.freq
         f = freq.get(key)
@@ -125,6 +140,43 @@ class S3FIFOTier(TierPolicy):
             self.small[key] = None
         freq[key] = 0
         return False
+
+    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
+        """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
+        freq, small, main, ghost = self.freq, self.small, self.main, self.ghost
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if key not in freq:
+                n = i
+                break
+        hits = [*range(n - 1, -1, -1)]
+        for i in hits:
+            key = keys[i]
+            f = freq[key]
+            if f < MAX_FREQ:
+                freq[key] = f + 1
+        capacity, small_size = self.capacity, self.small_size
+        for i in range(len(keys) - 1, n - 1, -1):
+            key = keys[i]
+            f = freq.get(key)
+            if f is not None:
+                if f < MAX_FREQ:
+                    freq[key] = f + 1
+                hits.append(i)
+                continue
+            if len(freq) >= capacity:
+                victim = None
+                if len(small) >= small_size or not main:
+                    victim = self._evict_small(())
+                if victim is None and self._evict_main(()) is None:
+                    self._evict_small(())
+            if key in ghost:
+                del ghost[key]
+                main[key] = None
+            else:
+                small[key] = None
+            freq[key] = 0
+        return hits
 
     def holds(self, key: Key) -> bool:
         return key in self.freq

@@ -12,7 +12,7 @@ The frequency sketch is TinyLFU's aged counter: each reference adds one (capped 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 
 from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
 
@@ -232,6 +232,44 @@ class WTinyLFUTier(TierPolicy):
             del window[old]
             probation[old] = None
         return False
+
+    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
+        """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
+        window, probation, protected = self.window, self.probation, self.protected
+        n = len(keys)
+        for i, key in enumerate(keys):
+            if key not in window and key not in probation and key not in protected:
+                n = i
+                break
+        hits = []
+        capacity, window_size, protected_size = self.capacity, self.window_size, self.protected_size
+        for i in [*range(n - 1, -1, -1), *range(len(keys) - 1, n - 1, -1)]:
+            key = keys[i]
+            if key in window:  # `touch`, written out
+                window.move_to_end(key)
+                hits.append(i)
+                continue
+            if key in probation:
+                del probation[key]
+                protected[key] = None
+                while len(protected) > protected_size:
+                    old = next(iter(protected))
+                    del protected[old]
+                    probation[old] = None
+                hits.append(i)
+                continue
+            if key in protected:
+                protected.move_to_end(key)
+                hits.append(i)
+                continue
+            if len(window) + len(probation) + len(protected) >= capacity:
+                self._one(())
+            window[key] = None  # `insert`, written out
+            while len(window) > window_size:
+                old = next(iter(window))
+                del window[old]
+                probation[old] = None
+        return hits
 
     def holds(self, key: Key) -> bool:
         return key in self.window or key in self.probation or key in self.protected

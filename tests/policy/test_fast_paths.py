@@ -83,6 +83,28 @@ def test_ref_is_the_generic_shadow_reference(name, capacity):
     assert 0 < hits < 3000
 
 
+@pytest.mark.parametrize("name", sorted(EXPERTS))
+@pytest.mark.parametrize("capacity", [1, 3, 17])
+def test_ref_request_is_ref_in_the_served_order(name, capacity):
+    """A shadow's request at once (`ref_request`) takes the steps of `ref` for each chunk in the order the
+    engine would hand the request to a tier holding what the shadow holds (`TierPolicy.ref_request`, the
+    generic loop): the same hits and the same state after each request, repeats within a request included."""
+    rng = random.Random(capacity + 3)
+    fast, slow = EXPERTS[name](capacity), EXPERTS[name](capacity)
+    hits = 0
+    for i, keys in enumerate(random_requests(capacity, 1500)):
+        keys = [k % (6 * capacity + 5) for k in keys] if rng.random() < 0.5 else keys
+        for t in (fast, slow):
+            if isinstance(t, WTinyLFUTier):
+                for key in keys:
+                    t.sketch.add(key)
+        got = fast.ref_request(keys, float(i))
+        assert sorted(got) == sorted(TierPolicy.ref_request(slow, keys, float(i))), i
+        assert state(fast) == state(slow), i
+        hits += len(got)
+    assert hits > 100
+
+
 def slow_evict_avoiding(t: TierPolicy, avoid, tries: int, now: float, pinned):
     """The default's leaf guard as it was written: evict one, hand it back while it is avoided."""
     got = t.evict(1, now, pinned)

@@ -4,7 +4,8 @@ rerun of the recent requests. The engine tells each tier policy when a request i
 
 from __future__ import annotations
 
-from datamover.policy.adaptive import AdaptiveTier, _served_order
+from datamover.policy.adaptive import AdaptiveTier
+from datamover.policy.base import served_order
 from datamover.policy.engine import TierSpec, TierStack
 from datamover.policy.lru import LRUTier
 from datamover.policy.policies import make_policy
@@ -13,9 +14,9 @@ from datamover.policy.policies import make_policy
 def test_served_order_is_the_found_prefix_then_the_rest_each_last_chunk_first():
     keys = ["a", "b", "c", "d", "e"]
     held = {"a", "b", "d"}  # the found prefix is a, b (c is missing; d is found later but is not in it)
-    assert _served_order(keys, held.__contains__) == [1, 0, 4, 3, 2]
-    assert _served_order(keys, set().__contains__) == [4, 3, 2, 1, 0]
-    assert _served_order(keys, set(keys).__contains__) == [4, 3, 2, 1, 0]
+    assert served_order(keys, held.__contains__) == [1, 0, 4, 3, 2]
+    assert served_order(keys, set().__contains__) == [4, 3, 2, 1, 0]
+    assert served_order(keys, set(keys).__contains__) == [4, 3, 2, 1, 0]
 
 
 def miniature(capacity: int = 1000) -> AdaptiveTier:
