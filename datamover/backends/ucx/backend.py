@@ -183,6 +183,10 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
         self._cma_ops: dict[int, tuple[Peer, frozenset]] = {}
         self._cma_ids = itertools.count(1)
         self.resets = 0
+        # connections to peers on this host closed since the worker was made (each left UCX endpoints on it, see
+        # recycle_after_departed), and the times the worker was replaced for them (not counted in resets)
+        self.departed = 0
+        self.recycles = 0
         self._resetting = False  # _reset_worker is disconnecting every peer
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -262,6 +266,7 @@ class UcxBackend(ServiceLoop, Fencing, Outbound, Serving, Backend):
             "progress cork": self.pacing.progress_cork_text(),
             "tcp segments": {"send": self._tcp_tx, "receive": self._tcp_rx} if self._tcp_tx else "tcp not in use",
             "worker resets": self.resets,
+            "worker recycles": {"done": self.recycles, "connections closed since": self.departed},
             "hang-ups mid-WRITE": dict(self.hangups),
             "quarantined workers": {"held": len(self._quarantined), "by peer": self._quarantines_by_name()},
             "requests let go in flight": {"held": len(self._retired), "cancelled": self._retired.cancelled},

@@ -106,6 +106,8 @@ class Outbound:
                 pass
             peer.conn.close()
             peer.conn = None
+        if peer.ep is not None and not peer.elsewhere:  # UCX endpoints of the connection stay (see _maybe_recycle)
+            self.departed += 1
         self._retire_ep(peer.ep)
         peer.ep = None
         peer.state = "idle"
@@ -145,6 +147,11 @@ class Outbound:
     def _add_peer(self, name: str, info: dict[str, Any]) -> None:
         old = self._peers.get(name)
         if old is not None and old.info == info:
+            return
+        if old is not None and _same_process(old.info, info):
+            # its worker was replaced since (a reset or a recycle): a connection takes the current worker's address
+            # from the welcome, so the one it has (and the transfers on it) go on
+            old.info = info
             return
         if old is not None:
             self._drop_peer(name, RemoteDisconnected(f"agent {name!r} came back with new metadata", backend=self.name))
@@ -367,6 +374,12 @@ class Outbound:
             for op in list(peer.ops.values()):
                 if op.reqs is None and not op.abandoned and (op.completion.cancelled or now > op.deadline):
                     op.finish(op.completion.error or self.tagged._late(op))
+
+
+def _same_process(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether two connection infos of a peer name one process (its incarnation, host and port), whatever the
+    worker address."""
+    return old.get("incarnation") is not None and all(old.get(k) == new.get(k) for k in ("incarnation", "host", "port"))
 
 
 # what a target may send an initiator, by message type; the last three are about one of its requests

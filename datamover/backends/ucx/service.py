@@ -117,6 +117,7 @@ class ServiceLoop:
                     self._step(self._check_cancelled)
                     self._step(self._check_handshakes, now)
                     self._step(self._bury)
+                    self._step(self._maybe_recycle)
                     if self.losses.pending:
                         self._step(self.losses.check, now)
                     self._step(self._drop_silent, now)
@@ -261,7 +262,38 @@ class ServiceLoop:
         if conn.closed:
             self.losses.lost(owner, None)
 
-    def _reset_worker(self, reason: str, quarantine: bool = False, culprit: str | None = None) -> None:
+    def _maybe_recycle(self) -> None:
+        """Replace the worker, freeing what peers that went left on it, once ``recycle_after_departed`` connections
+        to peers on this host closed and this agent is wholly idle.
+
+        UCX 1.21 keeps an endpoint that a peer's wireup made here (for the replies of its emulated puts and gets),
+        and one of ours the peer connected back to, until the worker goes when error handling is off:
+        ``ucp_ep_disconnected`` keeps an endpoint flagged remote-connected when it is closed in flush mode, a
+        forced close is refused (``ucp_ep_close_nbx``: UCS_ERR_INVALID_PARAM), and nothing destroys it for a
+        peer that went (no keepalive lane without error handling, hence no EP_CHECK / EP_REMOVED), so each holds
+        that peer's shared-memory segments mapped. Only replacing the worker frees them. A peer's one-sided
+        operations are not seen here, so that is safe only with no control connection open at all (a peer
+        reaches this worker only with the address of a welcome), nothing of this agent's in flight or being let
+        go (no request, drain or probe; closed endpoints go with the worker, as in any reset), and no command
+        waiting: no transfer fails for it, and the next one to a peer connects again.
+        """
+        limit = int(self.params["recycle_after_departed"])
+        if not limit or self.departed < limit or self._inbound or self._resetting or self._cmds:
+            return
+        if any(p.state != "idle" or p.ops or p.queue for p in self._peers.values()):
+            return
+        if (
+            self._active_out or self._active_in or self._directs or self._cma_ops or self._revokes
+            or self._cut_drains or self._draining or len(self._retired) or self.losses.pending
+        ):  # fmt: skip
+            return
+        # no peer is ready, and only this thread makes one so: a caller's post goes through this thread's queue
+        self._reset_worker(f"{self.departed} connections to peers on this host closed since it was made", routine=True)
+        self.recycles += 1
+
+    def _reset_worker(
+        self, reason: str, quarantine: bool = False, culprit: str | None = None, routine: bool = False
+    ) -> None:
         """Replace the UCX worker: every connection drops (its transfers fail), peers reconnect on next use.
 
         The old worker is freed at once (its file descriptors and memory with
@@ -275,7 +307,10 @@ class ServiceLoop:
         drained = self._cut_drains.on(self._worker)
         if drained and not quarantine:  # cancelled requests' operations on it still point into callers' memory
             quarantine, culprit = True, drained[0].peer
-        log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
+        if routine:  # _maybe_recycle: nothing is connected or in flight
+            log.info("replacing the UCX worker of %s (to free what peers left on it): %s", self.host.name, reason)
+        else:
+            log.warning("resetting the UCX worker of %s: %s", self.host.name, reason)
         self.losses.on_reset()  # its hang-ups' receives and probes, and its prober, were on the worker being replaced
         why = RemoteDisconnected(f"UCX worker reset ({reason}); retry the transfer", backend=self.name)
         self._resetting = True  # the peers' disconnects below need no reset of their own
@@ -305,7 +340,9 @@ class ServiceLoop:
         if self._ucx_watched:
             self._sel.register(self._worker.epoll_file_descriptor, selectors.EVENT_READ, "ucx")
         self.pacing.start_progress()
-        self.resets += 1
+        self.departed = 0  # what peers left went with the old worker
+        if not routine:
+            self.resets += 1
 
     def _bury(self) -> None:
         """Let closed endpoints go once their cancelled requests had time to finish, and in-flight requests let

@@ -58,6 +58,8 @@ class Serving:
             pass
         self._inbound = {k: v for k, v in self._inbound.items() if v is not inbound}
         inbound.conn.close()
+        if inbound.name and not inbound.elsewhere:  # it said hello: UCX endpoints of its stay (see _maybe_recycle)
+            self.departed += 1
         self._retire_ep(inbound.ep)
         inbound.ep = None
 
