@@ -42,7 +42,8 @@ def test_sigterm_tears_fixtures_down(tmp_path: Path, workers: str | None) -> Non
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
             "--rootdir", str(tmp_path), str(tmp_path / "test_inner.py")]  # fmt: skip
     argv += ["-n", workers] if workers else ["-p", "no:xdist"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}  # not this run's worker
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     try:
