@@ -127,6 +127,14 @@ class Policy(ABC):
         before `observe`, for policies that use the prefix structure (default: ignored)."""
 
 
+def found_prefix(keys: Sequence[Key], held: Container[Key]) -> int:
+    """How many of a request's `keys`, from its first, `held` contains without a gap (its found prefix)."""
+    for i, key in enumerate(keys):
+        if key not in held:
+            return i
+    return len(keys)
+
+
 def served_order(keys: Sequence[Key], holds: Callable[[Key], bool]) -> list[int]:
     """Positions of a request's chunks (first to last) in the order the engine hands them to a tier that holds
     what `holds` says: the found prefix last chunk first, then the rest last chunk first."""
@@ -146,4 +154,4 @@ def first_unpinned(order, pinned: Container[Key]) -> Key | None:
     return None
 
 
-__all__ = ["NEVER", "Key", "Policy", "PolicySettings", "TierPolicy", "first_unpinned", "served_order"]
+__all__ = ["NEVER", "Key", "Policy", "PolicySettings", "TierPolicy", "first_unpinned", "found_prefix", "served_order"]

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from .base import TierPolicy
+from .base import TierPolicy, found_prefix
 from .config import TierConfig
 from .policies import Policy
 
@@ -135,11 +135,7 @@ class TierStack:
         the same steps, with `hit`, `place` and `evict` written out in the loop (one tier: a found chunk is
         only touched, a missing one is placed in the tier or refused, a victim just leaves)."""
         only, order, pinned, policy = self.resident[0], self.orders[0], self.pinned, self.policy
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key not in only:
-                n = i
-                break
+        n = found_prefix(keys, only)
         held = [k for k in keys[:n] if k not in pinned]
         pinned.update(held)
         link = policy.link if leaf_first and type(policy).link is not Policy.link else None

@@ -11,7 +11,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
 
-from .base import Key, Policy, PolicySettings, TierPolicy
+from .base import Key, Policy, PolicySettings, TierPolicy, found_prefix
 
 
 class LFUTier(TierPolicy):
@@ -159,11 +159,7 @@ class LFUTier(TierPolicy):
     def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
         """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
         counts, prios, groups = self._count, self._prio, self._groups
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key not in counts:
-                n = i
-                break
+        n = found_prefix(keys, counts)
         hits = [*range(n - 1, -1, -1)]
         for i in hits:
             key = keys[i]

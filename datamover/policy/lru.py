@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
 
-from .base import Key, Policy, PolicySettings, TierPolicy
+from .base import Key, Policy, PolicySettings, TierPolicy, found_prefix
 
 
 class LRUTier(TierPolicy):
@@ -64,11 +64,7 @@ class LRUTier(TierPolicy):
     def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
         """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
         order = self._order
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key not in order:
-                n = i
-                break
+        n = found_prefix(keys, order)
         hits = [*range(n - 1, -1, -1)]
         move = order.move_to_end
         for i in hits:

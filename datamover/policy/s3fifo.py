@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Mapping, Sequence
 
-from .base import Key, Policy, PolicySettings, TierPolicy
+from .base import Key, Policy, PolicySettings, TierPolicy, found_prefix
 
 SMALL_RATIO = 0.1  # the paper's size of S
 MAX_FREQ = 3  # two bits of use count
@@ -144,11 +144,7 @@ class S3FIFOTier(TierPolicy):
     def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
         """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
         freq, small, main, ghost = self.freq, self.small, self.main, self.ghost
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key not in freq:
-                n = i
-                break
+        n = found_prefix(keys, freq)
         hits = [*range(n - 1, -1, -1)]
         for i in hits:
             key = keys[i]
