@@ -15,7 +15,9 @@ instance's memory holds to other members before it leaves, while lookups go on.
 
 Integrity: with `crc32c_check`, the CRC32C of each chunk is computed once when it is put, stored in the L3 index,
 and checked on every read from L3 or L4 (those reads land in a host staging area first); a mismatch drops the
-chunk from the cache, logs the key, and counts as a miss: get() returns only the verified prefix.
+chunk from the cache, logs the key, and counts as a miss: get() returns only the verified prefix. A read from L4
+that the store did not answer (a timeout, no connection) is a miss for that operation too, but its chunk stays in
+L4, whose copy is not in doubt (only the slots it was being copied into are dropped), for a later get to read.
 """
 
 from __future__ import annotations
@@ -170,14 +172,18 @@ class TieredCache:
             self._l4_gone.add(key)
         self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
 
-    def _invalidate(self, key: ChunkKey, checksum: bool = True, tier: str | None = None) -> None:
+    def _invalidate(
+        self, key: ChunkKey, checksum: bool = True, tier: str | None = None, keep: int | None = None
+    ) -> None:
         """Drop a chunk whose bytes cannot be trusted from every tier (``checksum``: they failed their CRC32C when
-        read from ``tier``; else a move of it failed)."""
+        read from ``tier``; else a move of it failed), but tier ``keep``: the one it was being read from when the
+        store did not answer, whose copy is not in doubt (it is a miss for this operation only, and found there
+        again later). Either way it is undelivered for the rest of the operation (`_invalid`)."""
         self._invalid.add(key)
         if checksum:
             self.counters.checksum_failed(tier or "unknown")
         for j, resident in enumerate(self.engine.resident):
-            if key in resident:
+            if key in resident and j != keep:
                 self.engine.drop(j, key)
 
     def _execute(self, plan: list[Move], user: Prepared | None) -> None:

@@ -107,20 +107,21 @@ class Mover:
                 xfer.post().wait()
         return "s3"
 
-    def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Read chunks of L4 into staging rows (a failed replica tries the next); returns which rows arrived, and
-        which did not because a replica's bytes failed the backend's CRC32C (the others could not be read)."""
+    def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Read chunks of L4 into staging rows (a failed replica tries the next); returns which rows arrived, which
+        did not because a replica's bytes failed the backend's CRC32C, and which were not read because the store
+        did not answer (their objects are not in doubt: the chunks stay in L4). The others could not be read."""
         ok = np.zeros(len(keys), dtype=bool)
         corrupt = np.zeros(len(keys), dtype=bool)
         try:  # the whole batch in one transfer (the backend's requests run concurrently); if a chunk fails, each
             # is read alone, replica by replica, to find which
             with self.agent.make_transfer("READ", self.stage.prepared, rows, self._objects(keys, 0), None) as x:
                 x.post().wait()
-            return np.ones(len(keys), dtype=bool), corrupt
+            return np.ones(len(keys), dtype=bool), corrupt, ok
         except DatamoverError as exc:
             if _unreachable(exc):
                 log.warning("l4_pool: a batch of %d chunks failed (%s): served as misses", len(keys), exc)
-                return ok, corrupt
+                return ok, corrupt, np.ones(len(keys), dtype=bool)
             log.info("l4_pool: a batch of %d chunks failed (%s); reading them one by one", len(keys), exc)
         for i, key in enumerate(keys):
             for r in range(1 if self.shared else self.config.l4_pool.replica_count):
@@ -134,8 +135,10 @@ class Mover:
                     corrupt[i] |= isinstance(exc, ChecksumMismatch)
                     log.warning("l4_pool: replica %d of %s unreadable: %s", r, key, exc)
                     if _unreachable(exc):  # each further try would wait out its own deadline: the rest are misses
-                        return ok, corrupt & ~ok
-        return ok, corrupt & ~ok
+                        unanswered = np.arange(len(keys)) >= i  # this chunk and those not tried yet
+                        unanswered[i] = not corrupt[i]  # (one of its replicas corrupt: dropped)
+                        return ok, corrupt & ~ok, unanswered
+        return ok, corrupt & ~ok, np.zeros(len(keys), dtype=bool)
 
     def _account(self, src: int, dst: int, batch: list[Move], seconds: float, backend: str) -> None:
         """Metrics and spans for one executed batch (the logical hop, whatever staging it took)."""
@@ -217,8 +220,9 @@ class Mover:
             rows = np.arange(len(batch), dtype=np.int64)
             keys = [m.key for m in batch]
             corrupt = np.zeros(len(batch), dtype=bool)
+            intact = np.zeros(len(batch), dtype=bool)  # not read because the store did not answer
             if smem == MemType.OBJ:
-                good, corrupt = self._read_obj(keys, rows)
+                good, corrupt, intact = self._read_obj(keys, rows)
             else:
                 self._transfer(src, si, STAGE, rows, user)
                 good = np.ones(len(batch), dtype=bool)
@@ -227,8 +231,10 @@ class Mover:
                 failed = ~self._verify([keys[i] for i in arrived], rows[arrived], learn=smem == MemType.OBJ)
                 corrupt[arrived[failed]] = True
                 good[arrived[failed]] = False
-            for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure
-                self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src])
+            for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure;
+                # one the store did not answer for stays where it was read from (a miss now, found again later)
+                stays = src if intact[i] else None
+                self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src], keep=stays)
                 if not corrupt[i]:
                     self.failures[f"{self.names[src]}->{'caller' if dst == USER else self.names[dst]}"] += 1
             keep = np.flatnonzero(good)

@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -764,3 +766,127 @@ def test_a_bucket_that_does_not_exist_is_a_config_error_at_start(s3, tmp_path):
         assert open_under(tmp_path) == []
     finally:
         agent.close()
+
+
+@pytest.fixture
+def outage(monkeypatch):
+    """Make the S3 backend's GETs fail as a store that does not answer does (``on``), or answer again (``off``)."""
+    import botocore.exceptions as bx
+
+    from datamover.backends.s3.backend import S3Backend
+
+    real = S3Backend.get
+    faults = {
+        "timeout": lambda: bx.ReadTimeoutError(endpoint_url="http://injected"),
+        "refused": lambda: bx.EndpointConnectionError(endpoint_url="http://injected"),
+    }
+
+    class Outage:
+        kind: str | None = None
+        only: Callable[[Any, int], bool] = staticmethod(lambda req, row: True)  # which GETs (request, row) fail
+        asked = 0
+
+        def get(self, backend, req, row, *args, **kw):
+            if self.kind is None or not self.only(req, row):
+                return real(backend, req, row, *args, **kw)
+            self.asked += 1
+            raise backend.error(faults[self.kind](), req, row, "GET")
+
+    out = Outage()
+    monkeypatch.setattr(S3Backend, "get", lambda backend, *a, **kw: out.get(backend, *a, **kw))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["timeout", "refused"])
+@pytest.mark.parametrize("promote", [True, False], ids=["promoted", "to-caller"])
+def test_a_read_the_store_did_not_answer_is_a_miss_and_the_chunk_stays_in_l4(s3, tmp_path, outage, kind, promote):
+    """L4 unreachable for a while: a get reading chunks of L4 misses them, never serves the slot they were being
+    promoted into, and keeps them in L4 (index and objects), so the next get once the store answers finds them.
+
+    Before: the failed read dropped each chunk from every tier, L4 included, and its objects were deleted: a
+    minute's outage wiped every chunk looked up in it from the persistent bucket."""
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)
+    try:
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys, chunks(keys))
+        j4 = cache.names.index("l4_pool")
+        cold = [k for k in keys if cache.engine.where(k) == j4]
+        assert cold == keys[2:]  # the request's last two went down to L4; L1 holds the first two
+        # promoted: L1 holds chunks no get pins, so the two are promoted into it (L4 -> L1 -> caller); to-caller:
+        # the whole request is pinned, L1 has no room, and L4 is read straight into the caller's buffer
+        asked = cold if promote else keys
+        outage.kind = kind
+        assert check_get(cache, asked) == (0 if promote else 2)
+        assert outage.asked >= 1
+        assert cache.lookup(cold) == (2, ["l4_pool"] * 2)  # still in L4, not in the slot it never reached
+        assert all(k not in cache.engine.resident[0] for k in cold)
+        assert set(chunk_objects(cold)) <= set(objects(s3))  # its objects not deleted
+        assert cache.stats()["checksum_failures"] == 0
+        check_consistent(cache)
+        outage.kind = None  # the store answers again
+        hits = cache.hits["l4_pool"]
+        assert check_get(cache, asked) == len(asked)  # byte-exact, verified
+        assert cache.hits["l4_pool"] == hits + 2
+        check_consistent(cache)
+    finally:
+        outage.kind = None
+        close(cache)
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)  # and after a restart, in the index it wrote
+    try:
+        assert check_get(cache, cold) == 2
+    finally:
+        close(cache)
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_a_read_of_a_missing_or_corrupt_object_still_drops_the_chunk_from_l4(s3, tmp_path, damage):
+    """The store answered: the object is gone (404 on every replica) or its bytes fail their CRC32C. That chunk is
+    dropped from L4 and its objects deleted; the chunk read with it is served."""
+    cache = open_cache(s3, tmp_path, l4=8, replicas=1)
+    try:
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys, chunks(keys))
+        bad, good = keys[2], keys[3]
+        assert cache.lookup([bad, good]) == (2, ["l4_pool"] * 2)
+        name = f"kv/{bad.digest()}.0"
+        if damage == "missing":
+            s3.client().delete_object(Bucket=BUCKET, Key=name)
+        else:
+            body = bytearray(s3.client().get_object(Bucket=BUCKET, Key=name)["Body"].read())
+            body[7] ^= 1
+            meta = s3.client().head_object(Bucket=BUCKET, Key=name)["Metadata"]
+            s3.client().put_object(Bucket=BUCKET, Key=name, Body=bytes(body), Metadata=meta)
+        assert check_get(cache, [good, bad]) == 1
+        assert cache.lookup([bad])[0] == 0 and cache.engine.where(bad) < 0
+        assert name not in objects(s3)
+        assert cache.stats()["checksum_failures"] == (1 if damage == "corrupt" else 0)
+        check_consistent(cache)
+    finally:
+        close(cache)
+
+
+def test_chunks_read_one_by_one_after_the_store_stops_answering_stay_and_those_it_said_are_gone_go(
+    s3, tmp_path, outage
+):
+    """The batch read fails on a chunk whose objects are gone (404): the chunks are read one by one, and the store
+    stops answering on the next one. The gone chunk is dropped; the one the store did not answer for stays."""
+    cache = open_cache(s3, tmp_path, l4=8, replicas=2)
+    try:
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys, chunks(keys))
+        gone, unanswered = keys[2], keys[3]
+        assert cache.lookup([gone, unanswered]) == (2, ["l4_pool"] * 2)
+        for r in range(2):
+            s3.client().delete_object(Bucket=BUCKET, Key=f"kv/{gone.digest()}.{r}")
+        outage.kind = "timeout"  # only the one-object reads of the other chunk: the batch fails with the 404
+        outage.only = lambda req, row: len(req.plan.key) == 1 and unanswered.digest() in req.plan.key[row]
+        assert check_get(cache, keys) == 2
+        assert outage.asked == 1  # its first replica: the store is not asked again for the second
+        assert cache.engine.where(gone) < 0 and cache.lookup([unanswered]) == (1, ["l4_pool"])
+        assert set(chunk_objects([unanswered])) <= set(objects(s3))
+        check_consistent(cache)
+        outage.kind = None
+        assert check_get(cache, [unanswered]) == 1
+    finally:
+        outage.kind = None
+        close(cache)

@@ -14,7 +14,8 @@ import threading
 import numpy as np
 import pytest
 
-from datamover.errors import ObjectStoreError, TransferStateError
+from datamover.backends.mooncake import codes
+from datamover.errors import ObjectStoreError, TransferStateError, TransferTimeout
 from datamover.policy.cache import TieredCache
 from datamover.policy.config import GIB, TierConfig, with_overrides
 from datamover.policy.keys import chunk_keys
@@ -121,5 +122,34 @@ def test_an_existence_check_the_master_refuses_is_a_miss_and_said(mooncake_maste
         with caplog.at_level("WARNING", logger="datamover.kvcache"):
             assert cache.lookup(probe) == (0, [])
         assert "did not answer an existence check (RPC_FAIL" in caplog.text
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("fault", ["rpc_fail", "timeout"])
+def test_a_pool_that_does_not_answer_a_read_keeps_the_chunks_other_instances_put(mooncake_master, monkeypatch, fault):
+    """Reads of chunks this instance did not put fail (the master refuses, RPC_FAIL; or no answer in time): a miss
+    this time, never wrong bytes, and the pool's objects are left alone, so the next get finds them again."""
+    cache = TieredCache(pool_config(mooncake_master, f"unanswered-{fault}"))
+    try:
+        keys = chunk_keys(range(500, 504), "m", "t")
+        data = np.stack([chunk_bytes(k, PAGE) for k in keys])
+        assert cache.put(keys, data) == 4
+        cache.clear()  # pool kept: to this instance they are now chunks another instance put there
+        assert cache.lookup(keys) == (4, ["l4_pool"] * 4)
+        client = cache.pool.client
+
+        def fail(names, *args, **kw):
+            if fault == "timeout":
+                raise TransferTimeout("injected: the pool did not answer in time", backend="mooncake")
+            return [codes.RPC_FAIL] * len(names)
+
+        monkeypatch.setattr(client, "get", fail)
+        dst = np.full_like(data, 0xEE)
+        assert cache.get(keys, dst) == 0
+        assert cache.lookup(keys) == (4, ["l4_pool"] * 4)
+        monkeypatch.undo()
+        dst = np.full_like(data, 0xEE)
+        assert cache.get(keys, dst) == 4 and np.array_equal(dst, data)
     finally:
         cache.close()
