@@ -257,10 +257,28 @@ class Agent:
     def publish(self, etcd: Any, namespace: str = "datamover", ttl: float = 5.0) -> str:
         """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key.
 
-        The lease is refreshed by a thread while the agent lives; registering
-        memory republishes the blob, so watching peers see new regions.
+        The blob is in etcd when this returns (its errors are raised here). The
+        lease is refreshed by a thread while the agent lives, and that thread
+        republishes the blob after memory is registered or deregistered, so
+        watching peers see new regions: a registration hands it the new blob
+        and returns without waiting for etcd (blobs made while a put is on its
+        way are coalesced into the next put, the latest wins; a failed put is
+        logged and tried again every ttl/3). ``metadata_published`` waits for
+        the new regions to be in etcd.
         """
         return self._peers.publish(etcd, namespace, ttl)
+
+    def metadata_published(self, timeout: float | None = 10.0) -> bool:
+        """Wait until this agent's metadata as of this call (every registration made before it) is in etcd.
+
+        True once it is; False if it is not within ``timeout`` s (etcd slow or
+        away: the publisher keeps trying, each failure logged), or when the
+        agent does not publish (never published, unpublished, closed).
+        ``timeout=0`` only looks, ``None`` waits without bound. Call it before
+        telling a peer to use regions just registered, as NIXL users send their
+        local metadata.
+        """
+        return self._peers.metadata_published(timeout)
 
     def unpublish(self) -> None:
         """Revoke the lease now: the key disappears and watching peers drop this agent."""

@@ -63,13 +63,26 @@ def connect(endpoints: str | Sequence[str], timeout: float = 5.0) -> Any:
 class EtcdPublisher:
     """Keeps ``provider()`` at the agent's key under a lease of ``ttl`` seconds, refreshed every ttl/3.
 
-    It survives etcd going away and coming back: a publish that failed (etcd
-    down while memory was registered, say) is retried at every refresh until
-    it lands, and a lease etcd no longer knows is replaced, the blob put
-    again under the new one. Every answer of the gateway (grant, put,
-    keepalive, revoke) is read within a bound and checked: one not understood
-    is InvalidMetadata naming the key, an HTTP error RemoteRefused, etcd out
-    of reach RemoteDisconnected.
+    The constructor grants the lease and puts the first blob itself (its
+    errors are the caller's). After that one thread of its own does every
+    etcd call: it keeps the lease alive and puts the latest blob that
+    ``update`` handed it. ``update`` (after memory was registered, say) only
+    makes the new blob and returns: it never waits for etcd, so a slow or
+    unreachable etcd never stalls a registration, nor the agent's lock it is
+    made under. Blobs handed over while a put is on its way are coalesced:
+    the next put carries the latest, whatever came between (latest wins).
+
+    It survives etcd going away and coming back: a put that failed is logged
+    and tried again at the lease's rhythm (every ttl/3) until it lands, and a
+    lease etcd no longer knows is replaced, the blob put again under the new
+    one. ``generation`` counts the blobs made, ``published_generation`` is the
+    one in etcd under the current lease (-1: none known to be), ``pending``
+    says the latest is not in etcd yet, ``last_error`` is why the last put
+    failed (None once one landed), and ``wait_published`` waits for the blob
+    current at its call. Every answer of the gateway (grant, put, keepalive,
+    revoke) is read within a bound and checked: one not understood is
+    InvalidMetadata naming the key, an HTTP error RemoteRefused, etcd out of
+    reach RemoteDisconnected.
     """
 
     def __init__(
@@ -79,76 +92,151 @@ class EtcdPublisher:
         self.key = agent_key(namespace, name)
         self.ttl = max(2, round(ttl))
         self._provider = provider
-        self._lock = threading.Lock()
-        self._dirty = False  # the last put did not land: put again once etcd answers
+        # guards what follows; never held across an etcd call (update() takes it under the agent's lock)
+        self._cond = threading.Condition(threading.Lock())
         self._closed = False  # once set, nothing is put or granted again (see close)
-        self._blob = b""  # the blob last made by update(): what the keepalive puts again
+        self._blob = b""  # the latest blob made by update(): what the thread puts
+        self._generation = 0  # blobs made so far; the latest is this one
+        self._put_generation = -1  # the generation of the blob in etcd under the current lease; -1: none known
+        self._retry_at = 0.0  # no put before this (monotonic): a failed one waits for the lease's rhythm
+        self.last_error: BaseException | None = None  # why the last put failed; None once one landed
         self.lease, granted = self._grant()
         self._interval = min(self.ttl, granted) / 3
         try:
-            self.update()
+            self._blob, self._generation = provider(), 1
+            self._put(self.lease, self._blob)
         except BaseException:
             self._revoke(self.lease)  # nothing was published under it
             raise
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._keepalive, name=f"dm-etcd-{name}", daemon=True)
+        self._put_generation = 1
+        self._thread = threading.Thread(target=self._run, name=f"dm-etcd-{name}", daemon=True)
         self._thread.start()
 
+    # -- what the agent sees -----------------------------------------------------------
     def update(self) -> None:
-        """Publish the current blob again (after registering memory, say); retried by the keepalive if it fails.
+        """Hand the publisher's thread the current blob (after registering memory, say) and return at once.
 
-        Nothing once closed. The blob is made here (``provider()``, which may take the agent's lock: the agent calls
-        this under it); the keepalive puts again the blob made last and never calls ``provider``, so it never
-        waits for the agent's lock while holding this publisher's.
+        Never waits for etcd: the thread puts it (or a later one) when etcd answers. The blob is made here
+        (``provider()``, which takes the agent's lock: the agent calls this under it, which also keeps the blobs
+        in the order of their generations); the thread never calls ``provider``, so it never waits for the
+        agent's lock. Nothing once closed.
         """
-        with self._lock:
+        with self._cond:
             if self._closed:
                 return
-            self._blob = self._provider()
-            self._put_last()
+        blob = self._provider()
+        with self._cond:
+            if self._closed:
+                return
+            self._blob = blob
+            self._generation += 1
+            self._cond.notify_all()
 
-    def _put_last(self) -> None:
-        """Put the blob made last under the lease (this publisher's lock held)."""
+    @property
+    def generation(self) -> int:
+        """How many blobs were made (the first by the constructor): the latest is of this generation."""
+        return self._generation
+
+    @property
+    def published_generation(self) -> int:
+        """The generation of the blob in etcd under the current lease; -1 when none is known to be there (a put
+        failed since etcd went away, or the lease was replaced and the blob not put again yet)."""
+        return self._put_generation
+
+    @property
+    def pending(self) -> bool:
+        """Whether the latest blob is not (yet) known to be in etcd."""
+        with self._cond:
+            return self._put_generation < self._generation
+
+    def wait_published(self, timeout: float | None) -> bool:
+        """Wait (up to ``timeout`` s; None: no bound) until the blob current at this call, or a later one, is in
+        etcd; True if it is, False if not within the timeout or once closed. ``timeout=0`` only looks."""
+        with self._cond:
+            target = self._generation
+            self._cond.wait_for(lambda: self._closed or self._put_generation >= target, timeout)
+            return not self._closed and self._put_generation >= target
+
+    # -- the publisher's thread ----------------------------------------------------------
+    def _run(self) -> None:
+        """Refresh the lease every interval; between refreshes, put the latest blob whenever one is not in etcd
+        (after a failed put, not before the lease's rhythm says)."""
+        next_refresh = time.monotonic() + self._interval
+        while True:
+            with self._cond:
+                while True:
+                    if self._closed:
+                        return
+                    now = time.monotonic()
+                    if now >= next_refresh:
+                        put = None
+                        break
+                    wake = next_refresh
+                    if self._put_generation < self._generation:
+                        if now >= self._retry_at:
+                            put = self.lease, self._blob, self._generation
+                            break
+                        wake = min(wake, self._retry_at)
+                    self._cond.wait(wake - now)
+            if put is None:
+                try:
+                    self._refresh()
+                except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
+                    log.warning("etcd lease refresh for %s failed: %s", self.key, exc)
+                next_refresh = time.monotonic() + self._interval
+            else:
+                self._put_latest(*put)
+
+    def _put_latest(self, lease: Any, blob: bytes, generation: int) -> None:
+        """Put ``blob`` (of ``generation``) under ``lease``; a failure is logged and tried again at the lease's
+        rhythm, with the latest blob by then."""
         try:
-            self._put(self.lease, self._blob)
-        except Exception:
-            self._dirty = True
-            raise
-        self._dirty = False
-
-    def _keepalive(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                self._refresh()
-            except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
-                log.warning("etcd lease refresh for %s failed: %s", self.key, exc)
+            self._put(lease, blob)
+        except Exception as exc:
+            with self._cond:
+                self.last_error = exc
+                self._retry_at = time.monotonic() + self._interval
+            log.warning("etcd put of %s failed (%s); putting the latest blob again in %.1f s", self.key, exc,
+                        self._interval)  # fmt: skip
+            return
+        with self._cond:
+            again = self.last_error is not None
+            if lease is self.lease:
+                self._put_generation = max(self._put_generation, generation)
+            self.last_error = None
+            self._cond.notify_all()
+        if again:
+            log.info("republished %s to etcd", self.key)
 
     def _refresh(self) -> None:
+        """Keep the lease alive; one etcd no longer knows is replaced (the blob put again under the new one)."""
+        with self._cond:
+            lease = self.lease
         try:
-            alive = self._keepalive_once(self.lease) > 0
+            alive = self._keepalive_once(lease) > 0
         except InvalidMetadata:
             raise  # an answer not understood says nothing of the lease: keep it, try again at the next refresh
         except Exception:
-            with self._lock:
-                self._dirty = True
+            with self._cond:  # put again once etcd answers (at the next refresh's rhythm, not at once)
+                self._put_generation = -1
+                self._retry_at = time.monotonic() + self._interval
             self._call("/maintenance/status", {}, "etcd status")  # raises while etcd is away; answers when only
             alive = False  # the lease is gone
-        if not alive:
-            log.info("etcd lost the lease of %s; publishing under a new one", self.key)
-            with self._lock:
-                if self._closed:
-                    return
-                self.lease, granted = self._grant()
-                self._interval = min(self.ttl, granted) / 3
-                self._dirty = True
-                if self._closed:  # closed while the grant was on its way: close may have revoked the lease before
-                    self._revoke(self.lease)  # this one, which goes too
-                    return
-        with self._lock:
-            if not self._dirty or self._closed:
+        if alive:
+            return
+        with self._cond:
+            if self._closed:
                 return
-            self._put_last()
-        log.info("republished %s to etcd", self.key)
+        log.info("etcd lost the lease of %s; publishing under a new one", self.key)
+        new, granted = self._grant()
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self.lease, self._interval = new, min(self.ttl, granted) / 3
+                self._put_generation, self._retry_at = -1, 0.0  # the blob is put again under it, now
+                self._cond.notify_all()
+        if closed:  # closed while the grant was on its way: close revoked the lease it saw, not this one
+            self._revoke(new)
 
     def _call(self, path: str, body: dict, what: str) -> dict:
         return gateway_call(self.client, path, body, what)
@@ -182,16 +270,20 @@ class EtcdPublisher:
             log.debug("revoking lease: %s", exc)
 
     def close(self, revoke: bool = True) -> None:
-        """Stop refreshing and revoke the lease, so the key disappears now rather than after the TTL.
+        """Stop the thread and revoke the lease, so the key disappears now rather than after the TTL.
 
-        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies. Once it returns nothing is
-        put again: a refresh still waiting on etcd (past the TTL this waits for it) grants and puts nothing more.
+        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies. A put or refresh still
+        waiting on etcd is waited for up to the TTL; once this returns nothing is put or granted again (a call
+        that was on its way past the TTL puts or grants nothing after it), and ``wait_published`` says False.
         """
-        self._closed = True  # before reading the lease to revoke: a refresh granting one now sees it and revokes it
-        self._stop.set()
+        with self._cond:
+            self._closed = True  # before reading the lease to revoke: a refresh granting one now sees it, revokes it
+            self._cond.notify_all()
         self._thread.join(self.ttl)
         if revoke:
-            self._revoke(self.lease)
+            with self._cond:
+                lease = self.lease
+            self._revoke(lease)
 
 
 def gateway_call(client: Any, path: str, body: dict, what: str) -> dict:

@@ -81,12 +81,18 @@ class Peers:
             return sign_metadata(blob, self._config.secret) if self._config.secret else blob
 
     def metadata_changed(self) -> None:
-        """Republish to etcd after a (de)registration (a failure is logged: registering goes on)."""
+        """Hand the new blob to the etcd publisher after a (de)registration (under the agent's lock): its thread
+        puts it; nothing here waits for etcd (see ``metadata_published``)."""
         if self.publisher is not None:
             try:
                 self.publisher.update()
-            except Exception as exc:  # registration must not fail because etcd is away
-                log.warning("republishing metadata to etcd failed: %s", exc)
+            except Exception as exc:  # registration must not fail because the blob could not be made
+                log.warning("making the metadata blob to publish to etcd failed: %s", exc)
+
+    def metadata_published(self, timeout: float | None) -> bool:
+        """Whether the blob as of this call is in etcd, waiting up to ``timeout`` s; see Agent.metadata_published."""
+        publisher = self.publisher
+        return publisher is not None and publisher.wait_published(timeout)
 
     # -- known peers -------------------------------------------------------------
     @property

@@ -290,7 +290,8 @@ def test_remove_remote_of_a_watched_peer_stops_its_watch(etcd, ns):
         assert len(watching) == 1
         me.remove_remote("pub")
         assert not watching[0].is_alive()  # stopped by remove_remote, before it returned
-        pub.register_memory(np.zeros(4096, np.uint8))  # republished: in etcd now, with nobody here to load it
+        pub.register_memory(np.zeros(4096, np.uint8))  # republished: in etcd, with nobody here to load it
+        assert pub.metadata_published(10)
         published, _ = read_key(pub._peers.publisher.client, pub._peers.publisher.key)
         assert published is not None and len(decode_metadata(published).regions) == 1
         assert "pub" not in me.remotes
@@ -304,3 +305,51 @@ def test_remove_remote_of_a_watched_peer_stops_its_watch(etcd, ns):
         pub.publish(etcd, ns, ttl=5)
         assert _until(lambda: "pub" in me.remotes, 10)
         pub.unpublish()
+
+
+def test_registrations_while_etcd_holds_a_put_return_and_the_latest_blob_lands(etcd, ns, monkeypatch):
+    """Before, each registration put the blob to etcd itself, under the agent's lock: a slow etcd stalled every one
+    (and every agent call taking the lock). Now ten registrations made while the first one's put is held return at
+    once; once it is let go, one more put carries all ten regions, ``metadata_published`` says it is in etcd, and a
+    peer watching the key sees every region."""
+    import numpy as np
+
+    from datamover.agents.etcd import read_key
+    from datamover.agents.metadata import decode_metadata
+    from datamover.testing.waiting import HeldOnce
+
+    memcpy = {"backends": {"memcpy": {}}}
+    bufs = [np.zeros(4096 * (i + 1), np.uint8) for i in range(10)]
+    with Agent("me", memcpy) as me, Agent("pub", memcpy) as pub:
+        pub.publish(etcd, ns, ttl=5)
+        me.fetch_remote("pub", etcd=etcd, namespace=ns, timeout=5)
+        publisher = pub._peers.publisher
+        blobs: list[bytes] = []
+        hold = HeldOnce("the first republish")
+        real_put = hold.wrap(publisher._put)
+
+        def put(lease, blob):
+            blobs.append(blob)
+            return real_put(lease, blob)
+
+        monkeypatch.setattr(publisher, "_put", put)
+        done = threading.Event()
+        first = threading.Thread(target=lambda: (pub.register_memory(bufs[0]), done.set()), daemon=True)
+        first.start()
+        try:
+            assert hold.reached.wait(30)  # known point: the republish waits, and will until the test lets it go
+            assert done.wait(5), "register_memory waited for etcd"
+            rest = threading.Event()
+            t = threading.Thread(target=lambda: ([pub.register_memory(b) for b in bufs[1:]], rest.set()), daemon=True)
+            t.start()
+            assert rest.wait(10), "registrations waited for etcd"
+            assert not pub.metadata_published(0)
+        finally:
+            hold.go.set()
+        assert pub.metadata_published(10)
+        assert [len(decode_metadata(b).regions) for b in blobs] == [1, 10]
+        published, _ = read_key(publisher.client, publisher.key)
+        assert published is not None and len(decode_metadata(published).regions) == 10
+        assert _until(lambda: len(me.remote_metadata("pub").regions) == 10, 10)
+        pub.unpublish()
+        assert not pub.metadata_published(0)

@@ -246,6 +246,72 @@ def _paths(g: Gateway) -> list[str]:
     return [path for path, _ in g.requests]
 
 
+MEMCPY = {"backends": {"memcpy": {}}}
+
+
+def _kept(h: _Handler, _: dict) -> None:
+    h.send(b'{"header":{"revision":"5"},"result":{"ID":"7","TTL":"600"}}')
+
+
+def _until(cond: Callable[[], object], timeout: float) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+class _HeldPut:
+    """A kv/put answer that holds the first put after ``arm()`` (``held`` set once it arrived) until ``go``."""
+
+    def __init__(self) -> None:
+        self.held, self.go = threading.Event(), threading.Event()
+        self._armed = False
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def __call__(self, h: _Handler, _: dict) -> None:
+        hold, self._armed = self._armed, False
+        if hold:
+            self.held.set()
+            self.go.wait(30)
+        h.send(b'{"header":{"revision":"6"}}')
+
+
+class _Call:
+    """``fn(*args)`` in a thread of its own: ``done`` is set once it returned (``value``) or raised (``error``)."""
+
+    def __init__(self, fn: Callable, *args: object) -> None:
+        self.done = threading.Event()
+        self.value: object = None
+        self.error: BaseException | None = None
+        self._fn, self._args = fn, args
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            self.value = self._fn(*self._args)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def _puts_after(g: Gateway, start: int) -> list[int]:
+    """The number of regions in each blob put from request ``start`` on."""
+    from datamover.agents.metadata import decode_metadata
+
+    return [
+        len(decode_metadata(base64.b64decode(body["value"])).regions)
+        for path, body in g.requests[start:]
+        if path == "kv/put"
+    ]
+
+
 _BAD_GRANTS = {
     "no ID": b'{"header":{"revision":"5"},"TTL":"5"}',
     "lease 0 (a key that never expires)": b'{"ID":"0","TTL":"5"}',
@@ -360,15 +426,16 @@ def test_a_failed_publish_leaves_no_closed_publisher_behind(gateway):
 def test_a_republish_by_the_keepalive_and_a_registration_at_once_do_not_deadlock(gateway):
     """The keepalive's republish (after etcd was away) took the publisher's lock, then the agent's to make the blob;
     register_memory took the agent's lock, then (republishing) the publisher's: each waited for the other forever,
-    and the agent with them. Now the keepalive puts again the blob last made, without the agent's lock."""
+    and the agent with them. Now a registration only hands the publisher the new blob, and the publisher's thread
+    puts without the agent's lock: it puts while a registration holds that lock."""
     import numpy as np
 
     from datamover import Agent
     from datamover.agents.metadata import decode_metadata
 
-    g = gateway(lease_grant=_granted, lease_keepalive=lambda h, _: h.send(b'{"result":{"ID":"7","TTL":"600"}}'))
-    agent = Agent("pub", {"backends": {"memcpy": {}}})
-    agent.publish(g.endpoint, "ns", ttl=600)  # its own refreshes are 200 s away: the test runs the one below
+    g = gateway(lease_grant=_granted, lease_keepalive=_kept)
+    agent = Agent("pub", MEMCPY)
+    agent.publish(g.endpoint, "ns", ttl=600)  # its own refreshes are 200 s away
     pub = agent._peers.publisher
     registering, go = threading.Event(), threading.Event()
     update = pub.update
@@ -382,19 +449,162 @@ def test_a_republish_by_the_keepalive_and_a_registration_at_once_do_not_deadlock
     register = threading.Thread(target=agent.register_memory, args=(np.zeros(4096, np.uint8),))
     register.start()
     assert registering.wait(30)  # known point: register_memory holds the agent's lock, about to republish
-    pub._dirty = True  # a put failed while etcd was away: this refresh puts again
-    keepalive = threading.Thread(target=pub._refresh)
-    keepalive.start()
-    keepalive.join(30)
+    with pub._cond:  # a put failed while etcd was away: the publisher's thread puts again, now
+        pub._put_generation = -1
+        pub._cond.notify_all()
+    put_again = _until(lambda: _paths(g).count("kv/put") == 2, 30)
     go.set()
     register.join(30)
-    deadlocked = keepalive.is_alive() or register.is_alive()
+    deadlocked = register.is_alive()
     if not deadlocked:  # (a deadlocked agent cannot be closed)
+        assert agent.metadata_published(30)
         agent.close()
-    assert not deadlocked
+    assert not deadlocked and put_again
     puts = [body for path, body in g.requests if path == "kv/put"]
     assert len(puts) == 3  # publish, then the keepalive's and the registration's, in that order
     assert [len(decode_metadata(base64.b64decode(p["value"])).regions) for p in puts] == [0, 0, 1]
+
+
+# -- republishing after a registration: never waits for etcd ---------------------------
+def test_a_registration_returns_while_etcd_holds_its_republish(gateway):
+    """Before, register_memory put the blob to etcd itself, under the agent's lock: an etcd that took its time (each
+    request bounded at about 5 s, longer for a gateway answering a byte at a time) stalled the registration and
+    every agent call that takes the lock (add_remote here) for as long. Now the registration hands the new blob to
+    the publisher's thread and returns; ``metadata_published`` says when it is in etcd."""
+    import numpy as np
+
+    from datamover import Agent
+
+    hold = _HeldPut()
+    g = gateway(lease_grant=_granted, lease_keepalive=_kept, kv_put=hold)
+    agent, other = Agent("pub", MEMCPY), Agent("other", MEMCPY)
+    try:
+        agent.publish(g.endpoint, "ns", ttl=600)
+        published_at = len(g.requests)
+        hold.arm()
+        registered = _Call(agent.register_memory, np.zeros(4096, np.uint8))
+        assert hold.held.wait(30)  # known point: the republish waits on etcd, and will until the test lets it go
+        assert registered.done.wait(5), "register_memory waited for etcd"
+        assert registered.error is None, registered.error
+        loaded = _Call(agent.add_remote, other.metadata())
+        assert loaded.done.wait(5), "add_remote waited for etcd: the agent's lock was held across the put"
+        assert loaded.value == "other", loaded.error
+        assert not agent.metadata_published(0)  # the put is on its way, not in etcd yet
+        waiting = _Call(agent.metadata_published, 30)
+        assert not waiting.done.wait(0.2)  # (only a wrong answer, True before the put landed, fails this)
+        hold.go.set()
+        assert waiting.done.wait(30) and waiting.value is True
+        assert _puts_after(g, published_at) == [1]
+    finally:
+        hold.go.set()
+        agent.close()
+        other.close()
+
+
+def test_a_burst_of_registrations_is_coalesced_into_the_latest_blob(gateway):
+    """Ten registrations while etcd holds the first one's put: each returns at once, and once etcd answers one more
+    put carries all ten regions (before: ten puts, one after the other, each under the agent's lock)."""
+    import numpy as np
+
+    from datamover import Agent
+
+    hold = _HeldPut()
+    g = gateway(lease_grant=_granted, lease_keepalive=_kept, kv_put=hold)
+    agent = Agent("pub", MEMCPY)
+    bufs = [np.zeros(4096 * (i + 1), np.uint8) for i in range(10)]
+    try:
+        agent.publish(g.endpoint, "ns", ttl=600)
+        published_at = len(g.requests)
+        hold.arm()
+        first = _Call(agent.register_memory, bufs[0])
+        assert hold.held.wait(30)
+        assert first.done.wait(5), "register_memory waited for etcd"
+        rest = _Call(lambda: [agent.register_memory(b) for b in bufs[1:]])
+        assert rest.done.wait(10), "registrations waited for etcd"
+        assert rest.error is None, rest.error
+        hold.go.set()
+        assert agent.metadata_published(30)
+        assert _puts_after(g, published_at) == [1, 10]
+    finally:
+        hold.go.set()
+        agent.close()
+
+
+def test_close_while_a_put_is_held_puts_nothing_after(gateway):
+    """A registration's put held by etcd, a newer blob waiting behind it, and the agent closed: close returns (it
+    waits for the put in flight at most a TTL), revokes the lease, and once etcd answers the held put nothing more
+    is put or granted; a caller waiting for the blob to be published is told it was not."""
+    import numpy as np
+
+    from datamover import Agent
+
+    hold = _HeldPut()
+    g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=_kept, kv_put=hold)
+    agent = Agent("pub", MEMCPY)
+    try:
+        agent.publish(g.endpoint, "ns", ttl=2)
+        pub = agent._peers.publisher
+        hold.arm()
+        first = _Call(agent.register_memory, np.zeros(4096, np.uint8))
+        assert hold.held.wait(30)
+        assert first.done.wait(5), "register_memory waited for etcd"
+        second = _Call(agent.register_memory, np.zeros(8192, np.uint8))  # its blob waits behind the held put
+        assert second.done.wait(5), "register_memory waited for etcd"
+        waiting = _Call(agent.metadata_published, 60)
+        closing = _Call(agent.close)
+        assert closing.done.wait(30), "close hung on the held put"
+        assert closing.error is None, closing.error
+        closed_at = len(g.requests)
+        assert waiting.done.wait(5) and waiting.value is False
+        assert ("kv/lease/revoke", {"ID": 7}) in g.requests
+        hold.go.set()
+        pub._thread.join(30)
+        assert not pub._thread.is_alive()
+        after = _paths(g)[closed_at:]
+        assert "kv/put" not in after and "lease/grant" not in after, after
+    finally:
+        hold.go.set()
+        agent.close()
+
+
+def test_a_refused_republish_is_retried_at_the_lease_rhythm_and_visible_until_it_lands(gateway, caplog):
+    """etcd refusing the put of a new blob (5xx, etcd busy): the registration is not failed, the failure is logged,
+    ``metadata_published`` says False, and the publisher's thread puts again at the lease's rhythm until it lands."""
+    import logging
+
+    import numpy as np
+
+    from datamover import Agent
+
+    failing, failed = threading.Event(), threading.Event()
+
+    def put(h: _Handler, _: dict) -> None:
+        if failing.is_set():
+            failed.set()
+            body = b'{"error":"etcdserver: too many requests","code":14}'
+            h.send_response(503)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
+        h.send(b'{"header":{"revision":"6"}}')
+
+    caplog.set_level(logging.WARNING, logger=etcd_mod.log.name)
+    g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=_kept, kv_put=put)
+    agent = Agent("pub", MEMCPY)
+    try:
+        agent.publish(g.endpoint, "ns", ttl=2)
+        published_at = len(g.requests)
+        failing.set()
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert failed.wait(30)  # known point: the put was refused
+        assert _until(lambda: "HTTP 503" in caplog.text, 30), caplog.text
+        assert not agent.metadata_published(0)
+        failing.clear()
+        assert agent.metadata_published(30)
+        assert _puts_after(g, published_at)[-1] == 1
+    finally:
+        agent.close()
 
 
 # -- parsing (no gateway) -------------------------------------------------------------
