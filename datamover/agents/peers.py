@@ -51,6 +51,7 @@ class Peers:
         self._watches: dict[str, tuple[Any, threading.Event]] = {}  # peer -> its etcd watch, and the event that
         # cuts the watch off from the peer table (set by remove_remote, under the lock)
         self.publisher: Any = None
+        self._published_as: tuple | None = None  # (etcd, namespace, ttl) of the publisher
         self.server: Any = None
         self._token = os.urandom(peer_auth.TOKEN_BYTES)  # proves to peers that a PUSH or DROP comes from this agent
         self._push_budget = peer_auth.PushBudget(**config.extra.get("push_budget", {}))
@@ -309,13 +310,20 @@ class Peers:
                 self.remove(name, unwatch=False)
 
     def publish(self, etcd: Any, namespace: str, ttl: float) -> str:
-        """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key."""
+        """Keep this agent's metadata in etcd under a lease of ``ttl`` s; returns the key. Published there already
+        (same etcd, namespace and ttl): the blob is put again under the same lease, never deleted meanwhile (a
+        new lease would first revoke the old one, and every peer watching the key would drop this agent)."""
         from .etcd import EtcdPublisher
 
+        how = (etcd if isinstance(etcd, str) else tuple(etcd), namespace, ttl)
+        if self.publisher is not None and self._published_as == how:
+            self.publisher.update()
+            return self.publisher.key
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None  # a new one that fails to start leaves none (the closed one published nothing)
         self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
+        self._published_as = how
         return self.publisher.key
 
     def unpublish(self) -> None:

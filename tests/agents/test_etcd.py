@@ -353,3 +353,21 @@ def test_registrations_while_etcd_holds_a_put_return_and_the_latest_blob_lands(e
         assert _until(lambda: len(me.remote_metadata("pub").regions) == 10, 10)
         pub.unpublish()
         assert not pub.metadata_published(0)
+
+
+def test_publishing_again_keeps_the_key_and_its_lease(etcd, ns):
+    """NIXL's sendLocalMD to etcd may be called again (the facade publishes each time): the blob is put again under
+    the same lease, the key never deleted meanwhile (before: the old lease was revoked and a new one granted, so
+    every peer watching the key saw the agent go and dropped it)."""
+    from datamover.agents.etcd import connect
+
+    with Agent("again", UCX) as agent:
+        key = agent.publish(etcd, ns, 3.0)
+        client = connect(etcd)
+        first = client.get(key, metadata=True)[0][1]
+        HostBuffer(agent, 4096)
+        assert agent.publish(etcd, ns, 3.0) == key
+        assert agent.metadata_published(10)
+        now = client.get(key, metadata=True)[0][1]
+        assert now["create_revision"] == first["create_revision"] and now["lease"] == first["lease"]
+        assert int(now["mod_revision"]) > int(first["mod_revision"])  # the new region went in
