@@ -284,8 +284,11 @@ class Mover:
 
 
 def _unreachable(exc: DatamoverError) -> bool:
-    """Whether ``exc`` says the store did not answer in time (a timeout, no HTTP answer, a dropped connection),
-    rather than that this one object is missing or damaged: no other object or replica would answer sooner."""
+    """Whether ``exc`` says the store could not serve now (a timeout, no HTTP answer, a dropped connection, a 5xx
+    answer such as 503 SlowDown), rather than that this one object is missing or damaged: no other object or
+    replica would answer sooner, and the object itself is not in doubt."""
     if isinstance(exc, (TransferTimeout, ConnectionError)):
         return True
-    return isinstance(exc, ObjectStoreError) and exc.status is None and exc.backend == "s3"
+    if not isinstance(exc, ObjectStoreError) or exc.backend != "s3":
+        return False
+    return exc.status is None or 500 <= exc.status <= 599

@@ -779,6 +779,13 @@ def outage(monkeypatch):
     faults = {
         "timeout": lambda: bx.ReadTimeoutError(endpoint_url="http://injected"),
         "refused": lambda: bx.EndpointConnectionError(endpoint_url="http://injected"),
+        "slowdown": lambda: bx.ClientError(
+            {
+                "Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+                "ResponseMetadata": {"HTTPStatusCode": 503},
+            },
+            "GetObject",
+        ),
     }
 
     class Outage:
@@ -797,7 +804,7 @@ def outage(monkeypatch):
     return out
 
 
-@pytest.mark.parametrize("kind", ["timeout", "refused"])
+@pytest.mark.parametrize("kind", ["timeout", "refused", "slowdown"])
 @pytest.mark.parametrize("promote", [True, False], ids=["promoted", "to-caller"])
 def test_a_read_the_store_did_not_answer_is_a_miss_and_the_chunk_stays_in_l4(s3, tmp_path, outage, kind, promote):
     """L4 unreachable for a while: a get reading chunks of L4 misses them, never serves the slot they were being
