@@ -134,7 +134,7 @@ class Mover:
                 except DatamoverError as exc:
                     corrupt[i] |= isinstance(exc, ChecksumMismatch)
                     log.warning("l4_pool: replica %d of %s unreadable: %s", r, key, exc)
-                    if _unreachable(exc):  # each further try would wait out its own deadline: the rest are misses
+                    if _unreachable(exc):  # the store cannot serve now (each try would wait or be refused): misses
                         unanswered = np.arange(len(keys)) >= i  # this chunk and those not tried yet
                         unanswered[i] = not corrupt[i]  # (one of its replicas corrupt: dropped)
                         return ok, corrupt & ~ok, unanswered
