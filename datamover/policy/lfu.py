@@ -69,22 +69,29 @@ class LFUTier(TierPolicy):
         """The current priority of resident `key` (uses + age when last set)."""
         return self._prio[key]
 
+    def _evict_one(self) -> Key | None:
+        """Take out the chunk of least priority (the oldest of its group), ageing the cache to it; None if empty.
+        The common case of `evict` (one victim, nothing pinned), also what `ref` and `ref_request` evict with."""
+        heap, groups = self._heap, self._groups
+        while heap:
+            p = heap[0]
+            group = groups.get(p)
+            if group is None:
+                heapq.heappop(heap)
+                continue
+            key = group.popitem(last=False)[0]
+            if not group:
+                del groups[p]
+            self.age = p
+            del self._count[key], self._prio[key]
+            return key
+        return None
+
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         heap, groups = self._heap, self._groups
         if count == 1 and not pinned:  # the common case, without the bookkeeping for pins
-            while heap:
-                p = heap[0]
-                group = groups.get(p)
-                if group is None:
-                    heapq.heappop(heap)
-                    continue
-                key = group.popitem(last=False)[0]
-                if not group:
-                    del groups[p]
-                self.age = p
-                del self._count[key], self._prio[key]
-                return [key]
-            return []
+            key = self._evict_one()
+            return [] if key is None else [key]
         out: list[Key] = []
         seen: list[float] = []  # priorities taken off the heap whose groups still hold chunks
         while len(out) < count and heap:
@@ -139,26 +146,14 @@ class LFUTier(TierPolicy):
             self._unset(key)
             self._set(key, count + 1)
             return True
-        if len(self._count) >= self.capacity:  # `evict(1)`, written out
-            heap, groups = self._heap, self._groups
-            while heap:
-                p = heap[0]
-                group = groups.get(p)
-                if group is None:
-                    heapq.heappop(heap)
-                    continue
-                victim = group.popitem(last=False)[0]
-                if not group:
-                    del groups[p]
-                self.age = p
-                del self._count[victim], self._prio[victim]
-                break
+        if len(self._count) >= self.capacity:
+            self._evict_one()
         self._set(key, 1)
         return False
 
     def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
         """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
-        counts, prios, groups = self._count, self._prio, self._groups
+        counts = self._count
         n = found_prefix(keys, counts)
         hits = [*range(n - 1, -1, -1)]
         for i in hits:
@@ -174,20 +169,8 @@ class LFUTier(TierPolicy):
                 self._set(key, count + 1)
                 hits.append(i)
                 continue
-            if len(counts) >= capacity:  # `evict(1)`, written out
-                heap = self._heap  # (`_set` may rebuild the heap: read it each time)
-                while heap:
-                    p = heap[0]
-                    group = groups.get(p)
-                    if group is None:
-                        heapq.heappop(heap)
-                        continue
-                    victim = group.popitem(last=False)[0]
-                    if not group:
-                        del groups[p]
-                    self.age = p
-                    del counts[victim], prios[victim]
-                    break
+            if len(counts) >= capacity:
+                self._evict_one()
             self._set(key, 1)
         return hits
 
