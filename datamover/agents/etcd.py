@@ -126,7 +126,7 @@ class EtcdPublisher:
                 return
         blob = self._provider()
         with self._cond:
-            if self._closed:
+            if self._closed or blob == self._blob:  # the latest blob already: nothing new to put
                 return
             self._blob = blob
             self._generation += 1

@@ -324,6 +324,8 @@ class Peers:
             self.publisher = None  # a new one that fails to start leaves none (the closed one published nothing)
         self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
         self._published_as = how
+        # a registration while the first blob was made and put found no publisher to hand its blob to
+        self.publisher.update()
         return self.publisher.key
 
     def unpublish(self) -> None:

@@ -371,3 +371,28 @@ def test_publishing_again_keeps_the_key_and_its_lease(etcd, ns):
         now = client.get(key, metadata=True)[0][1]
         assert now["create_revision"] == first["create_revision"] and now["lease"] == first["lease"]
         assert int(now["mod_revision"]) > int(first["mod_revision"])  # the new region went in
+
+
+def test_a_region_registered_while_publish_runs_reaches_etcd(etcd, ns, monkeypatch):
+    """A registration made while publish() made and put its first blob (before the publisher was in place) found
+    no publisher to hand its blob to: the region stayed out of etcd until some later change."""
+    from datamover.agents import decode_metadata
+    from datamover.agents import etcd as etcd_mod
+    from datamover.agents.etcd import connect
+
+    real = etcd_mod.EtcdPublisher.__init__
+    late: list = []
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)  # the first blob is in etcd: now a registration on another thread
+        t = threading.Thread(target=lambda: late.append(HostBuffer(agent, 4096)))
+        t.start()
+        t.join(10)
+
+    monkeypatch.setattr(etcd_mod.EtcdPublisher, "__init__", init)
+    with Agent("racer", UCX) as agent:
+        key = agent.publish(etcd, ns, 3.0)
+        assert late and agent.metadata_published(10)
+        blob = connect(etcd).get(key)[0]
+        addrs = {r[2] for r in decode_metadata(blob).regions}
+        assert late[0].array.ctypes.data in addrs, "the region registered during publish() is not in etcd"
