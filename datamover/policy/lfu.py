@@ -122,19 +122,8 @@ class LFUTier(TierPolicy):
         the new age) and `evict(1)` again; written out for the case with nothing pinned."""
         if pinned:
             return super().evict_avoiding(avoid, tries, now, pinned)
-        heap, groups, counts, prios = self._heap, self._groups, self._count, self._prio
-        while heap:
-            p = heap[0]
-            group = groups.get(p)
-            if group is None:
-                heapq.heappop(heap)
-                continue
-            key = group.popitem(last=False)[0]
-            if not group:
-                del groups[p]
-            self.age = p
+        while (key := self._evict_one()) is not None:
             if tries <= 0 or key not in avoid:
-                del counts[key], prios[key]
                 return key
             tries -= 1
             self._set(key, 1)
