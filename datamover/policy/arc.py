@@ -9,7 +9,7 @@ above `p` (or at `p` when the incoming key was in B2), else T2's. Ghost hits ent
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Mapping
 
 from .base import Key, Policy, PolicySettings, TierPolicy, first_unpinned
 
@@ -157,61 +157,6 @@ class ARCTier(TierPolicy):
         while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
             b2.popitem(last=False)
         return False
-
-    def ref_request(self, keys: Sequence[Key], now: float) -> list[int]:
-        """`TierPolicy.ref_request` with `ref` written out (the default's shadows run this per request)."""
-        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        n = len(keys)
-        for i, key in enumerate(keys):
-            if key not in t1 and key not in t2:
-                n = i
-                break
-        hits = [*range(n - 1, -1, -1)]
-        for i in hits:
-            key = keys[i]
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-            else:
-                t2.move_to_end(key)
-        c = self.capacity
-        for i in range(len(keys) - 1, n - 1, -1):
-            key = keys[i]
-            if key in t1:
-                del t1[key]
-                t2[key] = None
-                hits.append(i)
-                continue
-            if key in t2:
-                t2.move_to_end(key)
-                hits.append(i)
-                continue
-            in_b1 = key in b1
-            in_b2 = key in b2
-            if in_b1:  # `_adapt`, written out
-                self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
-            elif in_b2:
-                self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
-            if len(t1) + len(t2) >= c:
-                n1 = len(t1)
-                if n1 >= 1 and (n1 > self.p or (in_b2 and n1 == self.p)):
-                    b1[t1.popitem(last=False)[0]] = None
-                elif t2:
-                    b2[t2.popitem(last=False)[0]] = None
-                elif t1:
-                    b1[t1.popitem(last=False)[0]] = None
-            if in_b1 or in_b2:
-                b1.pop(key, None)
-                b2.pop(key, None)
-                t2[key] = None
-            else:
-                t1[key] = None
-            self._adapted = None
-            while b1 and len(t1) + len(b1) > c:
-                b1.popitem(last=False)
-            while b2 and len(t1) + len(t2) + len(b1) + len(b2) > 2 * c:
-                b2.popitem(last=False)
-        return hits
 
     def holds(self, key: Key) -> bool:
         return key in self.t1 or key in self.t2

@@ -88,18 +88,20 @@ class S3FIFOTier(TierPolicy):
             return key
         return None
 
+    def _evict_one(self, pinned: Container[Key]) -> Key | None:
+        """The next victim: from the small queue once it is full (or the main one is empty), else from the main."""
+        key = None
+        if len(self.small) >= self.small_size or not self.main:
+            key = self._evict_small(pinned)
+        if key is None:
+            key = self._evict_main(pinned)
+        if key is None:
+            key = self._evict_small(pinned)
+        return key
+
     def evict(self, count: int, now: float, pinned: Container[Key] = ()) -> list[Key]:
         out: list[Key] = []
-        while len(out) < count:
-            key = None
-            if len(self.small) >= self.small_size or not self.main:
-                key = self._evict_small(pinned)
-            if key is None:
-                key = self._evict_main(pinned)
-            if key is None:
-                key = self._evict_small(pinned)
-            if key is None:
-                break
+        while len(out) < count and (key := self._evict_one(pinned)) is not None:
             out.append(key)
         return out
 
@@ -107,13 +109,7 @@ class S3FIFOTier(TierPolicy):
         """`evict(1)`, then while the victim is in `avoid` and tries remain, `restore` it and `evict(1)` again:
         the same steps in one call (the default's leaf guard asks this for every chunk it evicts)."""
         while True:
-            key = None
-            if len(self.small) >= self.small_size or not self.main:
-                key = self._evict_small(pinned)
-            if key is None:
-                key = self._evict_main(pinned)
-            if key is None:
-                key = self._evict_small(pinned)
+            key = self._evict_one(pinned)
             if key is None or tries <= 0 or key not in avoid:
                 return key
             tries -= 1
