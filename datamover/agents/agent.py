@@ -20,6 +20,7 @@ from ..descriptors import RegionTable, Registration
 from ..errors import NotRegistered, UnsupportedTransfer
 from .backend_set import BackendSet
 from .config import AgentConfig
+from .etcd import CLOSE_TIMEOUT_S
 from .maker import Prepared, TransferMaker
 from .metadata import AgentMetadata
 from .notifications import InboxLimits, Notifications
@@ -280,9 +281,13 @@ class Agent:
         """
         return self._peers.metadata_published(timeout)
 
-    def unpublish(self) -> None:
-        """Revoke the lease now: the key disappears and watching peers drop this agent."""
-        self._peers.unpublish()
+    def unpublish(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Revoke the lease now: the key disappears and watching peers drop this agent.
+
+        Waits for etcd to confirm the revoke at most ``timeout`` s (never under the agent's lock): unconfirmed by
+        then, the key goes when the lease expires. Nothing is put after this returns.
+        """
+        self._peers.unpublish(timeout)
 
     # -- notifications -----------------------------------------------------
     def get_notifications(self) -> dict[str, list[bytes]]:
@@ -318,14 +323,14 @@ class Agent:
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
         """Cut transfers in flight short (each ERR, TransferAborted), stop backends and drop registrations; the
-        agent is unusable afterwards."""
+        agent is unusable afterwards. Unpublishes from etcd, waiting for it at most CLOSE_TIMEOUT_S (5 s)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._registry.close()  # posts from now on are refused
-            self._peers.close()
-        # outside the lock: a post in flight may need it to finish
+        # outside the lock: the watches, the side channel and etcd are waited for, and a post in flight may need it
+        self._peers.close()
         self._registry.abort_all(f"agent {self.name!r} closed")
         with self._lock:
             self._registry.deregister_all()

@@ -32,6 +32,8 @@ log = logging.getLogger("datamover.etcd")
 #: the longest watch-stream line taken: one event carrying the largest blob, base64 (4 bytes per 3), with room for
 #: the JSON around it (key, revisions, header)
 MAX_WATCH_LINE = 4 * -(-MAX_BLOB_BYTES // 3) + (64 << 10)
+#: how long ``EtcdPublisher.close`` (and so unpublish, and closing the agent) waits for etcd to confirm the revoke
+CLOSE_TIMEOUT_S = 5.0
 
 
 def agent_key(namespace: str, name: str) -> str:
@@ -91,6 +93,7 @@ class EtcdPublisher:
         self.client = connect(endpoints)
         self.key = agent_key(namespace, name)
         self.ttl = max(2, round(ttl))
+        self._name = name
         self._provider = provider
         # guards what follows; never held across an etcd call (update() takes it under the agent's lock)
         self._cond = threading.Condition(threading.Lock())
@@ -196,6 +199,10 @@ class EtcdPublisher:
             with self._cond:
                 self.last_error = exc
                 self._retry_at = time.monotonic() + self._interval
+                closed = self._closed
+            if closed:  # refused under the revoked lease, as it should be
+                log.debug("etcd put of %s after close failed: %s", self.key, exc)
+                return
             log.warning("etcd put of %s failed (%s); putting the latest blob again in %.1f s", self.key, exc,
                         self._interval)  # fmt: skip
             return
@@ -269,21 +276,34 @@ class EtcdPublisher:
         except Exception as exc:
             log.debug("revoking lease: %s", exc)
 
-    def close(self, revoke: bool = True) -> None:
+    def close(self, revoke: bool = True, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the thread and revoke the lease, so the key disappears now rather than after the TTL.
 
-        ``revoke=False`` leaves the key to expire with its lease, as when the agent dies. A put or refresh still
-        waiting on etcd is waited for up to the TTL; once this returns nothing is put or granted again (a call
-        that was on its way past the TTL puts or grants nothing after it), and ``wait_published`` says False.
+        Never waits for a put or refresh in flight: once the lease is revoked, etcd refuses a put still on its way
+        (or deletes the key with the lease, had it landed), and the thread puts or grants nothing once closed. The
+        revoke is waited for at most ``timeout`` s: unconfirmed by then, the key goes when the lease expires (a TTL
+        after the last keepalive etcd took). ``revoke=False`` leaves the key to expire with its lease, as when the
+        agent dies. Once called, ``wait_published`` says False.
         """
         with self._cond:
             self._closed = True  # before reading the lease to revoke: a refresh granting one now sees it, revokes it
             self._cond.notify_all()
-        self._thread.join(self.ttl)
-        if revoke:
-            with self._cond:
-                lease = self.lease
-            self._revoke(lease)
+            lease = self.lease
+        if not revoke:
+            return
+        revoking = threading.Thread(
+            target=self._revoke, args=(lease,), name=f"dm-etcd-revoke-{self._name}", daemon=True
+        )
+        revoking.start()
+        revoking.join(timeout)
+        if revoking.is_alive():
+            log.warning("etcd did not confirm the revoke of %s's lease within %g s; the key goes when it expires",
+                        self.key, timeout)  # fmt: skip
+
+    def wait_stopped(self, timeout: float | None) -> bool:
+        """After ``close``: wait up to ``timeout`` s for the thread to end the etcd call it was in; True once it has."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 def gateway_call(client: Any, path: str, body: dict, what: str) -> dict:

@@ -15,6 +15,7 @@ from ..errors import AuthenticationError, InvalidMetadata, NotRegistered
 from . import peer_auth
 from .backend_set import BackendSet
 from .config import AgentConfig
+from .etcd import CLOSE_TIMEOUT_S
 from .metadata import AgentMetadata, agent_ident, decode_metadata, encode_metadata, open_metadata, sign_metadata
 from .registry import Registry
 
@@ -319,27 +320,31 @@ class Peers:
         if self.publisher is not None and self._published_as == how:
             self.publisher.update()
             return self.publisher.key
-        if self.publisher is not None:
-            self.publisher.close()
-            self.publisher = None  # a new one that fails to start leaves none (the closed one published nothing)
+        self.unpublish()  # a new one that fails to start leaves none (the closed one published nothing)
         self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
         self._published_as = how
         # a registration while the first blob was made and put found no publisher to hand its blob to
         self.publisher.update()
         return self.publisher.key
 
-    def unpublish(self) -> None:
-        """Revoke the etcd lease now, if there is one."""
-        if self.publisher is not None:
-            self.publisher.close()
-            self.publisher = None
+    def unpublish(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Revoke the etcd lease now, if there is one, waiting for etcd at most ``timeout`` s. Call it without the
+        agent's lock: only taking the publisher away holds it."""
+        with self._lock:  # registrations from here on hand their blob to no publisher
+            publisher, self.publisher = self.publisher, None
+        if publisher is not None:
+            publisher.close(timeout=timeout)
 
     def close(self) -> None:
-        """Stop the watches, the side channel and the etcd lease."""
-        for w, cut in self._watches.values():
-            cut.set()
+        """Stop the watches, the side channel and the etcd lease. Call it without the agent's lock: each of them
+        waits for a thread or for etcd (a watch's thread may itself wait for that lock to deliver)."""
+        with self._lock:
+            watches = list(self._watches.values())
+            self._watches.clear()
+            for _, cut in watches:
+                cut.set()  # a delivery already on its way loads nothing now
+        for w, _ in watches:
             w.close()
-        self._watches.clear()
         if self.server is not None:
             self.server.close()
         self.unpublish()

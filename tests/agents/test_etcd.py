@@ -396,3 +396,34 @@ def test_a_region_registered_while_publish_runs_reaches_etcd(etcd, ns, monkeypat
         blob = connect(etcd).get(key)[0]
         addrs = {r[2] for r in decode_metadata(blob).regions}
         assert late[0].array.ctypes.data in addrs, "the region registered during publish() is not in etcd"
+
+
+def test_close_while_a_put_is_held_returns_at_once_and_the_put_never_lands(etcd, ns, monkeypatch):
+    """Agent.close waited for a put etcd held, up to the lease's TTL (600 s here), under the agent's lock (every
+    other agent call waited with it). Now close revokes the lease and returns; the held put, sent once the test lets
+    it go (after close returned), is refused by etcd: its lease is gone, and the key with it."""
+    import numpy as np
+
+    from datamover.agents.etcd import connect, read_key
+    from datamover.testing.waiting import HeldOnce
+
+    memcpy = {"backends": {"memcpy": {}}}
+    agent = Agent("pub", memcpy)
+    hold = HeldOnce("the republish")
+    try:
+        key = agent.publish(etcd, ns, ttl=600)
+        publisher = agent._peers.publisher
+        monkeypatch.setattr(publisher, "_put", hold.wrap(publisher._put))
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert hold.reached.wait(30)  # known point: the republish waits, before it is sent, until the test lets it go
+        closing = threading.Thread(target=agent.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "close waited for the held put"
+        assert read_key(connect(etcd), key)[0] is None  # revoked: the key went with the lease
+        hold.go.set()
+        assert hold.returned.wait(30)  # the put was sent, after close returned
+        assert read_key(connect(etcd), key)[0] is None, "a put landed after close returned"
+    finally:
+        hold.go.set()
+        agent.close()

@@ -19,6 +19,7 @@ pytest.importorskip("etcd3gw")
 
 import datamover.agents.etcd as etcd_mod
 from datamover.errors import InvalidMetadata, RemoteDisconnected
+from datamover.testing.waiting import HeldOnce
 
 KEY = etcd_mod.agent_key("ns", "peer")
 B64KEY = base64.b64encode(KEY.encode()).decode()
@@ -394,11 +395,10 @@ def test_nothing_is_published_after_close_returned(gateway):
     g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=keepalive)
     pub = EtcdPublisher(g.endpoint, "ns", "pub", lambda: b"blob", ttl=2)
     assert in_keepalive.wait(30)  # known point: a refresh waits on etcd
-    pub.close()  # waits for the refresh up to its TTL, then revokes
+    pub.close()  # revokes; the refresh on its way grants nothing once it is answered
     closed_at = len(g.requests)
     answer.set()
-    pub._thread.join(30)
-    assert not pub._thread.is_alive()
+    assert pub.wait_stopped(30)
     pub.update()  # a registration after close (the agent's publisher closed, not yet dropped)
     after = _paths(g)[closed_at:]
     assert "kv/put" not in after and "lease/grant" not in after, after
@@ -531,8 +531,8 @@ def test_a_burst_of_registrations_is_coalesced_into_the_latest_blob(gateway):
 
 
 def test_close_while_a_put_is_held_puts_nothing_after(gateway):
-    """A registration's put held by etcd, a newer blob waiting behind it, and the agent closed: close returns (it
-    waits for the put in flight at most a TTL), revokes the lease, and once etcd answers the held put nothing more
+    """A registration's put held by etcd, a newer blob waiting behind it, and the agent closed: close revokes
+    the lease and returns without waiting for the put in flight, and once etcd answers the held put nothing more
     is put or granted; a caller waiting for the blob to be published is told it was not."""
     import numpy as np
 
@@ -558,12 +558,81 @@ def test_close_while_a_put_is_held_puts_nothing_after(gateway):
         assert waiting.done.wait(5) and waiting.value is False
         assert ("kv/lease/revoke", {"ID": 7}) in g.requests
         hold.go.set()
-        pub._thread.join(30)
-        assert not pub._thread.is_alive()
+        assert pub.wait_stopped(30)
         after = _paths(g)[closed_at:]
         assert "kv/put" not in after and "lease/grant" not in after, after
     finally:
         hold.go.set()
+        agent.close()
+
+
+def _hold_requests(monkeypatch: pytest.MonkeyPatch, client: object, path: str) -> HeldOnce:
+    """The first request ``client`` sends to the gateway's ``path`` waits, before it is sent, until ``go``."""
+    session = client.session  # type: ignore[attr-defined]
+    real = session.post
+    held = (hold := HeldOnce(f"the {path} request")).wrap(real)
+    monkeypatch.setattr(session, "post", lambda url, *a, **kw: (held if url.endswith(path) else real)(url, *a, **kw))
+    return hold
+
+
+def test_close_waits_for_etcd_without_the_agents_lock(gateway, monkeypatch):
+    """Agent.close revoked the etcd lease (after waiting up to a TTL for a put in flight) under the agent's lock:
+    while etcd took its time, every other agent call (add_remote here, registration, prepare) waited with it. Now
+    close waits for etcd with the lock let go: add_remote returns while the revoke is held."""
+    import numpy as np
+
+    from datamover import Agent
+
+    g = gateway(lease_grant=_granted, lease_keepalive=_kept)
+    agent, other = Agent("pub", MEMCPY), Agent("other", MEMCPY)
+    hold = None
+    try:
+        agent.publish(g.endpoint, "ns", ttl=600)
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert agent.metadata_published(30)
+        hold = _hold_requests(monkeypatch, agent._peers.publisher.client, "/kv/lease/revoke")
+        closing = _Call(agent.close)
+        assert hold.reached.wait(30)  # known point: close waits on etcd's revoke, and will until the test lets it go
+        loaded = _Call(agent.add_remote, other.metadata())
+        assert loaded.done.wait(5), "add_remote waited for close's revoke: the agent's lock was held across it"
+        assert loaded.error is None and loaded.value == "other", loaded.error
+        hold.go.set()
+        assert closing.done.wait(30) and closing.error is None, closing.error
+        assert ("kv/lease/revoke", {"ID": 7}) in g.requests
+    finally:
+        if hold is not None:
+            hold.go.set()
+        agent.close()
+        other.close()
+
+
+def test_unpublish_waits_for_etcd_at_most_its_timeout(gateway, monkeypatch):
+    """unpublish (and close) waited for a put or refresh in flight up to the lease's TTL (600 s here), then for the
+    revoke as long as etcd took: nothing bounded them but etcd. Now each waits at most its timeout; the publisher is
+    gone at once (nothing is put after) and the key goes with the lease if etcd never confirms the revoke."""
+    import numpy as np
+
+    from datamover import Agent
+
+    hold_put = _HeldPut()
+    g = gateway(lease_grant=_granted, lease_keepalive=_kept, kv_put=hold_put)
+    agent = Agent("pub", MEMCPY)
+    hold = None
+    try:
+        agent.publish(g.endpoint, "ns", ttl=600)
+        hold = _hold_requests(monkeypatch, agent._peers.publisher.client, "/kv/lease/revoke")
+        hold_put.arm()
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert hold_put.held.wait(30)  # known point: etcd holds the republish
+        unpublishing = _Call(agent.unpublish, 0.5)
+        assert hold.reached.wait(30)  # and the revoke, until the test lets them go
+        assert unpublishing.done.wait(10), "unpublish waited for etcd past its timeout"
+        assert unpublishing.error is None, unpublishing.error
+        assert agent._peers.publisher is None and not agent.metadata_published(0)
+    finally:
+        hold_put.go.set()
+        if hold is not None:
+            hold.go.set()
         agent.close()
 
 
