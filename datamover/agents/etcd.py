@@ -66,9 +66,10 @@ class EtcdPublisher:
     """Keeps ``provider()`` at the agent's key under a lease of ``ttl`` seconds, refreshed every ttl/3.
 
     The constructor grants the lease and puts the first blob itself (its
-    errors are the caller's). After that one thread of its own does every
-    etcd call: it keeps the lease alive and puts the latest blob that
-    ``update`` handed it. ``update`` (after memory was registered, say) only
+    errors are the caller's). After that two threads of its own do every
+    etcd call: one keeps the lease alive, the other puts the latest blob that
+    ``update`` handed it, so a put etcd holds never delays a keepalive (the
+    key does not lapse while etcd answers keepalives). ``update`` (after memory was registered, say) only
     makes the new blob and returns: it never waits for etcd, so a slow or
     unreachable etcd never stalls a registration, nor the agent's lock it is
     made under. Blobs handed over while a put is on its way are coalesced:
@@ -98,7 +99,7 @@ class EtcdPublisher:
         # guards what follows; never held across an etcd call (update() takes it under the agent's lock)
         self._cond = threading.Condition(threading.Lock())
         self._closed = False  # once set, nothing is put or granted again (see close)
-        self._blob = b""  # the latest blob made by update(): what the thread puts
+        self._blob = b""  # the latest blob made by update(): what the put thread puts
         self._generation = 0  # blobs made so far; the latest is this one
         self._put_generation = -1  # the generation of the blob in etcd under the current lease; -1: none known
         self._retry_at = 0.0  # no put before this (monotonic): a failed one waits for the lease's rhythm
@@ -112,16 +113,20 @@ class EtcdPublisher:
             self._revoke(self.lease)  # nothing was published under it
             raise
         self._put_generation = 1
-        self._thread = threading.Thread(target=self._run, name=f"dm-etcd-{name}", daemon=True)
-        self._thread.start()
+        self._threads = (
+            threading.Thread(target=self._keep_alive, name=f"dm-etcd-lease-{name}", daemon=True),
+            threading.Thread(target=self._put_pending, name=f"dm-etcd-put-{name}", daemon=True),
+        )
+        for t in self._threads:
+            t.start()
 
     # -- what the agent sees -----------------------------------------------------------
     def update(self) -> None:
-        """Hand the publisher's thread the current blob (after registering memory, say) and return at once.
+        """Hand the put thread the current blob (after registering memory, say) and return at once.
 
-        Never waits for etcd: the thread puts it (or a later one) when etcd answers. The blob is made here
+        Never waits for etcd: the put thread puts it (or a later one) when etcd answers. The blob is made here
         (``provider()``, which takes the agent's lock: the agent calls this under it, which also keeps the blobs
-        in the order of their generations); the thread never calls ``provider``, so it never waits for the
+        in the order of their generations); the threads never call ``provider``, so they never wait for the
         agent's lock. Nothing once closed.
         """
         with self._cond:
@@ -160,35 +165,38 @@ class EtcdPublisher:
             self._cond.wait_for(lambda: self._closed or self._put_generation >= target, timeout)
             return not self._closed and self._put_generation >= target
 
-    # -- the publisher's thread ----------------------------------------------------------
-    def _run(self) -> None:
-        """Refresh the lease every interval; between refreshes, put the latest blob whenever one is not in etcd
-        (after a failed put, not before the lease's rhythm says)."""
-        next_refresh = time.monotonic() + self._interval
+    # -- the publisher's threads ---------------------------------------------------------
+    def _keep_alive(self) -> None:
+        """The lease thread: refresh the lease every interval, whatever the put thread waits on."""
+        while True:
+            with self._cond:
+                next_refresh = time.monotonic() + self._interval
+                while not self._closed and (left := next_refresh - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                if self._closed:
+                    return
+            try:
+                self._refresh()
+            except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
+                log.warning("etcd lease refresh for %s failed: %s", self.key, exc)
+
+    def _put_pending(self) -> None:
+        """The put thread: put the latest blob whenever one is not in etcd (after a failed put, not before the
+        lease's rhythm says)."""
         while True:
             with self._cond:
                 while True:
                     if self._closed:
                         return
-                    now = time.monotonic()
-                    if now >= next_refresh:
-                        put = None
-                        break
-                    wake = next_refresh
                     if self._put_generation < self._generation:
-                        if now >= self._retry_at:
+                        left = self._retry_at - time.monotonic()
+                        if left <= 0:
                             put = self.lease, self._blob, self._generation
                             break
-                        wake = min(wake, self._retry_at)
-                    self._cond.wait(wake - now)
-            if put is None:
-                try:
-                    self._refresh()
-                except Exception as exc:  # etcd briefly away: keep trying; what did not land is put again later
-                    log.warning("etcd lease refresh for %s failed: %s", self.key, exc)
-                next_refresh = time.monotonic() + self._interval
-            else:
-                self._put_latest(*put)
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
+            self._put_latest(*put)
 
     def _put_latest(self, lease: Any, blob: bytes, generation: int) -> None:
         """Put ``blob`` (of ``generation``) under ``lease``; a failure is logged and tried again at the lease's
@@ -198,7 +206,8 @@ class EtcdPublisher:
         except Exception as exc:
             with self._cond:
                 self.last_error = exc
-                self._retry_at = time.monotonic() + self._interval
+                if lease is self.lease:  # else replaced since: put again at once, under the new one
+                    self._retry_at = time.monotonic() + self._interval
                 closed = self._closed
             if closed:  # refused under the revoked lease, as it should be
                 log.debug("etcd put of %s after close failed: %s", self.key, exc)
@@ -227,6 +236,7 @@ class EtcdPublisher:
             with self._cond:  # put again once etcd answers (at the next refresh's rhythm, not at once)
                 self._put_generation = -1
                 self._retry_at = time.monotonic() + self._interval
+                self._cond.notify_all()
             self._call("/maintenance/status", {}, "etcd status")  # raises while etcd is away; answers when only
             alive = False  # the lease is gone
         if alive:
@@ -277,10 +287,10 @@ class EtcdPublisher:
             log.debug("revoking lease: %s", exc)
 
     def close(self, revoke: bool = True, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Stop the thread and revoke the lease, so the key disappears now rather than after the TTL.
+        """Stop the threads and revoke the lease, so the key disappears now rather than after the TTL.
 
         Never waits for a put or refresh in flight: once the lease is revoked, etcd refuses a put still on its way
-        (or deletes the key with the lease, had it landed), and the thread puts or grants nothing once closed. The
+        (or deletes the key with the lease, had it landed), and the threads put or grant nothing once closed. The
         revoke is waited for at most ``timeout`` s: unconfirmed by then, the key goes when the lease expires (a TTL
         after the last keepalive etcd took). ``revoke=False`` leaves the key to expire with its lease, as when the
         agent dies. Once called, ``wait_published`` says False.
@@ -301,9 +311,12 @@ class EtcdPublisher:
                         self.key, timeout)  # fmt: skip
 
     def wait_stopped(self, timeout: float | None) -> bool:
-        """After ``close``: wait up to ``timeout`` s for the thread to end the etcd call it was in; True once it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """After ``close``: wait up to ``timeout`` s for the threads to end the etcd calls they were in; True once
+        they have."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
 
 def gateway_call(client: Any, path: str, body: dict, what: str) -> dict:

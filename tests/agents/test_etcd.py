@@ -427,3 +427,35 @@ def test_close_while_a_put_is_held_returns_at_once_and_the_put_never_lands(etcd,
     finally:
         hold.go.set()
         agent.close()
+
+
+def test_a_put_held_past_the_ttl_does_not_let_the_key_vanish(etcd, ns, monkeypatch):
+    """The publisher's one thread kept the lease alive and put the blobs: a put held past about 2/3 of the TTL let
+    the lease lapse, the key vanished and the watching peer dropped an agent alive and well. Now keepalives go on
+    while the put is held: the key stays (watched for twice the TTL), and the blob lands once the put is let go."""
+    import numpy as np
+
+    from datamover.agents.etcd import connect, read_key
+    from datamover.testing.waiting import HeldOnce
+
+    memcpy = {"backends": {"memcpy": {}}}
+    ttl = 3
+    hold = HeldOnce("the republish")
+    with Agent("me", memcpy) as me, Agent("pub", memcpy) as pub:
+        try:
+            key = pub.publish(etcd, ns, ttl=ttl)
+            me.fetch_remote("pub", etcd=etcd, namespace=ns, timeout=5)
+            publisher = pub._peers.publisher
+            monkeypatch.setattr(publisher, "_put", hold.wrap(publisher._put))
+            pub.register_memory(np.zeros(4096, np.uint8))
+            assert hold.reached.wait(30)  # known point: the republish waits until the test lets it go
+            client, held_at = connect(etcd), time.monotonic()
+            while time.monotonic() - held_at < 2 * ttl:  # the lease's whole life twice over
+                assert read_key(client, key)[0] is not None, "the key vanished while a put was held"
+                assert "pub" in me.remotes, "the watching peer dropped a live agent"
+                time.sleep(0.1)
+            hold.go.set()
+            assert pub.metadata_published(10)
+            assert _until(lambda: len(me.remote_metadata("pub").regions) == 1, 10)
+        finally:
+            hold.go.set()

@@ -636,6 +636,33 @@ def test_unpublish_waits_for_etcd_at_most_its_timeout(gateway, monkeypatch):
         agent.close()
 
 
+def test_keepalives_go_on_while_a_put_is_held(gateway, monkeypatch):
+    """One thread kept the lease alive and put the blobs: while a put waited on etcd no keepalive was sent, and a put
+    held past the TTL let the lease lapse (the key gone, every watching peer dropping a live agent). Now the lease is
+    kept alive on a thread of its own: keepalives go on, every ttl/3, while the put is held."""
+    import numpy as np
+
+    from datamover import Agent
+
+    g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=_kept)
+    agent = Agent("pub", MEMCPY)
+    hold = None
+    try:
+        agent.publish(g.endpoint, "ns", ttl=2)
+        hold = _hold_requests(monkeypatch, agent._peers.publisher.client, "/kv/put")
+        agent.register_memory(np.zeros(4096, np.uint8))
+        assert hold.reached.wait(30)  # known point: the republish waits, before it is sent, until the test lets it go
+        held_at = len(g.requests)
+        kept = _until(lambda: _paths(g)[held_at:].count("lease/keepalive") >= 3, 30)
+        assert kept, "no keepalive was sent while a put was held"
+        hold.go.set()
+        assert agent.metadata_published(30)
+    finally:
+        if hold is not None:
+            hold.go.set()
+        agent.close()
+
+
 def test_a_refused_republish_is_retried_at_the_lease_rhythm_and_visible_until_it_lands(gateway, caplog):
     """etcd refusing the put of a new blob (5xx, etcd busy): the registration is not failed, the failure is logged,
     ``metadata_published`` says False, and the publisher's thread puts again at the lease's rhythm until it lands."""
