@@ -67,8 +67,9 @@ def test_fetch_waits_for_the_peer_to_appear(etcd, ns, monkeypatch):
     import json
 
     import datamover.agents.etcd as etcd_mod
+    import datamover.agents.etcd.watch as watch_mod
 
-    waiting, real_events = threading.Event(), etcd_mod.watch_events
+    waiting, real_events = threading.Event(), watch_mod.watch_events
 
     def watch_events(line, key):
         out = real_events(line, key)
@@ -76,7 +77,7 @@ def test_fetch_waits_for_the_peer_to_appear(etcd, ns, monkeypatch):
             waiting.set()  # etcd opened the fetch's watch (from the revision after its read found nothing)
         return out
 
-    monkeypatch.setattr(etcd_mod, "watch_events", watch_events)
+    monkeypatch.setattr(watch_mod, "watch_events", watch_events)  # the fetch's watch reads its lines through it
     with Agent("late-init", UCX) as agent:
         got = {}
 
@@ -228,12 +229,13 @@ def test_a_watch_reads_the_key_within_a_bound_too(etcd, ns, monkeypatch, caplog)
     """The watch's first read of the key (and each re-read after a dropped stream) is bounded like its lines: a
     value past the bound is refused, not read whole into memory."""
     import datamover.agents.etcd as etcd_mod
+    import datamover.agents.etcd.gateway as gateway_mod
 
     client = etcd_mod.connect(etcd)
     key = etcd_mod.agent_key(ns, "peer")
     client.put(key, b"r" * 8192)
-    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", 4096)
-    caplog.set_level(logging.INFO, logger=etcd_mod.log.name)
+    monkeypatch.setattr(gateway_mod, "MAX_WATCH_LINE", 4096)
+    caplog.set_level(logging.INFO, logger="datamover.etcd")
     changes = []
     watch = etcd_mod.EtcdWatch(client, ns, "peer", on_change=changes.append, on_delete=lambda: None)
     try:
@@ -250,20 +252,21 @@ def test_fetch_reads_a_present_key_and_waits_on_its_watch_for_an_absent_one(etcd
     import json
 
     import datamover.agents.etcd as etcd_mod
+    import datamover.agents.etcd.watch as watch_mod
 
     client = etcd_mod.connect(etcd)
     value = bytes(range(256)) * 4096
     client.put(etcd_mod.agent_key(ns, "here"), value)
     assert etcd_mod.fetch(client, ns, "here", timeout=5) == value
 
-    opened, real_events = threading.Event(), etcd_mod.watch_events
+    opened, real_events = threading.Event(), watch_mod.watch_events
 
     def watch_events(line, key):
         if line.strip() and json.loads(line)["result"].get("created"):
             opened.set()
         return real_events(line, key)
 
-    monkeypatch.setattr(etcd_mod, "watch_events", watch_events)
+    monkeypatch.setattr(watch_mod, "watch_events", watch_events)
     got = {}
     t = threading.Thread(target=lambda: got.update(value=etcd_mod.fetch(client, ns, "later", timeout=30)))
     t.start()

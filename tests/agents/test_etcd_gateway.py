@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 pytest.importorskip("etcd3gw")
 
 import datamover.agents.etcd as etcd_mod
+import datamover.agents.etcd.answers as answers_mod
+import datamover.agents.etcd.gateway as gateway_mod
 from datamover.errors import InvalidMetadata, RemoteDisconnected
 from datamover.testing.waiting import HeldOnce
 
@@ -130,7 +132,7 @@ def _event_line(value: bytes) -> bytes:
 def test_a_range_answer_over_the_bound_is_refused_before_it_is_read(gateway, monkeypatch, declared):
     """Before, etcd3gw read the whole answer (a 400 MiB value: 1.6 GiB of peak memory) and only then was the value
     refused; now an answer declared longer than the bound is refused unread, and a chunked one once past it."""
-    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    monkeypatch.setattr(gateway_mod, "MAX_WATCH_LINE", BOUND)
     head = b'{"header":{"revision":"5"},"kvs":[{"key":"' + B64KEY.encode() + b'","value":"'
     g = gateway(kv_range=lambda h, _: h.stream(_blocks(SENT, head), len(head) + SENT if declared else None))
     client = etcd_mod.connect(g.endpoint)
@@ -141,7 +143,7 @@ def test_a_range_answer_over_the_bound_is_refused_before_it_is_read(gateway, mon
 
 def test_a_plain_answer_over_the_bound_is_refused_when_connecting(gateway, monkeypatch):
     """etcd3gw's own calls (status here) are read within the bound too (a response hook on its session)."""
-    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    monkeypatch.setattr(gateway_mod, "MAX_WATCH_LINE", BOUND)
     g = gateway(maintenance_status=lambda h, _: h.stream(_blocks(SENT)))
     with pytest.raises(RemoteDisconnected, match=f"InvalidMetadata: etcd answer from .* over {BOUND} bytes"):
         etcd_mod.connect(g.endpoint)
@@ -175,7 +177,7 @@ def test_a_garbled_range_answer_is_invalid_metadata_naming_the_key(gateway, body
 
 
 def test_a_value_over_the_blob_bound_is_refused_before_it_is_decoded(gateway, monkeypatch):
-    monkeypatch.setattr(etcd_mod, "MAX_BLOB_BYTES", 3000)
+    monkeypatch.setattr(answers_mod, "MAX_BLOB_BYTES", 3000)
     g = gateway(kv_range=lambda h, _: h.send(_range_of(b"v" * 3003)))
     with pytest.raises(InvalidMetadata, match=f"etcd value at {KEY}: over 3000 bytes"):
         etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=5)
@@ -201,7 +203,7 @@ def test_the_watch_of_an_absent_key_starts_after_the_read_and_delivers_the_put(g
 def test_a_watch_stream_over_the_bound_or_garbled_fails_the_fetch_at_once(gateway, monkeypatch, stream):
     """Before, etcd3gw's watch read each chunk whole and died on a bad line in its own thread: the fetch waited its
     whole timeout, then said the agent did not appear."""
-    monkeypatch.setattr(etcd_mod, "MAX_WATCH_LINE", BOUND)
+    monkeypatch.setattr(gateway_mod, "MAX_WATCH_LINE", BOUND)
     g = gateway(kv_range=_absent, watch=lambda h, _: h.stream(stream()))
     with pytest.raises(InvalidMetadata, match=f"etcd watch of {KEY}"):
         etcd_mod.fetch(etcd_mod.connect(g.endpoint), "ns", "peer", timeout=60)
@@ -685,7 +687,7 @@ def test_a_refused_republish_is_retried_at_the_lease_rhythm_and_visible_until_it
             return
         h.send(b'{"header":{"revision":"6"}}')
 
-    caplog.set_level(logging.WARNING, logger=etcd_mod.log.name)
+    caplog.set_level(logging.WARNING, logger="datamover.etcd")
     g = gateway(lease_grant=lambda h, _: h.send(b'{"ID":"7","TTL":"2"}'), lease_keepalive=_kept, kv_put=put)
     agent = Agent("pub", MEMCPY)
     try:
