@@ -284,8 +284,9 @@ class Agent:
     def unpublish(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Revoke the lease now: the key disappears and watching peers drop this agent.
 
-        Waits for etcd to confirm the revoke at most ``timeout`` s (never under the agent's lock): unconfirmed by
-        then, the key goes when the lease expires. Nothing is put after this returns.
+        Never waits for a put in flight (etcd refuses it once the lease is revoked), and for etcd to confirm the
+        revoke at most ``timeout`` s, never under the agent's lock: unconfirmed by then, the key goes when the
+        lease expires. The publisher puts nothing once this is called.
         """
         self._peers.unpublish(timeout)
 
@@ -323,7 +324,7 @@ class Agent:
     # -- lifetime ----------------------------------------------------------
     def close(self) -> None:
         """Cut transfers in flight short (each ERR, TransferAborted), stop backends and drop registrations; the
-        agent is unusable afterwards. Unpublishes from etcd, waiting for it at most CLOSE_TIMEOUT_S (5 s)."""
+        agent is unusable afterwards. Unpublishes from etcd as ``unpublish()`` does (waiting at most 5 s)."""
         with self._lock:
             if self._closed:
                 return
