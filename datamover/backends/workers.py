@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 log = logging.getLogger("datamover.workers")
 
@@ -60,13 +61,18 @@ class Workers:
             except BaseException:  # the work reports its own errors; this is a last resort
                 log.exception("%s: a worker task failed", self._name)
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> int:
+        """Stop the threads once the work queued is done; with ``wait``, wait for them (``timeout`` s at most in
+        all: a thread inside a syscall on a hung device may never return). Returns how many are still running."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
         for _ in threads:
             self._q.put(None)
-        if wait:
-            for t in threads:
-                if t is not threading.current_thread():
-                    t.join()
+        if not wait:
+            return 0
+        end = None if timeout is None else time.monotonic() + timeout
+        others = [t for t in threads if t is not threading.current_thread()]
+        for t in others:
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        return sum(t.is_alive() for t in others)

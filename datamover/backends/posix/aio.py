@@ -54,6 +54,10 @@ assert IOCB.itemsize == 64 and IO_EVENT.itemsize == 32
 
 log = logging.getLogger("datamover.posix")
 
+#: the longest one io_getevents sleeps in a bounded reap (a limit, or a cancel it must notice); a wake-up per slice
+#: costs nothing next to a batch that takes that long
+WAIT_SLICE_S = 0.1
+
 
 class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
@@ -104,6 +108,7 @@ class IocbBatch:
     Rows ``starts[g]:starts[g+1]`` are contiguous in the file and become one
     vectored iocb (PREADV/PWRITEV over their buffers); a group of one row is
     a plain PREAD/PWRITE. ``expect[g]`` is the byte count group g must move.
+    ``keep``: what owns the memory the iocbs point into, held as long as the batch (see ``AioContext.retire``).
     """
 
     def __init__(
@@ -114,7 +119,9 @@ class IocbBatch:
         lengths: np.ndarray,
         write: bool,
         starts: np.ndarray | None = None,
+        keep: object = None,
     ) -> None:
+        self.keep = keep
         rows = int(lengths.shape[0])
         starts = np.arange(rows, dtype=np.int64) if starts is None else np.asarray(starts, dtype=np.int64)
         n = int(starts.shape[0])
@@ -157,6 +164,9 @@ class AioContext:
         self.spin_s = float(spin_us) * 1e-6
         self._no_wait = _Timespec(0, 0)
         self._no_wait_ref = ctypes.byref(self._no_wait)
+        self._slice = _Timespec(0, int(WAIT_SLICE_S * 1e9))
+        self._slice_ref = ctypes.byref(self._slice)
+        self._ended: threading.Event | None = None  # set by ``retire``: set once its io_destroy returned
         self._ctx = ctypes.c_ulong(0)
         _syscall("io_setup", ctypes.c_uint(self.depth), ctypes.byref(self._ctx))
         self._events = np.zeros(self.depth, dtype=IO_EVENT)
@@ -210,36 +220,82 @@ class AioContext:
 
     @property
     def alive(self) -> bool:
-        """The kernel context still exists (not closed, not destroyed after its reap failed): it may run a batch."""
+        """The kernel context still exists (not closed, not retired): it may run a batch."""
         return bool(self._ctx.value)
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Destroy the kernel context once no run holds it; one still held after ``timeout`` s is left alone."""
+    @property
+    def gone(self) -> bool:
+        """Closed, or retired and its io_destroy returned: none of its I/Os is in flight any more."""
+        return not self._ctx.value and (self._ended is None or self._ended.is_set())
+
+    def retire(self, keep: object, wait_s: float | None = 0.0) -> bool:
+        """Take the context out of use for good while I/Os of it may be in flight, by the run holding it, and
+        destroy it on a thread of its own: io_destroy returns once they ended (on a hung device, never; O_DIRECT AIO
+        cannot be cancelled). ``keep`` (the batch, and through it the memory its I/Os move) stays referenced until
+        then, so that memory is not freed under them. True if the destroy returned within ``wait_s`` s (None: no
+        bound)."""
+        handle, self._ctx = self._ctx.value, ctypes.c_ulong(0)
+        ended = self._ended = threading.Event()
+        try:
+            threading.Thread(
+                target=_destroy_when_ended, args=(handle, ended, keep), name="dm-aio-destroy", daemon=True
+            ).start()
+        except RuntimeError:  # no thread to be had (interpreter shutdown): never destroyed, ``keep`` never freed
+            _NEVER_ENDED.append(keep)
+        if ended.wait(wait_s):
+            return True
+        log.warning(
+            "posix: AIO I/Os did not end (a hung device?): their context is retired and destroyed once they do; until"
+            " then the memory they read or write stays allocated, and their bytes may still land"
+        )
+        return False
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Destroy the kernel context once no run holds it, waiting ``timeout`` s at most in all: for a run holding
+        it (then it is left alone), or for a retired context's I/Os to end (then they are left to its destroy
+        thread, which keeps the memory they move). True once it is ``gone``."""
+        end = time.monotonic() + timeout
         if not self._lock.acquire(timeout=timeout):
             # a run that was started and never finished: its reaper may still call io_getevents on this context
-            log.warning("AIO context still busy after %.0f s at close; leaving it to the process exit", timeout)
-            return
+            log.warning("AIO context still busy after %.1f s at close; leaving it to the process exit", timeout)
+            return False
         try:
             if self._ctx.value:
+                # returns at once: no I/O of it is in flight (a run that leaves any retires the context first)
                 _syscall("io_destroy", self._ctx)
                 self._ctx = ctypes.c_ulong(0)
         finally:
             self._lock.release()
-
-    def _destroy(self) -> None:
-        """io_destroy, by the run holding the context: returns once every I/O in flight in it has ended (O_DIRECT
-        AIO cannot be cancelled; the kernel waits for the device), so none touches its buffers afterwards."""
-        try:
-            _syscall("io_destroy", self._ctx)
-        except OSError as exc:  # EINVAL: no such context in the kernel, so no I/O of it either
-            log.warning("posix: io_destroy of an AIO context failed (%s)", exc)
-        self._ctx = ctypes.c_ulong(0)
+        ended = self._ended
+        if ended is not None and not ended.wait(max(0.0, end - time.monotonic())):
+            log.warning(
+                "posix: a retired AIO context's I/Os have not ended %.1f s into close (a hung device?); left to its"
+                " destroy thread, which keeps the memory they move until they do",
+                timeout,
+            )
+            return False
+        return True
 
     def __del__(self) -> None:
         try:
-            self.close(timeout=0)
+            if self.alive:
+                self.close(timeout=0)
         except Exception:
             pass
+
+
+#: what retired contexts that could not be destroyed keep (see ``AioContext.retire``): never freed
+_NEVER_ENDED: list[object] = []
+
+
+def _destroy_when_ended(handle: int, ended: threading.Event, keep: object) -> None:
+    """io_destroy a retired context, which returns once every I/O of it ended; ``keep`` is let go after that."""
+    try:
+        _syscall("io_destroy", ctypes.c_ulong(handle))
+    except OSError as exc:  # EINVAL: no such context in the kernel, so no I/O of it either
+        log.warning("posix: io_destroy of a retired AIO context failed (%s)", exc)
+    ended.set()
+    log.info("posix: a retired AIO context is destroyed: its I/Os ended")
 
 
 class AioRun:
@@ -292,13 +348,19 @@ class AioRun:
                 return
 
     def finish(
-        self, cancelled: Callable[[], bool] | None = None, spin: bool = True, limit_s: float | None = None
+        self,
+        cancelled: Callable[[], bool] | None = None,
+        spin: bool = True,
+        limit_s: float | None = None,
+        grace_s: float | None = None,
     ) -> np.ndarray | None:
         """Reap (GIL released while waiting) and keep the queue full until every row is done; frees the context.
 
         Returns the per-row results (None for a run started with ``rows=False``; see ``ok``). With ``limit_s``
-        it returns after that many seconds even with I/Os still in flight (``inflight``; the context must then
-        not be used again: their completions are still to come).
+        it returns after that many seconds even with I/Os still in flight, and with ``grace_s`` at most that long
+        after it sees ``cancelled()`` turn true: a hung device (I/Os that never end) holds no thread for ever. A run
+        that returns with I/Os ``inflight`` has retired its context (``AioContext.retire``): their completions are
+        still to come, and no other run may count them.
         Each wait asks for a quarter of the queue (or all that is in flight
         once nothing is left to submit), so a batch costs a few wake-ups,
         not one per I/O. With ``spin_us`` (and ``spin``), the last ones are first polled for
@@ -309,6 +371,8 @@ class AioRun:
         spin_until = None
         spin_s = ctx.spin_s if spin else 0.0
         limit_at = None if limit_s is None else time.monotonic() + limit_s
+        watch = cancelled if grace_s is not None else None  # a cancel not seen yet, which brings the limit in
+        last = False  # the limit passed: one poll more, and it gives up if that reaps nothing
         try:
             while True:
                 if self.nxt < self.stop:
@@ -317,6 +381,9 @@ class AioRun:
                     if self.nxt >= self.stop or (cancelled is not None and cancelled()):
                         return self.res
                     continue
+                if watch is not None and watch():
+                    watch, give_up_at = None, time.monotonic() + grace_s  # type: ignore[operator]
+                    limit_at = give_up_at if limit_at is None else min(limit_at, give_up_at)
                 # one wake-up per quarter queue, or for everything once nothing is left to submit
                 refill = self.nxt < self.stop and (cancelled is None or not cancelled())
                 min_nr = max(1, min(self.inflight, ctx.depth // 4)) if refill else self.inflight
@@ -326,11 +393,14 @@ class AioRun:
                         spin_until = time.perf_counter() + spin_s
                     if spin_until is not None and time.perf_counter() < spin_until:
                         min_nr, timeout = 0, ctx._no_wait_ref  # poll: a sleeping thread wakes late
-                if limit_at is not None and timeout is None:
-                    left = limit_at - time.monotonic()
-                    if left <= 0:
-                        return self.res
-                    timeout = ctypes.byref(_Timespec(int(left), int(left % 1 * 1e9)))
+                if timeout is None and (limit_at is not None or watch is not None):
+                    timeout = ctx._slice_ref  # a slice at a time: the limit, or a cancel, is seen when it comes
+                    if limit_at is not None:
+                        left = limit_at - time.monotonic()
+                        if left <= 0:  # a reap that starts late still takes what ended meanwhile
+                            min_nr, timeout, last = 0, ctx._no_wait_ref, True
+                        elif left < WAIT_SLICE_S:
+                            timeout = ctypes.byref(_Timespec(0, int(left * 1e9)))
                 n = _libc.syscall(_NR_GETEVENTS, ctx._ctx, ctypes.c_long(min_nr), ctx._max_nr, ctx._events_ptr, timeout)
                 if n < 0:
                     err = ctypes.get_errno()
@@ -344,21 +414,25 @@ class AioRun:
                         done = ctx._events[:n]
                         self.res[done["data"].astype(np.int64) - self.first] = done["res"]
                     self.inflight -= n
+                elif last:
+                    return self.res
         except BaseException as exc:
             if self.inflight:  # Ctrl-C, or a failure here: it leaves only once the kernel is done with the buffers
                 self._lose(errno_mod.EINTR, f"{type(exc).__name__} while reaping")
             raise
         finally:
+            if self.inflight and ctx.alive:  # given up on: no other run may count their events
+                ctx.retire(self.batch)
             ctx._lock.release()
 
     def _lose(self, err: int, why: str) -> None:
-        """The I/Os in flight can no longer be reaped: destroy the context, which waits for them to end. What they
-        moved is unknown: their rows read ``-err`` and the run is not ``ok`` (refused); the context is not
-        ``alive``, so it is never handed out again (its events would be counted by another run)."""
+        """The I/Os in flight can no longer be reaped: retire the context, whose io_destroy waits for them to end,
+        and wait for that. What they moved is unknown: their rows read ``-err`` and the run is not ``ok``
+        (refused)."""
         log.warning("posix: %s with %d AIO I/Os in flight; destroying the context (waits for them)", why, self.inflight)
-        self.ctx._destroy()
+        self.ctx.retire(self.batch, None)
+        self.inflight = 0
         if self.res is not None:
             sent = self.res[: self.nxt - self.first]
             sent[sent == -errno_mod.ECANCELED] = -err
-        self.inflight = 0
         self.refused = True

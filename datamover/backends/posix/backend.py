@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import MemType, aligned_empty
-from ...errors import InvalidParameter, TransferIOError
+from ...errors import InvalidParameter, TransferIOError, TransferTimeout
 from ...units import size_text
+from .. import fence
 from ..base import (
     Backend,
     BackendHost,
@@ -53,6 +54,10 @@ from .rows import FileHandle
 log = logging.getLogger("datamover.posix")
 
 _warned_devices: set[int] = set()
+
+#: the longest ``close`` waits for the pool's threads and the AIO contexts' I/Os: on a hung device (I/Os that never
+#: end) what is still busy past it is left behind, with a warning, and with the memory it moves
+CLOSE_S = 10.0
 
 
 def probe_direct(directory: str) -> tuple[bool, str]:
@@ -101,6 +106,10 @@ class _AioReap:
     ``cancel`` (ERR, release) returns only after that, and nothing is submitted once it is cancelled. A
     cancel that finds the job not yet taken (every pool thread busy, e.g. in other transfers' hung syscalls)
     takes it and reaps on its own thread (the fence's ``drain``), for at most the fence's bound.
+
+    On a hung device (I/Os that never end) the reap gives up ``FENCE_S`` after it sees the cancel, or after the
+    deadline when nothing cancels it (then ERR, ``TransferTimeout``): the context is retired (``AioRun.finish``),
+    nothing is redone, and the fence stays shut, so the cancel warns that bytes may still land.
     """
 
     __slots__ = ("backend", "claim", "completion", "deadline", "p", "req", "run", "write")
@@ -121,24 +130,32 @@ class _AioReap:
         return self.completion.cancelled
 
     def reap_once(self, limit_s: float | None = None) -> None:
-        """Reap the rest (at most ``limit_s`` seconds when given: a cancel's own reap), unless another took it."""
+        """Reap the rest (at most ``limit_s`` seconds when given: a cancel's own reap; else to the deadline and the
+        fence's bound past it), unless another took it."""
         if not self.claim.acquire(blocking=False):
             return
         completion, backend = self.completion, self.backend
         err: BaseException | None = None
+        grace = fence.FENCE_S
         try:
             # always runs, even once cancelled: I/O already submitted must be reaped before buffers are released
             run = self.run
+            # no polling when all of it went out in post(): a batch too big to run inline takes far longer
+            # than the spin, and a poll loop only trades the GIL back and forth with the woken pool thread
+            spin = run.nxt < run.stop and limit_s is None
+            if limit_s is None:
+                limit_s = self.deadline + grace - clock()
             try:
-                # no polling when all of it went out in post(): a batch too big to run inline takes far longer
-                # than the spin, and a poll loop only trades the GIL back and forth with the woken pool thread
-                run.finish(self.cancelled, run.nxt < run.stop and limit_s is None, limit_s)
+                run.finish(self.cancelled, spin, limit_s, grace)
             finally:
                 backend._aio_back(run)
                 if not run.inflight:  # an I/O never reaped keeps the fence shut (cancel warns)
                     completion.leave()
-            if not completion.cancelled and (not self.run.ok or (self.write and backend.params["fsync"])):
-                backend._aio_done(self.req, self.p, self.run, self.write, 0, 1, completion)
+            if run.inflight:  # given up on (a hung device): redoing it would race the I/Os still to come
+                if not completion.cancelled:
+                    raise backend._hung_error(self.req, run)
+            elif not completion.cancelled and (not run.ok or (self.write and backend.params["fsync"])):
+                backend._aio_done(self.req, self.p, run, self.write, 0, 1, completion)
         except BaseException as exc:
             err = typed_error(exc, backend.name)
         completion.finish_part(err)
@@ -316,7 +333,10 @@ class PosixBackend(Backend):
             cut = np.ones(n, dtype=bool)
             cut[1:] = (sf[1:] != sf[:-1]) | (so[1:] != so[:-1] + sl[:-1])
             runs = cap_runs(np.flatnonzero(cut), n)
-            p.aio = IocbBatch(sf, so, addr[order], sl, p.write, runs)
+            # the batch keeps the caller's buffers: a hung device's I/Os may move their bytes after ERR, and the
+            # memory must not be freed under them (``AioContext.retire``)
+            owners = tuple(regs[int(r)].owner for r in mem_ids)
+            p.aio = IocbBatch(sf, so, addr[order], sl, p.write, runs, keep=owners)
             p.ranges = [(0, len(p.aio))]
             p.inline = total <= self.params["inline_bytes"]  # one io_submit: the I/Os overlap in the device
         return p
@@ -395,6 +415,7 @@ class PosixBackend(Backend):
         """A new AIO context, or None: ``aio_contexts`` exist already (all busy), or the machine has none to give
         (fs.aio-max-nr, a budget every process shares, used up). Either way the batch runs synchronously."""
         with self._aio_lock:
+            self._aio_all[:] = [c for c in self._aio_all if not c.gone]  # retired ones whose I/Os ended since
             if len(self._aio_all) >= int(self.params["aio_contexts"]):
                 return None
             try:
@@ -408,15 +429,26 @@ class PosixBackend(Backend):
             return ctx
 
     def _aio_back(self, run: AioRun) -> None:
-        """Hand ``run``'s context out again, unless it is still busy (finish never ran), has I/Os to come (a bounded
-        reap gave up) or is gone (destroyed after its reap failed: dropped)."""
+        """Hand ``run``'s context out again, unless it is still busy (finish never ran) or retired (its reap failed
+        or gave up). A retired one is dropped once its I/Os ended; until then it counts against ``aio_contexts``
+        (it holds its share of fs.aio-max-nr), and a later ``_new_aio_context`` drops it when they do."""
         ctx = run.ctx
         if not ctx.alive:
-            with self._aio_lock:
-                if ctx in self._aio_all:
-                    self._aio_all.remove(ctx)
+            if ctx.gone:
+                with self._aio_lock:
+                    if ctx in self._aio_all:
+                        self._aio_all.remove(ctx)
         elif not ctx._lock.locked() and not run.inflight:
             self._aio_free.put(ctx)
+
+    def _hung_error(self, req, run: AioRun) -> TransferTimeout:
+        """ERR for a batch given up on with I/Os in flight (a hung device), saying what they may still do."""
+        where = "from the caller's memory into the file" if run.batch.write else "into the caller's memory"
+        return TransferTimeout(
+            f"{req.op.value}: {run.inflight} of its AIO I/O(s) had not ended"
+            f" {fence.FENCE_S:g} s past the deadline (a hung device?); they may still move bytes {where}",
+            backend=self.name,
+        )
 
     def _aio_done(self, req, p, run: AioRun, write: bool, first: int, last: int, completion: Completion) -> None:
         """If any I/O came back short or failed, the transfer is redone synchronously; then fsync if asked."""
@@ -516,11 +548,20 @@ class PosixBackend(Backend):
         )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the pool and destroy the AIO contexts, within ``CLOSE_S`` in all: a thread still inside a syscall
+        on a hung device, or a retired context whose I/Os never end, is left behind with a warning."""
+        end = clock() + CLOSE_S
+        stuck = self._pool.shutdown(wait=True, timeout=CLOSE_S)
+        if stuck:
+            log.warning(
+                "posix: %d pool thread(s) still busy %g s into close (a syscall on a hung device?); left running",
+                stuck,
+                CLOSE_S,
+            )
         with self._aio_lock:  # a copy: an inline caller may drop a destroyed context meanwhile
             kept = list(self._aio_all)
         for ctx in kept:
-            ctx.close()
+            ctx.close(timeout=max(0.0, end - clock()))
 
 
 def _check_params(p: Mapping[str, Any]) -> None:
