@@ -395,13 +395,15 @@ class PosixBackend(Backend):
             raise
         if p.inline:
             try:
-                run.finish()
+                run.finish(limit_s=req.deadline + fence.FENCE_S - clock())  # a hung device holds post() no longer
             except BaseException as exc:
                 return run_inline(_ONE_RANGE, _reraise, exc, backend=self.name)
             finally:
                 self._aio_back(run)
             if run.ok and not (write and self.params["fsync"]):
                 return finished_completion()
+            if run.inflight:
+                return run_inline(_ONE_RANGE, _reraise, self._hung_error(req, run), backend=self.name)
             return run_inline(_ONE_RANGE, self._aio_done, req, p, run, write, backend=self.name)
         job = _AioReap(self, req, p, run, write)
         job.completion.set_assist(job.assist)

@@ -190,3 +190,32 @@ def test_agent_close_while_a_reaper_waits_on_a_hung_device_is_bounded(tmp_path, 
     finally:
         libc.back.set()
         agent.close()
+
+
+def test_an_inline_batch_on_a_hung_device_returns_err_past_its_deadline(tmp_path, monkeypatch, quick):
+    """An inline AIO READ (reaped inside ``post``) on a hung device: ``transfer`` returns ERR (TransferTimeout,
+    saying bytes may still land) once the deadline and the fence's bound passed; before, post() waited in
+    io_getevents for ever. The context is retired, and once the device is back a new batch gets a fresh one."""
+    agent = Agent("p")
+    libc = _HungDevice(aio._libc)
+    try:
+        backend = agent.backend("posix")
+        mem = aligned_empty(N * B)
+        agent.register_memory(mem)
+        reg = _file(tmp_path, agent)
+        slots = DescList.file(reg, np.arange(N) * 2 * B, B)
+        monkeypatch.setattr(aio, "_libc", libc)
+        xfer = _bounded(lambda: agent.transfer("READ", DescList.blocks(mem, B), slots, timeout=0.3), "an inline post")
+        assert xfer.request.plan.aio is not None and xfer.request.plan.inline
+        assert xfer.state == XferState.ERR
+        assert isinstance(xfer.error, TransferTimeout) and "may still" in str(xfer.error), xfer.error
+        (hung,) = backend._aio_all
+        assert not hung.alive
+        libc.back.set()
+        until(lambda: hung.gone, what="the retired context's destroy, once the device is back")
+        monkeypatch.undo()
+        assert agent.transfer("READ", DescList.blocks(mem, B), slots).wait() == XferState.DONE
+        assert hung not in backend._aio_all and all(ctx.alive for ctx in backend._aio_all)
+    finally:
+        libc.back.set()
+        agent.close()
