@@ -406,7 +406,7 @@ class AioRun:
                     err = ctypes.get_errno()
                     if err == errno_mod.EINTR:
                         continue
-                    self._lose(err or errno_mod.EIO, f"io_getevents failed: {os.strerror(err)}")
+                    self._lose(err or errno_mod.EIO, f"io_getevents failed: {os.strerror(err)}", limit_at)
                     return self.res
                 if n:
                     self.moved += sum(words[2 : 4 * n : 4])
@@ -418,20 +418,21 @@ class AioRun:
                     return self.res
         except BaseException as exc:
             if self.inflight:  # Ctrl-C, or a failure here: it leaves only once the kernel is done with the buffers
-                self._lose(errno_mod.EINTR, f"{type(exc).__name__} while reaping")
+                self._lose(errno_mod.EINTR, f"{type(exc).__name__} while reaping", limit_at)
             raise
         finally:
             if self.inflight and ctx.alive:  # given up on: no other run may count their events
                 ctx.retire(self.batch)
             ctx._lock.release()
 
-    def _lose(self, err: int, why: str) -> None:
+    def _lose(self, err: int, why: str, limit_at: float | None) -> None:
         """The I/Os in flight can no longer be reaped: retire the context, whose io_destroy waits for them to end,
-        and wait for that. What they moved is unknown: their rows read ``-err`` and the run is not ``ok``
-        (refused)."""
+        and wait for that until ``limit_at`` (None: no bound). What they moved is unknown: their rows read ``-err``
+        and the run is not ``ok`` (refused). Those that did not end by then (a hung device) stay ``inflight``."""
         log.warning("posix: %s with %d AIO I/Os in flight; destroying the context (waits for them)", why, self.inflight)
-        self.ctx.retire(self.batch, None)
-        self.inflight = 0
+        wait_s = None if limit_at is None else max(0.0, limit_at - time.monotonic())
+        if self.ctx.retire(self.batch, wait_s):
+            self.inflight = 0
         if self.res is not None:
             sent = self.res[: self.nxt - self.first]
             sent[sent == -errno_mod.ECANCELED] = -err

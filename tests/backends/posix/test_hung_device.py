@@ -10,7 +10,9 @@ a thread joined with a bound, so a hang fails the test instead of hanging it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
+import logging
 import os
 import threading
 import weakref
@@ -217,5 +219,47 @@ def test_an_inline_batch_on_a_hung_device_returns_err_past_its_deadline(tmp_path
         assert agent.transfer("READ", DescList.blocks(mem, B), slots).wait() == XferState.DONE
         assert hung not in backend._aio_all and all(ctx.alive for ctx in backend._aio_all)
     finally:
+        libc.back.set()
+        agent.close()
+
+
+@pytest.mark.parametrize("end", ["wait", "release", "deregister"])
+def test_a_failed_reap_on_a_hung_device_blocks_no_caller(tmp_path, monkeypatch, quick, caplog, end):
+    """io_getevents fails (EINVAL) while the batch's I/Os hang; the pool's one thread is busy elsewhere, so the
+    caller reaps: ``wait`` (its assist), ``release`` or deregistering the file (their cancel). The failed reap
+    destroys the context, which waits for the I/Os; before, it did so on the caller's thread, for ever. Now the
+    caller gets ERR within its bound, and the log says the I/Os may still land."""
+    params = {"threads": 1, "inline_bytes": 0, "inline_batch_bytes": 0}
+    agent = Agent("p", {"backends": {"posix": params}})
+    libc = _HungDevice(aio._libc, fail=errno.EINVAL)
+    held = HeldOnce("the preadv")
+    try:
+        mem = aligned_empty(2 * N * B)
+        agent.register_memory(mem)
+        (tmp_path / "buffered.bin").write_bytes(bytes(N * B))
+        buffered = agent.register_file(tmp_path / "buffered.bin", size=N * B, direct=False)
+        direct = _file(tmp_path, agent)
+        monkeypatch.setattr(os, "preadv", held.wrap(os.preadv))
+        hog = agent.transfer("READ", DescList.blocks(mem[: N * B], B), DescList.file(buffered, np.arange(N) * B, B))
+        assert held.reached.wait(BOUND_S), "the first READ never reached preadv on the pool's thread"
+        monkeypatch.setattr(aio, "_libc", libc)
+        dst = DescList.blocks(mem[N * B :], B)
+        xfer = agent.transfer("READ", dst, DescList.file(direct, np.arange(N) * 2 * B, B), timeout=0.3)
+        assert xfer.request.plan.aio is not None and not xfer.request.plan.inline
+        with caplog.at_level(logging.WARNING, logger="datamover"):
+            if end == "wait":
+                got = _bounded(xfer.wait, "Transfer.wait")
+                assert isinstance(got, TransferTimeout), got
+            elif end == "release":
+                _bounded(xfer.release, "Transfer.release")
+            else:
+                _bounded(lambda: agent.deregister_memory(direct), "deregistering the file")
+                assert isinstance(xfer.error, TransferTimeout)
+        assert libc.fail is None, "the failing io_getevents was never reached"
+        assert any("may still" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+        held.go.set()
+        assert hog.wait() == XferState.DONE
+    finally:
+        held.go.set()
         libc.back.set()
         agent.close()
