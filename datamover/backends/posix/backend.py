@@ -137,6 +137,9 @@ class _AioReap:
         completion, backend = self.completion, self.backend
         err: BaseException | None = None
         grace = fence.FENCE_S
+        handles = list(self.p.handles.values())
+        for h in handles:  # its io_submits, and a redo, issue syscalls on the files' fds
+            h.hold()
         try:
             # always runs, even once cancelled: I/O already submitted must be reaped before buffers are released
             run = self.run
@@ -158,6 +161,9 @@ class _AioReap:
                 backend._aio_done(self.req, self.p, run, self.write, 0, 1, completion)
         except BaseException as exc:
             err = typed_error(exc, backend.name)
+        finally:
+            for h in handles:
+                h.drop()
         completion.finish_part(err)
 
 
@@ -268,10 +274,10 @@ class PosixBackend(Backend):
         return TransferIOError(f"cannot open {path!r}: {exc.strerror}", errno=exc.errno, backend=self.name)
 
     def deregister(self, reg, handle: FileHandle | None) -> None:
-        if handle is not None:
-            os.close(handle.fd)
-            if handle.tail_fd >= 0:
-                os.close(handle.tail_fd)
+        """Close the file, or, while a part of a transfer still runs on it (cut short, its syscall on a hung device
+        not returned), once that part is done: until then no other file may take its fd's number."""
+        if handle is not None and not handle.close():
+            log.warning("posix: %s deregistered with a transfer's part still on it; closed once it returns", reg.path)
 
     def describe(self) -> dict[str, Any]:
         files = {}
@@ -366,8 +372,18 @@ class PosixBackend(Backend):
             # no thread hop: post() returns DONE or ERR
             return run_inline(ranges, self._run_groups, req, p, write, backend=self.name)
 
+        handles = list(p.handles.values())
+
         def work(a: int, b: int, completion: Completion) -> None:
-            self._run_groups(req, p, write, a, b, completion)
+            # held before the part's first fence.enter: a deregistration, which closes the file only once it
+            # cancelled the transfer, either finds the file held or the fence shut to the part
+            for h in handles:
+                h.hold()
+            try:
+                self._run_groups(req, p, write, a, b, completion)
+            finally:
+                for h in handles:
+                    h.drop()
 
         # a READ's preadv writes into the caller's memory, a WRITE's pwritev reads it (a buffer reused after ERR
         # must not reach the file under this transfer's name): once it is cancelled (timed out, released) its

@@ -24,7 +24,10 @@ class FileHandle:
 
     ``tail_fd`` is the same file opened buffered, on first need (``-1`` until then): an unaligned write whose
     last block lies past the end of the file goes through it, so the file grows to the end of the caller's bytes
-    and not a byte further."""
+    and not a byte further.
+
+    Parts on pool threads ``hold`` the file while they run: ``close`` leaves it open until the last one ``drop``s it
+    (a part still inside a syscall on a hung device, past its transfer's cancel, may issue more on the fd)."""
 
     fd: int
     path: str
@@ -33,6 +36,44 @@ class FileHandle:
     note: str = ""
     rmw_lock: threading.Lock = field(default_factory=threading.Lock)
     tail_fd: int = -1
+    users: int = 0
+    closing: bool = False
+    closed: bool = False
+    use_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def hold(self) -> None:
+        """A part starts on this file: its fds stay open until the matching ``drop``."""
+        with self.use_lock:
+            self.users += 1
+
+    def drop(self) -> None:
+        """A part is done with this file: the last one closes it if ``close`` was called meanwhile."""
+        with self.use_lock:
+            self.users -= 1
+            last = self.closing and not self.users
+            if last:
+                self.closing = False
+        if last:
+            self._close_fds()
+
+    def close(self) -> bool:
+        """Close the file now (True), or when the last part holding it drops it (False).
+
+        An I/O the kernel has taken (an AIO in flight, a syscall under way) holds the open file itself, so closing
+        the fd does not touch it; what must not outlive the fd is a syscall still to be issued on its number, which
+        any open in the process may take over: a part that resumes a short pwritev would write into that file."""
+        with self.use_lock:
+            if self.users:
+                self.closing = True
+                return False
+        self._close_fds()
+        return True
+
+    def _close_fds(self) -> None:
+        self.closed = True
+        os.close(self.fd)
+        if self.tail_fd >= 0:
+            os.close(self.tail_fd)
 
 
 def vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:

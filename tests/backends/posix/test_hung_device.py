@@ -263,3 +263,61 @@ def test_a_failed_reap_on_a_hung_device_blocks_no_caller(tmp_path, monkeypatch, 
         held.go.set()
         libc.back.set()
         agent.close()
+
+
+def test_a_file_deregistered_under_a_stuck_syscall_stays_open_until_it_returns(tmp_path, monkeypatch, quick):
+    """A WRITE's pwritev (the pool's synchronous path) hangs in the kernel and comes back short, as from a device
+    that recovers: ``vectored`` resumes the rest with another pwritev on the same fd. Deregistering the file
+    meanwhile (its settle times the WRITE out; the fence gives up on the syscall) must not close that fd: a new open
+    takes the lowest free number, and the resumed pwritev would write the caller's bytes into that other file, as it
+    did before. Now the fd is closed only once the part returned."""
+    agent = Agent("p", {"backends": {"posix": {"aio": False, "inline_bytes": 0, "inline_batch_bytes": 0}}})
+    reused = -1
+    held = HeldOnce("the pwritev")
+    try:
+        agent.backend("posix")  # started now: the file's registration gets its handle
+        src = aligned_empty(N * B)
+        src[:] = 0x5A
+        agent.register_memory(src)
+        path, other = tmp_path / "f.bin", tmp_path / "other.bin"
+        path.write_bytes(bytes(N * B))
+        other.write_bytes(bytes(N * B))
+        reg = agent.register_file(path, size=N * B, direct=False)
+        handle = reg.handles["posix"]
+        fd, real = handle.fd, os.pwritev
+
+        def pwritev(f: int, views: list, offset: int) -> int:
+            if f != fd or held.reached.is_set():
+                return real(f, views, offset)
+            moved = real(f, [views[0][: N * B // 2]], offset)  # in the kernel, on the file it holds
+            held.reached.set()
+            assert held.go.wait(BOUND_S), "the test never let the pwritev go"
+            held.returned.set()
+            return moved  # short: the caller resumes from here
+
+        monkeypatch.setattr(os, "pwritev", pwritev)
+        xfer = agent.transfer("WRITE", DescList.blocks(src, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.3)
+        assert held.reached.wait(BOUND_S), "the WRITE never reached pwritev"
+        _bounded(lambda: agent.deregister_memory(reg), "deregistering the file")
+        assert isinstance(xfer.error, TransferTimeout)
+        try:
+            still_open = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except OSError:
+            still_open = False
+        if not still_open:  # as any open in the process may: the number now names another file
+            reused = os.open(other, os.O_RDWR)
+            if reused != fd:
+                os.dup2(reused, fd)
+                os.close(reused)
+                reused = fd
+        held.go.set()
+        assert xfer._completion.wait(BOUND_S), "the WRITE's part never returned"
+        assert other.read_bytes() == bytes(N * B), "the resumed pwritev wrote into a file the fd number names now"
+        assert handle.closed, "the file was not closed once the part on it returned"
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    finally:
+        held.go.set()
+        if reused >= 0:
+            os.close(reused)
+        agent.close()
