@@ -17,7 +17,9 @@ Integrity: with `crc32c_check`, the CRC32C of each chunk is computed once when i
 and checked on every read from L3 or L4 (those reads land in a host staging area first); a mismatch drops the
 chunk from the cache, logs the key, and counts as a miss: get() returns only the verified prefix. A read from L4
 that the store did not answer (a timeout, no connection) is a miss for that operation too, but its chunk stays in
-L4, whose copy is not in doubt (only the slots it was being copied into are dropped), for a later get to read.
+L4, whose copy is not in doubt (only the slots it was being copied into are dropped), for a later get to read. A
+write down to L4 that the store did not answer keeps its chunk in a tier above where the plan allows, else drops
+it, counted in `stats()["write_down_failures"]` (`write_down.py`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from .pool import SharedPool
 from .requests import Requests
 from .slabs import DATA_FILE, Slab, backend_params, gpu_bytes, gpu_reason, host_slab, make_slab
 from .user_chunks import chunk_crcs, prepare_user, release_user
+from .write_down import WriteDownFailures
 
 log = logging.getLogger("datamover.kvcache")
 
@@ -114,9 +117,11 @@ class TieredCache:
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
             self._stage = stage = host_slab(self.agent, "stage", stage_pages, self.page)
             shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
+            self.write_downs = WriteDownFailures(self.engine, clock) if "l4_pool" in self.names else None
             self.mover = Mover(
-                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, shared
-            )
+                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, shared,
+                self.write_downs,
+            )  # fmt: skip
             if shared:
                 self.pool = SharedPool(self.agent, config.l4_pool)
                 self.notes.append(f"l4_pool: Mooncake Store pool, this instance is segment {self.pool.hostname}")
@@ -462,7 +467,9 @@ class TieredCache:
 
     def stats(self) -> dict[str, Any]:
         """Hits per tier, misses, evictions, chunks moved between tiers, checksum failures, chunks whose move
-        failed (dropped; per "from->to", the caller being "caller"), resident chunks."""
+        failed (per "from->to", the caller being "caller"; dropped, but for those `write_down_failures` counts:
+        of writes to L4 the store did not answer, the chunks kept in a tier above and those dropped), resident
+        chunks."""
         with self._lock:
             eng = self.engine
             return {
@@ -472,6 +479,9 @@ class TieredCache:
                 "resident": {name: len(r) for name, r in zip(self.names, eng.resident, strict=True)},
                 "checksum_failures": self.counters.checksum_failures,
                 "move_failures": dict(self.mover.failures),
+                "write_down_failures": (
+                    self.write_downs.counts() if self.write_downs is not None else {"kept": 0, "dropped": 0}
+                ),
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
                 "notes": list(self.notes),

@@ -2,8 +2,9 @@
 
 Reads from L3/L4, and writes from GPU memory to them, go through the host staging slab; with CRC32C checking
 on, what is read from L3/L4 is verified in staging before it goes on, and a chunk that fails is handed to
-`invalidate` (the cache drops it from every tier and serves it as a miss). Each batch is counted in the
-metrics and, when spans are on, recorded as one span per chunk.
+`invalidate` (the cache drops it from every tier and serves it as a miss). A batch that fails is dropped the
+same way, but for a write to L4 the store did not answer: its chunks are kept where `write_down.py` finds them a
+place. Each batch is counted in the metrics and, when spans are on, recorded as one span per chunk.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .keys import ChunkKey
 from .l3_index import L3Index
 from .plan import STAGE, USER, Move, levels
 from .slabs import Slab
+from .write_down import WriteDownFailures
 
 log = logging.getLogger("datamover.kvcache")
 
@@ -46,6 +48,7 @@ class Mover:
         metrics: CacheMetrics | None = None,
         spans: SpanRecorder | None = None,
         shared_pool: bool = False,
+        write_downs: WriteDownFailures | None = None,
     ) -> None:
         self.agent = agent
         # L4 is a Mooncake pool: one object per chunk (replicas are the store's), verified by the backend
@@ -61,7 +64,9 @@ class Mover:
         self.metrics = metrics
         self.spans = spans
         self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
-        self.failures: Counter[str] = Counter()  # chunks whose move failed (dropped), per "from->to"
+        self.failures: Counter[str] = Counter()  # chunks whose move failed, per "from->to"
+        self.write_downs = write_downs  # where the chunks of a write to L4 the store did not answer go
+        self.l4 = self.names.index("l4_pool") if "l4_pool" in self.names else None
         self.spans_failing = False  # the last span export failed (warned once, until one succeeds again)
 
     def _endpoint(self, t: int, user: Prepared | None) -> tuple[MemType, Prepared | None]:
@@ -250,8 +255,8 @@ class Mover:
     def run(self, plan: list[Move], user: Prepared | None, index: L3Index | None = None) -> None:
         """Run a plan level by level, each (source, destination) pair of a level as one batch; chunks stored in
         L3 are recorded in `index` (the caller syncs it)."""
-        l3 = self.names.index("l3_nvme") if "l3_nvme" in self.names else None
-        for groups in levels(plan):
+        by_level = levels(plan)
+        for depth, groups in enumerate(by_level):
             for (src, dst), moves in groups.items():
                 live = [m for m in moves if m.key not in self.invalid]
                 if not live:
@@ -260,27 +265,80 @@ class Mover:
                     self._run_group(src, dst, live, user)
                 except Exception as exc:
                     # the plan goes on (the engine already counts every move of it as done): what this group
-                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss.
+                    # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
+                    # (a write to L4 the store did not answer keeps its chunks where it can, `write_down.py`).
                     # An error that is not a DatamoverError (a bug below, a MemoryError) too: stopping here would
                     # leave every later move of the plan counted as done and never run (chunks on others' bytes)
                     a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
                     typed = isinstance(exc, DatamoverError)
+                    self.failures[f"{a}->{b}"] += len(live)
+                    if self.metrics is not None:
+                        backend = getattr(exc, "backend", None) or "unknown"
+                        self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))
+                    if dst == self.l4 and self.write_downs is not None and typed and _unreachable(exc):
+                        self._write_down_failed(live, plan, by_level[depth + 1 :], index, exc)
+                        continue
                     log.log(
                         logging.WARNING if typed else logging.ERROR,
                         "moving %d chunk(s) %s -> %s failed, dropped (first %s): %s: %s",
                         len(live), a, b, live[0].key, type(exc).__name__, exc, exc_info=not typed,
                     )  # fmt: skip
-                    self.failures[f"{a}->{b}"] += len(live)
-                    if self.metrics is not None:
-                        backend = getattr(exc, "backend", None) or "unknown"
-                        self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))
                     for m in live:
                         self.invalidate(m.key, checksum=False)
                     continue
-                if dst == l3 and index is not None:
-                    for m in live:
-                        if m.key not in self.invalid:
-                            index.stored(m.dst_slot, self.crc.get(m.key), m.key)
+                self._recorded(dst, live, index)
+
+    def _recorded(self, dst: int, moves: list[Move], index: L3Index | None) -> None:
+        """Record in the L3 index the chunks `moves` stored in tier `dst`, if it is L3."""
+        if index is not None and dst >= 0 and self.names[dst] == "l3_nvme":
+            for m in moves:
+                if m.key not in self.invalid:
+                    index.stored(m.dst_slot, self.crc.get(m.key), m.key)
+
+    def _write_down_failed(
+        self,
+        moves: list[Move],
+        plan: list[Move],
+        after: list[dict[tuple[int, int], list[Move]]],
+        index: L3Index | None,
+        exc: DatamoverError,
+    ) -> None:
+        """The store did not take `moves` (writes to L4; `after`: the plan's levels still to run): each chunk is
+        kept where `write_downs` finds it a place (copied there now if that is not the slot it was read from;
+        after one such copy fails no other is tried), else dropped for the rest of the operation."""
+        keeper = self.write_downs
+        assert keeper is not None
+        later = {(m.dst, m.dst_slot) for groups in after for batch in groups.values() for m in batch}
+        busy = {end for m in plan for end in ((m.src, m.src_slot), (m.dst, m.dst_slot))}
+        copying = True
+        for m in moves:
+            if m.key in self.invalid:  # failed its CRC32C on the way: already dropped
+                continue
+            to = keeper.place(m, later, busy)
+            if to is None:
+                continue
+            if to != (m.src, m.src_slot):
+                ok = copying and self._copy(Move(m.key, m.src, m.src_slot, to[0], to[1]))
+                keeper.copied(m.key, to[0], ok)
+                copying = ok
+                if not ok:
+                    continue
+            self._recorded(to[0], [Move(m.key, m.src, m.src_slot, to[0], to[1])], index)
+        kept = [m.key for m in moves if keeper.engine.where(m.key) >= 0]
+        self.invalid.update(m.key for m in moves if keeper.engine.where(m.key) < 0)
+        log.warning(
+            "l4_pool: the store did not take %d chunk(s) (first %s): %s: %s; %d kept in the tiers above, %d dropped",
+            len(moves), moves[0].key, type(exc).__name__, exc, len(kept), len(moves) - len(kept),
+        )  # fmt: skip
+
+    def _copy(self, move: Move) -> bool:
+        """Run one move outside the plan (a chunk kept after its write to L4 failed); whether it arrived intact."""
+        try:
+            self._run_group(move.src, move.dst, [move], None)
+        except Exception as exc:
+            log.warning("keeping %s in %s failed: %s: %s", move.key, self.names[move.dst], type(exc).__name__, exc)
+            return False
+        return move.key not in self.invalid
 
 
 def _unreachable(exc: DatamoverError) -> bool:

@@ -51,6 +51,11 @@ class FreeSlots:
         yield from self._freed
         yield from (s for s in range(self._next, self.capacity) if s not in self._taken)
 
+    def __contains__(self, slot: object) -> bool:
+        if not isinstance(slot, int) or not 0 <= slot < self.capacity:
+            return False
+        return (slot >= self._next and slot not in self._taken) or slot in self._freed
+
     def peek(self) -> int:
         """The slot `pop` gives next (IndexError if none is free)."""
         if self._freed:

@@ -64,14 +64,17 @@ def open_cache(
     page: int = PAGE,
     prefix: str = "kv/",
     metrics: CacheMetrics | None = None,
+    l1: int = 2,
+    l3: int | None = None,
+    **sections: dict[str, Any],
 ) -> TieredCache:
     agent = Agent("kv-bucket", {"backends": {"memcpy": {}, "posix": {}, "s3": srv.config()}})
     config = tiers(
         tmp_path,
-        l1=2,
+        l1=l1,
         l2=0,
-        l3=None,
-        l1_hbm={"page_size_bytes": page},
+        l3=l3,
+        l1_hbm={"page_size_bytes": page, **sections.pop("l1_hbm", {})},
         l4_pool={
             "enabled": True,
             "bucket": BUCKET,
@@ -79,6 +82,7 @@ def open_cache(
             "replica_count": replicas,
             "prefix": prefix,
         },
+        **sections,
     )
     cache = TieredCache(config, agent=agent, metrics=metrics)
     cache.own_test_agent = agent
@@ -770,12 +774,13 @@ def test_a_bucket_that_does_not_exist_is_a_config_error_at_start(s3, tmp_path):
 
 @pytest.fixture
 def outage(monkeypatch):
-    """Make the S3 backend's GETs fail as a store that does not answer does (``on``), or answer again (``off``)."""
+    """Make the S3 backend's GETs (or the calls named in ``ops``: "GET", "PUT") fail as a store that does not answer
+    does (``kind`` set), or answer again (``kind`` None)."""
     import botocore.exceptions as bx
 
     from datamover.backends.s3.backend import S3Backend
 
-    real = S3Backend.get
+    real = {"GET": S3Backend.get, "PUT": S3Backend.put}
     faults = {
         "timeout": lambda: bx.ReadTimeoutError(endpoint_url="http://injected"),
         "refused": lambda: bx.EndpointConnectionError(endpoint_url="http://injected"),
@@ -790,17 +795,19 @@ def outage(monkeypatch):
 
     class Outage:
         kind: str | None = None
-        only: Callable[[Any, int], bool] = staticmethod(lambda req, row: True)  # which GETs (request, row) fail
+        ops = frozenset({"GET"})
+        only: Callable[[Any, int], bool] = staticmethod(lambda req, row: True)  # which calls (request, row) fail
         asked = 0
 
-        def get(self, backend, req, row, *args, **kw):
-            if self.kind is None or not self.only(req, row):
-                return real(backend, req, row, *args, **kw)
+        def call(self, what, backend, req, row, *args, **kw):
+            if self.kind is None or what not in self.ops or not self.only(req, row):
+                return real[what](backend, req, row, *args, **kw)
             self.asked += 1
-            raise backend.error(faults[self.kind](), req, row, "GET")
+            raise backend.error(faults[self.kind](), req, row, what)
 
     out = Outage()
-    monkeypatch.setattr(S3Backend, "get", lambda backend, *a, **kw: out.get(backend, *a, **kw))
+    monkeypatch.setattr(S3Backend, "get", lambda backend, *a, **kw: out.call("GET", backend, *a, **kw))
+    monkeypatch.setattr(S3Backend, "put", lambda backend, *a, **kw: out.call("PUT", backend, *a, **kw))
     return out
 
 
@@ -896,4 +903,88 @@ def test_chunks_read_one_by_one_after_the_store_stops_answering_stay_and_those_i
         assert check_get(cache, [unanswered]) == 1
     finally:
         outage.kind = None
+        close(cache)
+
+
+@pytest.mark.parametrize("kind", ["timeout", "refused", "slowdown"])
+def test_a_failed_write_down_keeps_the_chunks_whose_slots_the_plan_left_free(s3, tmp_path, outage, kind):
+    """L4 unreachable while L1 evicts a batch (a full L1 of 4 down to 2): the 3 chunks demoted to L4 are not lost
+    silently. The 2 whose L1 slots the plan left free stay there, readable; the one whose slot the new chunk took
+    is dropped and counted, and no lookup claims it. Once the store answers, demotions reach L4 again.
+
+    Before: a failed write down dropped every chunk of the batch from every tier, uncounted."""
+    cache = open_cache(s3, tmp_path, l1=4, l4=8, replicas=1, l1_hbm={"low_watermark": 0.5})
+    try:
+        keys = chunk_keys(range(6), "m", "t")
+        cache.put(keys[:4], chunks(keys[:4]))
+        outage.kind, outage.ops = kind, frozenset({"PUT"})
+        assert cache.put(keys[4:5], chunks(keys[4:5])) == 1
+        assert outage.asked >= 1
+        j4 = cache.names.index("l4_pool")
+        assert not cache.engine.resident[j4]
+        held = [k for k in keys[:4] if cache.engine.where(k) == 0]
+        lost = [k for k in keys[:4] if cache.engine.where(k) < 0]
+        assert len(held) == 3 and len(lost) == 1  # the one L1 kept, and 2 of the 3 it evicted
+        assert cache.stats()["write_down_failures"] == {"kept": 2, "dropped": 1}
+        assert all(check_get(cache, [k]) == 1 for k in held)  # byte-exact
+        assert cache.lookup(lost) == (0, [])
+        assert set(objects(s3)) <= {INDEX_OBJECT}
+        check_consistent(cache)
+        outage.kind = None  # the store answers again: the next batch reaches L4
+        assert cache.put(keys[5:], chunks(keys[5:])) == 1
+        down = sorted(cache.engine.resident[j4])
+        assert len(down) == 3 and check_get(cache, down) == 3
+        assert cache.stats()["write_down_failures"] == {"kept": 2, "dropped": 1}
+        check_consistent(cache)
+    finally:
+        outage.kind = None
+        close(cache)
+
+
+def test_a_chunk_whose_slot_the_plan_reused_is_copied_to_a_free_slot_the_plan_left_alone(s3, tmp_path, outage):
+    """L1 (4 slots) evicts at 3 chunks down to 2, to an L4 that does not answer: of its 2 victims, one stays at its
+    slot and the other, whose slot the new chunk takes, is copied first into the slot no chunk used: every byte of
+    all four is delivered."""
+    watermarks = {"high_watermark": 0.75, "low_watermark": 0.5}
+    cache = open_cache(s3, tmp_path, l1=4, l4=8, replicas=1, l1_hbm=watermarks)
+    try:
+        keys = chunk_keys(range(4), "m", "t")
+        cache.put(keys[:3], chunks(keys[:3]))  # L1 at its high watermark
+        outage.kind, outage.ops = "refused", frozenset({"PUT"})
+        assert cache.put(keys[3:], chunks(keys[3:])) == 1
+        assert outage.asked >= 1
+        assert [cache.engine.where(k) for k in keys] == [0] * 4
+        assert cache.stats()["write_down_failures"] == {"kept": 2, "dropped": 0}
+        assert check_get(cache, keys) == 4
+        check_consistent(cache)
+    finally:
+        outage.kind = None
+        close(cache)
+
+
+def test_chunks_kept_in_l3_after_a_failed_write_down_are_in_its_index_after_a_restart(s3, tmp_path, outage):
+    """L3 evicts a batch (4 down to 2) to an L4 that does not answer: the 2 chunks whose L3 slots the plan left
+    free stay in L3, and the L3 index says so (it had recorded their slots freed), so a restart finds them."""
+    keys = chunk_keys(range(6), "m", "t")
+    cache = open_cache(s3, tmp_path, l1=1, l3=4, l4=8, replicas=1, l3_nvme={"low_watermark": 0.5})
+    try:
+        for k in keys[:5]:  # one at a time: each demotes the one before from L1 to L3, which ends full
+            cache.put([k], chunks([k]))
+        j3 = cache.names.index("l3_nvme")
+        assert sorted(cache.engine.resident[j3]) == sorted(keys[:4])
+        outage.kind, outage.ops = "refused", frozenset({"PUT"})
+        cache.put(keys[5:], chunks(keys[5:]))  # keys[4] to L3, which evicts 3 to L4
+        outage.kind = None
+        in_l3 = sorted(cache.engine.resident[j3])
+        assert len(in_l3) == 4 and keys[4] in in_l3
+        assert cache.stats()["write_down_failures"] == {"kept": 2, "dropped": 1}
+        check_consistent(cache)
+    finally:
+        outage.kind = None
+        close(cache)
+    cache = open_cache(s3, tmp_path, l1=1, l3=4, l4=8, replicas=1, l3_nvme={"low_watermark": 0.5})
+    try:
+        assert sorted(cache.engine.resident[cache.names.index("l3_nvme")]) == in_l3
+        assert check_get(cache, in_l3) == 4  # byte-exact, verified against the CRC32Cs the index kept
+    finally:
         close(cache)

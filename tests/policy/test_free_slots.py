@@ -49,6 +49,7 @@ def test_free_slots_match_a_list_of_every_slot(capacity, ops):
             used.append(slot)
         assert len(mine) == len(ref.free) and bool(mine) == bool(ref.free)
         assert sorted(mine) == sorted(ref.free)
+        assert [s for s in range(-1, capacity + 1) if s in mine] == sorted(ref.free)
     if not ref.free:
         with pytest.raises(IndexError):
             mine.pop()

@@ -153,3 +153,27 @@ def test_a_pool_that_does_not_answer_a_read_keeps_the_chunks_other_instances_put
         assert cache.get(keys, dst) == 4 and np.array_equal(dst, data)
     finally:
         cache.close()
+
+
+def test_a_put_whose_publish_the_pool_did_not_take_keeps_its_chunks_in_l1(mooncake_master, monkeypatch):
+    """The pool does not answer a put's publish (its write times out): the put's chunks stay in L1, where the put
+    placed them; only L4's entries go (nothing was written there), counted as write-down failures kept.
+
+    Before: the failed publish dropped each chunk from every tier, L1 included: the put stored none of them."""
+    cache = TieredCache(pool_config(mooncake_master, "publish-down"))
+    try:
+        keys = chunk_keys(range(600, 604), "m", "t")
+        data = np.stack([chunk_bytes(k, PAGE) for k in keys])
+
+        def put(*args, **kw):
+            raise TransferTimeout("injected: the pool did not answer in time", backend="mooncake")
+
+        monkeypatch.setattr(cache.pool.client, "put", put)
+        assert cache.put(keys, data) == 4
+        assert not cache.engine.resident[cache.names.index("l4_pool")]
+        assert cache.lookup(keys) == (4, ["l1_hbm"] * 4)
+        dst = np.full_like(data, 0xEE)
+        assert cache.get(keys, dst) == 4 and np.array_equal(dst, data)
+        assert cache.stats()["write_down_failures"] == {"kept": 4, "dropped": 0}
+    finally:
+        cache.close()
