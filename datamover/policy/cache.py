@@ -16,10 +16,10 @@ instance's memory holds to other members before it leaves, while lookups go on.
 Integrity: with `crc32c_check`, the CRC32C of each chunk is computed once when it is put, stored in the L3 index,
 and checked on every read from L3 or L4 (those reads land in a host staging area first); a mismatch drops the
 chunk from the cache, logs the key, and counts as a miss: get() returns only the verified prefix. A read from L4
-that the store did not answer (a timeout, no connection) is a miss for that operation too, but its chunk stays in
-L4, whose copy is not in doubt (only the slots it was being copied into are dropped), for a later get to read. A
-write down to L4 that the store did not answer keeps its chunk in a tier above where the plan allows, else drops
-it, counted in `stats()["write_down_failures"]` (`write_down.py`).
+that the store did not answer (a timeout, no connection), or from L3 that timed out, is a miss for that operation
+too, but its chunk stays in L4 (L3), whose copy is not in doubt (only the slots it was being copied into are
+dropped), for a later get to read. A write down to L4 that the store did not answer keeps its chunk in a tier
+above where the plan allows, else drops it, counted in `stats()["write_down_failures"]` (`write_down.py`).
 """
 
 from __future__ import annotations

@@ -204,6 +204,21 @@ class Mover:
             log.error("CRC32C mismatch for chunk %s: dropped, served as a miss", keys[i])
         return good
 
+    def _stage_in(
+        self, src: int, smem: MemType, si: np.ndarray, dst: int, rows: np.ndarray, user: Prepared | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows si of src (not objects) into staging rows; returns which arrived, and which were not read because
+        a read of L3 timed out (the file's bytes are not in doubt: those chunks stay there, misses for now). Such a
+        timeout on the way down to L4 goes up to `run`, which keeps those chunks where the plan allows."""
+        try:
+            self._transfer(src, si, STAGE, rows, user)
+        except TransferTimeout as exc:
+            if smem != MemType.FILE or dst == self.l4:
+                raise
+            log.warning("%s: reading %d chunk(s) timed out (%s): misses, kept there", self.names[src], len(si), exc)
+            return np.zeros(len(si), dtype=bool), np.ones(len(si), dtype=bool)
+        return np.ones(len(si), dtype=bool), np.zeros(len(si), dtype=bool)
+
     def _run_group(self, src: int, dst: int, moves: list[Move], user: Prepared | None) -> None:
         """Execute moves of one (src, dst) pair in batches the staging area holds. Reads from L3/L4, and writes
         from GPU memory to them, go through host staging; what is read is verified before it goes on."""
@@ -225,19 +240,18 @@ class Mover:
             rows = np.arange(len(batch), dtype=np.int64)
             keys = [m.key for m in batch]
             corrupt = np.zeros(len(batch), dtype=bool)
-            intact = np.zeros(len(batch), dtype=bool)  # not read because the store did not answer
+            intact = np.zeros(len(batch), dtype=bool)  # not read: the store did not answer, or L3 timed out
             if smem == MemType.OBJ:
                 good, corrupt, intact = self._read_obj(keys, rows)
             else:
-                self._transfer(src, si, STAGE, rows, user)
-                good = np.ones(len(batch), dtype=bool)
+                good, intact = self._stage_in(src, smem, si, dst, rows, user)
             if smem in REMOTE and good.any():  # only rows that arrived are checked: the others hold nothing
                 arrived = np.flatnonzero(good)
                 failed = ~self._verify([keys[i] for i in arrived], rows[arrived], learn=smem == MemType.OBJ)
                 corrupt[arrived[failed]] = True
                 good[arrived[failed]] = False
             for i in np.flatnonzero(~good):  # a chunk that could not be read (its object gone) is no CRC failure;
-                # one the store did not answer for stays where it was read from (a miss now, found again later)
+                # one the store (or L3) did not answer for stays where it was read from (a miss now, found later)
                 stays = src if intact[i] else None
                 self.invalidate(keys[i], checksum=bool(corrupt[i]), tier=self.names[src], keep=stays)
                 if not corrupt[i]:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import errno
 import logging
 
+from datamover.backends.base import Completion, Op
 from datamover.backends.posix.backend import PosixBackend
-from datamover.errors import TransferIOError
-from datamover.policy.cache import TieredCache
+from datamover.errors import TransferIOError, TransferTimeout
+from datamover.policy.cache import DATA_FILE, TieredCache
 from datamover.policy.keys import chunk_keys
 from datamover.policy.mover import Mover
 from tests.policy.full_disk import FullDisk
-from tests.policy.test_cache import check_consistent, check_get, chunks, tiers
+from tests.policy.test_cache import PAGE, check_consistent, check_get, chunks, tiers
 
 
 def test_a_span_file_on_a_full_disk_costs_spans_not_chunks(tmp_path, caplog):
@@ -121,3 +122,56 @@ def test_failed_moves_are_counted_in_stats(tmp_path, monkeypatch):
         failing_once(monkeypatch, "l1_hbm", "l2_dram")
         cache.drain("l1_hbm")
         assert cache.stats()["move_failures"] == {"l1_hbm->l2_dram": 3}
+
+
+def test_an_l3_read_that_timed_out_is_a_miss_and_the_chunk_stays_in_l3(tmp_path, monkeypatch):
+    """The posix backend's read of L3 chunks times out (a stalled disk): the get serves them as misses, and they
+    stay in L3 and its index (the file's bytes are not in doubt), so the next get, and a restart, find them.
+
+    Before: the timeout dropped each chunk from L3 and recorded its slot freed, as a failed CRC32C does."""
+    real, timed_out, armed = PosixBackend.post, [], False
+
+    def post(self, req):
+        if req.op is not Op.READ or not armed:
+            return real(self, req)
+        timed_out.append(len(req.local))
+        done = Completion(1)
+        done.finish_part(TransferTimeout("injected: the disk did not answer in time", backend="posix"))
+        return done
+
+    monkeypatch.setattr(PosixBackend, "post", post)
+    keys = chunk_keys(range(3), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=4, policy={"name": "lru"})) as cache:
+        cache.put(keys, chunks(keys))
+        j3 = cache.names.index("l3_nvme")
+        cold = [k for k in keys if cache.engine.where(k) == j3]
+        assert len(cold) == 2
+        armed = True
+        assert check_get(cache, cold) == 0
+        assert timed_out
+        assert [cache.engine.where(k) for k in cold] == [j3, j3]
+        assert cache.stats()["checksum_failures"] == 0
+        check_consistent(cache)
+        armed = False
+        assert check_get(cache, cold[1:]) == 1
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=4, policy={"name": "lru"})) as cache:
+        assert cache.lookup(cold) == (2, ["l3_nvme"] * 2)
+        assert check_get(cache, cold) == 2
+
+
+def test_an_l3_read_that_fails_its_crc_still_drops_the_chunk(tmp_path):
+    """A chunk whose L3 bytes fail their CRC32C is dropped from L3 (and its index), unlike one whose read timed
+    out: its bytes are in doubt."""
+    keys = chunk_keys(range(3), "m", "t")
+    with TieredCache(tiers(tmp_path, l1=1, l2=0, l3=4, policy={"name": "lru"})) as cache:
+        cache.put(keys, chunks(keys))
+        j3 = cache.names.index("l3_nvme")
+        bad = next(k for k in keys if cache.engine.where(k) == j3)
+        with open(tmp_path / "l3" / DATA_FILE, "r+b") as f:
+            f.seek(cache.engine.slots[j3][bad] * PAGE + 7)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 1]))
+        assert check_get(cache, [bad]) == 0
+        assert cache.engine.where(bad) < 0 and cache.stats()["checksum_failures"] == 1
+        check_consistent(cache)
