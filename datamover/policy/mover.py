@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..agents import Agent, Prepared
+from ..backends.mooncake import codes
 from ..descriptors import DescList, MemType
 from ..errors import ChecksumMismatch, DatamoverError, ObjectStoreError, TransferTimeout, UnsupportedTransfer
 from ..telemetry.metrics import CacheMetrics
@@ -356,11 +357,14 @@ class Mover:
 
 
 def _unreachable(exc: DatamoverError) -> bool:
-    """Whether ``exc`` says the store could not serve now (a timeout, no HTTP answer, a dropped connection, a 5xx
-    answer such as 503 SlowDown), rather than that this one object is missing or damaged: no other object or
-    replica would answer sooner, and the object itself is not in doubt."""
+    """Whether ``exc`` says the store could not serve now (a timeout, a dropped connection; from S3 no HTTP answer
+    or a 5xx such as 503 SlowDown; from Mooncake a status of `codes.UNREACHABLE`, such as RPC_FAIL: its master
+    not reached), rather than that this one object is missing or damaged: no other object or replica would
+    answer sooner, and the object itself is not in doubt."""
     if isinstance(exc, (TransferTimeout, ConnectionError)):
         return True
-    if not isinstance(exc, ObjectStoreError) or exc.backend != "s3":
+    if not isinstance(exc, ObjectStoreError):
         return False
-    return exc.status is None or 500 <= exc.status <= 599
+    if exc.backend == "mooncake":
+        return codes.unreachable(exc.code)
+    return exc.backend == "s3" and (exc.status is None or 500 <= exc.status <= 599)

@@ -96,7 +96,7 @@ class SharedPool:
         if removed < 0:
             raise ObjectStoreError(
                 f"removing the pool's objects under {self.prefix!r} failed: {codes.name(removed)}",
-                bucket=self.config.bucket, key="kv/", code=codes.name(removed).split(" ")[0], backend="mooncake",
+                bucket=self.config.bucket, key="kv/", code=codes.token(removed), backend="mooncake",
             )  # fmt: skip
         return removed
 

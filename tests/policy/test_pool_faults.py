@@ -155,18 +155,23 @@ def test_a_pool_that_does_not_answer_a_read_keeps_the_chunks_other_instances_put
         cache.close()
 
 
-def test_a_put_whose_publish_the_pool_did_not_take_keeps_its_chunks_in_l1(mooncake_master, monkeypatch):
-    """The pool does not answer a put's publish (its write times out): the put's chunks stay in L1, where the put
-    placed them; only L4's entries go (nothing was written there), counted as write-down failures kept.
+@pytest.mark.parametrize("fault", ["timeout", "rpc_fail"])
+def test_a_put_whose_publish_the_pool_did_not_take_keeps_its_chunks_in_l1(mooncake_master, monkeypatch, fault):
+    """The pool does not take a put's publish (its write times out, or the store answers RPC_FAIL: its master
+    cannot be reached): the put's chunks stay in L1, where the put placed them; only L4's entries go (nothing was
+    written there), counted as write-down failures kept.
 
-    Before: the failed publish dropped each chunk from every tier, L1 included: the put stored none of them."""
-    cache = TieredCache(pool_config(mooncake_master, "publish-down"))
+    Before: the failed publish dropped each chunk from every tier, L1 included: the put stored none of them (and
+    RPC_FAIL, not known as "unreachable", dropped them after that fix too)."""
+    cache = TieredCache(pool_config(mooncake_master, f"publish-down-{fault}"))
     try:
         keys = chunk_keys(range(600, 604), "m", "t")
         data = np.stack([chunk_bytes(k, PAGE) for k in keys])
 
-        def put(*args, **kw):
-            raise TransferTimeout("injected: the pool did not answer in time", backend="mooncake")
+        def put(names, *args, **kw):
+            if fault == "timeout":
+                raise TransferTimeout("injected: the pool did not answer in time", backend="mooncake")
+            return [codes.RPC_FAIL] * len(names)
 
         monkeypatch.setattr(cache.pool.client, "put", put)
         assert cache.put(keys, data) == 4
@@ -175,5 +180,36 @@ def test_a_put_whose_publish_the_pool_did_not_take_keeps_its_chunks_in_l1(moonca
         dst = np.full_like(data, 0xEE)
         assert cache.get(keys, dst) == 4 and np.array_equal(dst, data)
         assert cache.stats()["write_down_failures"] == {"kept": 4, "dropped": 0}
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("code", ["RPC_FAIL", "RPC_TIMEOUT"])
+def test_a_read_the_store_cannot_serve_keeps_the_chunks_in_this_instances_l4_index(mooncake_master, monkeypatch, code):
+    """The store answers a get of chunks this instance indexes only in L4 with RPC_FAIL (its master cannot be
+    reached) or RPC_TIMEOUT: misses this time, asked once (not again chunk by chunk), and the chunks stay in L4's
+    index (the pool's objects are not in doubt), so the next get reads them.
+
+    Before: only S3's statuses counted as "the store cannot serve now": each chunk was asked for again alone, then
+    dropped from this instance's L4 index as if its object were bad."""
+    cache = TieredCache(pool_config(mooncake_master, f"cannot-serve-{code}"))
+    try:
+        keys = chunk_keys(range(700, 712), "m", "t")
+        data = np.stack([chunk_bytes(k, PAGE) for k in keys])
+        assert cache.put(keys, data) == 12  # every chunk published; L1 and L2 hold 4 each, the rest only L4
+        j4 = cache.names.index("l4_pool")
+        cold = [i for i, k in enumerate(keys) if cache.engine.where(k) == j4]
+        assert len(cold) == 4
+        client, asked = cache.pool.client, []
+        status = getattr(codes, code)
+        monkeypatch.setattr(client, "get", lambda names, *a, **kw: asked.append(len(names)) or [status] * len(names))
+        wanted = [keys[i] for i in cold]
+        dst = np.full((4, PAGE), 0xEE, dtype=np.uint8)
+        assert cache.get(wanted, dst) == 0
+        assert asked == [4]
+        assert [cache.engine.where(k) for k in wanted] == [j4] * 4
+        assert cache.stats()["checksum_failures"] == 0
+        monkeypatch.undo()
+        assert cache.get(wanted, dst) == 4 and np.array_equal(dst, data[cold])
     finally:
         cache.close()

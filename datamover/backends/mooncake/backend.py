@@ -318,7 +318,7 @@ class MooncakeBackend(Backend):
             err.bucket, err.key = bucket, name  # type: ignore[attr-defined]
             return err
         return ObjectStoreError(
-            reason, bucket=bucket, key=name, status=None, code=codes.name(code).split(" ")[0],
+            reason, bucket=bucket, key=name, status=None, code=codes.token(code),
             errno=codes.errno_of(code) if code != codes.NO_ANSWER else errno_mod.EIO,
             index=req.caller_index(row), backend=self.name,
         )  # fmt: skip

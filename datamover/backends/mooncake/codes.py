@@ -30,6 +30,7 @@ TRANSFER_FAIL = -800
 CHECKSUM_MISMATCH = -801
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
+UNAVAILABLE_IN_CURRENT_STATUS = -1010
 
 # datamover's own, outside Mooncake's ranges
 NOT_DATAMOVER = -20001  # the object has no datamover trailer (written by another tool, or torn)
@@ -71,7 +72,7 @@ NAMES = {
     CHECKSUM_MISMATCH: "CHECKSUM_MISMATCH (CRC32C of key and bytes read differs from the one written)",
     RPC_FAIL: "RPC_FAIL (is the master reachable?)",
     RPC_TIMEOUT: "RPC_TIMEOUT",
-    -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
+    UNAVAILABLE_IN_CURRENT_STATUS: "UNAVAILABLE_IN_CURRENT_STATUS",
     -1012: "NOT_SUPPORTED",
     NOT_DATAMOVER: "not a datamover object (no trailer with its size and CRC32C)",
     SIZE_MISMATCH: "the object's size differs from the descriptor's length",
@@ -87,6 +88,10 @@ MISSES = frozenset(
 )
 #: codes after which trying again may succeed (another replica, a re-mounted segment)
 RETRYABLE = frozenset({TRANSFER_FAIL, RPC_FAIL, RPC_TIMEOUT, NO_AVAILABLE_HANDLE, LEASE_EXPIRED, SEGMENT_NOT_FOUND})
+#: codes that mean "the store cannot serve now" (its master not reached or not answering in time, or in a state
+#: that serves no call), not that this object is missing or damaged: no other key would answer sooner, and the
+#: object is not in doubt
+UNREACHABLE = frozenset({RPC_FAIL, RPC_TIMEOUT, UNAVAILABLE_IN_CURRENT_STATUS})
 
 _ERRNO = {
     OBJECT_NOT_FOUND: errno_mod.ENOENT,
@@ -107,6 +112,19 @@ def name(code: int) -> str:
     return NAMES.get(int(code), f"error {int(code)}")
 
 
+def token(code: int) -> str:
+    """The first word of a code's name, which a typed error carries as its ``code``: -900 -> 'RPC_FAIL'."""
+    return name(code).split(" ")[0]
+
+
+def unreachable(code: str | None) -> bool:
+    """Whether a typed error's ``code`` (a `token`) says the store cannot serve now (one of `UNREACHABLE`)."""
+    return code in _UNREACHABLE_TOKENS
+
+
 def errno_of(code: int) -> int:
     """The closest OS errno for a status code (EIO for the rest)."""
     return _ERRNO.get(int(code), errno_mod.EIO)
+
+
+_UNREACHABLE_TOKENS = frozenset(token(c) for c in UNREACHABLE)
