@@ -116,20 +116,19 @@ class TieredCache:
             self._requests = Requests(self.engine)  # the request a get opened, whose put may follow
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
             self._stage = stage = host_slab(self.agent, "stage", stage_pages, self.page)
-            shared = config.l4_pool.enabled and config.l4_pool.backend == "mooncake"
-            self.write_downs = WriteDownFailures(self.engine, clock) if "l4_pool" in self.names else None
-            self.mover = Mover(
-                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, shared,
-                self.write_downs,
-            )  # fmt: skip
-            if shared:
+            if config.l4_pool.enabled and config.l4_pool.backend == "mooncake":
                 self.pool = SharedPool(self.agent, config.l4_pool)
                 self.notes.append(f"l4_pool: Mooncake Store pool, this instance is segment {self.pool.hostname}")
+            self.write_downs = WriteDownFailures(self.engine, clock) if "l4_pool" in self.names else None
+            self.mover = Mover(
+                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, self.pool,
+                self.write_downs,
+            )  # fmt: skip
             self._invalid = self.mover.invalid
             self._check_crc = self.mover.check_crc
             if "l3_nvme" in self.names:
                 self._load_l3_index(l3_bytes)
-            if config.l4_pool.enabled and not shared:
+            if config.l4_pool.enabled and self.pool is None:
                 self._load_bucket_index()
         except BaseException:  # a tier that cannot be built: release what was
             self._prefetcher.shutdown()

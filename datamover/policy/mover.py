@@ -27,6 +27,7 @@ from .config import TierConfig
 from .keys import ChunkKey
 from .l3_index import L3Index
 from .plan import STAGE, USER, Move, levels
+from .pool import SharedPool
 from .slabs import Slab
 from .write_down import WriteDownFailures
 
@@ -48,12 +49,13 @@ class Mover:
         invalidate: Callable[..., None],
         metrics: CacheMetrics | None = None,
         spans: SpanRecorder | None = None,
-        shared_pool: bool = False,
+        pool: SharedPool | None = None,
         write_downs: WriteDownFailures | None = None,
     ) -> None:
         self.agent = agent
         # L4 is a Mooncake pool: one object per chunk (replicas are the store's), verified by the backend
-        self.shared = shared_pool
+        self.pool = pool
+        self.shared = pool is not None
         self.config = config
         self.page = config.l1_hbm.page_size_bytes
         self.tiers = tiers
@@ -104,7 +106,8 @@ class Mover:
     def _write_obj(self, src: int, si: np.ndarray, keys: Sequence[ChunkKey], user: Prepared | None) -> str:
         """Rows si of src (host memory) to the chunks' objects, replica_count copies each."""
         sprep = self._endpoint(src, user)[1]
-        if self.shared:  # one object; the pool keeps replica_count replicas of it
+        if self.pool is not None:  # one object; the pool keeps replica_count replicas of it
+            self.pool.rewriting(keys)
             with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, 0), None) as xfer:
                 xfer.post().wait()
             return "mooncake"
@@ -244,6 +247,9 @@ class Mover:
             intact = np.zeros(len(batch), dtype=bool)  # not read: the store did not answer, or L3 timed out
             if smem == MemType.OBJ:
                 good, corrupt, intact = self._read_obj(keys, rows)
+                if self.pool is not None:  # the object itself failed the backend's check: others' too
+                    for i in np.flatnonzero(corrupt):
+                        self.pool.failed_check(keys[i])
             else:
                 good, intact = self._stage_in(src, smem, si, dst, rows, user)
             if smem in REMOTE and good.any():  # only rows that arrived are checked: the others hold nothing

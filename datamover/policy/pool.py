@@ -7,6 +7,13 @@ mooncake backend's client, not through transfers): which keys it holds (`exists`
 `p99_latency_budget_ms` and bounded: an answer that does not come in time is a miss, with a warning), and
 `drain`, which copies every chunk whose only replicas live in this instance's memory to other members of the pool
 (Mooncake copy tasks) before the instance leaves. Chunk bytes still move only through Agent transfers (`mover.py`).
+
+An object that failed its CRC32C when read is not deleted then (the pool is every instance's, and this one has
+nothing to put in its place), so the instance remembers it as corrupt (`CorruptObjects`, bounded) and lookups
+stop before it. When this instance writes that chunk anew, the corrupt object is removed first (the cache's
+writes keep an object already there) and, once it is gone, forgotten as corrupt. Mooncake's existence check gives
+no object version, so a rewrite by another instance is not seen: the chunk is a miss here until this instance
+puts it again, or until `CORRUPT_MAX` newer corrupt objects pushed it out.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import urllib.request
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +43,34 @@ LOOKUP_MIN_S = 0.1
 LOOKUP_DEFAULT_S = 1.0
 #: the most often a lookup the pool did not answer in time is logged
 WARN_EVERY_S = 60.0
+#: the most pool objects one instance remembers as corrupt (beyond, the oldest is forgotten)
+CORRUPT_MAX = 4096
+
+
+class CorruptObjects:
+    """The chunks whose pool object failed its CRC32C, oldest first, at most `limit` of them."""
+
+    def __init__(self, limit: int = CORRUPT_MAX) -> None:
+        self.limit = limit
+        self._keys: OrderedDict[ChunkKey, None] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: ChunkKey) -> None:
+        """`key`'s object failed its check: remembered (as the newest), the oldest forgotten past the limit."""
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.limit:
+            self._keys.popitem(last=False)
+
+    def discard(self, keys: Sequence[ChunkKey]) -> None:
+        """Forget `keys` (this instance wrote their objects anew)."""
+        for key in keys:
+            self._keys.pop(key, None)
 
 
 class SharedPool:
@@ -54,6 +89,7 @@ class SharedPool:
         self.bound_s = max(10 * self.budget_ms / 1e3, LOOKUP_MIN_S) if self.budget_ms else LOOKUP_DEFAULT_S
         self._warned_late_at = -WARN_EVERY_S
         self._unanswered = 0
+        self.corrupt = CorruptObjects()
 
     def name(self, key: ChunkKey) -> str:
         """The chunk's object name inside the L4 registration (prefix ``kv/``)."""
@@ -69,7 +105,9 @@ class SharedPool:
 
     # -- lookups -------------------------------------------------------------
     def held(self, keys: Sequence[ChunkKey]) -> int:
-        """How many of ``keys``, from the first, the pool holds (one batched existence check, timed)."""
+        """How many of ``keys``, from the first, the pool holds (one batched existence check, timed), stopping
+        before a chunk whose object is known corrupt."""
+        keys = keys[: next((i for i, k in enumerate(keys) if k in self.corrupt), len(keys))]
         if not keys:
             return 0
         t0 = time.perf_counter()
@@ -90,14 +128,33 @@ class SharedPool:
                 self._warned_late_at, self._unanswered = now, 0
         return next((i for i, f in enumerate(found) if f != 1), len(keys))
 
+    def failed_check(self, key: ChunkKey) -> None:
+        """`key`'s object failed its CRC32C when read: lookups stop before it until this instance writes it anew."""
+        self.corrupt.add(key)
+
+    def rewriting(self, keys: Sequence[ChunkKey]) -> None:
+        """This instance is about to write `keys`' objects: the objects of those known corrupt are removed first (a
+        write in "keep" mode would leave them), and each one gone is forgotten as corrupt (one the store would
+        not remove stays skipped)."""
+        marked = [k for k in keys if k in self.corrupt]
+        if not marked:
+            return
+        status = self.client.remove([self.pool_key(k) for k in marked], force=True)
+        gone = [k for k, st in zip(marked, status, strict=True) if st in (0, codes.OBJECT_NOT_FOUND)]
+        self.corrupt.discard(gone)
+        if len(gone) < len(marked):
+            log.warning("l4_pool: %d corrupt object(s) could not be removed: still skipped", len(marked) - len(gone))
+
     def clear(self) -> int:
-        """Remove every chunk of this pool (``<bucket>/kv/``), every instance's; how many objects went."""
+        """Remove every chunk of this pool (``<bucket>/kv/``), every instance's; how many objects went (the corrupt
+        ones among them, no longer skipped)."""
         removed = self.client.remove_prefix(self.prefix)
         if removed < 0:
             raise ObjectStoreError(
                 f"removing the pool's objects under {self.prefix!r} failed: {codes.name(removed)}",
                 bucket=self.config.bucket, key="kv/", code=codes.token(removed), backend="mooncake",
             )  # fmt: skip
+        self.corrupt = CorruptObjects(self.corrupt.limit)
         return removed
 
     def _check_budget(self) -> None:

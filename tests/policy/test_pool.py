@@ -10,6 +10,8 @@ import pytest
 
 from datamover.errors import ConfigError
 from datamover.policy.config import TierConfig, with_overrides
+from datamover.policy.keys import chunk_keys
+from datamover.policy.pool import CORRUPT_MAX, CorruptObjects
 from datamover.testing.mooncake import CacheInstance
 
 MiB = 1 << 20
@@ -62,6 +64,20 @@ def test_l4_fields_refused_with_reason(fields, key, words):
     with pytest.raises(ConfigError) as info:
         l4(**fields)
     assert key in str(info.value) and words in str(info.value)
+
+
+def test_the_corrupt_objects_an_instance_remembers_are_bounded_the_oldest_forgotten_first():
+    seen = CorruptObjects(limit=3)
+    keys = chunk_keys(range(5), "m", "t")
+    for key in keys[:3]:
+        seen.add(key)
+    seen.add(keys[0])  # failed again: now the newest
+    seen.add(keys[3])
+    assert len(seen) == 3 and keys[1] not in seen
+    assert all(k in seen for k in (keys[0], keys[2], keys[3]))
+    seen.discard([keys[2], keys[4]])
+    assert len(seen) == 2 and keys[2] not in seen
+    assert CorruptObjects().limit == CORRUPT_MAX
 
 
 # -- instances sharing one pool ------------------------------------------------------------------------

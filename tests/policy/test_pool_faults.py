@@ -9,12 +9,13 @@ a get of the second put's 4 chunks delivered all 4 with the first put's bytes.
 
 from __future__ import annotations
 
+import struct
 import threading
 
 import numpy as np
 import pytest
 
-from datamover.backends.mooncake import codes
+from datamover.backends.mooncake import MAGIC, codes
 from datamover.errors import ObjectStoreError, TransferStateError, TransferTimeout
 from datamover.policy.cache import TieredCache
 from datamover.policy.config import GIB, TierConfig, with_overrides
@@ -211,5 +212,37 @@ def test_a_read_the_store_cannot_serve_keeps_the_chunks_in_this_instances_l4_ind
         assert cache.stats()["checksum_failures"] == 0
         monkeypatch.undo()
         assert cache.get(wanted, dst) == 4 and np.array_equal(dst, data[cold])
+    finally:
+        cache.close()
+
+
+def test_a_corrupt_pool_object_is_not_adopted_again_until_this_instance_writes_it(mooncake_master):
+    """A chunk's object in the shared pool fails its CRC32C (this instance may not delete others' objects): the get
+    serves it as a miss, and later lookups and gets skip it instead of adopting and reading it again each time;
+    once this instance writes the chunk anew, the pool's copy is found and served again.
+
+    Before: every lookup adopted it again and every get read it and failed its check again."""
+    cache = TieredCache(pool_config(mooncake_master, "corrupt"))
+    try:
+        keys = chunk_keys(range(800, 802), "m", "t")
+        data = np.stack([chunk_bytes(k, PAGE) for k in keys])
+        assert cache.put(keys, data) == 2
+        cache.clear()  # the pool keeps them: to this instance they are now chunks another instance put
+        bad = keys[1]
+        store, name = cache.pool.client.store, cache.pool.pool_key(bad)
+        payload = data[1].tobytes()
+        assert store.remove(name) == 0
+        assert store.put(name, payload + struct.pack("<IIQ", MAGIC, 12345, len(payload))) == 0  # a wrong CRC32C
+        dst = np.full_like(data, 0xEE)
+        assert cache.get(keys, dst) == 1 and np.array_equal(dst[0], data[0])
+        assert cache.stats()["checksum_failures"] == 1
+        assert cache.lookup(keys)[0] == 1  # the corrupt one is not claimed again
+        assert cache.get(keys, dst) == 1
+        assert cache.stats()["checksum_failures"] == 1  # nor read again
+        assert cache.put([bad], data[1:]) == 1  # this instance writes it anew (published to the pool)
+        cache.clear()
+        assert cache.lookup(keys) == (2, ["l4_pool"] * 2)
+        dst = np.full_like(data, 0xEE)
+        assert cache.get(keys, dst) == 2 and np.array_equal(dst, data)
     finally:
         cache.close()
