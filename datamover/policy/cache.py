@@ -2,10 +2,11 @@
 
 The pieces, each in its own module: the slabs that hold each tier's chunks (`slabs.py`), the tier engine that
 decides placements, evictions, demotions and promotions (`engine.py`, the same `TierStack` the replay
-simulates) with its decisions recorded as slot-to-slot moves (`plan.py`), the executor that moves the bytes by
-Agent transfers (`mover.py`), the persistent L3 index (`l3_index.py`), the private L4 bucket on S3 (deletes of
-evicted chunks, its index across restarts and crashes: `bucket.py`), the caller's buffers as chunks
-(`user_chunks.py`), the requests the policy sees (`requests.py`) and the counts and metrics (`counters.py`).
+simulates) with its decisions recorded as slot-to-slot moves (`plan.py`), what the tiers hold kept true as plans
+run (`contents.py`), the executor that moves the bytes by Agent transfers (`mover.py`), the persistent L3 index
+(`l3_index.py`), the private L4 bucket on S3 (deletes of evicted chunks, its index across restarts and crashes:
+`bucket.py`), the caller's buffers as chunks (`user_chunks.py`), the requests the policy sees (`requests.py`)
+and the counts and metrics (`counters.py`).
 
 Sharing: with `l4_pool.backend: mooncake`, L4 is a Mooncake Store pool other instances use too (`pool.py`):
 `lookup` extends the prefix this instance holds with the chunks the pool holds (one batched existence check),
@@ -30,29 +31,27 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..agents import Agent, Prepared
+from ..agents import Agent
 from ..errors import InvalidParameter, TransferStateError
 from ..telemetry.metrics import CacheMetrics
 from ..telemetry.spans import SpanRecorder
-from .bucket import PrivateBucket
 from .config import TIER_NAMES, TierConfig, checked_config
+from .contents import TierContents
 from .counters import Counters
 from .engine import PREFILL
 from .keys import ChunkKey
-from .l3_index import INDEX_FILE, L3Index, lock_directory
-from .mover import Mover
+from .l3_index import INDEX_FILE, lock_directory
 from .plan import USER, Move, SlotEngine
 from .policies import check_policy_name
 from .pool import SharedPool
 from .requests import Requests
 from .slabs import DATA_FILE, Slab, backend_params, gpu_bytes, gpu_reason, host_slab, make_slab
 from .user_chunks import chunk_crcs, prepare_user, release_user
-from .write_down import WriteDownFailures
 
 log = logging.getLogger("datamover.kvcache")
 
@@ -89,17 +88,11 @@ class TieredCache:
         self.agent = agent or Agent("kvcache", {"backends": backend_params(config)})
         self._lock = threading.RLock()
         self._pin_lock = threading.Lock()  # pins alone (taken inside _lock, never the other way round)
-        self._pool_users = threading.Condition()  # calls into the shared pool made without _lock, see _pool_call
-        self._pool_busy = 0
         self._pins: Counter = Counter()
         self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dm-kv-prefetch")
-        self.crc: dict[ChunkKey, int] = {}
         self.counters = Counters(metrics)
-        self._gone: set[ChunkKey] = set()
-        self.index: L3Index | None = None
         self.pool: SharedPool | None = None
-        self.bucket: PrivateBucket | None = None
-        self._l4_gone: set[ChunkKey] = set()  # chunks L4 dropped in this operation: their objects go after it
+        self.contents: TierContents | None = None
         self.tiers: list[Slab] = []
         self._stage: Slab | None = None
         l3_bytes = 0
@@ -111,25 +104,22 @@ class TieredCache:
                 l3_bytes = data_file.stat().st_size if data_file.exists() else 0  # the data file as found
             for name in config.enabled_tiers():  # one by one: if one cannot be made, those before are given back
                 self.tiers.append(make_slab(self.agent, config, name, self.notes))
-            self.engine = SlotEngine(config, self._removed)
-            self.names = self.engine.names
-            self._requests = Requests(self.engine)  # the request a get opened, whose put may follow
             stage_pages = max(1, min(config.l2_dram.swap_threshold_pages, 4096))
             self._stage = stage = host_slab(self.agent, "stage", stage_pages, self.page)
             if config.l4_pool.enabled and config.l4_pool.backend == "mooncake":
                 self.pool = SharedPool(self.agent, config.l4_pool)
                 self.notes.append(f"l4_pool: Mooncake Store pool, this instance is segment {self.pool.hostname}")
-            self.write_downs = WriteDownFailures(self.engine, clock) if "l4_pool" in self.names else None
-            self.mover = Mover(
-                self.agent, config, self.tiers, stage, self.crc, self._invalidate, metrics, self.spans, self.pool,
-                self.write_downs,
-            )  # fmt: skip
-            self._invalid = self.mover.invalid
-            self._check_crc = self.mover.check_crc
+            self.contents = contents = TierContents(
+                self.agent, config, self.tiers, stage, self.counters, clock, self.notes, metrics, self.spans, self.pool
+            )
+            self.engine, self.names, self.crc = contents.engine, contents.names, contents.crc
+            self.mover = contents.mover
+            self._invalid, self._check_crc = contents.invalid, contents.check_crc
+            self._requests = Requests(self.engine)  # the request a get opened, whose put may follow
             if "l3_nvme" in self.names:
-                self._load_l3_index(l3_bytes)
+                contents.load_l3_index(l3_bytes)
             if config.l4_pool.enabled and self.pool is None:
-                self._load_bucket_index()
+                contents.load_bucket_index()
         except BaseException:  # a tier that cannot be built: release what was
             self._prefetcher.shutdown()
             self._release()
@@ -141,82 +131,8 @@ class TieredCache:
     checksum_failures = property(lambda self: self.counters.checksum_failures, doc="Chunks that failed CRC32C.")
     _gpu_reason = staticmethod(gpu_reason)
     _gpu_bytes = staticmethod(gpu_bytes)
-
-    def _load_l3_index(self, data_bytes: int) -> None:
-        """Find again the chunks the L3 index says its data file (`data_bytes` long as found) holds."""
-        j = self.names.index("l3_nvme")
-        l3 = self.config.l3_nvme
-        self.index = L3Index(l3.path, self.tiers[j].capacity, l3.fsync_mode, self.page)
-        entries = self.index.load(data_bytes)
-        if self._check_crc:  # chunks written without crc32c_check have no CRC32C to be verified against
-            unchecked = [slot for slot, (_, crc) in entries.items() if crc is None]
-            for slot in unchecked:
-                del entries[slot]
-            if unchecked:
-                self.notes.append(f"l3_nvme: {len(unchecked)} chunks written without crc32c_check not used")
-        self.engine.adopt(j, {key: slot for slot, (key, _) in entries.items()}, self.clock())
-        self.crc.update((key, crc) for key, crc in entries.values() if crc is not None)
-        if entries:
-            self.notes.append(f"l3_nvme: {len(entries)} chunks found again under {l3.path}")
-
-    def _load_bucket_index(self) -> None:
-        """Find again the chunks a private L4 bucket held when the last cache on it closed."""
-        j = self.names.index("l4_pool")
-        self.bucket = PrivateBucket(self.agent, self.config.l4_pool, self.page, self.tiers[j].capacity)
-        keys = self.bucket.load()
-        self.engine.adopt(j, {key: slot for slot, key in enumerate(keys)}, self.clock())
-        if keys:
-            self.notes.append(f"l4_pool: {len(keys)} chunks found again in s3://{self.bucket.bucket}")
-
-    def _removed(self, j: int, key: ChunkKey, slot: int) -> None:
-        """The engine freed `key`'s slot in tier j."""
-        if self.index is not None and self.names[j] == "l3_nvme":
-            self.index.freed(slot)
-        elif self.bucket is not None and self.names[j] == "l4_pool":
-            self._l4_gone.add(key)
-        self._gone.add(key)  # its CRC goes once the operation ends with the chunk in no tier
-
-    def _invalidate(
-        self, key: ChunkKey, checksum: bool = True, tier: str | None = None, keep: int | None = None
-    ) -> None:
-        """Drop a chunk whose bytes cannot be trusted from every tier (``checksum``: they failed their CRC32C when
-        read from ``tier``; else a move of it failed), but tier ``keep``: the one it was being read from when the
-        store did not answer, whose copy is not in doubt (it is a miss for this operation only, and found there
-        again later). Either way it is undelivered for the rest of the operation (`_invalid`)."""
-        self._invalid.add(key)
-        if checksum:
-            self.counters.checksum_failed(tier or "unknown")
-        for j, resident in enumerate(self.engine.resident):
-            if key in resident and j != keep:
-                self.engine.drop(j, key)
-
-    def _execute(self, plan: list[Move], user: Prepared | None) -> None:
-        """Run a plan (see `Mover.run`), make the L3 index durable, forget the CRCs of chunks no tier holds."""
-        try:
-            if self.index is not None and not self._check_crc:
-                self.index.sync()  # slots freed on record before new chunks overwrite them: unchecked reads trust it
-            self.mover.run(plan, user, self.index)
-            if self.index is not None:
-                self.index.sync()
-        finally:
-            if self.bucket is not None:
-                self._after_plan_in_bucket(self.bucket, plan)
-        where = self.engine.where
-        for key in self._gone:
-            if where(key) < 0:
-                self.crc.pop(key, None)
-        self._gone.clear()
-
-    def _after_plan_in_bucket(self, bucket: PrivateBucket, plan: list[Move]) -> None:
-        """Delete the objects of the chunks L4 dropped (after the plan: it may have read them, or written one of
-        them again), and write L4's index now and then, so a crash loses little."""
-        j4 = self.names.index("l4_pool")
-        if self._l4_gone or any(m.dst == j4 for m in plan):
-            bucket.changed = True
-        if self._l4_gone or bucket.waiting:
-            gone, self._l4_gone = self._l4_gone, set()
-            bucket.delete(gone, keep=self.engine.resident[j4])
-        bucket.checkpoint(lambda: list(self.engine.slots[j4]))
+    index = property(lambda self: self.contents.index if self.contents else None, doc="The L3 index, if any.")
+    bucket = property(lambda self: self.contents.bucket if self.contents else None, doc="A private L4 bucket.")
 
     # -- the API ------------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
@@ -235,7 +151,7 @@ class TieredCache:
             tiers.append(names[j])
         if self.pool is not None and len(tiers) < len(keys):
             rest = keys[len(tiers) :]
-            with self._pool_call():
+            with self.pool.calls():
                 held = self.pool.held(rest)
             for key in rest[:held]:
                 j = eng.where(key)
@@ -263,14 +179,14 @@ class TieredCache:
                 for i, key, j in self._requests.observed(prefix, None, now, first):
                     if j >= 0:
                         eng.hit(j, key, now, first + i)
-                self._execute(eng.take_plan(), None)
+                self.contents.execute(eng.take_plan(), None)
                 plan = []
                 for i, key in enumerate(prefix):
                     j = eng.where(key)
                     if j < 0:  # dropped while promoting: its bytes failed their CRC32C
                         break
                     plan.append(Move(key, j, eng.slots[j][key], USER, i))
-                self._execute(plan, user)
+                self.contents.execute(plan, user)
                 delivered = next((i for i, k in enumerate(prefix) if k in self._invalid or eng.where(k) < 0), n)
             finally:
                 self.unpin(prefix)
@@ -312,7 +228,7 @@ class TieredCache:
                 # after planning: placing one chunk may have dropped another of these keys (and its old CRC); a
                 # chunk already cached keeps its bytes, and so its CRC (a recompute need not be bit-identical)
                 self.crc.update((k, fresh[k]) for k in placed if k in fresh and eng.where(k) >= 0)
-                self._execute(eng.take_plan(), user)
+                self.contents.execute(eng.take_plan(), user)
                 stored = sum(1 for k in placed if k not in self._invalid and eng.where(k) >= 0)
             finally:
                 eng.user_index = {}
@@ -345,7 +261,7 @@ class TieredCache:
             before = list(self.engine.evictions)
             try:
                 placed = [k for k, t in lower if self.engine.place(0, k, now, -1, t)]
-                self._execute(self.engine.take_plan(), None)
+                self.contents.execute(self.engine.take_plan(), None)
                 # a promotion whose copy failed dropped its chunk: only those now in L1 were moved
                 moved = sum(1 for k in placed if k not in self._invalid and k in self.engine.resident[0])
                 self.counters.op_done(self.engine, self.names, before)
@@ -381,29 +297,10 @@ class TieredCache:
             return self._drain_pool()
         with self._lock:
             self._check_open()
-            eng = self.engine
             j = self.names.index(tier)
-            below = range(j + 1, len(self.names))
-            if not below:
+            if j + 1 == len(self.names):
                 raise ValueError(f"no enabled tier below {tier} to drain to")
-            eng.closed.add(j)
-            now = self.clock()
-            placed = []
-            for key in list(eng.resident[j]):
-                if not any(key in eng.resident[t] for t in below):
-                    if any(eng.place(t, key, now, -1, tier) for t in below):
-                        placed.append(key)
-                    else:
-                        log.warning("drain %s: no room below for %s; dropped", tier, key)
-                eng.orders[j].remove(key)
-                eng.resident[j].remove(key)
-            self._execute(eng.take_plan(), None)
-            # a copy down that failed dropped its chunk (logged by the mover): only those held below were moved
-            moved = sum(1 for key in placed if key not in self._invalid and eng.where(key) >= 0)
-            for key in list(eng.slots[j]):
-                eng._removed(j, key)
-            if self.index is not None:
-                self.index.sync()
+            moved = self.contents.drain(j)
             self._invalid.clear()
             return moved
 
@@ -424,12 +321,12 @@ class TieredCache:
                 try:
                     for key in local:
                         eng.place(j4, key, now, -1, self.names[eng.where(key)])
-                    self._execute(eng.take_plan(), None)
+                    self.contents.execute(eng.take_plan(), None)
                 finally:
                     self.unpin(local)
                     self._invalid.clear()
             known = set(eng.resident[j4])
-        with self._pool_call():
+        with self.pool.calls():
             result = self.pool.drain(sorted(known, key=lambda k: k.digest()))
         self.notes.append(
             f"l4_pool drain: {result['unique']} of {result['candidates']} chunks only here, {result['copied']} "
@@ -448,15 +345,10 @@ class TieredCache:
         (an ObjectStoreError) is raised after."""
         with self._lock:
             self._check_open()
-            eng = self.engine
-            forgotten = len(set().union(*eng.resident))
             with self._pin_lock:
                 self._pins.clear()
-                eng.pinned.clear()
-            for j, resident in enumerate(eng.resident):
-                for key in list(resident):
-                    eng.drop(j, key)
-            self._execute([], None)
+                self.engine.pinned.clear()
+            forgotten = self.contents.forget_all()
             if shared and self.pool is not None:
                 removed = self.pool.clear()
                 log.warning(
@@ -479,7 +371,7 @@ class TieredCache:
                 "checksum_failures": self.counters.checksum_failures,
                 "move_failures": dict(self.mover.failures),
                 "write_down_failures": (
-                    self.write_downs.counts() if self.write_downs is not None else {"kept": 0, "dropped": 0}
+                    downs.counts() if (downs := self.contents.write_downs) is not None else {"kept": 0, "dropped": 0}
                 ),
                 "l4_pool_lookups": self.pool.latency() if self.pool is not None else None,
                 "l4_bucket": self.bucket.stats() if self.bucket is not None else None,
@@ -495,21 +387,6 @@ class TieredCache:
         if self._closed:
             raise TransferStateError("TieredCache is closed: its tiers' memory and files are released")
 
-    @contextlib.contextmanager
-    def _pool_call(self) -> Iterator[None]:
-        """Around a call into the shared pool's client made without the cache's lock (lookup, drain): refused once
-        the cache is closed, and waited for by close before it closes the client (a call into a closed Mooncake
-        store crashes the process)."""
-        with self._pool_users:
-            self._check_open()
-            self._pool_busy += 1
-        try:
-            yield
-        finally:
-            with self._pool_users:
-                self._pool_busy -= 1
-                self._pool_users.notify_all()
-
     def close(self) -> None:
         """Finish background work, compact the L3 index, release memory and files (once; later calls do nothing,
         and every other call but `stats` raises TransferStateError)."""
@@ -517,16 +394,11 @@ class TieredCache:
         with self._lock:
             if self._closed:
                 return
-            with self._pool_users:
-                self._closed = True
-                self._pool_users.wait_for(lambda: self._pool_busy == 0, self.agent.config.timeout_s)
+            self._closed = True
+            if self.pool is not None:  # its client closes with the agent: calls made without the lock end first
+                self.pool.close_calls(self.agent.config.timeout_s)
             try:
-                if self.index is not None:
-                    j = self.names.index("l3_nvme")
-                    live = {slot: (key, self.crc.get(key)) for key, slot in self.engine.slots[j].items()}
-                    self.index.close(live)
-                if self.bucket is not None:
-                    self.bucket.close(list(self.engine.slots[self.names.index("l4_pool")]))
+                self.contents.close()
             finally:
                 self._release()
 

@@ -124,6 +124,12 @@ class SlotEngine(TierStack):
         self.free[j].push(slot)
         self.on_removed(j, key, slot)
 
+    def release_slots(self, j: int) -> None:
+        """Free the slots tier j still keeps for chunks that already left it (a drained tier, once the copies out
+        of those slots have run)."""
+        for key in list(self.slots[j]):
+            self._removed(j, key)
+
     def adopt(self, j: int, slots: dict[ChunkKey, int], now: float) -> None:
         """Make each key resident in tier j at its slot without a move (found again in a persistent tier)."""
         for key, slot in slots.items():

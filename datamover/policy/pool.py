@@ -8,6 +8,9 @@ mooncake backend's client, not through transfers): which keys it holds (`exists`
 `drain`, which copies every chunk whose only replicas live in this instance's memory to other members of the pool
 (Mooncake copy tasks) before the instance leaves. Chunk bytes still move only through Agent transfers (`mover.py`).
 
+Calls into the pool's client made without the cache's lock (a lookup, a drain) go through `calls`, so that the
+cache's close waits for them before the client closes (a call into a closed Mooncake store crashes the process).
+
 An object that failed its CRC32C when read is not deleted then (the pool is every instance's, and this one has
 nothing to put in its place), so the instance remembers it as corrupt (`CorruptObjects`, bounded) and lookups
 stop before it. When this instance writes that chunk anew, the corrupt object is removed first (the cache's
@@ -18,18 +21,20 @@ puts it again, or until `CORRUPT_MAX` newer corrupt objects pushed it out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 import urllib.request
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..agents import Agent
 from ..backends.mooncake import codes
-from ..errors import ObjectStoreError
+from ..errors import ObjectStoreError, TransferStateError
 from .config import L4Config
 from .keys import ChunkKey
 
@@ -90,6 +95,9 @@ class SharedPool:
         self._warned_late_at = -WARN_EVERY_S
         self._unanswered = 0
         self.corrupt = CorruptObjects()
+        self._users = threading.Condition()  # guards the two below: calls under way, and whether they are refused
+        self._busy = 0
+        self._closing = False
 
     def name(self, key: ChunkKey) -> str:
         """The chunk's object name inside the L4 registration (prefix ``kv/``)."""
@@ -102,6 +110,27 @@ class SharedPool:
     def hostname(self) -> str:
         """This instance's segment in the pool."""
         return self.client.hostname
+
+    @contextlib.contextmanager
+    def calls(self) -> Iterator[None]:
+        """Around a call into the client made without the cache's lock: refused (TransferStateError) once
+        `close_calls` ran, and waited for by it."""
+        with self._users:
+            if self._closing:
+                raise TransferStateError("the cache is closed: no more calls into the shared pool")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._users:
+                self._busy -= 1
+                self._users.notify_all()
+
+    def close_calls(self, timeout: float) -> None:
+        """Refuse new `calls` and wait, at most `timeout` seconds, for those under way (before the client closes)."""
+        with self._users:
+            self._closing = True
+            self._users.wait_for(lambda: self._busy == 0, timeout)
 
     # -- lookups -------------------------------------------------------------
     def held(self, keys: Sequence[ChunkKey]) -> int:
