@@ -10,9 +10,11 @@ source timed out), the bytes it was read from are not in doubt. The chunk leaves
 1. stays in every other tier that holds it (the copies);
 2. else stays in the tier it was leaving, at its own slot, when no later move of the plan writes that slot (an
    eviction down to a low watermark frees more slots than the plan fills);
-3. else is copied at once, while its bytes are still there, to a free slot that no move of the plan touches, in
-   the tier it was leaving or another open tier, nearest to L4 first;
+3. else is copied at once, while its bytes are still there, to a free slot that no move of the plan touches: in
+   the tier it was leaving if it has one, else in another open tier, the nearest to L4 first;
 4. else is dropped: no tier holds it, and no lookup claims it.
+
+A chunk kept by 2 or 3 enters its tier's policy as a new chunk (the policy forgot it when it evicted it).
 
 A chunk leaving a tier being drained goes only below (drain's contract), and one a put sent to L4 alone has no
 tier to stay in: both are dropped. A write the store refused (a 4xx, say) drops its chunk as any failed move does.
