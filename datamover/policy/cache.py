@@ -46,7 +46,7 @@ from .counters import Counters
 from .engine import PREFILL
 from .keys import ChunkKey
 from .l3_index import INDEX_FILE, lock_directory
-from .plan import USER, Move, SlotEngine
+from .plan import USER, Move
 from .policies import check_policy_name
 from .pool import SharedPool
 from .requests import Requests
@@ -54,9 +54,6 @@ from .slabs import DATA_FILE, Slab, backend_params, gpu_bytes, gpu_reason, host_
 from .user_chunks import chunk_crcs, prepare_user, release_user
 
 log = logging.getLogger("datamover.kvcache")
-
-_Tier = Slab  # the name this class had before the cache was split into modules
-_Engine = SlotEngine
 
 
 class TieredCache:
