@@ -3,7 +3,7 @@
 Reads from L3/L4, and writes from GPU memory to them, go through the host staging slab; with CRC32C checking
 on, what is read from L3/L4 is verified in staging before it goes on, and a chunk that fails is handed to
 `invalidate` (the cache drops it from every tier and serves it as a miss). A batch that fails is dropped the
-same way, but for a write to L4 the store did not answer: its chunks are kept where `write_down.py` finds them a
+same way, but for a write to L4 that failed on the store's side: its chunks are kept where `write_down.py` finds them a
 place. Each batch is counted in the metrics and, when spans are on, recorded as one span per chunk.
 """
 
@@ -68,7 +68,7 @@ class Mover:
         self.spans = spans
         self.check_crc = config.l3_nvme.crc32c_check and any(t.mem in REMOTE for t in tiers)
         self.failures: Counter[str] = Counter()  # chunks whose move failed, per "from->to"
-        self.write_downs = write_downs  # where the chunks of a write to L4 the store did not answer go
+        self.write_downs = write_downs  # where the chunks of a write to L4 that failed on the store's side go
         self.l4 = self.names.index("l4_pool") if "l4_pool" in self.names else None
         self.spans_failing = False  # the last span export failed (warned once, until one succeeds again)
 
@@ -287,7 +287,7 @@ class Mover:
                 except Exception as exc:
                     # the plan goes on (the engine already counts every move of it as done): what this group
                     # moved cannot be trusted where the engine now places it, so it is dropped, served as a miss
-                    # (a write to L4 the store did not answer keeps its chunks where it can, `write_down.py`).
+                    # (a write to L4 that failed on the store's side keeps its chunks where it can, `write_down.py`).
                     # An error that is not a DatamoverError (a bug below, a MemoryError) too: stopping here would
                     # leave every later move of the plan counted as done and never run (chunks on others' bytes)
                     a, b = ("caller" if t in (USER, STAGE) else self.names[t] for t in (src, dst))
@@ -296,7 +296,7 @@ class Mover:
                     if self.metrics is not None:
                         backend = getattr(exc, "backend", None) or "unknown"
                         self.metrics.errors.labels(a, b, backend, type(exc).__name__).inc(len(live))
-                    if dst == self.l4 and self.write_downs is not None and typed and _unreachable(exc):
+                    if dst == self.l4 and self.write_downs is not None and typed and self._source_intact(exc):
                         self._write_down_failed(live, plan, by_level[depth + 1 :], index, exc)
                         continue
                     log.log(
@@ -308,6 +308,11 @@ class Mover:
                         self.invalidate(m.key, checksum=False)
                     continue
                 self._recorded(dst, live, index)
+
+    def _source_intact(self, exc: DatamoverError) -> bool:
+        """Whether a failed write to L4 leaves the bytes it was written from beyond doubt: the store did not answer
+        (or the read from L3 timed out), or L4's own backend refused the write (a 4xx, a Mooncake status)."""
+        return _unreachable(exc) or exc.backend == ("mooncake" if self.shared else "s3")
 
     def _recorded(self, dst: int, moves: list[Move], index: L3Index | None) -> None:
         """Record in the L3 index the chunks `moves` stored in tier `dst`, if it is L3."""

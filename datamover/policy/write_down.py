@@ -1,11 +1,11 @@
-"""Chunks whose copy down to L4 failed because the store could not serve it: kept where the plan allows, else
-dropped and counted.
+"""Chunks whose copy down to L4 failed on the store's side: kept where the plan allows, else dropped and counted.
 
 By the time a plan runs, the engine has made L4 the chunk's tier: a demoted chunk has left the tier above (its
 slot freed, often handed at once to the chunk that pushed it out), while a copy (write-through, a put's publish
 to a shared pool, the writes of a shared pool's drain) is also held where it came from. When the write fails
-because the store did not answer (a timeout, no connection, a 5xx, Mooncake's RPC_FAIL; or the read of its
-source timed out), the bytes it was read from are not in doubt. The chunk leaves L4's index and:
+because the store did not answer (a timeout, no connection, a 5xx, Mooncake's RPC_FAIL) or refused it (a 4xx,
+another Mooncake status), or the read of its source timed out, the bytes it was read from are not in doubt. The
+chunk leaves L4's index and:
 
 1. stays in every other tier that holds it (the copies);
 2. else stays in the tier it was leaving, at its own slot, when no later move of the plan writes that slot (an
@@ -17,7 +17,8 @@ source timed out), the bytes it was read from are not in doubt. The chunk leaves
 A chunk kept by 2 or 3 enters its tier's policy as a new chunk (the policy forgot it when it evicted it).
 
 A chunk leaving a tier being drained goes only below (drain's contract), and one a put sent to L4 alone has no
-tier to stay in: both are dropped. A write the store refused (a 4xx, say) drops its chunk as any failed move does.
+tier to stay in: both are dropped. A failed read of the source (from L3, not a timeout) drops its chunk as any
+failed move does: its bytes are in doubt.
 """
 
 from __future__ import annotations

@@ -791,6 +791,13 @@ def outage(monkeypatch):
             },
             "GetObject",
         ),
+        "forbidden": lambda: bx.ClientError(
+            {
+                "Error": {"Code": "AccessDenied", "Message": "Access Denied"},
+                "ResponseMetadata": {"HTTPStatusCode": 403},
+            },
+            "PutObject",
+        ),
     }
 
     class Outage:
@@ -906,13 +913,15 @@ def test_chunks_read_one_by_one_after_the_store_stops_answering_stay_and_those_i
         close(cache)
 
 
-@pytest.mark.parametrize("kind", ["timeout", "refused", "slowdown"])
+@pytest.mark.parametrize("kind", ["timeout", "refused", "slowdown", "forbidden"])
 def test_a_failed_write_down_keeps_the_chunks_whose_slots_the_plan_left_free(s3, tmp_path, outage, kind):
-    """L4 unreachable while L1 evicts a batch (a full L1 of 4 down to 2): the 3 chunks demoted to L4 are not lost
-    silently. The 2 whose L1 slots the plan left free stay there, readable; the one whose slot the new chunk took
-    is dropped and counted, and no lookup claims it. Once the store answers, demotions reach L4 again.
+    """L4 unreachable (or refusing the writes: 403) while L1 evicts a batch (a full L1 of 4 down to 2): the 3 chunks
+    demoted to L4 are not lost silently. The 2 whose L1 slots the plan left free stay there, readable; the one
+    whose slot the new chunk took is dropped and counted, and no lookup claims it. Once the store answers,
+    demotions reach L4 again.
 
-    Before: a failed write down dropped every chunk of the batch from every tier, uncounted."""
+    Before: a failed write down dropped every chunk of the batch from every tier, uncounted (a refused one, until
+    session 30, still did)."""
     cache = open_cache(s3, tmp_path, l1=4, l4=8, replicas=1, l1_hbm={"low_watermark": 0.5})
     try:
         keys = chunk_keys(range(6), "m", "t")
