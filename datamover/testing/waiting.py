@@ -1,5 +1,6 @@
-"""Waiting in tests for a condition another thread or process makes true, with a bound and a message; and
-holding one call of a transfer at a known point while the transfer is cut short (``HeldOnce``, ``cut_short``)."""
+"""Waiting in tests for a condition another thread or process makes true, or for a call that may block, with a bound
+and a message; and holding one call of a transfer at a known point while the transfer is cut short (``HeldOnce``,
+``cut_short``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,27 @@ def until(cond: Callable[[], object], timeout: float = 60.0, what: str = "condit
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout:g} s")
         time.sleep(0.01)
+
+
+def bounded(call: Callable[[], Any], what: str, timeout: float = BOUND_S) -> Any:
+    """``call()`` on a thread joined within ``timeout`` s: what it returned (what it raised is raised here), or an
+    AssertionError naming ``what`` when it was still blocked then (the thread, a daemon, is left to it)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["ret"] = call()
+        except BaseException as exc:
+            out["exc"] = exc
+
+    t = threading.Thread(target=run, name=f"bounded {what}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise AssertionError(f"{what} still blocked {timeout:g} s in")
+    if "exc" in out:
+        raise out["exc"]
+    return out["ret"]
 
 
 class HeldOnce:

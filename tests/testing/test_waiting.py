@@ -1,5 +1,6 @@
-"""``datamover.testing.waiting``: ``until`` returns once its condition holds and fails naming it; ``HeldOnce`` holds
-the first call only; ``cut_short`` ends a held transfer and counts what changed after ERR."""
+"""``datamover.testing.waiting``: ``until`` returns once its condition holds and fails naming it; ``bounded`` returns
+what its call gave and fails naming a call still blocked; ``HeldOnce`` holds the first call only; ``cut_short`` ends a
+held transfer and counts what changed after ERR."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from datamover import Agent, DescList, XferState, aligned_empty
-from datamover.testing.waiting import HeldOnce, cut_short, until
+from datamover.testing.waiting import HeldOnce, bounded, cut_short, until
 
 
 def test_until_returns_once_the_condition_holds() -> None:
@@ -21,6 +22,21 @@ def test_until_returns_once_the_condition_holds() -> None:
 def test_until_names_what_never_held() -> None:
     with pytest.raises(AssertionError, match=r"the flag did not hold within 0\.05 s"):
         until(lambda: False, timeout=0.05, what="the flag")
+
+
+def test_bounded_returns_what_the_call_returned_and_raises_what_it_raised() -> None:
+    assert bounded(lambda: 7, "seven", timeout=10) == 7
+    with pytest.raises(ZeroDivisionError):
+        bounded(lambda: 1 // 0, "a division", timeout=10)
+
+
+def test_bounded_names_a_call_still_blocked() -> None:
+    go = threading.Event()
+    try:
+        with pytest.raises(AssertionError, match=r"the blocked call still blocked 0\.05 s in"):
+            bounded(lambda: go.wait(10), "the blocked call", timeout=0.05)
+    finally:
+        go.set()
 
 
 def test_held_once_holds_only_the_first_call_until_go() -> None:
