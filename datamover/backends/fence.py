@@ -7,10 +7,11 @@ for a WRITE, reads it (a buffer the caller reuses after ERR must not reach the f
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
 nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv or
-pwritev; an AIO batch from its first io_submit until all it submitted is reaped), memcpy (each piece of a copy),
-cuda (a device's group of copies, from its enqueueing on the stream until the event after it is seen), gds (each
-worker's kvikio reads and writes) and s3 (each chunk of a GET body, copied from the worker's own buffer, and the
-zeroing of unverified bytes: ``join``; a WRITE's copies of its bodies).
+pwritev, whose short return is not resumed once cancelled; an AIO batch from its first io_submit until all it
+submitted is reaped), memcpy (each piece of a copy), cuda (a device's group of copies, from its enqueueing on the
+stream until the event after it is seen), gds (each worker's kvikio reads and writes) and s3 (each chunk of a GET
+body, copied from the worker's own buffer, and the zeroing of unverified bytes: ``join``; a WRITE's copies of its
+bodies).
 
 A part whose call into a library writes the caller's memory itself (mooncake's zero-copy get) cannot be stopped
 once that call is under way: if it outlasts ``FENCE_S`` the library may still land its bytes after ``cancel``

@@ -483,16 +483,17 @@ class PosixBackend(Backend):
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
         touched = set()
         fence = completion if type(completion) is ReadFence else None
+        halt = rows.Halt(completion)
         for g in range(first, last):
             if fence is None:
                 if completion.cancelled:
                     return
-                touched.add(self._run_group(req, p, g, write, completion))
+                touched.add(self._run_group(req, p, g, write, halt))
                 continue
             if not fence.enter():
                 return
             try:
-                touched.add(self._run_group(req, p, g, write, completion))
+                touched.add(self._run_group(req, p, g, write, halt))
             finally:
                 fence.leave()
         if write and self.params["fsync"]:
@@ -502,58 +503,44 @@ class PosixBackend(Backend):
                 except OSError as exc:
                     raise self._sync_error(req, p, p.handles[fd], exc) from exc
 
-    def _run_group(self, req, p, g: int, write: bool, completion: Completion) -> int:
+    def _run_group(self, req, p, g: int, write: bool, halt: rows.Halt) -> int:
         """Group ``g``'s one vectored syscall (or its rows through the bounce buffer); the fd it used."""
         fds, offs, views = p.fds, p.offs, p.views
         s, e, aligned = p.groups[g]
         h = p.handles[fds[s]]
         if h.direct and not aligned:
             for i in range(s, e):
-                self._bounce_io(req, h, i, offs[i], views[i], write, completion)
+                self._bounce_io(req, h, i, offs[i], views[i], write, halt)
             return h.fd
         try:
-            rows.vectored(h.fd, views[s:e], offs[s], write)
+            rows.vectored(h.fd, views[s:e], offs[s], write, halt)
+        except rows.Halted as exc:
+            raise halt.error(rows.index_at(req, s, views[s:e], exc.moved), write, h.path, self.name) from None
         except OSError as exc:
             if exc.errno == errno_mod.EINVAL and h.direct:
                 # the device wants stricter alignment than configured: take the bounce path
                 for i in range(s, e):
-                    self._bounce_io(req, h, i, offs[i], views[i], write, completion)
+                    self._bounce_io(req, h, i, offs[i], views[i], write, halt)
                 return h.fd
-            raise self._error(req, s, h, exc, write, getattr(exc, "moved", 0), views[s:e]) from exc
+            raise rows.row_error(req, s, h, exc, write, self.name, getattr(exc, "moved", 0), views[s:e]) from exc
         except EOFError as exc:
             raise TransferIOError(
                 f"read past the end of {h.path!r} ({exc})",
                 errno=errno_mod.EIO,
-                index=_index_at(req, s, views[s:e], exc.moved),
+                index=rows.index_at(req, s, views[s:e], exc.moved),
                 backend=self.name,
             ) from None
         return h.fd
 
     def _bounce_io(
-        self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, completion: Completion
+        self, req, h: FileHandle, row: int, offset: int, view: memoryview, write: bool, halt: rows.Halt
     ) -> None:
-        """Move an unaligned row through a bounce buffer of the pool (none once the transfer is cancelled)."""
+        """Move an unaligned row through a bounce buffer of the pool (none once ``halt()``)."""
         bounce = self._bounces.take()
         try:
-            rows.bounce_row(
-                req, h, row, offset, view, write, completion, bounce, int(self.params["alignment"]), self._error,
-                self.name,
-            )  # fmt: skip
+            rows.bounce_row(req, h, row, offset, view, write, halt, bounce, int(self.params["alignment"]), self.name)
         finally:
             self._bounces.give(bounce)
-
-    def _error(
-        self, req, row: int, h: FileHandle, exc: OSError, write: bool, moved: int = 0, views: list | None = None
-    ) -> TransferIOError:
-        """``moved`` bytes of ``views`` (rows from ``row`` on, one call) went before ``exc``: that names the row
-        (without ``views``, byte ``moved`` of row ``row``)."""
-        what = "pwritev" if write else "preadv"
-        return TransferIOError(
-            f"{what} on {h.path!r} failed: {exc.strerror or exc}",
-            errno=exc.errno,
-            index=req.caller_index(row, moved) if views is None else _index_at(req, row, views, moved),
-            backend=self.name,
-        )
 
     def _sync_error(self, req, p, h: FileHandle, exc: OSError) -> TransferIOError:
         """fdatasync does not say which block it lost: name the first of the caller's descriptors in that file."""
@@ -598,12 +585,3 @@ def _check_params(p: Mapping[str, Any]) -> None:
         raise InvalidParameter(f"aio_contexts must be at least 1, got {p['aio_contexts']!r}", backend="posix")
     if p["aio_depth"] < 1:
         raise InvalidParameter(f"aio_depth must be at least 1, got {p['aio_depth']!r}", backend="posix")
-
-
-def _index_at(req, first: int, views: list, moved: int) -> int:
-    """The caller's descriptor of byte ``moved`` of one vectored call over rows ``first``, ``first + 1``, ..."""
-    for k, v in enumerate(views):
-        if moved < v.nbytes or k == len(views) - 1:
-            return req.caller_index(first + k, moved)
-        moved -= v.nbytes
-    return req.caller_index(first)

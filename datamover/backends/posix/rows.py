@@ -1,6 +1,7 @@
 """posix rows moved by synchronous system calls: one preadv/pwritev resumed until every byte moved, and rows
 O_DIRECT cannot take (unaligned offset, length or address) through an aligned bounce buffer, read-modify-write for
-partial blocks; the bounce buffers are shared and bounded (``BouncePool``)."""
+partial blocks; the bounce buffers are shared and bounded (``BouncePool``). A row goes on past a syscall only while
+its transfer does (``Halt``), and a failed one is a typed error naming the caller's descriptor (``row_error``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,39 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import aligned_empty
-from ...errors import TransferIOError
+from ...errors import DatamoverError, TransferAborted, TransferIOError
 from ..base import Completion
+
+
+class Halted(Exception):
+    """A row stopped before its next syscall (``Halt``): ``moved`` bytes of the call under way had gone."""
+
+    def __init__(self, moved: int = 0) -> None:
+        super().__init__(moved)
+        self.moved = moved
+
+
+class Halt:
+    """Whether a transfer's rows stop, asked before each syscall but a row's first (a short one resumed, a bounce
+    piece or block) and before the caller's memory takes what one brought back: a syscall stuck on a hung device
+    outlives its transfer, and what it does on its return must not reach the caller.
+
+    A pool part stops once its completion is cancelled: a timeout or a release (whose fence may have given up on the
+    part while its syscall was stuck), or another part's failure."""
+
+    __slots__ = ("completion",)
+
+    def __init__(self, completion: Completion) -> None:
+        self.completion = completion
+
+    def __call__(self) -> bool:
+        return self.completion.cancelled
+
+    def error(self, index: int, write: bool, path: str, backend: str) -> DatamoverError:
+        """The typed error of a row stopped at the caller's descriptor ``index``."""
+        what = f"{'WRITE to' if write else 'READ from'} {path!r} stopped at descriptor {index}"
+        why = "the transfer was cancelled (timed out, released, or another part failed) during a syscall of it"
+        return TransferAborted(f"{what}: {why}; the rest was not moved", index=index, backend=backend)
 
 
 @dataclass
@@ -76,8 +108,11 @@ class FileHandle:
             os.close(self.tail_fd)
 
 
-def vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None:
-    """One preadv/pwritev, resumed until every byte moved (short I/O is retried)."""
+def vectored(
+    fd: int, views: list[memoryview], offset: int, write: bool, halt: Callable[[], bool] | None = None
+) -> None:
+    """One preadv/pwritev, resumed until every byte moved (short I/O is retried) while ``halt()`` is False: else
+    ``Halted``, and no later call touches ``views``."""
     n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
     if n == sum(v.nbytes for v in views):
         return
@@ -96,6 +131,8 @@ def vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None
             return
         if n:
             views[0] = views[0][n:]
+        if halt is not None and halt():
+            raise Halted(moved)
         try:
             n = os.pwritev(fd, views, offset) if write else os.preadv(fd, views, offset)
         except OSError as exc:
@@ -103,11 +140,14 @@ def vectored(fd: int, views: list[memoryview], offset: int, write: bool) -> None
             raise
 
 
-def read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
-    """Read as much of ``span`` as the file holds; returns the byte count (short only at EOF)."""
+def read_upto(h: FileHandle, span: np.ndarray, offset: int, halt: Callable[[], bool] | None = None) -> int:
+    """Read as much of ``span`` as the file holds; returns the byte count (short only at EOF). A short read is
+    resumed while ``halt()`` is False: else ``Halted``."""
     got = 0
     mv = memoryview(span).cast("B")
     while got < span.shape[0]:
+        if got and halt is not None and halt():
+            raise Halted(got)
         try:
             n = os.preadv(h.fd, [mv[got:]], offset + got)
         except OSError as exc:
@@ -119,8 +159,8 @@ def read_upto(h: FileHandle, span: np.ndarray, offset: int) -> int:
     return got
 
 
-def read_block(h: FileHandle, block: np.ndarray, offset: int) -> None:
-    got = read_upto(h, block, offset)
+def read_block(h: FileHandle, block: np.ndarray, offset: int, halt: Callable[[], bool] | None = None) -> None:
+    got = read_upto(h, block, offset, halt)
     if got < block.shape[0]:
         block[got:] = 0
 
@@ -171,23 +211,20 @@ def bounce_row(
     offset: int,
     view: memoryview,
     write: bool,
-    completion: Completion,
+    halt: Halt,
     bounce: np.ndarray,
     alignment: int,
-    error: Callable[..., TransferIOError],
     backend: str,
 ) -> None:
-    """Move an unaligned row through the aligned ``bounce`` buffer, a bounce-sized piece at a time (none once the
-    transfer is cancelled): partial blocks read, modified and written back under the file's ``rmw_lock``. An
-    OSError becomes ``error(req, row, h, exc, write, moved=...)`` naming the caller's byte where it stopped."""
+    """Move an unaligned row through the aligned ``bounce`` buffer, a bounce-sized piece at a time, each syscall and
+    each copy to or from the caller's memory only while ``halt()`` is False: partial blocks read, modified and
+    written back under the file's ``rmw_lock``. A failure is a typed error naming the caller's byte where it stopped."""
     user = np.frombuffer(view, dtype=np.uint8)
     A = alignment
     step = bounce.shape[0] - 2 * A
     done = 0
     total = user.shape[0]
     while done < total:
-        if completion.cancelled:
-            return
         piece = min(step, total - done)
         off = offset + done
         lo = off - off % A
@@ -195,6 +232,7 @@ def bounce_row(
         span = bounce[: hi - lo]
         at = lo  # the file offset the call under way starts at: a failure names the descriptor of its byte
         try:
+            _go_on(halt)
             if write:
                 with h.rmw_lock:
                     if (off + piece) % A and hi > os.fstat(h.fd).st_size:
@@ -202,18 +240,21 @@ def bounce_row(
                         # grow it past the caller's bytes, and cutting it back could cut off a write that grew
                         # it meanwhile; a buffered write grows it to the end of the caller's bytes at most
                         at = off
-                        vectored(tail_fd(h), [memoryview(user[done : done + piece])], off, True)
+                        vectored(tail_fd(h), [memoryview(user[done : done + piece])], off, True, halt)
                     else:
                         if off != lo:
-                            read_block(h, span[:A], lo)
+                            read_block(h, span[:A], lo, halt)
                         if (off + piece) % A and (hi - A != lo or off == lo):
                             at = hi - A
-                            read_block(h, span[-A:], at)
-                        span[off - lo : off - lo + piece] = user[done : done + piece]
+                            _go_on(halt)
+                            read_block(h, span[-A:], at, halt)
                         at = lo
-                        vectored(h.fd, [span], lo, True)
+                        _go_on(halt)
+                        span[off - lo : off - lo + piece] = user[done : done + piece]
+                        vectored(h.fd, [span], lo, True, halt)
             else:
-                got = read_upto(h, span, lo)
+                got = read_upto(h, span, lo, halt)
+                _go_on(halt)
                 if got < off - lo + piece:
                     raise TransferIOError(
                         f"read past the end of {h.path!r}: wanted [{off}, {off + piece}), file ends at {lo + got}",
@@ -221,9 +262,47 @@ def bounce_row(
                         backend=backend,
                     )  # fmt: skip
                 user[done : done + piece] = span[off - lo : off - lo + piece]
-        except OSError as exc:
+        except (OSError, Halted) as exc:
             if isinstance(exc, TransferIOError):
                 raise
             failed = at + getattr(exc, "moved", 0) - offset  # the caller's byte where the call stopped
-            raise error(req, row, h, exc, write, moved=min(max(failed, done), done + piece - 1)) from exc
+            moved = min(max(failed, done), done + piece - 1)
+            if isinstance(exc, Halted):
+                raise halt.error(req.caller_index(row, moved), write, h.path, backend) from None
+            raise row_error(req, row, h, exc, write, backend, moved) from exc
         done += piece
+
+
+def _go_on(halt: Halt) -> None:
+    if halt():
+        raise Halted()
+
+
+def row_error(
+    req: Any,
+    row: int,
+    h: FileHandle,
+    exc: OSError,
+    write: bool,
+    backend: str,
+    moved: int = 0,
+    views: list | None = None,
+) -> TransferIOError:
+    """A failed preadv/pwritev as a typed error: ``moved`` bytes of ``views`` (rows from ``row`` on, one call) went
+    before ``exc``, which names the caller's descriptor (without ``views``, byte ``moved`` of row ``row``)."""
+    what = "pwritev" if write else "preadv"
+    return TransferIOError(
+        f"{what} on {h.path!r} failed: {exc.strerror or exc}",
+        errno=exc.errno,
+        index=req.caller_index(row, moved) if views is None else index_at(req, row, views, moved),
+        backend=backend,
+    )
+
+
+def index_at(req: Any, first: int, views: list, moved: int) -> int:
+    """The caller's descriptor of byte ``moved`` of one vectored call over rows ``first``, ``first + 1``, ..."""
+    for k, v in enumerate(views):
+        if moved < v.nbytes or k == len(views) - 1:
+            return req.caller_index(first + k, moved)
+        moved -= v.nbytes
+    return req.caller_index(first)
