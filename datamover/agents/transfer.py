@@ -8,6 +8,7 @@ import time
 from enum import Enum
 from typing import Protocol
 
+from ..backends import fence
 from ..backends.base import Backend, BackendHost, Completion, Op, TransferRequest, clock
 from ..errors import TransferAborted, TransferStateError, TransferTimeout
 from ..telemetry.transfer import TransferTelemetry
@@ -78,6 +79,7 @@ class Transfer:
         "_post_duration",
         "_posted_at",
         "_posted_wall",
+        "_posting",
         "_released",
         "_replan",
         "_tracker",
@@ -99,6 +101,7 @@ class Transfer:
     ) -> None:
         self._host = host
         self._lock = threading.Lock()  # held by post and release: one of them at a time
+        self._posting: float | None = None  # while a post is inside its backend's post(): that post's deadline
         self._tracker = tracker
         self._checked = -1  # the tracker's generation at which this transfer's regions were last found live
         self._peers = peers if request.remote_agent is not None else None
@@ -160,8 +163,11 @@ class Transfer:
             self._replan = False
             req.plan = self.backend.plan(req)
         self._posted_at = t0 = _now()
-        req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait against it
-        self._completion = c = self.backend.post(req)
+        self._posting = req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait against it
+        try:
+            self._completion = c = self.backend.post(req)
+        finally:
+            self._posting = None
         if req.notify and req.remote_agent is None:
             c.add_done_callback(self._notify_self)
         self._post_duration = _now() - t0
@@ -185,7 +191,7 @@ class Transfer:
         return forked
 
     def _notify_self(self, completion: Completion) -> None:
-        if completion.error is None:
+        if completion.error is None and self._error is None:
             self._host.deliver_notification(self._host.name, self.request.notify)
 
     @property
@@ -203,8 +209,8 @@ class Transfer:
         if self._released:
             return XferState.RELEASED
         c = self._completion
-        if c is None:
-            return XferState.INIT
+        if c is None:  # never posted, or a post still inside its backend, ERR once given up on (``_give_up``)
+            return XferState.INIT if self._error is None else XferState.ERR
         if c.finished_at is None:
             if self._error is not None:
                 return XferState.ERR
@@ -256,6 +262,8 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> XferState:
         """Block until DONE (returned), ERR (its error raised), or ``timeout`` s (PROC returned)."""
         c = self._completion
+        if c is None and self._error is not None and not self._released:
+            raise self._error  # its post, still inside its backend, was given up on
         if c is None or self._released:
             raise TransferStateError(
                 "transfer was never posted" if c is None else "transfer was released", backend=self.backend.name
@@ -280,20 +288,55 @@ class Transfer:
         what the backend settles as it stops (an S3 upload committed or aborted) is settled when this returns.
         Returns the error that ended the last post (``TransferAborted`` when this call cut it short; None when
         it was DONE or never posted), as ``error`` goes on returning it: its ``outcomes`` (``self.outcomes``)
-        say which objects a cut-short WRITE committed and which it aborted.
+        say which objects a cut-short WRITE committed and which it aborted. A post still inside its backend's
+        ``post`` (inline work) is waited for as long, then given up on (``_take_lock``).
         """
-        with self._lock:
+        if not self._take_lock():
+            self._released = True
+            return self.error
+        try:
             if not self._released:
                 self._stop(None)
                 self._released = True
+        finally:
+            self._lock.release()
         return self.error
 
     def abort(self, reason: str = "transfer aborted") -> None:
         """Cut an in-flight post short (ERR with ``TransferAborted(reason)``), waiting as ``release`` does, but
         keep the transfer: it may be posted again. Nothing happens to a transfer not in flight."""
-        with self._lock:
+        if not self._take_lock():
+            return
+        try:
             if not self._released:
                 self._stop(TransferAborted(reason, backend=self.backend.name))
+        finally:
+            self._lock.release()
+
+    def _take_lock(self) -> bool:
+        """Take the lock ``post`` holds: True once taken; False when a post is still inside its backend's ``post``
+        ``FENCE_S`` past its deadline (inline work stuck in a call on a hung device), which is then given up on
+        (``_give_up``) rather than waited for without bound."""
+        lock, req = self._lock, self.request
+        while True:
+            deadline = self._posting  # None: a release, abort or settle holds it, or a post not yet in its backend
+            wait = req.timeout + fence.FENCE_S if deadline is None else deadline + fence.FENCE_S - _now()
+            if lock.acquire(timeout=max(0.0, wait)):
+                return True
+            if deadline is not None and self._posting == deadline:
+                self._give_up()
+                return False
+
+    def _give_up(self) -> None:
+        """ERR without the post still inside its backend, whose call under way (a syscall on a hung device) may
+        still move bytes; posix's inline work starts nothing past the deadline (``rows.Halt``)."""
+        if self._error is None:
+            self._error = TransferTimeout(
+                f"{self.op} of {self.descriptors} descriptor(s): its post was still inside the {self.backend.name}"
+                f" backend {fence.FENCE_S:g} s past its {self.request.timeout:g} s deadline (a call on a hung"
+                " device?) and was given up on; the call under way may still move bytes",
+                backend=self.backend.name,
+            )
 
     def _stop(self, error: BaseException | None) -> None:
         """Cancel the post in flight, if any, and wait for its backend's workers to stop (to the deadline and
@@ -309,14 +352,19 @@ class Transfer:
 
     def settle(self) -> None:
         """Wait for a post in flight (or being posted) to end: DONE or ERR, timed out at its deadline (its
-        backend told to stop and, where it fences, waited for), so its memory is no longer touched."""
-        with self._lock:
+        backend told to stop and, where it fences, waited for), so its memory is no longer touched; a post still
+        inside its backend's ``post`` ``FENCE_S`` past its deadline is given up on (``_take_lock``)."""
+        if not self._take_lock():
+            return
+        try:
             c = self._completion
             if self._released or c is None or c.finished_at is not None:
                 return
             c.wait(max(0.0, self.request.deadline - _now()))
             if c.finished_at is None and self._error is None:
                 self._time_out(c)
+        finally:
+            self._lock.release()
 
     @property
     def in_flight(self) -> bool:

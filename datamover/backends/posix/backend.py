@@ -18,6 +18,7 @@ from __future__ import annotations
 import _thread
 import errno as errno_mod
 import logging
+import math
 import os
 import queue
 import threading
@@ -410,8 +411,8 @@ class PosixBackend(Backend):
             self._aio_free.put(ctx)
             raise
         if p.inline:
-            try:
-                run.finish(limit_s=req.deadline + fence.FENCE_S - clock())  # a hung device holds post() no longer
+            try:  # nothing submitted past the deadline; a hung device holds post() no longer than FENCE_S past it
+                run.finish(lambda: clock() > req.deadline, limit_s=req.deadline + fence.FENCE_S - clock())
             except BaseException as exc:
                 return run_inline(_ONE_RANGE, _reraise, exc, backend=self.name)
             finally:
@@ -483,11 +484,13 @@ class PosixBackend(Backend):
     def _run_groups(self, req, p, write: bool, first: int, last: int, completion: Completion) -> None:
         touched = set()
         fence = completion if type(completion) is ReadFence else None
-        halt = rows.Halt(completion)
+        # inline (no fence) nothing can cancel the run: its deadline stops it, as Transfer gives up on it past that
+        halt = rows.Halt(completion, math.inf if fence is not None else req.deadline)
         for g in range(first, last):
             if fence is None:
-                if completion.cancelled:
-                    return
+                if halt():
+                    s = p.groups[g][0]
+                    raise halt.error(req.caller_index(s), write, p.handles[p.fds[s]].path, self.name)
                 touched.add(self._run_group(req, p, g, write, halt))
                 continue
             if not fence.enter():

@@ -6,6 +6,7 @@ its transfer does (``Halt``), and a failed one is a typed error naming the calle
 from __future__ import annotations
 
 import errno as errno_mod
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -15,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from ...descriptors import aligned_empty
-from ...errors import DatamoverError, TransferAborted, TransferIOError
-from ..base import Completion
+from ...errors import DatamoverError, TransferAborted, TransferIOError, TransferTimeout
+from ..base import Completion, clock
 
 
 class Halted(Exception):
@@ -33,21 +34,26 @@ class Halt:
     outlives its transfer, and what it does on its return must not reach the caller.
 
     A pool part stops once its completion is cancelled: a timeout or a release (whose fence may have given up on the
-    part while its syscall was stuck), or another part's failure."""
+    part while its syscall was stuck), or another part's failure. Work run inside ``post``, which nothing can cancel
+    (its transfer's lock is held; ``Transfer`` gives up on it ``FENCE_S`` past its deadline), stops once its
+    ``deadline`` passed, asked before each of its groups too."""
 
-    __slots__ = ("completion",)
+    __slots__ = ("completion", "deadline")
 
-    def __init__(self, completion: Completion) -> None:
-        self.completion = completion
+    def __init__(self, completion: Completion, deadline: float = math.inf) -> None:
+        self.completion, self.deadline = completion, deadline
 
     def __call__(self) -> bool:
-        return self.completion.cancelled
+        return self.completion.cancelled or clock() > self.deadline
 
     def error(self, index: int, write: bool, path: str, backend: str) -> DatamoverError:
         """The typed error of a row stopped at the caller's descriptor ``index``."""
         what = f"{'WRITE to' if write else 'READ from'} {path!r} stopped at descriptor {index}"
-        why = "the transfer was cancelled (timed out, released, or another part failed) during a syscall of it"
-        return TransferAborted(f"{what}: {why}; the rest was not moved", index=index, backend=backend)
+        if self.completion.cancelled:
+            why = "the transfer was cancelled (timed out, released, or another part failed) during a syscall of it"
+            return TransferAborted(f"{what}: {why}; nothing more of it was moved", index=index, backend=backend)
+        why = "past its deadline inside post(), where nothing else stops it"
+        return TransferTimeout(f"{what}: {why}; nothing more of it was moved", index=index, backend=backend)
 
 
 @dataclass

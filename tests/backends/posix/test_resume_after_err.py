@@ -6,7 +6,8 @@ after that: no syscall resumes the rest, and a bounce-buffered row copies nothin
 The fault is the file's preadv or pwritev (``os`` as ``rows`` calls it), at a known call: it moves the first half of
 what it was asked for (through a buffered fd of its own, as the kernel did before the device hung), then waits until
 the test lets it go, and returns that count (or, ``whole``, moves and returns everything). Each case runs on the
-pool's synchronous path, where the fence may give up on a part.
+pool's synchronous path, where the fence may give up on a part; inline work, which nothing cancels, is
+``test_stuck_inline_post``'s.
 """
 
 from __future__ import annotations
