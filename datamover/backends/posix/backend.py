@@ -500,6 +500,9 @@ class PosixBackend(Backend):
             finally:
                 fence.leave()
         if write and self.params["fsync"]:
+            if halt():  # a post given up on may find its files closed since, their fd numbers another file's
+                s = p.groups[first][0]
+                raise halt.error(req.caller_index(s), write, p.handles[p.fds[s]].path, self.name)
             for fd in touched:
                 try:
                     os.fdatasync(fd)

@@ -129,6 +129,42 @@ def test_a_stuck_inline_pwritev_blocks_no_caller_and_writes_nothing_after_err(tm
         agent.close()
 
 
+def test_a_stuck_inline_write_is_not_synced_after_err(tmp_path, monkeypatch):
+    """An inline WRITE with ``fsync``: its one pwritev is stuck while the file is deregistered (its settle gives the
+    post up, then the file is closed: its fd number is free for any open). Once the pwritev comes back, the post
+    must not fdatasync that number. Before, it did (the loop of groups was done; only the sync was left)."""
+    monkeypatch.setattr(fence, "FENCE_S", GRACE_S)
+    with Agent("p", {"backends": {"posix": {"aio": False, "fsync": True}}}) as agent:
+        agent.backend("posix")
+        src = aligned_empty(N * B)
+        src[:] = 0x5A
+        agent.register_memory(src)
+        path = tmp_path / "f.bin"
+        path.write_bytes(bytes(N * B))
+        reg = agent.register_file(path, size=N * B, direct=False)
+        local = agent.prepare(DescList.blocks(src, B))
+        remote = agent.prepare(DescList.file(reg, np.arange(N) * B, B))
+        xfer = agent.make_transfer("WRITE", local, np.arange(N), remote, np.arange(N), timeout=TIMEOUT_S)
+        plan = xfer.request.plan
+        assert plan.inline and len(plan.groups) == 1
+        stuck = _StuckPwritev(os.pwritev, path, None)
+        monkeypatch.setattr(rows.os, "pwritev", stuck)
+        synced: list[int] = []
+        real_sync = os.fdatasync
+        monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_sync(fd))[1])
+        poster = threading.Thread(target=xfer.post, name="inline post")
+        poster.start()
+        try:
+            assert stuck.reached.wait(BOUND_S), "the post never reached pwritev"
+            bounded(lambda: agent.deregister_memory(reg), "deregistering the file", CALL_BOUND_S)
+            assert isinstance(xfer.error, TransferTimeout), xfer.error
+        finally:
+            stuck.go.set()
+            poster.join(BOUND_S)
+        assert not poster.is_alive(), "the stuck post never returned once its syscall did"
+        assert synced == [], f"fdatasync of fd {synced} after the post was given up on and its file closed"
+
+
 class _WatchedLock:
     """A transfer's lock that says when a caller waits on it (a known point: ``release`` waiting for the post)."""
 
