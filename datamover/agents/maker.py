@@ -200,13 +200,15 @@ class TransferMaker:
             # the same lists again (the same object, or for small lists the same rows), against the same
             # regions and peer metadata: the last transfer's validation, coalescing, backend and plan hold
             key, by_rows = _oneshot_key(local, remote, op, remote_agent, backends, notify, timeout)
-            with self._oneshot_lock:
+            x = None
+            with self._oneshot_lock:  # never held across a post: another thread's transfer() would wait on it
                 hit = self._oneshot.get(key)
                 if hit is not None and hit.table is table and hit.meta is meta and hit.holds(local, remote):
                     x = hit.last.fork()
                     if x is not None:
                         hit.last = x
-                        return x.post()
+            if x is not None:
+                return x.post()
         ldescs, rdescs = _as_desclist(local), _as_desclist(remote)
         lrid = table.lookup_one(ldescs)
         if remote_agent is None:

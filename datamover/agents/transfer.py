@@ -15,6 +15,9 @@ from ..telemetry.transfer import TransferTelemetry
 
 _now = clock
 log = logging.getLogger(__name__)
+#: held for a few bytecodes by ``Transfer.fork`` and by a post taking its plan, so a plan is never handed to two
+#: posts at once (one lock for every transfer: it is never held across a call)
+_HANDOFF = threading.Lock()
 
 #: a poll of ``state`` runs work no backend thread has started this long after ``post``: long enough that a
 #: state check right after posting (NIXL's ``transfer()`` returns one) never blocks, short enough that a
@@ -70,6 +73,7 @@ class Transfer:
     __slots__ = (
         "__weakref__",
         "_checked",
+        "_claimed",
         "_completion",
         "_error",
         "_host",
@@ -117,6 +121,7 @@ class Transfer:
         self._posted_wall = 0.0
         self._post_duration = 0.0
         self._replan = False
+        self._claimed = False  # a post reads or makes the plan, until its completion is set (see ``fork``)
         if tracker is not None:
             tracker.track(self)
 
@@ -159,31 +164,38 @@ class Transfer:
         self._error = None
         self._posted_wall = time.time()
         req = self.request
-        if self._replan:  # a later transfer took over this one's plan (``fork``): make one of its own first
-            self._replan = False
-            req.plan = self.backend.plan(req)
-        self._posted_at = t0 = _now()
-        self._posting = req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait against it
+        with _HANDOFF:
+            self._claimed = True  # from here until its completion is set, ``fork`` leaves this plan alone
+            replan, self._replan = self._replan, False
         try:
-            self._completion = c = self.backend.post(req)
+            if replan:  # a later transfer took over this one's plan (``fork``): make one of its own first
+                req.plan = self.backend.plan(req)
+            self._posted_at = t0 = _now()
+            self._posting = req.deadline = t0 + req.timeout  # the one deadline of this post: backends wait on it
+            try:
+                self._completion = c = self.backend.post(req)
+            finally:
+                self._posting = None
         finally:
-            self._posting = None
+            self._claimed = False
         if req.notify and req.remote_agent is None:
             c.add_done_callback(self._notify_self)
         self._post_duration = _now() - t0
         return self
 
     def fork(self) -> Transfer | None:
-        """A new, unposted transfer of the same request and plan, or None while this one is in flight or released.
+        """A new, unposted transfer of the same request and plan, or None while this one is in flight (or inside its
+        post), released, or its plan already passed on.
 
         What makes a repeated ``Agent.transfer`` cheap: the plan passes to the
         new transfer, and this one, if ever posted again, plans anew first, so
         no two posts in flight share a plan.
         """
-        c = self._completion
-        if self._released or (c is not None and c.finished_at is None):
-            return None
-        self._replan = True
+        with _HANDOFF:  # a post of this one either saw ``_replan`` set below or is claimed: never both on one plan
+            c = self._completion
+            if self._released or self._claimed or self._replan or (c is not None and c.finished_at is None):
+                return None
+            self._replan = True
         forked = Transfer(
             self._host, self.backend, self.request.copy(), self.descriptors, self._tracker, self.nbytes, self._peers
         )

@@ -1,5 +1,7 @@
 """Agent.transfer, the one-shot form: what it remembers between calls with the same lists, and when it must not."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -147,3 +149,50 @@ def test_rows_that_merge_move_the_caller_blocks(op):
             if k == 0:
                 assert x.request.caller_local is s and len(x.request.local) < N  # rows merged ...
                 assert x.request.plan.mode == "gather" and x.request.plan.block == B  # ... and gathered as blocks
+
+
+class Slow(Held):
+    """Posts whose plan is kept in ``plans``; the second blocks inside ``post`` (as a backend running its work
+    inline does) until ``go`` is set."""
+
+    name = "slow"
+    inside = threading.Event()
+    go = threading.Event()
+    plans: list[object] = []
+
+    def post(self, req):
+        Slow.plans.append(req.plan)
+        if len(Slow.plans) == 2:
+            Slow.inside.set()
+            Slow.go.wait(30)
+        return super().post(req)
+
+
+def test_a_transfer_still_inside_its_backends_post_keeps_its_plan():
+    """The same lists again from another thread while the last post has not returned from the backend: the call
+    does not wait for it, and the new transfer plans anew (before, transfer() waited for every post under way, and
+    without that wait the fork took the plan the post was running on: two posts in flight on one plan)."""
+    register_backend("slow", Slow)
+    with Agent("s", {"backends": {"slow": {}}}) as agent:
+        a, b = np.zeros(4 * B, np.uint8), np.zeros(4 * B, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        s, d = DescList.blocks(a, B), DescList.blocks(b, B)
+        mine = len(Held.posted)
+        x0 = agent.transfer("WRITE", s, d)
+        Held.posted[-1].finish_part()
+        assert x0.wait() == XferState.DONE
+        second: list = []
+        t = threading.Thread(target=lambda: second.append(agent.transfer("WRITE", s, d)))
+        t.start()
+        try:
+            assert Slow.inside.wait(30)  # the second post (x0's plan passed on) is inside the backend's post
+            x2 = agent.transfer("WRITE", s, d)
+            assert t.is_alive()  # it did not wait for the post under way (that held every transfer() until it ended)
+        finally:
+            Slow.go.set()
+            t.join(30)
+        assert len(Slow.plans) == 3 and Slow.plans[1] is Slow.plans[0] and Slow.plans[2] is not Slow.plans[1]
+        for c in Held.posted[mine + 1 :]:
+            c.finish_part()
+        assert second[0].wait() == x2.wait() == XferState.DONE
