@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from datamover.backends.posix import aio
 from datamover.backends.posix import backend as posix_backend
 from datamover.backends.posix.aio import AioContext, IocbBatch, aio_available
 from datamover.errors import TransferTimeout
-from datamover.testing.waiting import BOUND_S, HeldOnce, until
+from datamover.testing.waiting import BOUND_S, HeldOnce, bounded, until
 
 pytestmark = pytest.mark.skipif(not aio_available()[0], reason="native AIO unavailable here")
 B, N = 4096, 8
@@ -75,23 +74,6 @@ class _HungDevice:
         return self.real.syscall(nr, *args)
 
 
-def _bounded(call: Callable[[], Any], what: str) -> Any:
-    """``call()`` on a thread; its result (or the exception it raised), failing the test if it takes past the bound."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["ret"] = call()
-        except BaseException as exc:
-            out["ret"] = exc
-
-    t = threading.Thread(target=run, name=f"bounded {what}", daemon=True)
-    t.start()
-    t.join(CALL_BOUND_S)
-    assert not t.is_alive(), f"{what} still blocked {CALL_BOUND_S:g} s in, on a hung device"
-    return out["ret"]
-
-
 @pytest.fixture
 def quick(monkeypatch):
     """Short bounds: the fence's (a cancel's wait and reap) and the backend's close."""
@@ -125,7 +107,7 @@ def test_a_run_that_gives_up_retires_its_context_and_keeps_its_buffers(tmp_path,
         run.finish(limit_s=0.05)
         assert run.inflight == 4 and not run.ok
         assert not ctx.alive, "a context with I/Os still to come may be handed out again"
-        _bounded(lambda: ctx.close(timeout=0.1), "AioContext.close")
+        bounded(lambda: ctx.close(timeout=0.1), "AioContext.close", CALL_BOUND_S)
         del batch, run
         gc.collect()
         assert kept() is not None, "the buffer the kernel may still read into was freed"
@@ -162,7 +144,7 @@ def test_agent_close_after_a_cancel_gave_up_reaping_is_bounded(tmp_path, monkeyp
         assert isinstance(xfer.error, TransferTimeout)
         held.go.set()
         assert hog.wait() == XferState.DONE
-        _bounded(agent.close, "Agent.close")
+        bounded(agent.close, "Agent.close", CALL_BOUND_S)
         assert libc.destroying <= 1 and libc.destroyed == 0, "the hung context was destroyed while the device hung"
     finally:
         held.go.set()
@@ -187,7 +169,7 @@ def test_agent_close_while_a_reaper_waits_on_a_hung_device_is_bounded(tmp_path, 
         with pytest.raises(TransferTimeout):
             xfer.wait()
         (ctx,) = backend._aio_all
-        _bounded(agent.close, "Agent.close")
+        bounded(agent.close, "Agent.close", CALL_BOUND_S)
         assert not ctx.alive and backend._aio_free.empty(), "the hung context may be handed out again"
     finally:
         libc.back.set()
@@ -207,7 +189,9 @@ def test_an_inline_batch_on_a_hung_device_returns_err_past_its_deadline(tmp_path
         reg = _file(tmp_path, agent)
         slots = DescList.file(reg, np.arange(N) * 2 * B, B)
         monkeypatch.setattr(aio, "_libc", libc)
-        xfer = _bounded(lambda: agent.transfer("READ", DescList.blocks(mem, B), slots, timeout=0.3), "an inline post")
+        xfer = bounded(
+            lambda: agent.transfer("READ", DescList.blocks(mem, B), slots, timeout=0.3), "an inline post", CALL_BOUND_S
+        )
         assert xfer.request.plan.aio is not None and xfer.request.plan.inline
         assert xfer.state == XferState.ERR
         assert isinstance(xfer.error, TransferTimeout) and "may still" in str(xfer.error), xfer.error
@@ -248,12 +232,12 @@ def test_a_failed_reap_on_a_hung_device_blocks_no_caller(tmp_path, monkeypatch, 
         assert xfer.request.plan.aio is not None and not xfer.request.plan.inline
         with caplog.at_level(logging.WARNING, logger="datamover"):
             if end == "wait":
-                got = _bounded(xfer.wait, "Transfer.wait")
-                assert isinstance(got, TransferTimeout), got
+                with pytest.raises(TransferTimeout):
+                    bounded(xfer.wait, "Transfer.wait", CALL_BOUND_S)
             elif end == "release":
-                _bounded(xfer.release, "Transfer.release")
+                bounded(xfer.release, "Transfer.release", CALL_BOUND_S)
             else:
-                _bounded(lambda: agent.deregister_memory(direct), "deregistering the file")
+                bounded(lambda: agent.deregister_memory(direct), "deregistering the file", CALL_BOUND_S)
                 assert isinstance(xfer.error, TransferTimeout)
         assert libc.fail is None, "the failing io_getevents was never reached"
         assert any("may still" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
@@ -298,7 +282,7 @@ def test_a_file_deregistered_under_a_stuck_syscall_stays_open_until_it_returns(t
         monkeypatch.setattr(os, "pwritev", pwritev)
         xfer = agent.transfer("WRITE", DescList.blocks(src, B), DescList.file(reg, np.arange(N) * B, B), timeout=0.3)
         assert held.reached.wait(BOUND_S), "the WRITE never reached pwritev"
-        _bounded(lambda: agent.deregister_memory(reg), "deregistering the file")
+        bounded(lambda: agent.deregister_memory(reg), "deregistering the file", CALL_BOUND_S)
         assert isinstance(xfer.error, TransferTimeout)
         try:
             still_open = os.fstat(fd).st_ino == os.stat(path).st_ino
