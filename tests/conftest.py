@@ -37,6 +37,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for s in _STOP_SIGNALS:
         if signal.getsignal(s) == signal.SIG_DFL:
             signal.signal(s, stop)
+    if os.environ.get("PYTEST_XDIST_WORKER") and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # an xdist worker is interrupted by its controller through a simulated SIGINT (interrupt_main), which does
+        # nothing while SIGINT is ignored, as it is in a suite a non-interactive shell started in the background:
+        # the worker was then killed without its teardown
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="module")

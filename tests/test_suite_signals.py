@@ -34,6 +34,10 @@ def test_held(service):
 """
 
 
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("workers", [None, "1"], ids=["serial", "xdist"])
 def test_sigterm_tears_fixtures_down(tmp_path: Path, workers: str | None) -> None:
     out = tmp_path / "out"
@@ -44,8 +48,10 @@ def test_sigterm_tears_fixtures_down(tmp_path: Path, workers: str | None) -> Non
     argv += ["-n", workers] if workers else ["-p", "no:xdist"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "XDIST_"))}  # not this run's worker
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    # started with SIGINT ignored, as a suite a non-interactive shell ran in the background is (CI may): xdist's
+    # controller interrupts its workers through SIGINT, so tests/conftest.py must handle it there
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_ignore_sigint)  # fmt: skip
     try:
         end = time.monotonic() + 60
         while not (out / "started").exists():
