@@ -1,6 +1,6 @@
 """Waiting in tests for a condition another thread or process makes true, or for a call that may block, with a bound
-and a message; and holding one call of a transfer at a known point while the transfer is cut short (``HeldOnce``,
-``cut_short``)."""
+and a message; holding one call of a transfer at a known point while the transfer is cut short (``HeldOnce``,
+``cut_short``); and parking every part of one at a known point until the test lets them go (``Parked``)."""
 
 from __future__ import annotations
 
@@ -122,3 +122,44 @@ def cut_short(
     if len(before) != len(after):
         raise AssertionError(f"the snapshot changed size ({len(before)} -> {len(after)} bytes)")
     return int(np.count_nonzero(np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)))
+
+
+class Parked:
+    """Every call through a function it ``wrap``s waits, before the real call, until ``let_go``: the parts of one
+    transfer held at a known point while the test cuts it short (times it out, releases it) and looks at memory.
+
+    Only while armed (from construction until ``let_go``; every call after passes straight through), and never on the
+    thread that made it: the test's own thread posts, waits and releases, and what a backend runs there (inside
+    ``post``, a cancel's drain) must not wait for the test. ``reached`` is set once a call waits; ``parked`` counts
+    the calls waiting now. A call never let go within ``timeout`` (twice the test's own bound on its waits, so that a
+    test failing meanwhile lets it go first) fails with AssertionError.
+    """
+
+    def __init__(self, what: str = "the parked parts", timeout: float = 2 * BOUND_S) -> None:
+        self.what, self.timeout = what, timeout
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.parked = 0
+        self._lock = threading.Lock()
+        self._test = threading.get_ident()
+
+    def wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        """``real`` behind the park; a plain function, so it binds as a method when set on a class."""
+
+        def parked(*args: Any, **kwargs: Any) -> Any:
+            if not self.go.is_set() and threading.get_ident() != self._test:
+                with self._lock:
+                    self.parked += 1
+                self.reached.set()
+                try:
+                    if not self.go.wait(self.timeout):
+                        raise AssertionError(f"the test never let {self.what} go")
+                finally:
+                    with self._lock:
+                        self.parked -= 1
+            return real(*args, **kwargs)
+
+        return parked
+
+    def let_go(self) -> None:
+        """Let every parked call go on, and every later one pass."""
+        self.go.set()
