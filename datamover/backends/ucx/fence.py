@@ -57,7 +57,10 @@ class Fencing:
         the old one is never progressed again: the bytes of a thawed or late peer
         arrive at an endpoint nobody reads, and nothing queued is sent. The owner
         of an owner-served request is told to drop it too, once the drain is over;
-        a WRITE's remote range is undefined afterwards, as after any failed WRITE.
+        a WRITE's remote range is undefined afterwards, as after any failed WRITE,
+        but no byte of it lands there later: an owner-served WRITE's drain ends
+        only once the owner answered too (its receives ended: sends that ended
+        here may still be on their way to it).
         """
         why = completion.error or TransferAborted("transfer released while in flight", backend=self.name)
         deadline = time.monotonic() + float(self.params["cancel_drain_s"])
@@ -78,7 +81,7 @@ class Fencing:
                     self._submit(lambda op=op: self.tagged._end(op, why))
                     return None
                 settle = partial(self._settle_served, op, why)
-                drain = CancelDrain(peer.name, self._worker, partial(_posted, op), settle, deadline)
+                drain = CancelDrain(peer.name, self._worker, partial(_answered, op), settle, deadline)
                 return self._cut_drains.start(drain)
         return None
 
@@ -188,6 +191,15 @@ def _flushed(direct: Direct) -> str:
         if direct.abandoned:
             return STUCK
         return ENDED if direct.done or direct.flush.poll() != rma.UCS_INPROGRESS else PENDING
+
+
+def _answered(op: OutOp) -> str:
+    """As ``_posted``, and a WRITE's ends only once its owner answered (Done, Refuse or Fail: its receives ended), or
+    the request was ended meanwhile: a send that ended here may have only left, its bytes not landed yet."""
+    seen = _posted(op)
+    if seen != ENDED or op.done_msg or op.abandoned:
+        return seen
+    return PENDING if op.peer.ops.get(op.id) is op else STUCK
 
 
 def _posted(op: OutOp) -> str:

@@ -51,3 +51,41 @@ def test_a_second_cancel_waits_for_the_fence_the_first_is_running():
     t.join(60)
     assert returned_early == [False], "a second cancel returned while the first was still cutting the request off"
     assert runs == [1], "the fence ran more than once"
+
+
+class _Ended:
+    """A UCX request that ended without error."""
+
+    completed = True
+
+    def check_error(self) -> None:
+        pass
+
+
+def test_a_cut_owner_served_write_is_over_only_once_its_owner_answered():
+    """A send that ended here may only have left: its bytes can still land in the owner's memory. The drain of a cut
+    owner-served WRITE stays pending, every send ended, until the owner answers (Done; a Refuse or Fail ends the
+    request), and is stuck once the owner's connection is gone; a READ's is over once its receives ended."""
+    from types import SimpleNamespace
+
+    from datamover.backends.ucx.cancel_drain import ENDED, PENDING, STUCK
+    from datamover.backends.ucx.fence import _answered
+    from datamover.backends.ucx.state import OutOp, Peer, Requests
+
+    peer = Peer("owner", {})
+    write = OutOp(1, peer, SimpleNamespace(op="WRITE"), Fenced(1), 0.0)  # type: ignore[arg-type]
+    write.reqs = Requests([_Ended(), _Ended()])
+    peer.ops[write.id] = write
+    assert _answered(write) == PENDING, "a cut WRITE was over before its owner said its receives ended"
+    write.done_msg = True
+    assert _answered(write) == ENDED
+    write.done_msg = False
+    write.abandoned = True  # ended meanwhile: a Refuse or Fail from the owner
+    assert _answered(write) == ENDED
+    write.abandoned = False
+    del peer.ops[write.id]  # the owner's connection dropped: nobody will answer
+    assert _answered(write) == STUCK
+    read = OutOp(2, peer, SimpleNamespace(op="READ"), Fenced(1), 0.0)  # type: ignore[arg-type]
+    read.reqs = Requests([_Ended()])
+    peer.ops[read.id] = read
+    assert _answered(read) == ENDED
