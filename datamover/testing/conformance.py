@@ -13,19 +13,29 @@ under test. Defaults it may override:
 Class attributes tune sizes for slow media; what needs absent hardware is
 skipped by the subclass's fixtures, with the reason. Object stores subclass
 ``ObjectStoreConformance``, where a remote descriptor is a whole object.
+
+The late-bytes tests check the lifecycle contract itself: once a transfer was released or ended ERR, no byte of it
+touches the caller's memory (a READ's destination), nor reaches a WRITE's destination. They park the transfer's
+parts at a known point before they touch the caller's memory (``park_parts``, which a subclass may move), hold what
+the backend moves on its own inside its fence until that fence waits for it (``hold_in_flight``), cut the transfer
+short, let everything go once the test has written a sentinel or taken a snapshot, bring the backend to rest
+(``quiesce``) and compare.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import ClassVar
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
 
 from ..agents import Agent, XferState
-from ..backends.base import Completion
+from ..backends.base import Backend, Completion
+from ..backends.fence import ReadFence
 from ..descriptors import DescList
 from ..errors import (
     DatamoverError,
@@ -36,11 +46,49 @@ from ..errors import (
     TransferTimeout,
 )
 from .buffers import HostBuffer
+from .waiting import BOUND_S, Parked
+
+#: what a READ's destination is overwritten with once the READ was cut short: a byte landing after it shows
+SENTINEL = 0x5A
 
 
 def random_bytes(nbytes: int, seed: int) -> bytes:
     """Deterministic random bytes (never zeros), so a missed copy cannot pass."""
     return np.random.default_rng(seed).bytes(nbytes)
+
+
+@contextmanager
+def completions_of(backend: Backend) -> Iterator[list[Completion]]:
+    """Every completion ``backend.post`` returns meanwhile (its public ``post`` wrapped on this instance only)."""
+    seen: list[Completion] = []
+    real = backend.post
+
+    def post(req: Any) -> Completion:
+        completion = real(req)
+        seen.append(completion)
+        return completion
+
+    backend.post = post  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del backend.post
+
+
+def _let_go_once_fenced(fences: list[threading.Event], held: Parked, ended: threading.Event) -> None:
+    """Let ``held`` go as soon as one of ``fences`` is set (a cancel waits for what is held), but never once the test
+    saw the transfer end without that (``ended``): then what is held stays held until the test has looked."""
+    while not ended.is_set():
+        if any(f.is_set() for f in fences):
+            held.let_go()
+            return
+        ended.wait(0.001)
+
+
+def changed_bytes(before: bytes, after: bytes) -> int:
+    """How many bytes differ between two snapshots of one range."""
+    assert len(before) == len(after), f"the snapshot changed size ({len(before)} -> {len(after)} bytes)"
+    return int(np.count_nonzero(np.frombuffer(before, np.uint8) != np.frombuffer(after, np.uint8)))
 
 
 class BackendConformance:
@@ -54,6 +102,12 @@ class BackendConformance:
     concurrent_threads: ClassVar[int] = 4
     big: ClassVar[int] = 64 << 20
     params: ClassVar[dict] = {}
+    #: the deadline (seconds) of a transfer the late-bytes tests cut short while its parts are parked. The default
+    #: suits parts parked before they move a byte (``park_parts``): every part gets there before the deadline, which
+    #: then passes with nothing moved, and ``release`` waits for the parked parts until it and as long again. A
+    #: backend that moves its bytes inside ``post`` (copies enqueued, I/Os submitted), whose parts park only as they
+    #: report, sets 100 us: the deadline passes with those bytes in flight
+    cut_timeout: ClassVar[float] = 0.5
 
     # -- fixtures a subclass may override -------------------------------------
     @pytest.fixture
@@ -72,6 +126,38 @@ class BackendConformance:
     @pytest.fixture
     def make_remote(self, agent):
         raise NotImplementedError(f"{type(self).__name__} must define the make_remote fixture")
+
+    def park_parts(self, monkeypatch: pytest.MonkeyPatch, parked: Parked) -> bool:
+        """Park the parts of the transfer posted next (until ``parked.let_go``) where each is about to touch the
+        caller's memory, outside any fence a cancel waits for: True when a part surely gets there.
+
+        A byte a part moves after that point is a byte moved after the test cut the transfer short. The default
+        parks ``ReadFence.enter`` and ``join`` (before every piece a fenced part copies into or out of the caller's
+        memory) and ``Completion.finish_part`` (a part that moved its bytes inside ``post``, or inside a fence it
+        left, reports only once let go: the deadline passes first). A backend whose parts pass none of these, or
+        whose cancel waits for its whole request (a part parked there would hold ERR up), parks elsewhere or
+        returns False: its tests then cut the transfer short while it really runs.
+        """
+        monkeypatch.setattr(ReadFence, "enter", parked.wrap(ReadFence.enter))
+        monkeypatch.setattr(ReadFence, "join", parked.wrap(ReadFence.join))
+        monkeypatch.setattr(Completion, "finish_part", parked.wrap(Completion.finish_part))
+        return True
+
+    def hold_in_flight(self, monkeypatch: pytest.MonkeyPatch, held: Parked) -> bool:
+        """Hold the bytes of the transfer posted next that its backend moves on its own, inside the transfer's fence
+        (a device's queued copies, I/Os submitted inside ``post`` and reaped on a pool thread): True when they surely
+        get there. The test lets them go once a cancel's fence waits for them (``ReadFence.fencing``), and else only
+        after it wrote its sentinel or took its snapshot: a byte of theirs that lands then landed after the caller
+        was told. Default: nothing is held."""
+        return False
+
+    def quiesce(self, agent: Agent, peer, completions: list[Completion], spare_local, spare_remote) -> None:
+        """Bring the backend to rest after a transfer was cut short and its parts let go: every completion its
+        ``post`` returned finished, then a full round trip on the same agent and backend, run to its end. A subclass
+        adds what its backend says of its own workers being idle."""
+        for c in completions:
+            assert c.wait(BOUND_S), f"a cut-short transfer's parts did not finish within {BOUND_S:g} s"
+        self.roundtrip(agent, peer, spare_local, spare_remote, 0, 4096, seed=33)
 
     # -- helpers -------------------------------------------------------------
     def roundtrip(self, agent: Agent, peer, local, remote, offset: int, size: int, seed: int) -> None:
@@ -254,6 +340,93 @@ class BackendConformance:
         xfer.release()  # idempotent
         self.roundtrip(agent, peer, local, remote, 0, 4096, seed=8)
         assert threading.active_count() <= threads_before + 16, "release leaked threads"
+
+    # -- no byte after ERR or release ------------------------------------------
+    def cut_short(self, agent, peer, make_local, make_remote, monkeypatch, op: str, end: str) -> int:
+        """Post a big ``op`` in many rows (never merged), end it (``end``: "release" while in flight, or "timeout"),
+        then look at its destination; how many bytes changed there after the caller was told.
+
+        A READ's destination (the caller's memory) is overwritten with ``SENTINEL`` right after ``release`` returned or
+        the ``TransferTimeout`` was raised; a WRITE's (remote) is snapshotted then. Only after that are the parked
+        parts let go; once the backend is at rest (``quiesce``) the destination is compared again.
+        """
+        size, bs = self.big, 1 << 16
+        n = size // bs
+        local, remote = make_local(size), make_remote(size)
+        spare_local, spare_remote = make_local(4096), make_remote(4096)
+        rows_l = local.descs(np.arange(n) * bs, bs)
+        rows_r = remote.descs(np.arange(n)[::-1] * bs, bs)  # reversed: rows are not merged, parts are many
+        dst = remote if op == "WRITE" else local
+        if op == "READ":
+            remote.write(0, random_bytes(size, 31))
+        else:
+            local.write(0, random_bytes(size, 31))
+        # a full round trip first: connected and warm, the post below starts moving bytes at once
+        self.roundtrip(agent, peer, spare_local, spare_remote, 0, 4096, seed=30)
+        parked = Parked(f"the parts of a {op} cut short")
+        held = Parked(f"the bytes of a {op} in flight")
+        parks = self.park_parts(monkeypatch, parked)
+        holds = self.hold_in_flight(monkeypatch, held)
+        # parked, a post outlasts its deadline; unparked, ``big`` cannot move in 100 us (released, it runs meanwhile)
+        timeout = self.cut_timeout if parks or holds or end == "release" else 1e-4
+        ended, letting = threading.Event(), None
+        try:
+            with completions_of(agent.backend(self.backend)) as posted:
+                xfer = agent.transfer(op, rows_l, rows_r, agent=peer, backends=self.backend, timeout=timeout)
+                if holds:  # parts parked as they report come after the bytes held
+                    assert held.reached.wait(BOUND_S), f"none of the {op}'s bytes in flight was held"
+                    fences = [f for c in posted if isinstance(f := getattr(c, "fencing", None), threading.Event)]
+                    letting = threading.Thread(target=_let_go_once_fenced, args=(fences, held, ended), name="let-go")
+                    letting.start()
+                elif parks:
+                    assert parked.reached.wait(BOUND_S), f"no part of the {op} reached its park"
+                if end == "release":
+                    xfer.release()
+                    assert xfer.state == XferState.RELEASED
+                else:
+                    with pytest.raises(TransferTimeout):
+                        xfer.wait(BOUND_S)  # with a timeout: the waiter only looks, it runs no part itself
+                    assert xfer.state == XferState.ERR
+                ended.set()
+                if letting is not None:
+                    letting.join(BOUND_S)
+                    assert not letting.is_alive(), "the thread letting the held bytes go did not end"
+                if op == "READ":  # from here on the caller's memory must hold exactly what the caller wrote
+                    told = bytes([SENTINEL]) * size
+                    dst.write(0, told)
+                else:
+                    told = dst.read(0, size)
+                held.let_go()
+                parked.let_go()
+                xfer.release()
+                self.quiesce(agent, peer, posted, spare_local, spare_remote)
+        finally:
+            ended.set()
+            held.let_go()  # a failed assertion must not leave parts parked until their bound
+            parked.let_go()
+            if letting is not None:
+                letting.join(BOUND_S)
+        return changed_bytes(told, dst.read(0, size))
+
+    def test_read_released_in_flight_lands_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        """``release`` returns while the READ's parts are parked before their copies: none lands once let go."""
+        changed = self.cut_short(agent, peer, make_local, make_remote, monkeypatch, "READ", "release")
+        assert changed == 0, f"{changed} bytes of a READ landed in the caller's memory after release() returned"
+
+    def test_read_timed_out_lands_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        """The READ ends ERR (TransferTimeout) while its parts are parked: none lands once let go."""
+        changed = self.cut_short(agent, peer, make_local, make_remote, monkeypatch, "READ", "timeout")
+        assert changed == 0, f"{changed} bytes of a READ landed in the caller's memory after it reported ERR"
+
+    def test_write_released_in_flight_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        """A WRITE's destination may hold part of it once ``release`` returned, but nothing more arrives after."""
+        changed = self.cut_short(agent, peer, make_local, make_remote, monkeypatch, "WRITE", "release")
+        assert changed == 0, f"{changed} bytes of a WRITE reached its destination after release() returned"
+
+    def test_write_timed_out_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        """The same for a WRITE ended ERR (TransferTimeout) while its parts are parked."""
+        changed = self.cut_short(agent, peer, make_local, make_remote, monkeypatch, "WRITE", "timeout")
+        assert changed == 0, f"{changed} bytes of a WRITE reached its destination after it reported ERR"
 
     def test_post_while_in_flight(self, agent, peer, make_local, make_remote):
         size = self.big

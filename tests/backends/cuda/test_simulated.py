@@ -39,6 +39,12 @@ class TestCudaSimulatedVramToDram(BackendConformance):
     backend = "cuda"
     params: dict = {}
     sizes = (1, 4096, 12345, 1 << 20, 16 << 20)
+    cut_timeout = 1e-4  # copies are enqueued inside post(): cut short with them in flight
+
+    def hold_in_flight(self, monkeypatch, held):
+        """The copies on the simulated streams, held before each: the cancel's fence must wait for them."""
+        monkeypatch.setattr(cuda_sim.SimStream, "copy", held.wrap(cuda_sim.SimStream.copy))
+        return True
 
     @pytest.fixture
     def agent(self, sim):

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from datamover import Agent
+from datamover.backends.mooncake import client as client_mod
 from datamover.testing import ObjectStoreConformance
 
 from .conftest import PoolObjects
@@ -57,3 +58,26 @@ class TestMooncake(ObjectStoreConformance):
     @pytest.fixture
     def make_remote(self, agent, raw):
         return lambda n: PoolObjects(agent, raw, n)
+
+    def park_parts(self, monkeypatch, parked):
+        """As the kit's, and a WRITE's parts also before each batched put (``objects.put_objects``), where they first
+        read the caller's memory (a staged copy, a zero-copy store call)."""
+        super().park_parts(monkeypatch, parked)
+        monkeypatch.setattr(client_mod, "put_objects", parked.wrap(client_mod.put_objects))
+        return True
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="a WRITE's parts are not fenced: a part past its cancel check goes on removing, reading the caller's "
+        "memory and putting objects after release() returned or ERR was reported",
+    )
+    def test_write_released_in_flight_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        super().test_write_released_in_flight_sends_nothing_after(agent, peer, make_local, make_remote, monkeypatch)
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="a WRITE's parts are not fenced: a part past its cancel check goes on removing, reading the caller's "
+        "memory and putting objects after release() returned or ERR was reported",
+    )
+    def test_write_timed_out_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
+        super().test_write_timed_out_sends_nothing_after(agent, peer, make_local, make_remote, monkeypatch)

@@ -11,6 +11,7 @@ from datamover import Agent
 from datamover.backends import backend_status
 from datamover.testing import BackendConformance, HostBuffer
 from datamover.testing.remote import RemoteBuffer, RemotePeer
+from datamover.testing.waiting import until
 
 ok, why = backend_status("ucx")
 pytestmark = pytest.mark.skipif(not ok, reason=f"ucx backend unusable here: {why}")
@@ -77,6 +78,7 @@ class TestUcx(BackendConformance):
 
     @pytest.fixture
     def make_remote(self, agent, remote):
+        self.target = remote  # for quiesce: the target's own account of what it serves
         made = []
 
         def make(n):
@@ -88,3 +90,26 @@ class TestUcx(BackendConformance):
         for buf in made:
             buf.free()
         agent.add_remote(remote.metadata())
+
+    def park_parts(self, monkeypatch, parked):
+        """Nothing parks: every part of a ucx request (a cma chunk, a get, a receive) is inside the request's fence,
+        which a cancel waits for as a whole (a part parked there would hold ERR up for the fence's bound). The
+        late-bytes tests cut a request short while it really runs: 64 MiB across processes, released at once or
+        timed out after 100 us."""
+        return False
+
+    def quiesce(self, agent, peer, completions, spare_local, spare_remote):
+        """As the kit's, and until ucx says no cancelled request is draining and no request let go in flight is held
+        here, and the target serves no row of ours any more."""
+        super().quiesce(agent, peer, completions, spare_local, spare_remote)
+        ucx = agent.backend(self.backend)
+
+        def idle() -> bool:
+            facts = ucx.describe()
+            return facts["cancelled requests draining"] == 0 and facts["requests let go in flight"]["held"] == 0
+
+        until(idle, what="the ucx backend's cancelled requests all settled")
+        until(
+            lambda: self.target.call("describe", "ucx")["rows served for peers"]["now"] == 0,
+            what="the target done serving the cut-short request's rows",
+        )
