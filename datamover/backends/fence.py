@@ -6,7 +6,8 @@ inside a call that writes into the caller's memory (a syscall, a store call, a c
 for a WRITE, reads it (a buffer the caller reuses after ERR must not reach the file under this transfer's name). A
 part touches the caller's memory only inside ``enter``/``leave``; ``cancel`` waits until no part is inside (at
 most ``FENCE_S`` seconds, then it logs that the fence did not hold), and a part that enters after it touches
-nothing. Used by mooncake (staged copy-out; the whole zero-copy store call), posix (each synchronous preadv or
+nothing. Used by mooncake (a READ's staged copy-out, or its whole zero-copy store call; a WRITE's every batched
+call, from its remove or first read of the source until its put returned), posix (each synchronous preadv or
 pwritev, whose short return is not resumed once cancelled; an AIO batch from its first io_submit until all it
 submitted is reaped), memcpy (each piece of a copy), cuda (a device's group of copies, from its enqueueing on the
 stream until the event after it is seen), gds (each worker's kvikio reads and writes) and s3 (each chunk of a GET

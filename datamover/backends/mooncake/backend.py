@@ -23,8 +23,10 @@ requests, up to ``inline_bytes``, inside post: a store call under way when their
 until Mooncake's RPC timeout, ~30 s; ``inline_bytes: 0`` never runs one on the caller's thread), no call or retry
 starts past the deadline, spread over the threads from
 ``split_bytes`` a thread on, so checksums of one part overlap the transfer of another; a release stops between
-parts. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot address device memory (datamover's
-tier cache stages VRAM through host memory).
+parts, and a part stopped (timed out, released) touches neither the caller's memory nor the pool any more: each
+batched call runs inside the transfer's fence (``backends.fence.ReadFence``), a WRITE's from its remove or first
+read of the source until its put returned. VRAM is refused with the reason: the non-CUDA build of Mooncake cannot
+address device memory (datamover's tier cache stages VRAM through host memory).
 """
 
 from __future__ import annotations
@@ -259,14 +261,15 @@ class MooncakeBackend(Backend):
         if p.inline:
             return run_inline(p.parts, part, backend=self.name)
         # parts go to the pool, never to a waiting caller (a store call can block far past the deadline; the caller
-        # waits only to it). A READ's completion fences its parts: once it is cancelled (timed out, released)
-        # nothing reaches the caller, except what Mooncake itself writes in a zero-copy get already under way
-        kind = ReadFence if req.op is Op.READ else Completion
-        return run_parts(self._pool, p.parts, part, backend=self.name, completion_type=kind, assist=False)
+        # waits only to it). The completion fences its parts: once it is cancelled (timed out, released) nothing
+        # reaches the caller (a READ), and nothing more is read from the caller nor removed or put in the pool (a
+        # WRITE), except what Mooncake itself does in a store call already under way
+        return run_parts(self._pool, p.parts, part, backend=self.name, completion_type=ReadFence, assist=False)
 
     def _write(self, req: TransferRequest, a: int, z: int, c: Completion) -> None:
         keys, addrs, sizes, groups = req.plan.calls[a]
-        st = self.client.put(keys, addrs, sizes, self._replace, groups, req.deadline)
+        fence = c if type(c) is ReadFence else None
+        st = self.client.put(keys, addrs, sizes, self._replace, groups, req.deadline, fence)
         if any(st):
             bad = [i for i, v in enumerate(st) if v]
             what = "put (replace)" if self._replace else "put"

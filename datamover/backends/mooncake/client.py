@@ -204,6 +204,7 @@ class PoolClient:
         replace: bool = False,
         groups: Sequence[tuple[int, int, bool]] | None = None,
         deadline: float | None = None,
+        fence: Any = None,
     ) -> list[int]:
         """Write each ``sizes[i]`` bytes at ``addrs[i]`` as object ``keys[i]`` with its trailer; one status per key.
 
@@ -212,21 +213,35 @@ class PoolClient:
         (``batch_upsert_from``: one call, where a remove and a put are two), zero-copy ones removed first; a key
         whose remove the store refused (OBJECT_HAS_LEASE, RPC_FAIL, ...) is not put and answers that status.
         ``groups`` is ``groups(sizes)``, computed here when not given. Past ``deadline`` (on ``backends.base.clock``)
-        no further call starts: the keys left answer DEADLINE.
+        no further call starts: the keys left answer DEADLINE. With a ``fence`` (``backends.fence.ReadFence``) each
+        group's calls (its remove, its reads of ``addrs``, its put) run inside it: once it was cancelled nothing
+        of ``addrs`` is read and nothing is removed or put (those keys: CANCELLED).
         """
         keys = keys if type(keys) is list else list(keys)
         groups = groups or self.groups(sizes)
         if len(groups) == 1:
-            return self._put_group(keys, addrs, sizes, groups[0][2], replace)
+            return self._put_group(keys, addrs, sizes, groups[0][2], replace, fence)
         out: list[int] = []
         for a, z, staged in groups:
             if deadline is not None and clock() > deadline:
                 out += [codes.DEADLINE] * (z - a)
                 continue
-            out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace)
+            out += self._put_group(keys[a:z], addrs[a:z], sizes[a:z], staged, replace, fence)
         return out
 
     def _put_group(
+        self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool, fence: Any
+    ) -> list[int]:
+        if fence is None:
+            return self._put_calls(keys, addrs, sizes, staged, replace)
+        if not fence.enter():
+            return [codes.CANCELLED] * len(keys)
+        try:
+            return self._put_calls(keys, addrs, sizes, staged, replace)
+        finally:
+            fence.leave()
+
+    def _put_calls(
         self, keys: list[str], addrs: Sequence[int], sizes: Sequence[int], staged: bool, replace: bool
     ) -> list[int]:
         upsert = replace and staged and self._upsert

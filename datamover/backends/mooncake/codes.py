@@ -37,7 +37,7 @@ NOT_DATAMOVER = -20001  # the object has no datamover trailer (written by anothe
 SIZE_MISMATCH = -20002  # the object's payload is not the size the descriptor reads
 NO_ANSWER = -20003  # the store answered fewer results than keys (client not initialized, closed)
 TOO_LARGE = -20004  # the store reports an object larger than max_object_bytes: refused before allocating
-CANCELLED = -20005  # the READ was cancelled (timed out or released) before its bytes reached the caller
+CANCELLED = -20005  # the transfer was cancelled (timed out or released) before these keys were read or written
 DEADLINE = -20006  # not asked (again): the transfer's deadline had passed
 
 NAMES = {

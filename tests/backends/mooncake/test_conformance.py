@@ -65,19 +65,3 @@ class TestMooncake(ObjectStoreConformance):
         super().park_parts(monkeypatch, parked)
         monkeypatch.setattr(client_mod, "put_objects", parked.wrap(client_mod.put_objects))
         return True
-
-    @pytest.mark.xfail(
-        strict=True,
-        reason="a WRITE's parts are not fenced: a part past its cancel check goes on removing, reading the caller's "
-        "memory and putting objects after release() returned or ERR was reported",
-    )
-    def test_write_released_in_flight_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
-        super().test_write_released_in_flight_sends_nothing_after(agent, peer, make_local, make_remote, monkeypatch)
-
-    @pytest.mark.xfail(
-        strict=True,
-        reason="a WRITE's parts are not fenced: a part past its cancel check goes on removing, reading the caller's "
-        "memory and putting objects after release() returned or ERR was reported",
-    )
-    def test_write_timed_out_sends_nothing_after(self, agent, peer, make_local, make_remote, monkeypatch):
-        super().test_write_timed_out_sends_nothing_after(agent, peer, make_local, make_remote, monkeypatch)
