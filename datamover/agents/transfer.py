@@ -409,5 +409,15 @@ class Transfer:
     def __repr__(self) -> str:
         return (
             f"Transfer({self.op}, {self.descriptors} descriptors, {self.nbytes} bytes, "
-            f"backend={self.backend.name}, state={self._state(False).value})"
+            f"backend={self.backend.name}, state={self._peek().value})"
         )
+
+    def _peek(self) -> XferState:
+        """The state as it stands, for ``repr`` (log lines): never times the transfer out, which would cancel it and
+        wait for its fence from whatever logs it."""
+        if self._released:
+            return XferState.RELEASED
+        c = self._completion
+        if c is None or c.finished_at is None:
+            return XferState.ERR if self._error is not None else XferState.INIT if c is None else XferState.PROC
+        return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE

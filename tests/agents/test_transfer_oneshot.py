@@ -196,3 +196,18 @@ def test_a_transfer_still_inside_its_backends_post_keeps_its_plan():
         for c in Held.posted[mine + 1 :]:
             c.finish_part()
         assert second[0].wait() == x2.wait() == XferState.DONE
+
+
+def test_repr_of_a_transfer_past_its_deadline_does_not_time_it_out():
+    """repr() (what a log line prints) only looks: before, it timed the transfer out itself, cancelling it (and
+    waiting for its fence) from whatever thread logged it."""
+    register_backend("held", Held)
+    with Agent("r", {"backends": {"held": {}}}) as agent:
+        a, b = np.zeros(4 * B, np.uint8), np.zeros(4 * B, np.uint8)
+        agent.register_memory(a)
+        agent.register_memory(b)
+        x = agent.transfer("WRITE", DescList.blocks(a, B), DescList.blocks(b, B), timeout=1e-6)
+        c = Held.posted[-1]
+        assert "state=PROC" in repr(x) and not c.cancelled
+        assert x.state == XferState.ERR and c.cancelled  # the state itself still times it out
+        c.finish_part()
