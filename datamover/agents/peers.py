@@ -51,6 +51,7 @@ class Peers:
         self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
         self._watches: dict[str, tuple[Any, threading.Event]] = {}  # peer -> its etcd watch, and the event that
         # cuts the watch off from the peer table (set by remove_remote, under the lock)
+        self._closed = False  # set by close (under the lock): no watch starts after it
         self.publisher: Any = None
         self._published_as: tuple | None = None  # (etcd, namespace, ttl) of the publisher
         self.server: Any = None
@@ -236,7 +237,7 @@ class Peers:
         name = self._add_keyed(where, etcd_mod.fetch(client, namespace, where, timeout=timeout))
         with self._lock:
             self._sources[name] = ("etcd", client, namespace)
-            if watch and name not in self._watches:
+            if watch and not self._closed and name not in self._watches:  # closed meanwhile: nobody would stop it
                 cut = threading.Event()
                 self._watches[name] = etcd_mod.EtcdWatch(
                     client, namespace, name, on_change=lambda blob: self._watched(name, cut, blob),
@@ -339,6 +340,7 @@ class Peers:
         """Stop the watches, the side channel and the etcd lease. Call it without the agent's lock: each of them
         waits for a thread or for etcd (a watch's thread may itself wait for that lock to deliver)."""
         with self._lock:
+            self._closed = True
             watches = list(self._watches.values())
             self._watches.clear()
             for _, cut in watches:

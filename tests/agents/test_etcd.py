@@ -462,3 +462,44 @@ def test_a_put_held_past_the_ttl_does_not_let_the_key_vanish(etcd, ns, monkeypat
             assert _until(lambda: len(me.remote_metadata("pub").regions) == 1, 10)
         finally:
             hold.go.set()
+
+
+def test_a_fetch_that_ends_after_close_starts_no_watch(etcd, ns, monkeypatch):
+    """fetch_remote reads etcd without the agent's lock; one that returns after close() started a watch nobody
+    would stop (a thread and an etcd stream for as long as the process lived). Now it starts none."""
+    from datamover.agents import etcd as etcd_mod
+
+    memcpy = {"backends": {"memcpy": {}}}
+    real_fetch = etcd_mod.fetch
+    reached, go = threading.Event(), threading.Event()
+
+    def held_fetch(*args, **kwargs):
+        blob = real_fetch(*args, **kwargs)
+        reached.set()
+        assert go.wait(30)
+        return blob
+
+    with Agent("pub2", memcpy) as pub:
+        pub.publish(etcd, ns, ttl=5)
+        me = Agent("me2", memcpy)
+        monkeypatch.setattr(etcd_mod, "fetch", held_fetch)
+        result: list = []
+
+        def fetch() -> None:
+            try:
+                result.append(me.fetch_remote("pub2", etcd=etcd, namespace=ns, timeout=5))
+            except Exception as exc:  # what it says once closed is not the point; the watch is
+                result.append(exc)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        try:
+            assert reached.wait(30)
+            me.close()
+        finally:
+            go.set()
+            t.join(30)
+        assert result and not t.is_alive()
+        watching = [t for t in threading.enumerate() if t.name == "dm-etcd-watch-pub2"]
+        assert not watching, "a watch started after close()"
+        pub.unpublish()
