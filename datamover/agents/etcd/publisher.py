@@ -245,8 +245,8 @@ class EtcdPublisher:
     def _revoke(self, lease: Any) -> None:
         try:
             self._call("/kv/lease/revoke", {"ID": lease.id}, f"etcd lease revoke for {self.key}")
-        except Exception as exc:
-            log.debug("revoking lease: %s", exc)
+        except Exception as exc:  # the key then goes when the lease expires, a TTL after the last keepalive
+            log.warning("etcd lease revoke for %s failed (%s); the key goes when the lease expires", self.key, exc)
 
     def close(self, revoke: bool = True, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop the threads and revoke the lease, so the key disappears now rather than after the TTL.
