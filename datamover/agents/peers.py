@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..descriptors import DescList, Registration
-from ..errors import AuthenticationError, InvalidMetadata, NotRegistered
+from ..errors import AuthenticationError, InvalidMetadata, NotRegistered, TransferStateError
 from . import peer_auth
 from .backend_set import BackendSet
 from .config import AgentConfig
@@ -51,7 +51,8 @@ class Peers:
         self._sources: dict[str, tuple] = {}  # peer -> where its metadata came from, for refresh
         self._watches: dict[str, tuple[Any, threading.Event]] = {}  # peer -> its etcd watch, and the event that
         # cuts the watch off from the peer table (set by remove_remote, under the lock)
-        self._closed = False  # set by close (under the lock): no watch starts after it
+        self._closed = False  # set by close (under the lock): no watch starts after it, nothing is published
+        self._publishing = threading.Lock()  # publish and unpublish one at a time (each may wait for etcd)
         self.publisher: Any = None
         self._published_as: tuple | None = None  # (etcd, namespace, ttl) of the publisher
         self.server: Any = None
@@ -318,19 +319,27 @@ class Peers:
         from .etcd import EtcdPublisher
 
         how = (etcd if isinstance(etcd, str) else tuple(etcd), namespace, ttl)
-        if self.publisher is not None and self._published_as == how:
-            self.publisher.update()
-            return self.publisher.key
-        self.unpublish()  # a new one that fails to start leaves none (the closed one published nothing)
-        self.publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
-        self._published_as = how
-        # a registration while the first blob was made and put found no publisher to hand its blob to
-        self.publisher.update()
-        return self.publisher.key
+        with self._publishing:  # two at once, or one beside close, would leave a publisher nobody stops
+            if self._closed:
+                raise TransferStateError(f"agent {self._name!r} is closed: it publishes nothing")
+            if self.publisher is not None and self._published_as == how:
+                self.publisher.update()
+                return self.publisher.key
+            self._unpublish(CLOSE_TIMEOUT_S)  # a new one that fails to start leaves none
+            publisher = EtcdPublisher(etcd, namespace, self._name, self.metadata, ttl=ttl)
+            with self._lock:
+                self.publisher, self._published_as = publisher, how
+            # a registration while the first blob was made and put found no publisher to hand its blob to
+            publisher.update()
+            return publisher.key
 
     def unpublish(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Revoke the etcd lease now, if there is one, waiting for etcd at most ``timeout`` s. Call it without the
         agent's lock: only taking the publisher away holds it."""
+        with self._publishing:
+            self._unpublish(timeout)
+
+    def _unpublish(self, timeout: float) -> None:
         with self._lock:  # registrations from here on hand their blob to no publisher
             publisher, self.publisher = self.publisher, None
         if publisher is not None:

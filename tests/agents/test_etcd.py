@@ -503,3 +503,54 @@ def test_a_fetch_that_ends_after_close_starts_no_watch(etcd, ns, monkeypatch):
         watching = [t for t in threading.enumerate() if t.name == "dm-etcd-watch-pub2"]
         assert not watching, "a watch started after close()"
         pub.unpublish()
+
+
+def test_a_publish_that_ends_after_close_leaves_no_publisher(etcd, ns, monkeypatch):
+    """publish() makes its publisher (lease, first put) without the agent's lock; one that finished after close()
+    had unpublished was installed anyway: its threads kept the key alive, so peers never saw the agent go. Now
+    close waits for it and revokes its lease."""
+    from datamover.agents.etcd import gateway
+    from datamover.agents.etcd import publisher as publisher_mod
+    from datamover.agents.peers import Peers
+
+    memcpy = {"backends": {"memcpy": {}}}
+    real_put, real_unpublish = publisher_mod.EtcdPublisher._put, Peers.unpublish
+    reached, go, unpublishing = threading.Event(), threading.Event(), threading.Event()
+
+    def unpublish(self, *args, **kwargs):
+        unpublishing.set()
+        return real_unpublish(self, *args, **kwargs)
+
+    def held_put(self, lease, blob):
+        real_put(self, lease, blob)
+        if not reached.is_set():  # the constructor's first put: held once it landed
+            reached.set()
+            assert go.wait(30)
+
+    monkeypatch.setattr(publisher_mod.EtcdPublisher, "_put", held_put)
+    monkeypatch.setattr(Peers, "unpublish", unpublish)
+    me = Agent("late-pub", memcpy)
+    result: list = []
+
+    def publish() -> None:
+        try:
+            result.append(me.publish(etcd, ns, ttl=60))
+        except Exception as exc:
+            result.append(exc)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    closing = threading.Thread(target=me.close)
+    try:
+        assert reached.wait(30)
+        closing.start()
+        assert unpublishing.wait(30)  # close has come to unpublishing (before, it found nothing to unpublish)
+    finally:
+        go.set()
+        t.join(30)
+        closing.join(30)
+    assert result and not t.is_alive() and not closing.is_alive()
+    assert not [x for x in threading.enumerate() if x.name.startswith("dm-etcd-") and x.name.endswith("late-pub")]
+    client = gateway.connect(etcd)
+    blob, _ = gateway.read_key(client, gateway.agent_key(ns, "late-pub"))
+    assert blob is None, "the key of a closed agent stayed in etcd"
