@@ -217,7 +217,9 @@ class Transfer:
         """
         return self._state(True)
 
-    def _state(self, assist: bool) -> XferState:
+    def _state(self, assist: bool, look_only: bool = False) -> XferState:
+        """The state; past the deadline it times the transfer out (cancel, fence) unless ``look_only`` (``repr``:
+        a log line must not cancel, nor wait for a fence from whatever thread logs it)."""
         if self._released:
             return XferState.RELEASED
         c = self._completion
@@ -226,6 +228,8 @@ class Transfer:
         if c.finished_at is None:
             if self._error is not None:
                 return XferState.ERR
+            if look_only:
+                return XferState.PROC
             now = _now()
             if now > self.request.deadline:
                 self._time_out(c)
@@ -409,15 +413,5 @@ class Transfer:
     def __repr__(self) -> str:
         return (
             f"Transfer({self.op}, {self.descriptors} descriptors, {self.nbytes} bytes, "
-            f"backend={self.backend.name}, state={self._peek().value})"
+            f"backend={self.backend.name}, state={self._state(False, look_only=True).value})"
         )
-
-    def _peek(self) -> XferState:
-        """The state as it stands, for ``repr`` (log lines): never times the transfer out, which would cancel it and
-        wait for its fence from whatever logs it."""
-        if self._released:
-            return XferState.RELEASED
-        c = self._completion
-        if c is None or c.finished_at is None:
-            return XferState.ERR if self._error is not None else XferState.INIT if c is None else XferState.PROC
-        return XferState.ERR if (c.error is not None or self._error is not None) else XferState.DONE
