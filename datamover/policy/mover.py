@@ -56,6 +56,7 @@ class Mover:
         # L4 is a Mooncake pool: one object per chunk (replicas are the store's), verified by the backend
         self.pool = pool
         self.shared = pool is not None
+        self.l4_backend = "mooncake" if self.shared else "s3"  # the backend that moves L4's objects
         self.config = config
         self.page = config.l1_hbm.page_size_bytes
         self.tiers = tiers
@@ -110,11 +111,11 @@ class Mover:
             self.pool.rewriting(keys)
             with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, 0), None) as xfer:
                 xfer.post().wait()
-            return "mooncake"
+            return self.l4_backend
         for r in range(self.config.l4_pool.replica_count):
             with self.agent.make_transfer("WRITE", sprep, si, self._objects(keys, r), None) as xfer:
                 xfer.post().wait()
-        return "s3"
+        return self.l4_backend
 
     def _read_obj(self, keys: Sequence[ChunkKey], rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Read chunks of L4 into staging rows (a failed replica tries the next); returns which rows arrived, which
@@ -312,7 +313,7 @@ class Mover:
     def _source_intact(self, exc: DatamoverError) -> bool:
         """Whether a failed write to L4 leaves the bytes it was written from beyond doubt: the store did not answer
         (or the read from L3 timed out), or L4's own backend refused the write (a 4xx, a Mooncake status)."""
-        return _unreachable(exc) or exc.backend == ("mooncake" if self.shared else "s3")
+        return _unreachable(exc) or exc.backend == self.l4_backend
 
     def _recorded(self, dst: int, moves: list[Move], index: L3Index | None) -> None:
         """Record in the L3 index the chunks `moves` stored in tier `dst`, if it is L3."""
@@ -343,13 +344,14 @@ class Mover:
             to = keeper.place(m, later, busy)
             if to is None:
                 continue
+            placed = Move(m.key, m.src, m.src_slot, to[0], to[1])
             if to != (m.src, m.src_slot):
-                ok = copying and self._copy(Move(m.key, m.src, m.src_slot, to[0], to[1]))
+                ok = copying and self._copy(placed)
                 keeper.copied(m.key, to[0], ok)
                 copying = ok
                 if not ok:
                     continue
-            self._recorded(to[0], [Move(m.key, m.src, m.src_slot, to[0], to[1])], index)
+            self._recorded(to[0], [placed], index)
         kept = [m.key for m in moves if keeper.engine.where(m.key) >= 0]
         self.invalid.update(m.key for m in moves if keeper.engine.where(m.key) < 0)
         log.warning(
