@@ -26,6 +26,8 @@ from datamover.backends.posix import rows
 from datamover.errors import TransferTimeout
 from datamover.testing.waiting import BOUND_S, bounded, until
 
+from .stuck import head
+
 B = 4096
 GRACE_S = 0.2  # FENCE_S in these tests: how long a cancel waits for the stuck syscall before it gives up
 
@@ -55,14 +57,7 @@ class _StuckShort:
                 self.after.append(offset)
         if not held:
             return self.real(fd, views, offset)
-        want = sum(memoryview(v).nbytes for v in views)
-        n = want if self.part is None else min(self.part, want)
-        first = []
-        for v in views:
-            v = memoryview(v).cast("B")
-            take = min(v.nbytes, n - sum(f.nbytes for f in first))
-            if take:
-                first.append(v[:take])
+        first = head(views, self.part)
         moved = self.real(self.fd, first, offset)  # in the kernel, on the file, under an fd of its own
         self.reached.set()
         assert self.go.wait(BOUND_S), "the test never let the stuck syscall go"

@@ -25,6 +25,8 @@ from datamover.backends.posix.aio import aio_available
 from datamover.errors import TransferTimeout
 from datamover.testing.waiting import BOUND_S, bounded, until
 
+from .stuck import head
+
 B, N = 4096, 8
 GRACE_S = 0.2  # FENCE_S in these tests
 TIMEOUT_S = 0.3
@@ -57,14 +59,7 @@ class _StuckPwritev:
             held = mine and self.calls == 1
         if not held:
             return self.real(fd, views, offset)
-        want = sum(memoryview(v).nbytes for v in views)
-        n = want if self.part is None else self.part
-        first = []
-        for v in views:
-            v = memoryview(v).cast("B")
-            take = min(v.nbytes, n - sum(f.nbytes for f in first))
-            if take:
-                first.append(v[:take])
+        first = head(views, self.part)
         moved = self.real(fd, first, offset)  # in the kernel, before the device hung
         self.reached.set()
         assert self.go.wait(BOUND_S), "the test never let the stuck pwritev go"
