@@ -180,7 +180,8 @@ class FrameConn:
         """Read available bytes; return complete messages, each parsed by ``messages.from_wire``.
 
         Reads at most one frame ahead (the socket keeps the rest), so a connection holds at most one frame;
-        what an incomplete frame holds is charged to the shared budget. Sets ``closed`` on EOF or error.
+        what an incomplete frame holds is charged to the shared budget. Sets ``closed`` on EOF or error. Before the
+        handshake is done it returns one frame at a time (``has_frame`` says another is held).
 
         Raises AuthenticationError on a bad MAC and InvalidMetadata on a malformed frame, a frame over
         ``max_frame``, or an incomplete frame the budget has no room for.
@@ -217,9 +218,16 @@ class FrameConn:
                 self._recv_seq += 1
                 payload = body
             out.append(from_wire(decode(payload)))
+            if self.max_frame == MAX_HELLO_FRAME:  # a handshake frame: its handler may raise the bound or set the
+                break  # key, by which the frames after it (read with it, kept here: ``has_frame``) are judged
         if self._budget is not None:
             self._charge(len(self._in))
         return out
+
+    @property
+    def has_frame(self) -> bool:
+        """Whether a whole frame is held, read with the last handshake frame ``feed`` returned: feed again."""
+        return len(self._in) >= 4 and len(self._in) >= 4 + _LEN.unpack_from(self._in)[0]
 
     def _charge(self, held: int) -> None:
         """Charge the budget for ``held`` bytes of an incomplete frame (what was charged before is returned)."""

@@ -232,11 +232,22 @@ class ServiceLoop:
 
     def _read(self, owner: Peer | Inbound) -> None:
         conn = owner.conn
+        while True:
+            if not self._read_once(owner):
+                return
+            if conn.closed or not conn.has_frame:  # else: a handshake frame was handled before the frames read
+                break  # with it, which its bounds and key judge
+        if conn.closed:
+            self.losses.lost(owner, None)
+
+    def _read_once(self, owner: Peer | Inbound) -> bool:
+        """Read and handle what ``feed`` returns; False once the connection was lost."""
+        conn = owner.conn
         try:
             msgs = conn.feed()
         except (AuthenticationError, InvalidMetadata) as exc:
             self.losses.lost(owner, exc)
-            return
+            return False
         # a request cancelled by its initiator before this side read it is never started: its cancel comes in
         # the same read or a later one, so look ahead
         cancelled = {m.id for m in msgs if type(m) is Cancel} if isinstance(owner, Inbound) else ()
@@ -251,16 +262,15 @@ class ServiceLoop:
                     self._on_inbound_msg(owner, msg)
             except (AuthenticationError, InvalidMetadata, RemoteDisconnected) as exc:
                 self.losses.lost(owner, exc)
-                return
+                return False
             except (KeyError, TypeError, ValueError) as exc:
                 self.losses.lost(owner, InvalidMetadata(f"malformed control message {msg.WIRE!r}: {exc}"))
-                return
+                return False
             except Exception as exc:  # e.g. UCX refusing an address: drop this connection, keep serving
                 log.error("handling control message %r failed: %s", msg.WIRE, _trace(exc))
                 self.losses.lost(owner, DatamoverError(f"{type(exc).__name__}: {exc}", backend=self.name))
-                return
-        if conn.closed:
-            self.losses.lost(owner, None)
+                return False
+        return True
 
     def _maybe_recycle(self) -> None:
         """Replace the worker, freeing what peers that went left on it, once ``recycle_after_departed`` connections

@@ -96,3 +96,18 @@ def test_replayed_signed_frame_is_refused():
     a.sendall(frame + frame)
     with pytest.raises(AuthenticationError):
         _drain(victim)
+
+
+def test_a_frame_read_with_a_handshake_frame_is_judged_after_it():
+    """A peer's handshake frame and a large frame after it arrive in one read: ``feed`` returns the handshake frame
+    alone, so that its handler opens the connection up (or sets the key) before the next is judged. Before, the
+    next frame was judged by the handshake's 64 KiB bound and the connection refused (a fresh-clone CI run caught
+    test_ucx_hostile_target this way)."""
+    tx, rx = _pair()
+    tx.open_up()
+    tx.send(Notif(b"welcome"))
+    tx.send(Notif(b"x" * (100 << 10)))
+    first = rx.feed()
+    assert [m.msg for m in first] == [b"welcome"]
+    rx.open_up()
+    assert [len(m.msg) for m in rx.feed()] == [100 << 10] and not rx.has_frame
